@@ -1,0 +1,98 @@
+"""The whole Redis schema: every key name, group name and TTL carpool uses.
+
+Nothing else in the code base spells a Redis key. Every name hangs off a
+configurable prefix (default ``carpool``) so several deployments can share one
+Redis server. Units are in the names: ``*_s`` seconds, ``*_ms`` milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.lanes import LANES, Lane
+
+DEFAULT_PREFIX = "carpool"
+
+CONSUMER_GROUP = "carpool-workers"
+"""Consumer group every worker joins on every lane stream."""
+
+DEFAULT_RESULT_TTL_S = 24 * 3600
+"""How long a finished job record (and its idempotency key) lives."""
+
+DEFAULT_LANE_MAXLEN = 100_000
+"""Approximate MAXLEN applied when XADDing to a lane; acknowledged entries are trimmed."""
+
+DEFAULT_DEAD_MAXLEN = 10_000
+"""Approximate MAXLEN of the dead-letter streams."""
+
+DEFAULT_REPLY_MAXLEN = 10_000
+"""Approximate MAXLEN applied to a job's ``reply_to`` stream on each result."""
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix. Build once from config and pass it down."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def lane(self, lane: Lane | str) -> str:
+        """Stream of queued jobs for one lane (field ``job`` = msgpack map)."""
+        return f"{self.prefix}:lane:{Lane(lane).value}"
+
+    def lanes(self) -> list[str]:
+        """Every lane stream, highest priority first."""
+        return [self.lane(lane) for lane in LANES]
+
+    def job(self, job_id: str) -> str:
+        """Hash holding one job's record (status, timestamps, result, error)."""
+        return f"{self.prefix}:job:{job_id}"
+
+    def events(self, job_id: str) -> str:
+        """Pub/sub channel of one job's live events (started, tokens, final)."""
+        return f"{self.prefix}:events:{job_id}"
+
+    def idempotency(self, key: str) -> str:
+        """String mapping an ``Idempotency-Key`` header to the job id it created."""
+        return f"{self.prefix}:idem:{key}"
+
+    def cancel(self, job_id: str) -> str:
+        """Flag set when a job is cancelled; workers check it before and while running."""
+        return f"{self.prefix}:cancel:{job_id}"
+
+    @property
+    def control(self) -> str:
+        """Pub/sub channel of control messages to workers (cancellations)."""
+        return f"{self.prefix}:control"
+
+    @property
+    def dead(self) -> str:
+        """Stream of lane entries that could not be processed, with the reason."""
+        return f"{self.prefix}:dead"
+
+    @property
+    def webhooks(self) -> str:
+        """Stream of pending webhook deliveries (consumer group ``carpool-webhooks``)."""
+        return f"{self.prefix}:webhooks"
+
+    @property
+    def webhooks_retry(self) -> str:
+        """Sorted set of deliveries waiting for their next attempt, scored by due unix time."""
+        return f"{self.prefix}:webhooks:retry"
+
+    def webhook_delivery(self, delivery_id: str) -> str:
+        """Hash holding one webhook delivery's state (payload, attempts, next attempt)."""
+        return f"{self.prefix}:webhook:{delivery_id}"
+
+    @property
+    def webhooks_dead(self) -> str:
+        """Stream of webhook deliveries that exhausted their retry schedule."""
+        return f"{self.prefix}:webhooks:dead"
+
+    @property
+    def workers(self) -> str:
+        """Hash of live workers: name -> msgpack heartbeat (time, running, capacity)."""
+        return f"{self.prefix}:workers"
+
+
+WEBHOOK_GROUP = "carpool-webhooks"
+"""Consumer group of webhook dispatchers on the webhook stream."""

@@ -1,0 +1,127 @@
+"""Sampling parameters: what a request asks of the sampler and the stop rules.
+
+Field names and meanings follow the `params` map of the job message. Every
+check raises ``ValueError`` naming the field, so the gateway and the worker
+can turn a bad request into a clear error on the job.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    """Most tokens to generate (the stop token, when one ends the output, counts)."""
+    min_tokens: int = 0
+    """Stop tokens, EOS and stop strings are ignored until this many tokens exist."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 (or -1) keeps every token."""
+    min_p: float = 0.0
+    seed: int | None = None
+    """With a seed each token is a pure function of (seed, position, logits)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; the matched string is trimmed from the text."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end the output (kept in token_ids, not in the text)."""
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Return the sampled token's logprob and this many top alternatives (0 = sampled only)."""
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _check_float("temperature", self.temperature, low=0.0, high=100.0)
+        _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _check_int("top_k", self.top_k, low=0)
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=MAX_SEED)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError("stop: every stop string must be a non-empty string")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, low=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError("ignore_eos: must be a boolean")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError("include_stop_str_in_output: must be a boolean")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, high=10.0, low_open=True)
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:
+        """Build from a wire map; unknown keys are an error naming them."""
+        if data is None:
+            return cls()
+        if not isinstance(data, dict):
+            raise ValueError("params: must be a map")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in data if k not in known)
+        if unknown:
+            raise ValueError(f"params.{unknown[0]}: unknown sampling parameter")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ValueError(f"params: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer, got {type(value).__name__}")
+    if low is not None and value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}: must be <= {high}, got {value}")
+
+
+def _check_float(
+    name: str, value: object, *, low: float, high: float, low_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: must be a number, got {type(value).__name__}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name}: must be finite")
+    if (v <= low if low_open else v < low) or v > high:
+        bound = "(" if low_open else "["
+        raise ValueError(f"{name}: must be in {bound}{low}, {high}], got {v}")

@@ -1,0 +1,53 @@
+"""Shared fixtures: a real redis-server process and real tiny models on disk."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from gateway.embedded_redis import EmbeddedRedis
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), is_persistent=False).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    """URL of the session's redis-server, emptied before each test."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """`tiny_model(arch="llama", **config_overrides)` -> path of a saved random-weight checkpoint.
+
+    Built once per (arch, overrides) per test session with `create_tiny_model`,
+    which writes a transformers config, random weights and a byte-level
+    tokenizer with `save_pretrained`; tests load it back by path.
+    """
+    from worker.default_model import create_tiny_model
+
+    cache: dict[tuple[str, tuple[tuple[str, object], ...]], str] = {}
+    root = tmp_path_factory.mktemp("models")
+
+    def make(arch: str = "llama", **overrides: object) -> str:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            path = Path(root) / f"{arch}-{len(cache)}"
+            cache[key] = str(create_tiny_model(path, arch=arch, **overrides))
+        return cache[key]
+
+    return make
