@@ -1,0 +1,42 @@
+"""Attention backends over the paged KV cache.
+
+`get_backend("torch")` is the plain-torch reference (the CPU default);
+`get_backend("triton")` runs the Triton kernels (CUDA, or CPU tensors
+under `TRITON_INTERPRET=1`). Importing this package launches nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels.kv_store import store_kv_reference
+from kernels.paged_attention import paged_attention_reference
+
+StoreKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+Attention = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The two calls a model runner needs per layer: store this step's KV, then attend."""
+
+    name: str
+    store_kv: StoreKV
+    attention: Attention
+
+
+BACKEND_NAMES = ("torch", "triton")
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        return AttentionBackend("torch", store_kv_reference, paged_attention_reference)
+    if name == "triton":
+        raise NotImplementedError("the Triton attention backend is not available yet")
+    raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")
+
+
+__all__ = ["AttentionBackend", "BACKEND_NAMES", "get_backend"]
