@@ -1,0 +1,95 @@
+"""Paged attention plugged into transformers through its attention interface.
+
+The model's own attention modules do the projections and RoPE; at the point
+where they would call SDPA they call `paged_attention_forward` instead, which
+stores this step's keys and values into the paged cache and attends over it.
+Everything the function needs arrives in a `PagedAttentionMetadata` passed as
+a keyword argument through the model's forward, so the function is pure and
+two runners in one process never share state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+from kernels import AttentionBackend
+
+ATTN_IMPLEMENTATION = "carpool_paged"
+METADATA_KWARG = "carpool_attn_metadata"
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """One forward's view of the paged KV cache (layouts as in docs/internals.md)."""
+
+    backend: AttentionBackend
+    k_caches: list[torch.Tensor]
+    """Per layer `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+    v_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor
+    """`[num_tokens]`: cache slot of each new token, -1 to skip."""
+    block_tables: torch.Tensor
+    """`[num_seqs, max_blocks_per_seq]` int32, padded with 0."""
+    cu_seqlens_q: torch.Tensor
+    """`[num_seqs + 1]` int32: offsets of each sequence's new tokens."""
+    seq_lens: torch.Tensor
+    """`[num_seqs]` int32: context length including this step's tokens."""
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Store K/V of the new tokens, then attend causally over each sequence's cached context.
+
+    transformers hands over `[1, heads, tokens, head_dim]` (after RoPE) and
+    expects `[1, tokens, heads, head_dim]` back, as its eager implementation returns.
+    """
+    metadata = kwargs.get(METADATA_KWARG)
+    if not isinstance(metadata, PagedAttentionMetadata):
+        raise RuntimeError(
+            f"{ATTN_IMPLEMENTATION} attention needs `{METADATA_KWARG}` passed through the model's forward"
+        )
+    assert query.shape[0] == 1, "the runner flattens every sequence into one batch row"
+    layer_idx = module.layer_idx
+    k_cache = metadata.k_caches[layer_idx]
+    v_cache = metadata.v_caches[layer_idx]
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
+    assert k.shape[1:] == k_cache.shape[2:], (k.shape, k_cache.shape)
+    metadata.backend.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = torch.empty_like(q)
+    metadata.backend.attention(
+        q,
+        k_cache,
+        v_cache,
+        metadata.block_tables,
+        metadata.cu_seqlens_q,
+        metadata.seq_lens,
+        scale,
+        out,
+    )
+    return out.unsqueeze(0), None
+
+
+def register_paged_attention() -> str:
+    """Register the function with transformers (idempotent) and return its implementation name.
+
+    No mask function is registered on purpose: for implementations without
+    one, transformers builds no attention mask, and the kernel applies
+    causality itself.
+    """
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION
