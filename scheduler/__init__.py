@@ -2,6 +2,20 @@
 management, the step scheduler, lanes, the job schema and the Redis key schema.
 Imports no torch."""
 
+from scheduler.block_manager import BlockManager, CachedPrefix
 from scheduler.params import SamplingParams
+from scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
-__all__ = ["SamplingParams"]
+__all__ = [
+    "BlockManager",
+    "CachedPrefix",
+    "FinishReason",
+    "SamplingParams",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "Sequence",
+    "SequenceStatus",
+]

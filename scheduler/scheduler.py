@@ -1,0 +1,317 @@
+"""The step scheduler: which sequences compute which tokens in the next forward.
+
+Each step first keeps the running sequences going (a decode token each, or
+the next chunk of an unfinished prefill), then admits waiting sequences in
+policy order while there is a free slot (``max_num_seqs``) and token budget
+(``max_num_batched_tokens``); the last one admitted has its prompt chunked to
+fit the budget. When a running sequence needs a block and none is left, the
+lowest-priority, most recently admitted running sequence (possibly itself) is
+preempted by recompute: its blocks go back, its outputs stay, and it waits to
+be prefilled again.
+
+Batching modes:
+
+- ``continuous``: the above, every step.
+- ``static``: a new group of up to ``max_num_seqs`` is admitted only when the
+  running set is empty, and runs until its longest member finishes.
+- ``dynamic``: like static, but a group is admitted once ``max_num_seqs``
+  requests are waiting or ``max_wait_ms`` has passed since the oldest waiting
+  one arrived.
+
+In static and dynamic mode a member that finishes early keeps its slot as
+padding until the whole group is done: it goes on computing a token per step
+whose result is discarded and never reported. That waste is what padded
+batching costs, and these modes exist to measure it against ``continuous``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler.block_manager import BlockManager
+from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+
+BATCHING_MODES = ("continuous", "dynamic", "static")
+POLICIES = ("fcfs", "priority", "sjf")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    batching: str = "continuous"
+    policy: str = "fcfs"
+    max_wait_ms: float = 20.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching: must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not self.max_wait_ms >= 0:
+            raise ValueError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms!r}")
+
+
+@dataclass
+class ScheduledSeq:
+    """``seq`` computes its tokens at positions ``start_pos .. start_pos + num_new_tokens - 1``."""
+
+    seq: Sequence
+    num_new_tokens: int
+    start_pos: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.start_pos = self.seq.num_computed_tokens
+
+    @property
+    def is_sampling(self) -> bool:
+        """This step completes the sequence's known tokens, so a next token is sampled."""
+        return not self.seq.is_padding and self.start_pos + self.num_new_tokens >= self.seq.num_tokens
+
+    @property
+    def needs_logits(self) -> bool:
+        # Padding still pays for its logits: that is the cost being measured.
+        return self.is_sampling or self.seq.is_padding
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens fed this step; padding repeats the last real token past the end."""
+        end = self.start_pos + self.num_new_tokens
+        known = self.seq.token_ids[self.start_pos:end]
+        return known + [self.seq.token_ids[-1]] * (self.num_new_tokens - len(known))
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.clock = clock
+        self.waiting: list[Sequence] = []
+        """Kept sorted by the policy's key."""
+        self.running: list[Sequence] = []
+        """Kept sorted by preemption order: the last one is preempted first."""
+        self.num_preemptions = 0
+        self._num_arrivals = 0
+        self._num_admissions = 0
+
+    # ---- ordering -------------------------------------------------------
+
+    def _waiting_key(self, seq: Sequence) -> tuple[int, int]:
+        if self.config.policy == "priority":
+            return (seq.priority, seq.arrival_order)
+        if self.config.policy == "sjf":
+            # The job's size as far as it is known up front: prompt plus the output it may ask for.
+            return (seq.num_prompt_tokens + seq.params.max_tokens, seq.arrival_order)
+        return (0, seq.arrival_order)
+
+    def _running_key(self, seq: Sequence) -> tuple[int, int, int]:
+        # Padding sorts last so it is always the first to give its blocks up.
+        priority = seq.priority if self.config.policy == "priority" else 0
+        return (int(seq.is_padding), priority, seq.admit_order)
+
+    # ---- requests -------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        bm = self.block_manager
+        if bm.num_blocks_for(seq.num_tokens) > bm.num_blocks:
+            raise ValueError(
+                f"prompt: {seq.num_tokens} tokens can never fit in the KV cache "
+                f"({bm.num_blocks} blocks of {bm.block_size} tokens)"
+            )
+        if seq.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt: {seq.num_tokens} tokens exceed max_model_len {self.config.max_model_len}"
+            )
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table
+        seq.arrival_order = self._num_arrivals
+        self._num_arrivals += 1
+        seq.arrival_time = self.clock()
+        bisect.insort(self.waiting, seq, key=self._waiting_key)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish an unfinished request as aborted; None when there is none by that id."""
+        for seq in self.waiting + self.running:
+            if seq.request_id == request_id and not seq.is_finished:
+                self.finish(seq, FinishReason.ABORT)
+                return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        assert not seq.is_finished
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            self.block_manager.free(seq)
+            return
+        if self.config.batching != "continuous" and any(
+            not s.is_finished for s in self.running if s is not seq
+        ):
+            self.running.remove(seq)
+            seq.is_padding = True
+            bisect.insort(self.running, seq, key=self._running_key)
+            return
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        # The last real member of a static/dynamic group is done: release its padding.
+        for pad in [s for s in self.running if s.is_padding]:
+            self.running.remove(pad)
+            self.block_manager.free(pad)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or any(not s.is_padding for s in self.running)
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for s in self.running if not s.is_padding)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- the step -------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        if self.config.batching != "continuous" and not self.running and self._group_is_ready():
+            self._admit_group()
+        budget = self._schedule_running(out, budget)
+        if self.config.batching == "continuous":
+            self._admit_continuous(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted earlier in this loop
+                continue
+            if seq.is_padding:
+                # Padding stops once it would run past the context length.
+                num_new = 1 if seq.num_computed_tokens < self.config.max_model_len else 0
+            else:
+                num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new == 0:
+                continue
+            while not bm.can_allocate(seq, num_new):
+                victim = self.running[-1]
+                budget += self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            bm.allocate_for(seq, num_new)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Preempt ``seq`` by recompute; returns the token budget it gives back."""
+        refund = 0
+        for i, s in enumerate(out.scheduled):
+            if s.seq is seq:
+                refund = s.num_new_tokens
+                del out.scheduled[i]
+                break
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        if seq.is_padding:
+            # Padding holds nothing anyone will read; dropping it just shrinks the group.
+            return refund
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=self._waiting_key)
+        out.preempted.append(seq)
+        return refund
+
+    def _admit_continuous(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = bm.lookup_prefix(seq.token_ids)
+            num_new = min(seq.num_tokens - prefix.num_blocks * bm.block_size, budget)
+            if not bm.can_allocate(seq, num_new, prefix):
+                break
+            self._admit(seq)
+            bm.take_prefix(seq, prefix)
+            bm.allocate_for(seq, num_new)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+    def _group_is_ready(self) -> bool:
+        if not self.waiting:
+            return False
+        if self.config.batching == "static" or len(self.waiting) >= self.config.max_num_seqs:
+            return True
+        oldest = min(s.arrival_time for s in self.waiting)
+        return (self.clock() - oldest) * 1000.0 >= self.config.max_wait_ms
+
+    def _admit_group(self) -> None:
+        """Admit up to max_num_seqs waiting sequences whose whole known tokens fit in blocks now.
+
+        Only the prefix-cache hits are attached here; the prefill itself runs
+        through the running path, chunked by the token budget.
+        """
+        bm = self.block_manager
+        num_reserved = 0
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = bm.lookup_prefix(seq.token_ids)
+            num_needed = bm.num_blocks_for(seq.num_tokens) - prefix.num_blocks
+            if self.running and num_reserved + num_needed > bm.num_free_blocks:
+                break
+            self._admit(seq)
+            bm.take_prefix(seq, prefix)
+            num_reserved += num_needed
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.pop(0)
+        seq.status = SequenceStatus.RUNNING
+        seq.admit_order = self._num_admissions
+        self._num_admissions += 1
+        bisect.insort(self.running, seq, key=self._running_key)
+
+    def advance(self, output: SchedulerOutput, sampled_token_by_request: dict[str, int]) -> None:
+        """Record a finished forward: computed tokens move on and sampled tokens are appended."""
+        for s in output.scheduled:
+            seq = s.seq
+            assert seq.num_computed_tokens == s.start_pos
+            seq.num_computed_tokens += s.num_new_tokens
+            if seq.is_padding:
+                continue
+            if s.is_sampling:
+                seq.output_token_ids.append(sampled_token_by_request[seq.request_id])
+            self.block_manager.cache_computed_blocks(seq)

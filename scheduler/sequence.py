@@ -1,0 +1,84 @@
+"""Per-request state as the scheduler and the engine see it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from scheduler.params import SamplingParams
+
+
+class SequenceStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    """EOS, a stop token id or a stop string ended the output."""
+    LENGTH = "length"
+    """max_tokens (or the model's context length) was reached."""
+    ABORT = "abort"
+    """The request was cancelled."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request: its tokens, how far its KV is computed and where that KV lives.
+
+    ``num_computed_tokens`` counts the leading tokens whose KV sits in the
+    blocks of ``block_table``; the tokens after it are what the next steps
+    compute. Preemption by recompute sets it back to 0 and keeps the outputs,
+    so the outputs are recomputed as part of the prompt when it is readmitted.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    """Lower runs first (used by the ``priority`` policy and to pick preemption victims)."""
+    output_token_ids: list[int] = field(default_factory=list)
+    arrival_order: int = -1
+    """Set by the scheduler when the request is added; ties in every policy break on it."""
+    arrival_time: float = 0.0
+    """Scheduler clock reading when the request was added, in seconds."""
+    admit_order: int = -1
+    """Set each time the scheduler admits the sequence; the latest admitted is preempted first."""
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    """Chained hashes of the leading full, computed blocks of ``block_table``."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at the last admission."""
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended the output; None for EOS or length."""
+    is_padding: bool = False
+    """Static/dynamic batching only: finished, but still occupying its slot in the group."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
