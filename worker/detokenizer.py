@@ -1,0 +1,101 @@
+"""Streaming token ids to text, and finding stop strings in it.
+
+Decoding token by token is wrong for two reasons: a character may span
+several byte tokens (it decodes to U+FFFD until complete), and some
+tokenizers render a token differently depending on what precedes it (leading
+spaces). So the detokenizer decodes a short window that starts a few tokens
+before the new ones and emits only the text that the new tokens add, and
+only once it no longer ends in an incomplete character.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens kept as decoding context for the first output tokens.
+NUM_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
+        # _ids[prefix_offset:read_offset] is context already emitted; _ids[read_offset:] is pending.
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far."""
+        return "".join(self._pieces)
+
+    def push(self, token_ids: list[int]) -> str:
+        """Add output tokens; return the text that became stable (possibly empty)."""
+        self._ids.extend(token_ids)
+        return self._advance(is_final=False)
+
+    def flush(self) -> str:
+        """Emit whatever is still held back (an incomplete character at the end of output)."""
+        return self._advance(is_final=True)
+
+    def _advance(self, is_final: bool) -> str:
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) and not is_final:
+            # Nothing visible yet (special tokens skipped, or a partial character).
+            return ""
+        if full_text.endswith(REPLACEMENT_CHAR) and not is_final:
+            return ""
+        new_text = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        if new_text:
+            self._pieces.append(new_text)
+        return new_text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+
+def find_stop(text: str, stops: list[str], new_text_len: int) -> tuple[int, str] | None:
+    """The earliest stop string that ends inside the last `new_text_len` characters of `text`.
+
+    Returns `(index where the stop starts, the stop)`: `text[:index]` is the
+    output to keep. Stops wholly inside the older text were already checked
+    when that text was new, so only the tail is searched.
+    """
+    best: tuple[int, str] | None = None
+    old_len = len(text) - new_text_len
+    for stop in stops:
+        index = text.find(stop, max(0, old_len - len(stop) + 1))
+        if index < 0:
+            continue
+        if best is None or index < best[0] or (index == best[0] and len(stop) > len(best[1])):
+            best = (index, stop)
+    return best
+
+
+def partial_stop_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string.
+
+    That much text is held back from streaming: the next tokens may complete the stop.
+    """
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
