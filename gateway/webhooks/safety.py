@@ -1,0 +1,191 @@
+"""Which webhook URLs carpool may call: http(s) to public addresses, or to what the operator allow-lists.
+
+A webhook URL comes from whoever submits a job, so without these checks a job
+could make the gateway's network call into the operator's own (loopback,
+private ranges, cloud metadata at 169.254.169.254). URLs are checked at
+submission (`check_webhook_url_async`, which resolves the name) and again at
+every delivery, where `VettingResolver` vets the addresses aiohttp is about
+to connect to — the same answer is checked and used, so a name that changes
+its DNS answer between check and connect gains nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import re
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import yarl
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.resolver import ThreadedResolver
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+ALLOWED_SCHEMES = ("http", "https")
+MAX_URL_LEN = 2048
+_HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9])?)*\.?")
+
+
+class WebhookUrlError(ValueError):
+    """A webhook URL carpool refuses to call; the message says why."""
+
+
+@dataclass(frozen=True)
+class Allowlist:
+    """Hosts (by name) and networks (CIDR) that webhooks may reach although they are not public."""
+
+    hosts: frozenset[str] = frozenset()
+    networks: tuple[IPNetwork, ...] = ()
+
+    @classmethod
+    def parse(cls, entries: str | Iterable[str] | None) -> Allowlist:
+        """From ``--webhook-allow``: comma-separated host names, IP addresses or CIDRs."""
+        if entries is None:
+            return cls()
+        if isinstance(entries, str):
+            entries = entries.split(",")
+        hosts: set[str] = set()
+        networks: list[IPNetwork] = []
+        for raw in entries:
+            entry = raw.strip().strip("[]")
+            if not entry:
+                continue
+            try:
+                networks.append(ipaddress.ip_network(entry, strict=False))
+            except ValueError:
+                if not _HOST_NAME.fullmatch(entry):
+                    raise WebhookUrlError(f"webhook allow-list: {raw!r} is neither a host name nor an address/CIDR") from None
+                hosts.add(_normal_host(entry))
+        return cls(frozenset(hosts), tuple(networks))
+
+    def admits_host(self, host: str) -> bool:
+        return _normal_host(host) in self.hosts
+
+    def admits_ip(self, ip: IPAddress) -> bool:
+        ip = _unmapped(ip)
+        return any(ip.version == net.version and ip in net for net in self.networks)
+
+
+def _normal_host(host: str) -> str:
+    return host.lower().rstrip(".")
+
+
+def _unmapped(ip: IPAddress) -> IPAddress:
+    """``::ffff:10.0.0.1`` is 10.0.0.1 as far as reachability goes."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def is_public(ip: IPAddress) -> bool:
+    """Globally routable unicast: not loopback, private, link-local, shared, reserved or multicast."""
+    ip = _unmapped(ip)
+    return ip.is_global and not ip.is_multicast and not ip.is_unspecified
+
+
+def check_address(host: str, ip: IPAddress, allow: Allowlist) -> None:
+    """Raise unless `ip` (an address `host` names) may be called."""
+    if is_public(ip) or allow.admits_ip(ip) or allow.admits_host(host):
+        return
+    shown = host if host == str(ip) else f"{host} ({ip})"
+    raise WebhookUrlError(
+        f"webhook.url: {shown} is a non-public address (loopback, private, link-local or reserved); "
+        "the operator can admit it with --webhook-allow"
+    )
+
+
+def literal_ip(host: str) -> IPAddress | None:
+    """The address a host spells directly, including legacy IPv4 forms like ``2130706433`` or ``127.1``."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    if host and all(c in "0123456789abcdefxABCDEFX." for c in host) and host[0].isdigit():
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return None
+    return None
+
+
+def parse_webhook_url(url: str) -> yarl.URL:
+    """Parse and check what can be checked without DNS; raise `WebhookUrlError` otherwise."""
+    if not isinstance(url, str) or not url:
+        raise WebhookUrlError("webhook.url: required")
+    if len(url) > MAX_URL_LEN:
+        raise WebhookUrlError(f"webhook.url: longer than {MAX_URL_LEN} characters")
+    try:
+        parsed = yarl.URL(url)
+    except (ValueError, TypeError) as e:
+        raise WebhookUrlError(f"webhook.url: not a valid URL ({e})") from e
+    if parsed.scheme not in ALLOWED_SCHEMES:
+        raise WebhookUrlError(f"webhook.url: scheme must be http or https, got {parsed.scheme or 'none'!r}")
+    if not parsed.host:
+        raise WebhookUrlError("webhook.url: has no host")
+    return parsed
+
+
+def check_webhook_url(url: str, allow: Allowlist) -> None:
+    """Checks without DNS: scheme, host present, literal addresses and ``localhost`` names.
+
+    Names are resolved by `check_webhook_url_async`; use that where you can.
+    """
+    host = parse_webhook_url(url).host
+    assert host is not None
+    if allow.admits_host(host):
+        return
+    ip = literal_ip(host)
+    if ip is not None:
+        check_address(host, ip, allow)
+        return
+    name = _normal_host(host)
+    if name == "localhost" or name.endswith(".localhost"):
+        # RFC 6761: these always mean this machine, whatever a resolver says.
+        check_address(host, ipaddress.ip_address("127.0.0.1"), allow)
+
+
+async def resolve_host(host: str, port: int) -> list[IPAddress]:
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise WebhookUrlError(f"webhook.url: host {host!r} does not resolve ({e})") from e
+    return [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
+
+
+async def check_webhook_url_async(url: str, allow: Allowlist) -> None:
+    """`check_webhook_url`, then every address the host resolves to must be public or allow-listed."""
+    check_webhook_url(url, allow)
+    parsed = yarl.URL(url)
+    host = parsed.host
+    assert host is not None and parsed.port is not None
+    if allow.admits_host(host) or literal_ip(host) is not None:
+        return
+    for ip in await resolve_host(host, parsed.port):
+        check_address(host, ip, allow)
+
+
+class VettingResolver(AbstractResolver):
+    """An aiohttp resolver that hands out only addresses the webhook rules admit.
+
+    aiohttp connects to exactly the addresses a resolver returns, so vetting
+    here pins the connection to what was checked (no DNS-rebinding gap); the
+    URL's host name still goes into the Host header and TLS SNI.
+    """
+
+    def __init__(self, allow: Allowlist) -> None:
+        self._allow = allow
+        self._inner = ThreadedResolver()
+
+    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        results = await self._inner.resolve(host, port, family)
+        for result in results:
+            check_address(host, ipaddress.ip_address(result["host"]), self._allow)
+        return results
+
+    async def close(self) -> None:
+        await self._inner.close()
