@@ -67,14 +67,18 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     start_pos: int = field(init=False)
+    is_sampling: bool = field(init=False)
+    """This step completes the sequence's known tokens, so a next token is sampled.
+
+    Fixed when scheduled: ``advance`` appends that token, after which the
+    sequence has a new uncomputed token again.
+    """
 
     def __post_init__(self) -> None:
         self.start_pos = self.seq.num_computed_tokens
-
-    @property
-    def is_sampling(self) -> bool:
-        """This step completes the sequence's known tokens, so a next token is sampled."""
-        return not self.seq.is_padding and self.start_pos + self.num_new_tokens >= self.seq.num_tokens
+        self.is_sampling = (
+            not self.seq.is_padding and self.start_pos + self.num_new_tokens >= self.seq.num_tokens
+        )
 
     @property
     def needs_logits(self) -> bool:

@@ -1,0 +1,189 @@
+"""The step scheduler on its own: no model, a deterministic token source and a test clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import (
+    BlockManager,
+    FinishReason,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    Sequence,
+    SequenceStatus,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def make_scheduler(
+    num_blocks: int = 64, block_size: int = 4, clock: Clock | None = None, **config: object
+) -> Scheduler:
+    cfg = SchedulerConfig(**{"max_model_len": num_blocks * block_size, **config})  # type: ignore[arg-type]
+    return Scheduler(cfg, BlockManager(num_blocks, block_size), clock or Clock())
+
+
+def make_seq(request_id: str, num_prompt: int, max_tokens: int = 4, priority: int = 0) -> Sequence:
+    prompt = [(hash(request_id) + i) % 50 for i in range(num_prompt)]
+    return Sequence(request_id, prompt, SamplingParams(max_tokens=max_tokens), priority=priority)
+
+
+def step(sched: Scheduler) -> SchedulerOutput:
+    """One step with a stand-in token source; finishes sequences at max_tokens."""
+    out = sched.schedule()
+    sampled = {s.seq.request_id: 7 for s in out.scheduled if s.is_sampling}
+    sched.advance(out, sampled)
+    for s in out.scheduled:
+        seq = s.seq
+        if s.is_sampling and seq.num_output_tokens >= seq.params.max_tokens:
+            sched.finish(seq, FinishReason.LENGTH)
+    return out
+
+
+def run_all(sched: Scheduler, max_steps: int = 1000) -> list[SchedulerOutput]:
+    outs = []
+    while sched.has_unfinished():
+        outs.append(step(sched))
+        assert len(outs) < max_steps
+    return outs
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="batching"):
+        SchedulerConfig(batching="greedy")
+    with pytest.raises(ValueError, match="policy"):
+        SchedulerConfig(policy="random")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+
+
+def test_respects_max_num_seqs_and_token_budget() -> None:
+    sched = make_scheduler(max_num_seqs=3, max_num_batched_tokens=10)
+    seqs = [make_seq(f"r{i}", 3) for i in range(5)]
+    for seq in seqs:
+        sched.add(seq)
+    outs = run_all(sched)
+    assert all(len(o.scheduled) <= 3 and o.num_batched_tokens <= 10 for o in outs)
+    assert outs[0].num_batched_tokens == 9
+    assert all(seq.num_output_tokens == 4 and seq.is_finished for seq in seqs)
+    assert sched.block_manager.num_free_blocks == 64
+
+
+def test_long_prompt_is_chunked() -> None:
+    sched = make_scheduler(max_num_batched_tokens=8)
+    seq = make_seq("long", 21, max_tokens=2)
+    sched.add(seq)
+    outs = run_all(sched)
+    assert [o.scheduled[0].num_new_tokens for o in outs] == [8, 8, 5, 1]
+    assert [o.scheduled[0].is_sampling for o in outs] == [False, False, True, True]
+    assert seq.num_output_tokens == 2
+
+
+def test_decodes_go_first_and_last_admitted_prompt_is_chunked() -> None:
+    sched = make_scheduler(max_num_batched_tokens=10)
+    sched.add(make_seq("a", 4, max_tokens=10))
+    step(sched)
+    sched.add(make_seq("b", 20))
+    out = step(sched)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
+
+
+def test_preempts_most_recently_admitted_by_recompute() -> None:
+    # 6 blocks of 4: three 7-token prompts take 2 blocks each, decode needs more.
+    sched = make_scheduler(num_blocks=6, block_size=4)
+    seqs = [make_seq(f"r{i}", 7, max_tokens=6) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    step(sched)
+    step(sched)  # every sequence now has 8 tokens
+    out = step(sched)  # each needs a third block: r2 gives its two up
+    assert [s.request_id for s in out.preempted] == ["r2"]
+    assert [s.seq.request_id for s in out.scheduled] == ["r0", "r1"]
+    assert seqs[2].status is SequenceStatus.WAITING and seqs[2].num_computed_tokens == 0
+    assert seqs[2].num_output_tokens == 2  # outputs are kept for the recompute
+    run_all(sched)
+    assert all(seq.num_output_tokens == 6 for seq in seqs)
+    assert sched.num_preemptions == 1 and seqs[2].num_preemptions == 1
+    assert sched.block_manager.num_free_blocks == 6
+
+
+def test_priority_policy_admits_and_preempts_by_priority() -> None:
+    sched = make_scheduler(max_num_seqs=1, policy="priority")
+    for name, prio in (("low", 5), ("high", 0), ("mid", 2)):
+        sched.add(make_seq(name, 2, max_tokens=1, priority=prio))
+    order = [o.scheduled[0].seq.request_id for o in run_all(sched)]
+    assert order == ["high", "mid", "low"]
+
+
+def test_sjf_runs_shortest_job_first() -> None:
+    sched = make_scheduler(max_num_seqs=1, policy="sjf")
+    sched.add(make_seq("big", 10, max_tokens=1))
+    sched.add(make_seq("small", 2, max_tokens=1))
+    sched.add(make_seq("medium", 5, max_tokens=1))
+    order = [o.scheduled[0].seq.request_id for o in run_all(sched)]
+    assert order == ["small", "medium", "big"]
+
+
+def test_fcfs_runs_in_arrival_order() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    for name in ("c", "a", "b"):
+        sched.add(make_seq(name, 3, max_tokens=1, priority=-ord(name)))
+    order = [o.scheduled[0].seq.request_id for o in run_all(sched)]
+    assert order == ["c", "a", "b"]
+
+
+def test_abort_frees_blocks_and_reports_the_sequence() -> None:
+    sched = make_scheduler()
+    seq = make_seq("x", 9, max_tokens=10)
+    sched.add(seq)
+    step(sched)
+    assert sched.block_manager.num_used_blocks == 3
+    assert sched.abort("x") is seq
+    assert seq.finish_reason is FinishReason.ABORT
+    assert sched.abort("x") is None
+    assert sched.block_manager.num_used_blocks == 0 and not sched.has_unfinished()
+
+
+def test_prompt_that_can_never_fit_is_rejected() -> None:
+    sched = make_scheduler(num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="prompt"):
+        sched.add(make_seq("huge", 9))
+
+
+def test_static_groups_keep_finished_members_as_padding() -> None:
+    sched = make_scheduler(batching="static", max_num_seqs=2)
+    short, long_, next_ = make_seq("short", 3, 1), make_seq("long", 3, 4), make_seq("next", 3, 1)
+    for seq in (short, long_, next_):
+        sched.add(seq)
+    outs = run_all(sched)
+    names = [[s.seq.request_id for s in o.scheduled] for o in outs]
+    # "short" finishes after the first step but keeps computing as padding;
+    # "next" waits for the whole group to drain.
+    assert names == [["short", "long"]] + [["long", "short"]] * 3 + [["next"]]
+    assert short.output_token_ids == [7] and long_.num_output_tokens == 4
+    assert not any(s.is_sampling for o in outs[1:4] for s in o.scheduled if s.seq is short)
+    assert sched.block_manager.num_free_blocks == 64
+
+
+def test_dynamic_waits_for_the_batch_to_fill_or_time_out() -> None:
+    clock = Clock()
+    sched = make_scheduler(batching="dynamic", max_num_seqs=3, max_wait_ms=50, clock=clock)
+    sched.add(make_seq("a", 2, 1))
+    assert sched.schedule().is_empty
+    clock.now_s += 0.049
+    assert sched.schedule().is_empty
+    clock.now_s += 0.002
+    out = step(sched)
+    assert [s.seq.request_id for s in out.scheduled] == ["a"]
+    # A full batch goes without waiting.
+    for name in ("b", "c", "d"):
+        sched.add(make_seq(name, 2, 1))
+    assert len(step(sched).scheduled) == 3
