@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_store import store_kv_reference
-from kernels.paged_attention import paged_attention_reference
+from kernels.kv_store import store_kv, store_kv_reference
+from kernels.paged_attention import paged_attention, paged_attention_reference
 
 StoreKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 Attention = Callable[..., torch.Tensor]
@@ -35,7 +35,7 @@ def get_backend(name: str) -> AttentionBackend:
     if name == "torch":
         return AttentionBackend("torch", store_kv_reference, paged_attention_reference)
     if name == "triton":
-        raise NotImplementedError("the Triton attention backend is not available yet")
+        return AttentionBackend("triton", store_kv, paged_attention)
     raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")
 
 
