@@ -1,0 +1,61 @@
+"""Gateway configuration: one dataclass, read once at start-up and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.keys import DEFAULT_PREFIX, DEFAULT_RESULT_TTL_S
+from scheduler.lanes import LANES, Lane
+
+DEFAULT_MAX_LANE_DEPTH: dict[str, int] = {
+    Lane.INTERACTIVE.value: 1_000,
+    Lane.STANDARD.value: 10_000,
+    Lane.BATCH.value: 100_000,
+}
+
+
+@dataclass
+class GatewayConfig:
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis server the lanes and job records live on"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address the HTTP API listens on"})
+    port: int = field(default=8000, metadata={"help": "port the HTTP API listens on"})
+    key_prefix: str = field(default=DEFAULT_PREFIX, metadata={"help": "prefix of every Redis key (several deployments can share one server)"})
+    result_ttl_s: int = field(default=DEFAULT_RESULT_TTL_S, metadata={"help": "seconds a job record and its idempotency key live"})
+    max_lane_depth: dict[str, int] = field(
+        default_factory=lambda: dict(DEFAULT_MAX_LANE_DEPTH),
+        metadata={"help": "jobs a lane may hold before submissions get 429, as lane=N,... (lanes not named keep their default)"},
+    )
+    retry_after_s: int = field(default=2, metadata={"help": "Retry-After seconds sent with a 429 for a full lane"})
+    max_model_len: int = field(default=4096, metadata={"help": "the model's context length; longer token-id prompts are refused at submission"})
+    max_wait_s: float = field(default=60.0, metadata={"help": "longest ?wait= a GET may long-poll for"})
+    sse_heartbeat_s: float = field(default=15.0, metadata={"help": "seconds between keep-alive comments on an idle event stream"})
+    max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "largest accepted request body"})
+    shutdown_grace_s: float = field(default=5.0, metadata={"help": "seconds open requests get to finish at shutdown"})
+    webhook_secret: str | None = field(default=None, metadata={"help": "webhook signing secret (whsec_...)"})
+    webhook_allow: list[str] = field(default_factory=list, metadata={"help": "comma-separated non-public hosts or CIDRs webhooks may reach"})
+    no_webhooks: bool = field(default=False, metadata={"help": "do not run the webhook dispatcher inside the gateway"})
+
+    def __post_init__(self) -> None:
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url: expected redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be within 0..65535, got {self.port}")
+        if not self.key_prefix or any(c.isspace() for c in self.key_prefix):
+            raise ValueError(f"key_prefix: must be non-empty without spaces, got {self.key_prefix!r}")
+        known = {lane.value for lane in LANES}
+        depths = dict(DEFAULT_MAX_LANE_DEPTH)
+        for lane, depth in self.max_lane_depth.items():
+            if lane not in known:
+                raise ValueError(f"max_lane_depth: unknown lane {lane!r} (lanes: {', '.join(sorted(known))})")
+            if depth < 1:
+                raise ValueError(f"max_lane_depth: {lane} must be at least 1, got {depth}")
+            depths[lane] = depth
+        self.max_lane_depth = depths
+        for name in ("result_ttl_s", "retry_after_s", "max_model_len", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        for name in ("max_wait_s", "sse_heartbeat_s", "shutdown_grace_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.webhook_secret is not None and not self.webhook_secret.startswith("whsec_"):
+            raise ValueError("webhook_secret: must start with whsec_")

@@ -1,0 +1,169 @@
+"""Command-line flags from a config dataclass, each with a `CARPOOL_<FLAG>` env fallback.
+
+Every field becomes `--field-name` (underscores turn into dashes); its help
+comes from the field's `metadata["help"]`. The environment is passed in, read
+once at the edge, so nothing deeper in the code looks at `os.environ`.
+Precedence: flag, then environment variable, then the dataclass default.
+
+Supported field types: `str`, `int`, `float`, `bool`, `X | None` of those,
+`list[str]` / `list[int]` (comma-separated) and `dict[str, int]` / `dict[str, float]`
+(`key=value,...`). Fields whose metadata has `"flag": False` are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+ENV_PREFIX = "CARPOOL_"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_name(field_name: str) -> str:
+    """`redis_url` -> `CARPOOL_REDIS_URL`."""
+    return ENV_PREFIX + field_name.upper()
+
+
+def flag_name(field_name: str) -> str:
+    """`redis_url` -> `--redis-url`."""
+    return "--" + field_name.replace("_", "-")
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"expected one of {sorted(_TRUE | _FALSE - {''})}, got {text!r}")
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    """`int | None` -> (int, True); anything else -> (tp, False)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _converter(tp: Any) -> Callable[[str], Any]:
+    """A function turning one flag/env string into a value of type `tp`."""
+    inner, is_optional = _strip_optional(tp)
+    origin = typing.get_origin(inner)
+    if origin is list:
+        (item,) = typing.get_args(inner)
+        item_conv = _converter(item)
+
+        def to_list(text: str) -> list[Any]:
+            return [item_conv(part.strip()) for part in text.split(",") if part.strip()]
+
+        base: Callable[[str], Any] = to_list
+    elif origin is dict:
+        key_tp, value_tp = typing.get_args(inner)
+        key_conv, value_conv = _converter(key_tp), _converter(value_tp)
+
+        def to_dict(text: str) -> dict[Any, Any]:
+            out: dict[Any, Any] = {}
+            for part in text.split(","):
+                if not part.strip():
+                    continue
+                key, sep, value = part.partition("=")
+                if not sep:
+                    raise ValueError(f"expected key=value, got {part!r}")
+                out[key_conv(key.strip())] = value_conv(value.strip())
+            return out
+
+        base = to_dict
+    elif inner is bool:
+        base = parse_bool
+    elif inner in (str, int, float):
+        base = inner
+    else:
+        raise TypeError(f"no flag conversion for type {inner!r}")
+    if not is_optional:
+        return base
+
+    def maybe(text: str) -> Any:
+        return None if text.strip().lower() in ("", "none") else base(text)
+
+    return maybe
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _flag_fields(cls: type, exclude: Iterable[str]) -> list[tuple[dataclasses.Field[Any], Any]]:
+    hints = typing.get_type_hints(cls)
+    skip = set(exclude)
+    return [
+        (f, hints[f.name])
+        for f in dataclasses.fields(cls)
+        if f.init and f.name not in skip and f.metadata.get("flag", True)
+    ]
+
+
+def add_config_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    env: Mapping[str, str],
+    *,
+    exclude: Iterable[str] = (),
+    overrides: Mapping[str, Any] | None = None,
+) -> None:
+    """Add one flag per field of dataclass `cls` to `parser`.
+
+    A value found in `env` becomes the flag's default, so the flag still wins.
+    `overrides` replaces dataclass defaults (e.g. `carpool up` picks free ports).
+    A malformed env value is reported as a usage error naming the variable.
+    """
+    group = parser.add_argument_group(f"{cls.__name__} settings (each also read from its CARPOOL_<FLAG> variable)")
+    for f, tp in _flag_fields(cls, exclude):
+        conv = _converter(tp)
+        default = (overrides or {}).get(f.name, _default(f))
+        env_var = env_name(f.name)
+        if env_var in env:
+            try:
+                default = conv(env[env_var])
+            except (ValueError, TypeError) as e:
+                parser.error(f"{env_var}={env[env_var]!r}: {e}")
+        help_text = f.metadata.get("help", "")
+        shown = ",".join(map(str, default)) if isinstance(default, list) else default
+        if isinstance(default, dict):
+            shown = ",".join(f"{k}={v}" for k, v in default.items())
+        inner, _ = _strip_optional(tp)
+        if inner is bool:
+            # A switch that is off by default reads best as a plain `--flag`; one that is on gets `--no-flag`.
+            action: Any = "store_true" if _default(f) is False else argparse.BooleanOptionalAction
+            group.add_argument(
+                flag_name(f.name), dest=f.name, action=action, default=default,
+                help=f"{help_text} [env {env_var}]",
+            )
+        else:
+            group.add_argument(
+                flag_name(f.name), dest=f.name, type=conv, default=default, metavar=f.name.split("_")[-1].upper(),
+                help=f"{help_text} (default: {shown}) [env {env_var}]",
+            )
+
+
+def config_from_args(cls: type, args: argparse.Namespace, *, exclude: Iterable[str] = (), **extra: Any) -> Any:
+    """Build the dataclass from parsed flags (plus `extra` values for excluded fields)."""
+    values = {f.name: getattr(args, f.name) for f, _ in _flag_fields(cls, exclude) if hasattr(args, f.name)}
+    values.update(extra)
+    return cls(**values)
+
+
+def env_names(cls: type, exclude: Iterable[str] = ()) -> dict[str, str]:
+    """flag -> env variable for every flag `add_config_flags` adds for `cls`."""
+    return {flag_name(f.name): env_name(f.name) for f, _ in _flag_fields(cls, exclude)}

@@ -1,0 +1,179 @@
+"""HTTP handlers: parse the request, call the domain object, turn its errors into HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import msgpack
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from gateway import appkeys as K
+from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
+from gateway.cancel import AlreadyFinished, JobNotFound
+from gateway.metrics import CONTENT_TYPE
+from gateway.results import final_event, is_terminal, wait_for_terminal
+from scheduler.job import job_view
+from scheduler.lanes import LANES
+
+log = logging.getLogger(__name__)
+
+routes = web.RouteTableDef()
+
+
+def error_response(status: int, kind: str, message: str, field: str | None = None, **headers: str) -> web.Response:
+    body: dict[str, Any] = {"type": kind, "message": message}
+    if field is not None:
+        body["field"] = field
+    return web.json_response({"error": body}, status=status, headers=headers or None)
+
+
+@routes.post("/v1/jobs")
+async def post_job(request: web.Request) -> web.Response:
+    metrics = request.app[K.METRICS]
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        metrics.jobs_rejected.labels("invalid").inc()
+        return error_response(400, "invalid_request", f"body is not valid JSON: {e}", field="body")
+    try:
+        admitted = await request.app[K.ADMISSION].submit(body, request.headers.get("Idempotency-Key"))
+    except InvalidJob as e:
+        metrics.jobs_rejected.labels("invalid").inc()
+        return error_response(400, "invalid_request", e.message, field=e.field)
+    except LaneFull as e:
+        metrics.jobs_rejected.labels("lane_full").inc()
+        retry_after = str(request.app[K.CONFIG].retry_after_s)
+        return error_response(429, "lane_full", str(e), field="lane", **{"Retry-After": retry_after})
+    except IdempotencyInFlight as e:
+        return error_response(409, "conflict", f"a request with this Idempotency-Key is still creating job {e}",
+                              field="Idempotency-Key", **{"Retry-After": "1"})
+    if admitted.is_new:
+        metrics.jobs_submitted.labels(admitted.lane).inc()
+    else:
+        metrics.jobs_deduplicated.inc()
+    return web.json_response(
+        {"id": admitted.job_id, "status": admitted.status},
+        status=202 if admitted.is_new else 200,
+        headers={"Location": f"/v1/jobs/{admitted.job_id}"},
+    )
+
+
+@routes.get("/v1/jobs/{id}")
+async def get_job(request: web.Request) -> web.Response:
+    app = request.app
+    job_id = request.match_info["id"]
+    wait_s = 0.0
+    if "wait" in request.query:
+        try:
+            wait_s = float(request.query["wait"])
+        except ValueError:
+            return error_response(400, "invalid_request", "must be a number of seconds", field="wait")
+        if not 0 <= wait_s < float("inf"):
+            return error_response(400, "invalid_request", "must be a non-negative number of seconds", field="wait")
+    wait_s = min(wait_s, app[K.CONFIG].max_wait_s)
+    metrics = app[K.METRICS]
+    metrics.open_waiters.inc()
+    try:
+        record = await wait_for_terminal(app[K.REDIS], app[K.HUB], app[K.KEYS], job_id, wait_s)
+    finally:
+        metrics.open_waiters.dec()
+    if not record:
+        return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
+    return web.json_response(job_view(record))
+
+
+@routes.get("/v1/jobs/{id}/events")
+async def job_events(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    redis, keys, hub = app[K.REDIS], app[K.KEYS], app[K.HUB]
+    job_id = request.match_info["id"]
+    if not await redis.exists(keys.job(job_id)):
+        return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
+    heartbeat_s = app[K.CONFIG].sse_heartbeat_s
+    response = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+    })
+    app[K.METRICS].open_waiters.inc()
+    try:
+        async with hub.subscribe(keys.events(job_id)) as sub:
+            record = await redis.hgetall(keys.job(job_id))
+            await response.prepare(request)
+            while record and not is_terminal(record):
+                try:
+                    event = await asyncio.wait_for(sub.queue.get(), heartbeat_s)
+                except TimeoutError:
+                    await response.write(b": keep-alive\n\n")
+                    # A final event lost to a dropped connection must not leave the stream open forever.
+                    record = await redis.hgetall(keys.job(job_id))
+                    continue
+                if event["type"] == "closed":
+                    return response
+                if event["type"] == "final":
+                    await _send(response, event)
+                    return response
+                await _send(response, event)
+            if record:
+                await _send(response, final_event(record))
+    finally:
+        app[K.METRICS].open_waiters.dec()
+    return response
+
+
+async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
+    data = json.dumps(event, separators=(",", ":"), default=str)
+    await response.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
+
+
+@routes.delete("/v1/jobs/{id}")
+async def delete_job(request: web.Request) -> web.Response:
+    job_id = request.match_info["id"]
+    try:
+        outcome = await request.app[K.CANCELLER].cancel(job_id)
+    except JobNotFound:
+        return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
+    except AlreadyFinished as e:
+        return error_response(409, "conflict", f"job {job_id!r} already {e.status}", field="id")
+    request.app[K.METRICS].jobs_cancelled.labels("queued" if outcome.is_cancelled_now else "running").inc()
+    return web.json_response(outcome.view, status=202)
+
+
+@routes.get("/healthz")
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+@routes.get("/readyz")
+async def readyz(request: web.Request) -> web.Response:
+    app = request.app
+    redis, keys, admission = app[K.REDIS], app[K.KEYS], app[K.ADMISSION]
+    try:
+        await redis.ping()
+        lanes = {lane.value: await admission.lane_depth(lane) for lane in LANES}
+        raw_workers: dict[bytes, bytes] = await redis.hgetall(keys.workers)
+    except (RedisError, OSError) as e:
+        return web.json_response({"status": "unavailable", "redis": f"unreachable: {e}"}, status=503)
+    workers: dict[str, Any] = {}
+    for name, raw in raw_workers.items():
+        try:
+            workers[name.decode()] = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except Exception:  # a heartbeat in an unknown format is still a worker we can name
+            workers[name.decode()] = None
+    max_depth = app[K.CONFIG].max_lane_depth
+    return web.json_response({
+        "status": "ready",
+        "time": time.time(),
+        "lanes": {lane: {"depth": depth, "max_depth": max_depth[lane]} for lane, depth in lanes.items()},
+        "workers": workers,
+    })
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    response = web.Response(body=request.app[K.METRICS].render())
+    response.headers["Content-Type"] = CONTENT_TYPE
+    return response

@@ -1,0 +1,201 @@
+"""Live job events for this gateway: one shared pub/sub connection fanned out to waiters.
+
+Every long-poll and every server-sent-event stream subscribes to its job's
+events channel through the `EventHub`, which keeps a single Redis pub/sub
+connection for the whole process (subscribing a channel while someone waits
+on it, unsubscribing when the last waiter leaves), so open requests cost
+memory, not Redis connections.
+
+A waiter subscribes *before* it re-reads the job record: the hub only hands
+the subscription over once Redis has confirmed it, so a final event published
+after that read cannot be missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from scheduler.job import F_STATUS, TERMINAL_STATUSES, job_view
+from scheduler.keys import Keys
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED_EVENTS = 4096
+"""Events buffered per waiter; a reader slower than the model loses token events, never the final one."""
+
+SUBSCRIBE_TIMEOUT_S = 5.0
+
+CLOSED = {"type": "closed"}
+"""Put in every waiter's queue when the gateway shuts down."""
+
+
+@dataclass
+class Subscription:
+    channel: str
+    queue: asyncio.Queue[dict[str, Any]] = field(default_factory=lambda: asyncio.Queue(MAX_QUEUED_EVENTS))
+    num_dropped: int = 0
+
+    def offer(self, event: dict[str, Any]) -> None:
+        if event.get("type") in ("final", "closed"):
+            # Terminal events must get through: make room by dropping the oldest token.
+            while self.queue.full():
+                self.queue.get_nowait()
+                self.num_dropped += 1
+        try:
+            self.queue.put_nowait(event)
+        except asyncio.QueueFull:
+            self.num_dropped += 1
+
+
+class EventHub:
+    """Fans one pub/sub connection out to per-request queues. Start it, then `subscribe`."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._pubsub = redis.pubsub()
+        self._subs: dict[str, set[Subscription]] = {}
+        # One event per SUBSCRIBE sent, set by the matching confirmation (Redis answers in order).
+        self._confirms: dict[str, deque[asyncio.Event]] = {}
+        self._lock = asyncio.Lock()
+        self._has_connection = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._is_closed = False
+
+    @property
+    def num_waiters(self) -> int:
+        return sum(len(s) for s in self._subs.values())
+
+    def start(self) -> None:
+        assert self._task is None, "EventHub started twice"
+        self._task = asyncio.create_task(self._run(), name="event-hub")
+
+    def close_waiters(self) -> None:
+        """First shutdown phase: wake every waiter so its request can finish."""
+        self._is_closed = True
+        for subs in self._subs.values():
+            for sub in subs:
+                sub.offer(CLOSED)
+
+    async def stop(self) -> None:
+        self.close_waiters()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        await self._pubsub.aclose()
+
+    @asynccontextmanager
+    async def subscribe(self, channel: str) -> AsyncIterator[Subscription]:
+        sub = Subscription(channel)
+        confirmed: asyncio.Event | None = None
+        async with self._lock:
+            subs = self._subs.setdefault(channel, set())
+            is_first = not subs
+            subs.add(sub)
+            if is_first:
+                confirmed = asyncio.Event()
+                self._confirms.setdefault(channel, deque()).append(confirmed)
+                try:
+                    await self._pubsub.subscribe(channel)
+                except Exception:
+                    subs.discard(sub)
+                    raise
+                self._has_connection.set()
+        try:
+            if confirmed is not None:
+                await asyncio.wait_for(confirmed.wait(), SUBSCRIBE_TIMEOUT_S)
+            if self._is_closed:
+                sub.offer(CLOSED)
+            yield sub
+        finally:
+            async with self._lock:
+                subs = self._subs.get(channel, set())
+                subs.discard(sub)
+                if not subs:
+                    self._subs.pop(channel, None)
+                    await self._pubsub.unsubscribe(channel)
+
+    async def _run(self) -> None:
+        await self._has_connection.wait()
+        while True:
+            try:
+                message = await self._pubsub.get_message(timeout=1.0)
+            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+                # redis-py reconnects and resubscribes on the next read; waiters re-read the record on heartbeats.
+                log.warning("event hub lost its Redis connection (%s); retrying", e)
+                await asyncio.sleep(0.5)
+                continue
+            if message is not None:
+                self._dispatch(message)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        channel = message["channel"].decode() if isinstance(message.get("channel"), bytes) else str(message.get("channel"))
+        if kind == "subscribe":
+            pending = self._confirms.get(channel)
+            if pending:
+                pending.popleft().set()
+                if not pending:
+                    self._confirms.pop(channel, None)
+            return
+        if kind != "message":
+            return
+        try:
+            event = msgpack.unpackb(message["data"], raw=False, strict_map_key=False)
+        except Exception as e:  # a foreign publisher must not break everyone's streams
+            log.warning("ignoring undecodable event on %s: %s", channel, e)
+            return
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+            log.warning("ignoring malformed event on %s: %r", channel, event)
+            return
+        for sub in list(self._subs.get(channel, ())):
+            sub.offer(event)
+
+
+def is_terminal(record: dict[bytes, bytes]) -> bool:
+    raw = record.get(F_STATUS.encode())
+    return raw is not None and raw.decode() in {s.value for s in TERMINAL_STATUSES}
+
+
+def final_event(record: dict[bytes, bytes]) -> dict[str, Any]:
+    view = job_view(record)
+    return {"type": "final", "id": view["id"], "job": view}
+
+
+async def wait_for_terminal(
+    redis: aioredis.Redis, hub: EventHub, keys: Keys, job_id: str, timeout_s: float
+) -> dict[bytes, bytes]:
+    """The job record once it is terminal, or as it stands after `timeout_s` (empty if unknown)."""
+    record: dict[bytes, bytes] = await redis.hgetall(keys.job(job_id))
+    if not record or is_terminal(record) or timeout_s <= 0:
+        return record
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with hub.subscribe(keys.events(job_id)) as sub:
+        record = await redis.hgetall(keys.job(job_id))
+        while record and not is_terminal(record):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                event = await asyncio.wait_for(sub.queue.get(), remaining)
+            except TimeoutError:
+                break
+            if event["type"] == "closed":
+                break
+            if event["type"] == "final":
+                record = await redis.hgetall(keys.job(job_id))
+    return record

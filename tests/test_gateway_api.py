@@ -1,0 +1,185 @@
+"""The gateway's HTTP API against a real redis-server, through a real aiohttp server and client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway.app import init_app
+from gateway.config import GatewayConfig
+from scheduler.job import JobSpec
+from scheduler.keys import Keys
+
+KEYS = Keys()
+
+MakeClient = Callable[..., Any]
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def make_client(redis_url: str) -> AsyncIterator[MakeClient]:
+    clients: list[TestClient] = []
+
+    async def make(**overrides: Any) -> TestClient:
+        config = GatewayConfig(redis_url=redis_url, no_webhooks=True, **overrides)
+        client = TestClient(TestServer(init_app(config)))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        await client.close()
+
+
+@pytest.fixture
+async def client(make_client: MakeClient) -> TestClient:
+    return await make_client()
+
+
+async def submit(client: TestClient, body: dict[str, Any], **headers: str) -> tuple[int, dict[str, Any]]:
+    resp = await client.post("/v1/jobs", json=body, headers=headers)
+    return resp.status, await resp.json()
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({}, "prompt"),
+        ({"prompt": "hi", "prompt_token_ids": [1, 2]}, "prompt"),
+        ({"prompt": "hi", "lane": "fast"}, "lane"),
+        ({"prompt": "hi", "params": {"temperature": -1}}, "params.temperature"),
+        ({"prompt": "hi", "params": {"max_tokens": 0}}, "params.max_tokens"),
+        ({"prompt": "hi", "colour": "red"}, "colour"),
+        ({"prompt_token_ids": [1, "x"]}, "prompt_token_ids"),
+        ({"prompt_token_ids": list(range(64))}, "prompt_token_ids"),
+        ({"prompt": "hi", "params": {"max_tokens": 64}}, "params.max_tokens"),
+        ({"prompt": "hi", "deadline": 1.0}, "deadline"),
+        ({"prompt": "hi", "webhook": {"url": "ftp://example.com/hook"}}, "webhook.url"),
+        ({"prompt": "hi", "webhook": {"url": "http://127.0.0.1:9/hook"}}, "webhook.url"),
+        ({"prompt": "hi", "messages": [{"role": "robot", "content": "x"}], "prompt_token_ids": None}, "prompt"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ],
+)
+async def test_bad_bodies_get_400_naming_the_field(
+    make_client: MakeClient, redis: aioredis.Redis, body: dict[str, Any], field: str
+) -> None:
+    client = await make_client(max_model_len=64)
+    status, reply = await submit(client, body)
+    assert status == 400, reply
+    assert reply["error"]["type"] == "invalid_request"
+    assert reply["error"]["field"] == field
+    assert reply["error"]["message"]
+    assert sum([await redis.xlen(stream) for stream in KEYS.lanes()]) == 0
+
+
+async def test_body_that_is_not_json_names_the_body(client: TestClient) -> None:
+    resp = await client.post("/v1/jobs", data=b"{nope", headers={"Content-Type": "application/json"})
+    assert resp.status == 400
+    assert (await resp.json())["error"]["field"] == "body"
+
+
+async def test_submission_writes_record_and_lane_entry(client: TestClient, redis: aioredis.Redis) -> None:
+    before = time.time()
+    resp = await client.post("/v1/jobs", json={"prompt": "hello", "lane": "interactive", "priority": 3,
+                                               "params": {"max_tokens": 5}, "metadata": {"k": "v"}})
+    assert resp.status == 202
+    reply = await resp.json()
+    assert reply["status"] == "queued" and reply["id"].startswith("job_")
+    assert resp.headers["Location"] == f"/v1/jobs/{reply['id']}"
+
+    record = await redis.hgetall(KEYS.job(reply["id"]))
+    assert record[b"status"] == b"queued"
+    assert record[b"lane"] == b"interactive"
+    assert record[b"priority"] == b"3"
+    assert before <= float(record[b"created_at"]) <= time.time()
+    assert 0 < await redis.ttl(KEYS.job(reply["id"])) <= GatewayConfig().result_ttl_s
+
+    entries = await redis.xrange(KEYS.lane("interactive"))
+    assert len(entries) == 1
+    entry_id, fields = entries[0]
+    spec = JobSpec.unpack(fields[b"job"])
+    assert (spec.id, spec.prompt, spec.params.max_tokens, spec.metadata) == (reply["id"], "hello", 5, {"k": "v"})
+    assert record[b"stream_entry"].decode() == f"{KEYS.lane('interactive')} {entry_id.decode()}"
+
+    view = await (await client.get(f"/v1/jobs/{reply['id']}")).json()
+    assert view["status"] == "queued" and view["lane"] == "interactive" and view["metadata"] == {"k": "v"}
+    assert view["output"] is None and view["timings"]["e2e_s"] is None
+
+
+async def test_reused_id_is_the_same_job(client: TestClient, redis: aioredis.Redis) -> None:
+    first = await submit(client, {"id": "mine-1", "prompt": "a"})
+    second = await submit(client, {"id": "mine-1", "prompt": "something else"})
+    assert first == (202, {"id": "mine-1", "status": "queued"})
+    assert second == (200, {"id": "mine-1", "status": "queued"})
+    assert await redis.xlen(KEYS.lane("standard")) == 1
+
+
+async def test_idempotency_key_maps_to_the_first_job(client: TestClient, redis: aioredis.Redis) -> None:
+    status1, first = await submit(client, {"prompt": "a"}, **{"Idempotency-Key": "order-7"})
+    status2, second = await submit(client, {"prompt": "a"}, **{"Idempotency-Key": "order-7"})
+    status3, other = await submit(client, {"prompt": "a"}, **{"Idempotency-Key": "order-8"})
+    assert (status1, status2, status3) == (202, 200, 202)
+    assert second["id"] == first["id"] != other["id"]
+    assert await redis.get(KEYS.idempotency("order-7")) == first["id"].encode()
+    assert await redis.xlen(KEYS.lane("standard")) == 2
+
+
+async def test_full_lane_gets_429_with_retry_after(make_client: MakeClient, redis: aioredis.Redis) -> None:
+    client = await make_client(max_lane_depth={"batch": 2}, retry_after_s=7)
+    assert [(await submit(client, {"prompt": "x", "lane": "batch"}))[0] for _ in range(2)] == [202, 202]
+    resp = await client.post("/v1/jobs", json={"prompt": "x", "lane": "batch"}, headers={"Idempotency-Key": "k1"})
+    assert resp.status == 429
+    assert resp.headers["Retry-After"] == "7"
+    assert (await resp.json())["error"]["type"] == "lane_full"
+    assert await redis.get(KEYS.idempotency("k1")) is None  # a refused request does not hold its key
+    assert (await submit(client, {"prompt": "x", "lane": "interactive"}))[0] == 202
+    assert await redis.xlen(KEYS.lane("batch")) == 2
+
+
+async def test_unknown_job_is_404(client: TestClient) -> None:
+    for method, path in [("GET", "/v1/jobs/nope"), ("GET", "/v1/jobs/nope/events"), ("DELETE", "/v1/jobs/nope")]:
+        resp = await client.request(method, path)
+        assert resp.status == 404, path
+        assert (await resp.json())["error"]["type"] == "not_found"
+
+
+async def test_bad_wait_is_400(client: TestClient) -> None:
+    _, job = await submit(client, {"prompt": "x"})
+    resp = await client.get(f"/v1/jobs/{job['id']}?wait=soon")
+    assert resp.status == 400 and (await resp.json())["error"]["field"] == "wait"
+
+
+async def test_health_readiness_and_metrics(client: TestClient, redis: aioredis.Redis) -> None:
+    await redis.hset(KEYS.workers, "w1", msgpack.packb({"time": time.time(), "running": 0, "capacity": 8}))
+    await submit(client, {"prompt": "x", "lane": "batch"})
+    assert (await (await client.get("/healthz")).json()) == {"status": "ok"}
+    ready = await (await client.get("/readyz")).json()
+    assert ready["status"] == "ready"
+    assert ready["lanes"]["batch"]["depth"] == 1 and ready["lanes"]["interactive"]["depth"] == 0
+    assert ready["workers"]["w1"]["capacity"] == 8
+    text = await (await client.get("/metrics")).text()
+    assert 'carpool_gateway_jobs_submitted_total{lane="batch"} 1.0' in text
+
+
+async def test_readyz_is_503_without_redis() -> None:
+    from gateway.embedded_redis import free_port
+
+    config = GatewayConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0", no_webhooks=True)
+    async with TestClient(TestServer(init_app(config))) as client:
+        resp = await client.get("/readyz")
+        assert resp.status == 503
+        assert (await resp.json())["status"] == "unavailable"
