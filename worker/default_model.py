@@ -33,8 +33,12 @@ EOS_TOKEN = "<|eos|>"
 PAD_TOKEN = "<|pad|>"
 TURN_START_TOKEN = "<|im_start|>"
 TURN_END_TOKEN = "<|im_end|>"
+# transformers loads a qwen2 checkpoint's tokenizer as its Qwen2 class, which
+# adds this token when missing; having it in the vocabulary keeps every
+# architecture's tokenizer exactly as large as its embedding.
+END_OF_TEXT_TOKEN = "<|endoftext|>"
 # Ids follow the 256 byte tokens in this order.
-SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, TURN_START_TOKEN, TURN_END_TOKEN)
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, TURN_START_TOKEN, TURN_END_TOKEN, END_OF_TEXT_TOKEN)
 NUM_BYTE_TOKENS = 256
 
 # The rendered text starts with the BOS token, so encode it with
@@ -102,7 +106,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        additional_special_tokens=[TURN_START_TOKEN, TURN_END_TOKEN],
+        additional_special_tokens=[TURN_START_TOKEN, TURN_END_TOKEN, END_OF_TEXT_TOKEN],
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
         model_max_length=TINY_SHAPE["max_position_embeddings"],
