@@ -1,0 +1,94 @@
+"""`carpool worker` and `carpool generate`: flags in, a running worker (or one completion) out.
+
+`main(argv)` takes the verb and its flags; ``gateway.cli`` dispatches here, and
+``python -m worker.cli worker ...`` works on its own. Configuration is read
+once here (flags, then ``CARPOOL_<FLAG>`` variables) and passed down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+
+from gateway.flags import add_config_flags, config_from_args
+from scheduler.params import SamplingParams
+from worker.config import WorkerConfig
+
+log = logging.getLogger("worker")
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="carpool", description="carpool worker verbs")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    worker = verbs.add_parser("worker", help="run a worker: consume the lanes, run the engine, commit results")
+    add_config_flags(worker, WorkerConfig, env)
+    gen = verbs.add_parser("generate", help="run the offline engine once on a prompt and print the text")
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    add_config_flags(gen, WorkerConfig, env, exclude=_service_fields())
+    return parser
+
+
+def _service_fields() -> list[str]:
+    engine = set(WorkerConfig().engine_kwargs())
+    return [name for name in WorkerConfig.__dataclass_fields__ if name not in engine]
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    args = build_parser(os.environ if env is None else env).parse_args(argv)
+    if args.verb == "generate":
+        config = config_from_args(WorkerConfig, args, exclude=_service_fields())
+        return generate(config, args.prompt, SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed))
+    try:
+        config = config_from_args(WorkerConfig, args)
+    except ValueError as e:
+        print(f"carpool worker: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(config))
+
+
+def generate(config: WorkerConfig, prompt: str, params: SamplingParams) -> int:
+    from worker.engine import Engine
+
+    engine = Engine(**config.engine_kwargs())
+    (completion,) = engine.generate([prompt], params)
+    print(completion.text)
+    return 0
+
+
+async def serve(config: WorkerConfig) -> int:
+    """Run until SIGTERM/SIGINT (or a failed background task), then shut down in two phases."""
+    import redis.asyncio as aioredis
+
+    from worker.engine import Engine
+    from worker.service import WorkerService
+
+    loop = asyncio.get_running_loop()
+    log.info("loading model %s on %s", config.model or "(built-in tiny model)", config.device)
+    engine = await loop.run_in_executor(None, lambda: Engine(**config.engine_kwargs()))
+    client = aioredis.Redis.from_url(config.redis_url)
+    service = WorkerService(config, engine, client)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, service.stopped.set)
+    try:
+        await service.start()
+        await service.stopped.wait()
+        log.info("stopping: intake closed, in-flight jobs get %.1fs", config.shutdown_grace_s)
+    finally:
+        await service.shutdown()
+        await client.aclose()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""The worker process's configuration: every engine setting plus the service settings.
+
+One dataclass, validated once in ``__post_init__`` and passed down. Each field
+becomes a ``carpool worker`` flag (``gateway/flags.py``) with a
+``CARPOOL_<FLAG>`` environment fallback. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.keys import DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S, DEFAULT_DEAD_MAXLEN
+from scheduler.lanes import DEFAULT_LANE_WEIGHTS, Lane
+
+BATCHING_MODES = ("continuous", "dynamic", "static")
+POLICIES = ("fcfs", "priority")
+
+
+def default_worker_name() -> str:
+    """host-pid-random: unique per process, readable in XINFO CONSUMERS."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
+
+@dataclass
+class WorkerConfig:
+    # --- engine -------------------------------------------------------------------
+    model: str | None = field(default=None, metadata=_help("local checkpoint directory; default: the built-in tiny Llama model"))
+    device: str = field(default="cpu", metadata=_help("cpu, cuda or cuda:N"))
+    block_size: int = field(default=16, metadata=_help("tokens per KV-cache block"))
+    num_blocks: int | None = field(default=None, metadata=_help("KV-cache blocks; default: sized from --kv-cache-memory-gb"))
+    max_num_seqs: int = field(default=64, metadata=_help("most sequences in one engine step (and most jobs a worker holds)"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_help("token budget of one engine step"))
+    batching: str = field(default="continuous", metadata=_help("continuous, dynamic or static"))
+    policy: str = field(default="priority", metadata=_help("engine admission order: priority (lane, then job priority) or fcfs"))
+    attention_backend: str | None = field(default=None, metadata=_help("torch or triton; default: triton on CUDA, torch on CPU"))
+    max_wait_ms: float = field(default=20.0, metadata=_help("dynamic-batching window: how long an idle worker waits for more jobs before its first step"))
+    dtype: str | None = field(default=None, metadata=_help("model dtype (float32, float16, bfloat16); default: the checkpoint's"))
+    kv_cache_memory_gb: float | None = field(default=None, metadata=_help("memory budget of the KV cache in GiB"))
+    max_model_len: int | None = field(default=None, metadata=_help("longest prompt + output; default: the model's"))
+    enable_prefix_caching: bool = field(default=True, metadata=_help("reuse KV blocks of shared prompt prefixes"))
+
+    # --- service ------------------------------------------------------------------
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata=_help("Redis server holding the lanes"))
+    key_prefix: str = field(default=DEFAULT_PREFIX, metadata=_help("prefix of every Redis key"))
+    worker_name: str = field(default="", metadata=_help("consumer name in the group; default: host-pid-random"))
+    metrics_host: str = field(default="0.0.0.0", metadata=_help("address of the /healthz /readyz /metrics server"))
+    metrics_port: int = field(default=9464, metadata=_help("port of /healthz /readyz /metrics; 0 turns the server off"))
+    max_inflight: int | None = field(default=None, metadata=_help("most jobs held at once; default: --max-num-seqs"))
+    lane_weights: dict[str, int] = field(
+        default_factory=lambda: {lane.value: w for lane, w in DEFAULT_LANE_WEIGHTS.items()},
+        metadata=_help("share of reads per lane once interactive work is taken"),
+    )
+    lease_s: float = field(default=30.0, metadata=_help("a job whose worker stops renewing for this long is reclaimed by another worker"))
+    max_deliveries: int = field(default=5, metadata=_help("deliveries after which an entry is dead-lettered and its job failed"))
+    checkpoint_tokens: int = field(default=16, metadata=_help("write a running job's tokens to its record every N tokens"))
+    checkpoint_interval_s: float = field(default=2.0, metadata=_help("... or at least this often"))
+    read_block_ms: int = field(default=200, metadata=_help("how long an idle read waits for new entries"))
+    heartbeat_interval_s: float = field(default=2.0, metadata=_help("how often the worker announces itself in the workers hash"))
+    shutdown_grace_s: float = field(default=30.0, metadata=_help("on SIGTERM, how long in-flight jobs may run before they are handed back"))
+    result_ttl_s: int = field(default=DEFAULT_RESULT_TTL_S, metadata=_help("lifetime of a finished job record"))
+    reply_maxlen: int = field(default=DEFAULT_REPLY_MAXLEN, metadata=_help("approximate MAXLEN of reply_to streams"))
+    dead_maxlen: int = field(default=DEFAULT_DEAD_MAXLEN, metadata=_help("approximate MAXLEN of the dead-letter stream"))
+    webhook_output_interval_s: float = field(default=0.5, metadata=_help("least time between two `output` webhook deliveries of one job"))
+    log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))
+
+    def __post_init__(self) -> None:
+        if not self.worker_name:
+            self.worker_name = default_worker_name()
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching: must be one of {BATCHING_MODES}, got {self.batching!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_deliveries", "checkpoint_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_inflight is not None and self.max_inflight < 1:
+            raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
+        for name in ("lease_s", "checkpoint_interval_s", "heartbeat_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("max_wait_ms", "shutdown_grace_s", "webhook_output_interval_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.read_block_ms < 1:
+            raise ValueError(f"read_block_ms: must be >= 1, got {self.read_block_ms}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: must be a TCP port or 0, got {self.metrics_port}")
+        lanes = {lane.value for lane in Lane}
+        for name, weight in self.lane_weights.items():
+            if name not in lanes:
+                raise ValueError(f"lane_weights: unknown lane {name!r}; lanes are {sorted(lanes)}")
+            if weight < 1:
+                raise ValueError(f"lane_weights.{name}: must be >= 1, got {weight}")
+
+    @property
+    def capacity(self) -> int:
+        """Most jobs this worker holds at once: no hoarding beyond what the engine can run."""
+        return min(self.max_num_seqs, self.max_inflight or self.max_num_seqs)
+
+    @property
+    def lease_ms(self) -> int:
+        return max(1, int(self.lease_s * 1000))
+
+    def weight(self, lane: Lane) -> int:
+        return self.lane_weights.get(lane.value, DEFAULT_LANE_WEIGHTS[lane])
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``worker.engine.Engine``."""
+        return {
+            "model": self.model,
+            "device": self.device,
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "batching": self.batching,
+            "policy": self.policy,
+            "attention_backend": self.attention_backend,
+            "max_wait_ms": self.max_wait_ms,
+            "dtype": self.dtype,
+            "kv_cache_memory_gb": self.kv_cache_memory_gb,
+            "max_model_len": self.max_model_len,
+            "enable_prefix_caching": self.enable_prefix_caching,
+        }

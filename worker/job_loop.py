@@ -1,0 +1,291 @@
+"""The bridge between jobs and the engine.
+
+The engine is not thread-safe and its steps are long, so every engine call
+runs on one dedicated thread. The event loop keeps Redis I/O and lease
+renewal going meanwhile; it hands each tick the requests to add and abort,
+and gets back the outputs of one step. After each step: token events and due
+checkpoints go out in one pipeline, then finished jobs are committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from scheduler.job import JobSpec, JobStatus, WebhookEvent, job_view
+from scheduler.keys import Keys
+from scheduler.lanes import LANE_RANK
+from scheduler.webhooks import OutputThrottle, delivery_fields
+from worker.config import WorkerConfig
+from worker.results import EntryRef, Outcome, ResultStore, pack
+
+log = logging.getLogger(__name__)
+
+IDLE_STEP_SLEEP_S = 0.002
+
+LANE_PRIORITY_STRIDE = 1_000_000
+"""Engine priority = lane rank * stride + job priority, so the lane always dominates."""
+
+
+@dataclass
+class RunningJob:
+    spec: JobSpec
+    entry: EntryRef
+    resumed_from: int
+    token_ids: list[int]
+    text: str = ""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    first_token_at: float | None = None
+    checkpointed: int = 0
+    checkpoint_at: float = field(default_factory=time.monotonic)
+    throttle: OutputThrottle | None = None
+
+
+@dataclass
+class Tick:
+    """What one engine-thread call did."""
+
+    rejected: dict[str, str]
+    outputs: list[Any]
+    num_unfinished: int
+    stats: Any
+    """The engine's ``EngineStats`` after the step."""
+
+
+class JobLoop:
+    def __init__(self, engine: Any, store: ResultStore, client: aioredis.Redis, keys: Keys,
+                 config: WorkerConfig) -> None:
+        self.engine = engine
+        self.store = store
+        self.client = client
+        self.keys = keys
+        self.config = config
+        self.jobs: dict[str, RunningJob] = {}
+        self.stats: Any = None
+        self.num_finished = 0
+        self._reserved = 0
+        self._adds: list[tuple[RunningJob, int]] = []
+        self._aborts: list[str] = []
+        self._work = asyncio.Event()
+        self.slot_freed = asyncio.Event()
+        self._commits: set[asyncio.Task[None]] = set()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._on_finished: list[Callable[[str, JobStatus], None]] = []
+
+    # --- capacity ----------------------------------------------------------------
+
+    @property
+    def free(self) -> int:
+        return max(0, self.config.capacity - len(self.jobs) - self._reserved)
+
+    def reserve(self, n: int) -> None:
+        """Slots held for entries being admitted, so a concurrent read cannot overfill."""
+        self._reserved += n
+
+    def release(self, n: int) -> None:
+        self._reserved -= n
+        assert self._reserved >= 0
+        self.slot_freed.set()
+
+    def entries(self) -> list[EntryRef]:
+        return [job.entry for job in self.jobs.values()]
+
+    # --- intake --------------------------------------------------------------------
+
+    def start(self, spec: JobSpec, entry: EntryRef, checkpoint: list[int]) -> None:
+        """Queue a job for the engine; it is added at the start of the next tick."""
+        assert spec.id not in self.jobs
+        job = RunningJob(spec=spec, entry=entry, resumed_from=len(checkpoint), token_ids=list(checkpoint),
+                         checkpointed=len(checkpoint))
+        if spec.webhook is not None and spec.webhook.wants(WebhookEvent.OUTPUT):
+            job.throttle = OutputThrottle(self.config.webhook_output_interval_s)
+        self.jobs[spec.id] = job
+        priority = LANE_RANK[spec.lane] * LANE_PRIORITY_STRIDE + spec.priority
+        self._adds.append((job, priority))
+        self._work.set()
+
+    def cancel(self, job_id: str) -> bool:
+        """Stop a job we run at the next step and commit it as cancelled."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return False
+        self._abort(job_id)
+        self._spawn_commit(self._outcome(job, JobStatus.CANCELLED, error={
+            "type": "cancelled", "message": "cancelled while running"}))
+        return True
+
+    def drop(self, job_id: str) -> None:
+        """Forget a job without committing anything (its entry is someone else's now)."""
+        if job_id in self.jobs:
+            log.warning("job %s: lease lost, another worker owns it now; stopping our copy", job_id)
+            self._abort(job_id)
+
+    def _abort(self, job_id: str) -> None:
+        del self.jobs[job_id]
+        self._aborts.append(job_id)
+        self._work.set()
+        self.slot_freed.set()
+
+    # --- engine thread ------------------------------------------------------------------
+
+    def _tick(self, adds: list[tuple[str, JobSpec, int, list[int]]], aborts: list[str], do_step: bool) -> Tick:
+        rejected: dict[str, str] = {}
+        for request_id in aborts:
+            self.engine.abort_request(request_id)
+        for request_id, spec, priority, resume in adds:
+            try:
+                self.engine.add_request(
+                    request_id, spec.prompt if spec.prompt is not None else spec.prompt_token_ids, spec.params,
+                    messages=spec.messages, priority=priority, resume_token_ids=resume or None,
+                )
+            except ValueError as e:
+                rejected[request_id] = str(e)
+        outputs = self.engine.step() if do_step and self.engine.has_unfinished_requests() else []
+        return Tick(rejected, outputs, self.engine.num_unfinished_requests(), self.engine.stats())
+
+    async def run(self) -> None:
+        """Step the engine while it has work; wait for work otherwise. Cancelled at shutdown."""
+        loop = asyncio.get_running_loop()
+        num_unfinished = 0
+        while True:
+            if num_unfinished == 0 and not self._adds and not self._aborts:
+                self._work.clear()
+                await self._work.wait()
+                # Admission window: an idle engine waits briefly so jobs arriving together start together.
+                if self.config.max_wait_ms > 0 and self.free > 0:
+                    await asyncio.sleep(self.config.max_wait_ms / 1000)
+            adds = [(job.spec.id, job.spec, priority, job.token_ids) for job, priority in self._adds]
+            self._adds, aborts, self._aborts = [], self._aborts, []
+            tick = await loop.run_in_executor(self._executor, self._tick, adds, aborts, True)
+            num_unfinished = tick.num_unfinished
+            self.stats = tick.stats
+            await self._handle(tick)
+            if num_unfinished and not tick.outputs and tick.stats.last_step_num_seqs == 0:
+                await asyncio.sleep(IDLE_STEP_SLEEP_S)  # the engine holds work back (dynamic batching window)
+
+    async def _handle(self, tick: Tick) -> None:
+        for job_id, message in tick.rejected.items():
+            job = self.jobs.pop(job_id, None)
+            if job is not None:
+                self.slot_freed.set()
+                self._spawn_commit(self._outcome(job, JobStatus.FAILED, error={
+                    "type": "invalid_request", "message": message}))
+        now, mono = time.time(), time.monotonic()
+        pipe = self.client.pipeline(transaction=False)
+        checkpointed: list[tuple[int, RunningJob]] = []
+        finished: list[tuple[RunningJob, Any]] = []
+        for out in tick.outputs:
+            job = self.jobs.get(out.request_id)
+            if job is None:
+                continue  # aborted while the step ran
+            job.num_prompt_tokens = out.num_prompt_tokens
+            job.num_cached_tokens = out.num_cached_tokens or 0
+            new_ids = list(out.new_token_ids)
+            job.token_ids = list(out.token_ids)
+            job.text = out.text
+            if new_ids:
+                if job.first_token_at is None:
+                    job.first_token_at = now
+                pipe.publish(self.keys.events(job.spec.id), pack({
+                    "type": "token", "id": job.spec.id, "text": out.text, "token_ids": new_ids,
+                    "index": len(job.token_ids) - len(new_ids)}))
+                if job.throttle is not None and not out.finished and job.throttle.should_emit(mono):
+                    partial = {"id": job.spec.id, "status": "running", "output": {"text": job.text, "token_ids": job.token_ids}}
+                    assert job.spec.webhook is not None
+                    pipe.xadd(self.keys.webhooks, delivery_fields(job.spec.id, WebhookEvent.OUTPUT, job.spec.webhook.url, partial))
+            if out.finished:
+                finished.append((job, out))
+            elif self._checkpoint_due(job, mono):
+                checkpointed.append((len(pipe), job))
+                await self.store.add_checkpoint(pipe, job.spec.id, job.token_ids, job.first_token_at)
+                job.checkpointed, job.checkpoint_at = len(job.token_ids), mono
+        if len(pipe):
+            replies = await pipe.execute()
+            for index, job in checkpointed:
+                reply = replies[index]
+                if job.spec.id not in self.jobs:
+                    continue
+                if reply == 0:
+                    self.drop(job.spec.id)
+                elif reply == 2:
+                    self.cancel(job.spec.id)
+        for job, out in finished:
+            if self.jobs.pop(job.spec.id, None) is None:
+                continue
+            self.slot_freed.set()
+            output: dict[str, Any] = {"text": job.text, "token_ids": job.token_ids, "finish_reason": out.finish_reason}
+            if job.spec.params.logprobs is not None:
+                output["logprobs"] = out.logprobs
+            self._spawn_commit(self._outcome(job, JobStatus.SUCCEEDED, output=output))
+
+    def _checkpoint_due(self, job: RunningJob, mono: float) -> bool:
+        if job.first_token_at is not None and job.checkpointed == 0 and job.token_ids:
+            return True  # the first token: records first_token_at for live views
+        grown = len(job.token_ids) - job.checkpointed
+        return grown >= self.config.checkpoint_tokens or (
+            grown > 0 and mono - job.checkpoint_at >= self.config.checkpoint_interval_s)
+
+    # --- outcomes -----------------------------------------------------------------------
+
+    def _outcome(self, job: RunningJob, status: JobStatus, *, output: dict[str, Any] | None = None,
+                 error: dict[str, str] | None = None) -> Outcome:
+        usage = {"prompt_tokens": job.num_prompt_tokens, "completion_tokens": len(job.token_ids),
+                 "cached_tokens": job.num_cached_tokens}
+        return Outcome(job_id=job.spec.id, status=status, entry=job.entry, reply_to=job.spec.reply_to,
+                       webhook=job.spec.webhook, output=output, usage=usage, error=error,
+                       first_token_at=job.first_token_at, resumed_from=job.resumed_from)
+
+    def commit_now(self, outcome: Outcome) -> None:
+        """Commit an outcome decided outside the engine (expired, invalid, dead-lettered)."""
+        self._spawn_commit(outcome)
+
+    def _spawn_commit(self, outcome: Outcome) -> None:
+        task = asyncio.get_running_loop().create_task(self._commit(outcome), name=f"commit {outcome.job_id}")
+        self._commits.add(task)
+        task.add_done_callback(self._reap)
+
+    async def _commit(self, outcome: Outcome) -> None:
+        # Shielded: once decided, a shutdown must not cut the commit in half.
+        won = await asyncio.shield(self.store.commit(outcome))
+        self.num_finished += 1
+        log.info("job %s: %s%s", outcome.job_id, outcome.status.value, "" if won else " (already decided elsewhere)")
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        self._commits.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # The entry stays pending: after the lease it is redelivered and the job committed then.
+            log.error("commit failed; the job will be redelivered", exc_info=task.exception())
+
+    async def wait_commits(self) -> None:
+        while self._commits:
+            await asyncio.gather(*list(self._commits), return_exceptions=True)
+
+    # --- shutdown -------------------------------------------------------------------------
+
+    async def checkpoint_all(self) -> list[EntryRef]:
+        """Write every running job's tokens, abort them in the engine, and return their entries."""
+        pipe = self.client.pipeline(transaction=False)
+        refs = []
+        for job in list(self.jobs.values()):
+            await self.store.add_checkpoint(pipe, job.spec.id, job.token_ids, job.first_token_at)
+            refs.append(job.entry)
+            self._abort(job.spec.id)
+        if len(pipe):
+            await pipe.execute()
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._tick, [], self._aborts, False)
+        self._aborts = []
+        return refs
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def view(self, job_id: str) -> dict[str, Any]:
+        return job_view(await self.client.hgetall(self.keys.job(job_id)))

@@ -1,0 +1,241 @@
+"""Every write a worker makes to a job record, each one atomic (a Lua script).
+
+- ``admit``: create the record of a directly XADDed job, drop entries whose job
+  is already terminal (or running from another entry of the same id), spot a
+  cancel flag or a passed deadline, else move the job to ``running`` (a
+  reclaiming worker takes running -> running) and hand back its checkpoint.
+- ``checkpoint``: store the output tokens so far, only while we still own it.
+- ``commit``: the one place a job's outcome is written. The record is
+  persisted first, then the final event, the reply entry, XACK + XDEL of the
+  lane entry, the ``completed`` webhook delivery and the dead-letter entry —
+  all in one script, so a dropped connection leaves either nothing (the entry
+  stays pending and is redelivered) or all of it. Only the first terminal
+  write wins; a loser publishes, replies and calls back nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import redis.asyncio as aioredis
+
+from scheduler import job as J
+from scheduler.job import JobStatus, WebhookEvent, WebhookSpec, job_view
+from scheduler.keys import CONSUMER_GROUP, Keys
+from scheduler.webhooks import delivery_fields
+
+_TERMINAL_LUA = "local function terminal(s) return s == 'succeeded' or s == 'failed' or s == 'cancelled' or s == 'expired' end\n"
+
+# KEYS: job, cancel flag. ARGV: worker, now, spec, lane, priority, created_at, stream_entry, id, deadline|''.
+_ADMIT = _TERMINAL_LUA + """
+local st = redis.call('HGET', KEYS[1], 'status')
+if terminal(st) then return {'terminal', st} end
+if not st then
+  redis.call('HSET', KEYS[1], 'id', ARGV[8], 'status', 'queued', 'lane', ARGV[4], 'priority', ARGV[5],
+             'spec', ARGV[3], 'created_at', ARGV[6], 'stream_entry', ARGV[7])
+  st = 'queued'
+end
+if st == 'running' then
+  local owner_entry = redis.call('HGET', KEYS[1], 'stream_entry')
+  if owner_entry and owner_entry ~= ARGV[7] then return {'duplicate', st} end
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'cancel', st} end
+if ARGV[9] ~= '' and st ~= 'running' and tonumber(ARGV[2]) > tonumber(ARGV[9]) then return {'expire', st} end
+local fresh = redis.call('HSETNX', KEYS[1], 'started_at', ARGV[2])
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'stream_entry', ARGV[7])
+local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+return {'run', st, tostring(fresh), tostring(attempts), redis.call('HGET', KEYS[1], 'checkpoint') or ''}
+"""
+
+# KEYS: job, cancel flag. ARGV: worker, checkpoint, first_token_at|''. -> 1 stored, 0 not ours, 2 cancel flagged
+_CHECKPOINT = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'running' or redis.call('HGET', KEYS[1], 'worker') ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'checkpoint', ARGV[2])
+if ARGV[3] ~= '' then redis.call('HSETNX', KEYS[1], 'first_token_at', ARGV[3]) end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 2 end
+return 1
+"""
+
+# KEYS: job, lane stream, reply stream, webhook stream, dead stream.
+# ARGV: status, group, entry id|'', channel, final message, reply result|'', reply maxlen, ttl_s,
+#       dead maxlen, n webhook fields, n dead fields, then webhook pairs, dead pairs, record pairs.
+_COMMIT = _TERMINAL_LUA + """
+local won = 0
+local nwh, ndead = tonumber(ARGV[10]), tonumber(ARGV[11])
+local i = 12
+local wh, dead, rec = {}, {}, {}
+for k = 1, nwh * 2 do wh[k] = ARGV[i]; i = i + 1 end
+for k = 1, ndead * 2 do dead[k] = ARGV[i]; i = i + 1 end
+while i <= #ARGV do rec[#rec + 1] = ARGV[i]; i = i + 1 end
+if not terminal(redis.call('HGET', KEYS[1], 'status')) then
+  redis.call('HSET', KEYS[1], 'status', ARGV[1], unpack(rec))
+  if tonumber(ARGV[8]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[8]) end
+  redis.call('PUBLISH', ARGV[4], ARGV[5])
+  if ARGV[6] ~= '' then redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'result', ARGV[6]) end
+  won = 1
+end
+if ARGV[3] ~= '' then
+  redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
+  redis.call('XDEL', KEYS[2], ARGV[3])
+end
+if won == 1 and nwh > 0 then redis.call('XADD', KEYS[4], '*', unpack(wh)) end
+if ndead > 0 then redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', unpack(dead)) end
+return won
+"""
+
+
+def pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+@dataclass(frozen=True)
+class EntryRef:
+    """Where a job's message sits: its lane stream and entry id."""
+
+    stream: str
+    entry_id: str
+
+    def __str__(self) -> str:
+        return f"{self.stream} {self.entry_id}"
+
+
+@dataclass
+class Admission:
+    verdict: str  # run | terminal | duplicate | cancel | expire
+    previous_status: str
+    is_first_start: bool = False
+    attempts: int = 0
+    checkpoint: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Outcome:
+    """A job's decided fate, ready to be committed once."""
+
+    job_id: str
+    status: JobStatus
+    entry: EntryRef | None
+    reply_to: str | None = None
+    webhook: WebhookSpec | None = None
+    output: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+    error: dict[str, str] | None = None
+    first_token_at: float | None = None
+    resumed_from: int | None = None
+    dead_reason: str | None = None
+    dead_payload: bytes | None = None
+    """Original ``job`` field, copied to the dead-letter entry."""
+    worker: str | None = None
+
+
+class ResultStore:
+    """The worker's writes to job records, with the scripts registered once."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, *, worker: str, result_ttl_s: int,
+                 reply_maxlen: int, dead_maxlen: int) -> None:
+        self.client = client
+        self.keys = keys
+        self.worker = worker
+        self.result_ttl_s = result_ttl_s
+        self.reply_maxlen = reply_maxlen
+        self.dead_maxlen = dead_maxlen
+        self._admit = client.register_script(_ADMIT)
+        self._checkpoint = client.register_script(_CHECKPOINT)
+        self._commit = client.register_script(_COMMIT)
+
+    async def admit(self, spec: J.JobSpec, entry: EntryRef, created_at: float, now: float) -> Admission:
+        reply = await self._admit(
+            keys=[self.keys.job(spec.id), self.keys.cancel(spec.id)],
+            args=[self.worker, repr(now), spec.pack(), spec.lane.value, spec.priority, repr(created_at), str(entry),
+                  spec.id, "" if spec.deadline is None else repr(spec.deadline)],
+        )
+        verdict, previous = _s(reply[0]), _s(reply[1]) if reply[1] else ""
+        if verdict != "run":
+            return Admission(verdict, previous)
+        raw_checkpoint = reply[4]
+        checkpoint = list(msgpack.unpackb(raw_checkpoint)) if raw_checkpoint else []
+        return Admission("run", previous, is_first_start=_s(reply[2]) == "1", attempts=int(reply[3]),
+                         checkpoint=checkpoint)
+
+    async def add_checkpoint(self, pipe: aioredis.client.Pipeline, job_id: str, token_ids: list[int],
+                       first_token_at: float | None) -> None:
+        """Queue a checkpoint write on `pipe`; its reply is 1 stored, 0 lost ownership, 2 cancel flagged."""
+        await self._checkpoint(
+            keys=[self.keys.job(job_id), self.keys.cancel(job_id)],
+            args=[self.worker, pack(token_ids), "" if first_token_at is None else repr(first_token_at)],
+            client=pipe,
+        )
+
+    async def commit(self, outcome: Outcome) -> bool:
+        """Write the outcome if the job is not terminal yet; True when this call decided the job."""
+        now = time.time()
+        job_key = self.keys.job(outcome.job_id)
+        fields: dict[str, Any] = {J.F_FINISHED_AT: repr(now), J.F_WORKER: outcome.worker or self.worker}
+        if outcome.output is not None:
+            fields[J.F_OUTPUT] = pack(outcome.output)
+        if outcome.usage is not None:
+            fields[J.F_USAGE] = pack(outcome.usage)
+        if outcome.error is not None:
+            fields[J.F_ERROR] = pack(outcome.error)
+        if outcome.resumed_from is not None:
+            fields[J.F_RESUMED_FROM] = str(outcome.resumed_from)
+        record = await self.client.hgetall(job_key)
+        if outcome.first_token_at is not None and J.F_FIRST_TOKEN_AT.encode() not in record:
+            fields[J.F_FIRST_TOKEN_AT] = repr(outcome.first_token_at)
+        if J.F_ID.encode() not in record:
+            fields[J.F_ID] = outcome.job_id
+        merged = dict(record)
+        merged.update({k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()})
+        merged[J.F_STATUS.encode()] = outcome.status.value.encode()
+        view = job_view(merged)
+        final = pack({"type": "final", "id": outcome.job_id, "job": view})
+        webhook: list[Any] = []
+        if outcome.webhook is not None and outcome.webhook.wants(WebhookEvent.COMPLETED):
+            for k, v in delivery_fields(outcome.job_id, WebhookEvent.COMPLETED.value, outcome.webhook.url, view).items():
+                webhook += [k, v]
+        dead: list[Any] = []
+        if outcome.dead_reason is not None:
+            dead = ["reason", outcome.dead_reason, "job_id", outcome.job_id, "worker", self.worker]
+            if outcome.entry is not None:
+                dead += ["stream", outcome.entry.stream, "entry_id", outcome.entry.entry_id]
+            if outcome.dead_payload is not None:
+                dead += ["job", outcome.dead_payload]
+        record_pairs: list[Any] = []
+        for k, v in fields.items():
+            record_pairs += [k, v]
+        entry = outcome.entry
+        won = await self._commit(
+            keys=[job_key, entry.stream if entry else self.keys.dead, outcome.reply_to or self.keys.dead,
+                  self.keys.webhooks, self.keys.dead],
+            args=[outcome.status.value, CONSUMER_GROUP, entry.entry_id if entry else "",
+                  self.keys.events(outcome.job_id), final, pack(view) if outcome.reply_to else "",
+                  self.reply_maxlen, self.result_ttl_s, self.dead_maxlen, len(webhook) // 2, len(dead) // 2,
+                  *webhook, *dead, *record_pairs],
+        )
+        return bool(won)
+
+    async def dead_letter_entry(self, entry: EntryRef, reason: str, raw_fields: dict[bytes, bytes]) -> None:
+        """An entry with no usable job id: keep it on the dead stream and let it go from the lane."""
+        pipe = self.client.pipeline(transaction=True)
+        dead: dict[Any, Any] = {"reason": reason, "stream": entry.stream, "entry_id": entry.entry_id, "worker": self.worker}
+        for k, v in raw_fields.items():
+            dead.setdefault(k, v)
+        pipe.xadd(self.keys.dead, dead, maxlen=self.dead_maxlen, approximate=True)
+        pipe.xack(entry.stream, CONSUMER_GROUP, entry.entry_id)
+        pipe.xdel(entry.stream, entry.entry_id)
+        await pipe.execute()
+
+    async def ack(self, entry: EntryRef) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(entry.stream, CONSUMER_GROUP, entry.entry_id)
+        pipe.xdel(entry.stream, entry.entry_id)
+        await pipe.execute()
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

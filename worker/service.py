@@ -1,0 +1,274 @@
+"""The worker process: Redis wiring, intake, leases, cancellation, heartbeat, health server, shutdown.
+
+Background tasks are owned here (one reference each, reaped, an exception
+stops the worker). Shutdown runs in two phases: stop intake and let in-flight
+jobs finish within the grace period, then checkpoint the rest and hand their
+entries back so another worker resumes them at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import msgpack
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from scheduler.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
+from scheduler.keys import Keys
+from scheduler.lanes import Lane
+from scheduler.webhooks import delivery_fields
+from worker.config import WorkerConfig
+from worker.consumer import Entry, LaneConsumer
+from worker.job_loop import JobLoop
+from worker.results import Outcome, ResultStore, pack
+
+log = logging.getLogger(__name__)
+
+SERVICE_KEY: web.AppKey[WorkerService] = web.AppKey("service", "WorkerService")
+
+
+class WorkerService:
+    def __init__(self, config: WorkerConfig, engine: Any, client: aioredis.Redis) -> None:
+        self.config = config
+        self.engine = engine
+        self.client = client
+        self.keys = Keys(config.key_prefix)
+        self.store = ResultStore(client, self.keys, worker=config.worker_name, result_ttl_s=config.result_ttl_s,
+                                 reply_maxlen=config.reply_maxlen, dead_maxlen=config.dead_maxlen)
+        self.consumer = LaneConsumer(client, self.keys, config.worker_name, {lane: config.weight(lane) for lane in Lane},
+                                     lease_ms=config.lease_ms, read_block_ms=config.read_block_ms,
+                                     max_deliveries=config.max_deliveries)
+        self.loop = JobLoop(engine, self.store, client, self.keys, config)
+        self.is_ready = False
+        self.is_draining = False
+        self.stopped = asyncio.Event()
+        """Set when the worker should stop: a signal, or a background task that failed."""
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._pubsub: Any = None
+        self._http: web.AppRunner | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.consumer.ensure_groups()
+        self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        # Subscribe before reading any entry: a cancel published after admission is then never missed.
+        await self._pubsub.subscribe(self.keys.control)
+        self._spawn("engine", self.loop.run())
+        self._spawn("control", self._control())
+        self._spawn("leases", self._leases())
+        self._spawn("heartbeat", self._heartbeat())
+        self._spawn("intake", self._intake())
+        if self.config.metrics_port:
+            await self.start_http(self.config.metrics_host, self.config.metrics_port)
+        self.is_ready = True
+        log.info("worker %s ready (capacity %d)", self.config.worker_name, self.config.capacity)
+
+    async def shutdown(self) -> None:
+        """Stop intake, drain to the grace deadline, hand back the rest, then cancel."""
+        self.is_draining = True
+        self.is_ready = False
+        intake = self._tasks.pop("intake", None)
+        if intake is not None:
+            await asyncio.gather(intake, return_exceptions=True)
+        deadline = time.monotonic() + self.config.shutdown_grace_s
+        while self.loop.jobs and time.monotonic() < deadline and not self._failed():
+            self.loop.slot_freed.clear()
+            try:
+                await asyncio.wait_for(self.loop.slot_freed.wait(), timeout=min(0.2, max(0.01, deadline - time.monotonic())))
+            except TimeoutError:
+                pass
+        if self.loop.jobs:
+            refs = await self.loop.checkpoint_all()
+            await self.consumer.hand_back(refs)
+            log.info("handed back %d unfinished jobs with their checkpoints", len(refs))
+        await self.loop.wait_commits()
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self._tasks.clear()
+        if self._pubsub is not None:
+            await self._pubsub.aclose()
+        await self.client.hdel(self.keys.workers, self.config.worker_name)
+        if self._http is not None:
+            await self._http.cleanup()
+        self.loop.close()
+
+    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=f"worker {name}")
+        self._tasks[name] = task
+        task.add_done_callback(self._reap)
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("%s failed; stopping the worker", task.get_name(), exc_info=exc)
+            self.stopped.set()
+
+    def _failed(self) -> bool:
+        return any(t.done() and not t.cancelled() and t.exception() is not None for t in self._tasks.values())
+
+    # --- intake ----------------------------------------------------------------------------
+
+    async def _intake(self) -> None:
+        reclaim_every_s = max(0.05, self.config.lease_s / 4)
+        next_reclaim = 0.0
+        while not self.is_draining:
+            free = self.loop.free
+            if free == 0:
+                self.loop.slot_freed.clear()
+                try:
+                    await asyncio.wait_for(self.loop.slot_freed.wait(), timeout=1.0)
+                except TimeoutError:
+                    pass
+                continue
+            entries: list[Entry] = []
+            if time.monotonic() >= next_reclaim:
+                entries += await self.consumer.reclaim(free)
+                next_reclaim = time.monotonic() + reclaim_every_s
+            if len(entries) < free:
+                entries += await self.consumer.read(free - len(entries))
+            if entries:
+                self.loop.reserve(len(entries))
+                await asyncio.gather(*(self._admit(entry) for entry in entries))
+
+    async def _admit(self, entry: Entry) -> None:
+        try:
+            await self._admit_one(entry)
+        except Exception:
+            # Left pending and unrenewed: redelivered after the lease, counted against max_deliveries.
+            log.exception("admitting %s failed", entry.ref)
+        finally:
+            self.loop.release(1)
+
+    async def _admit_one(self, entry: Entry) -> None:
+        ref = entry.ref
+        if entry.fields is None:
+            await self.store.ack(ref)  # deleted while pending: nothing left to run
+            return
+        raw = entry.fields.get(b"job")
+        if raw is None:
+            await self.store.dead_letter_entry(ref, "entry has no 'job' field", entry.fields)
+            return
+        try:
+            spec = JobSpec.unpack(raw)
+        except JobValidationError as e:
+            job_id = _recover_id(raw)
+            reason = f"invalid job: {e}"
+            log.warning("%s: %s", ref, reason)
+            if job_id is None:
+                await self.store.dead_letter_entry(ref, reason, entry.fields)
+            else:
+                await self.store.commit(Outcome(job_id, JobStatus.FAILED, ref, dead_reason=reason, dead_payload=raw,
+                                                error={"type": "invalid_job", "field": e.field, "message": str(e)}))
+            return
+        if entry.deliveries > self.config.max_deliveries:
+            reason = f"delivered {entry.deliveries} times (max_deliveries {self.config.max_deliveries})"
+            log.warning("job %s: %s; dead-lettered", spec.id, reason)
+            await self.store.commit(Outcome(spec.id, JobStatus.FAILED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
+                                            dead_reason=reason, dead_payload=raw,
+                                            error={"type": "too_many_deliveries", "message": reason}))
+            return
+        created_at = int(ref.entry_id.split("-", 1)[0]) / 1000
+        admission = await self.store.admit(spec, ref, created_at, time.time())
+        if admission.verdict in ("terminal", "duplicate"):
+            await self.store.ack(ref)
+        elif admission.verdict == "cancel":
+            await self.store.commit(Outcome(spec.id, JobStatus.CANCELLED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
+                                            error={"type": "cancelled", "message": "cancelled before it started"}))
+        elif admission.verdict == "expire":
+            await self.store.commit(Outcome(spec.id, JobStatus.EXPIRED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
+                                            error={"type": "expired", "message": "deadline passed before the job started"}))
+        else:
+            assert admission.verdict == "run", admission.verdict
+            await self._announce_start(spec, admission.attempts, admission.is_first_start, len(admission.checkpoint))
+            self.loop.start(spec, ref, admission.checkpoint)
+
+    async def _announce_start(self, spec: JobSpec, attempts: int, is_first_start: bool, resumed_from: int) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.publish(self.keys.events(spec.id), pack({
+            "type": "started", "id": spec.id, "worker": self.config.worker_name, "attempts": attempts,
+            "resumed_from": resumed_from}))
+        if is_first_start and spec.webhook is not None and spec.webhook.wants(WebhookEvent.STARTED):
+            view = await self.loop.view(spec.id)
+            pipe.xadd(self.keys.webhooks, delivery_fields(spec.id, WebhookEvent.STARTED, spec.webhook.url, view))
+        await pipe.execute()
+
+    # --- leases, cancellation, heartbeat ----------------------------------------------------------
+
+    async def _leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.lease_s / 3)
+            by_entry = {job.entry: job_id for job_id, job in self.loop.jobs.items()}
+            if not by_entry:
+                continue
+            for ref in await self.consumer.renew(list(by_entry)):
+                self.loop.drop(by_entry[ref])
+
+    async def _control(self) -> None:
+        assert self._pubsub is not None
+        while True:
+            message = await self._pubsub.get_message(timeout=1.0)
+            if message is None or message.get("type") != "message":
+                continue
+            try:
+                body = msgpack.unpackb(message["data"], raw=False)
+            except Exception:
+                log.warning("ignoring a control message that is not msgpack")
+                continue
+            if isinstance(body, dict) and body.get("type") == "cancel" and isinstance(body.get("id"), str):
+                if self.loop.cancel(body["id"]):
+                    log.info("job %s: cancelled while running", body["id"])
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await self.client.hset(self.keys.workers, self.config.worker_name, pack({
+                "time": time.time(), "running": len(self.loop.jobs), "capacity": self.config.capacity,
+                "draining": self.is_draining}))
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+
+    # --- health server ---------------------------------------------------------------------------
+
+    def http_app(self) -> web.Application:
+        app = web.Application()
+        app[SERVICE_KEY] = self
+        app.router.add_get("/healthz", _healthz)
+        app.router.add_get("/readyz", _readyz)
+        return app
+
+    async def start_http(self, host: str, port: int) -> None:
+        self._http = web.AppRunner(self.http_app())
+        await self._http.setup()
+        await web.TCPSite(self._http, host, port).start()
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    service = request.app[SERVICE_KEY]
+    healthy = not service._failed()
+    return web.json_response({"status": "ok" if healthy else "failed"}, status=200 if healthy else 500)
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    service = request.app[SERVICE_KEY]
+    body = {"ready": service.is_ready, "draining": service.is_draining, "running": len(service.loop.jobs),
+            "capacity": service.config.capacity}
+    return web.json_response(body, status=200 if service.is_ready else 503)
+
+
+def _recover_id(raw: bytes) -> str | None:
+    """The job id of an invalid message, when one can be read, so its record can be marked failed."""
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    job_id = data.get("id") if isinstance(data, dict) else None
+    if isinstance(job_id, str) and job_id and len(job_id) <= 128 and job_id.isprintable() and " " not in job_id:
+        return job_id
+    return None
