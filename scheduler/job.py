@@ -9,6 +9,7 @@ constants below; ``job_view`` turns it into the public shape returned by
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
@@ -196,6 +197,18 @@ class JobSpec:
 
     @classmethod
     def unpack(cls, raw: bytes) -> JobSpec:
+        """Decode a lane entry's ``job`` field: a msgpack map, or a JSON object.
+
+        JSON is accepted so producers without a msgpack library (``redis-cli``)
+        can XADD jobs; the two cannot be confused, since a msgpack map never
+        starts with ``{``.
+        """
+        if raw[:1] == b"{":
+            try:
+                data = json.loads(raw)
+            except ValueError as e:
+                raise JobValidationError("job", f"not valid JSON: {e}") from e
+            return cls.from_wire(data)
         try:
             data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
         except Exception as e:  # msgpack raises several unrelated types for garbage
