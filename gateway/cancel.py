@@ -21,6 +21,7 @@ from scheduler.job import F_ERROR, F_FINISHED_AT, F_SPEC, F_STATUS, JobSpec, Job
 from scheduler.keys import DEFAULT_REPLY_MAXLEN, Keys
 from scheduler.webhooks import delivery_fields, should_send
 
+# Returns '+cancelled' or '+cancelling' when it acted, 'missing', or the terminal status it found.
 # KEYS: job record, cancel flag. ARGV: now, packed error, flag ttl_s, control channel, packed control message.
 _CANCEL_LUA = """
 local status = redis.call('HGET', KEYS[1], '@status@')
@@ -28,12 +29,12 @@ if not status then return 'missing' end
 if status == 'queued' then
   redis.call('HSET', KEYS[1], '@status@', 'cancelled', '@finished_at@', ARGV[1], '@error@', ARGV[2])
   redis.call('SET', KEYS[2], '1', 'EX', ARGV[3])
-  return 'cancelled'
+  return '+cancelled'
 end
 if status == 'running' then
   redis.call('SET', KEYS[2], '1', 'EX', ARGV[3])
   redis.call('PUBLISH', ARGV[4], ARGV[5])
-  return 'cancelling'
+  return '+cancelling'
 end
 return status
 """.replace("@status@", F_STATUS).replace("@finished_at@", F_FINISHED_AT).replace("@error@", F_ERROR)
@@ -74,10 +75,10 @@ class Canceller:
         ).decode()
         if outcome == "missing":
             raise JobNotFound(job_id)
-        if outcome not in ("cancelled", "cancelling"):
+        if outcome not in ("+cancelled", "+cancelling"):
             raise AlreadyFinished(outcome)
         record: dict[bytes, bytes] = await self._redis.hgetall(self._keys.job(job_id))
-        if outcome == "cancelling":
+        if outcome == "+cancelling":
             return CancelOutcome(job_view(record), is_cancelled_now=False)
         assert record.get(F_STATUS.encode()) == JobStatus.CANCELLED.value.encode()
         await self._deliver(record)

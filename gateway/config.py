@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.webhooks.config import WebhookConfig
 from scheduler.keys import DEFAULT_PREFIX, DEFAULT_RESULT_TTL_S
 from scheduler.lanes import LANES, Lane
 
@@ -31,9 +32,9 @@ class GatewayConfig:
     sse_heartbeat_s: float = field(default=15.0, metadata={"help": "seconds between keep-alive comments on an idle event stream"})
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "largest accepted request body"})
     shutdown_grace_s: float = field(default=5.0, metadata={"help": "seconds open requests get to finish at shutdown"})
-    webhook_secret: str | None = field(default=None, metadata={"help": "webhook signing secret (whsec_...)"})
-    webhook_allow: list[str] = field(default_factory=list, metadata={"help": "comma-separated non-public hosts or CIDRs webhooks may reach"})
     no_webhooks: bool = field(default=False, metadata={"help": "do not run the webhook dispatcher inside the gateway"})
+    webhooks: WebhookConfig = field(default_factory=WebhookConfig, metadata={"flag": False})
+    """Secret, allow-list and retry settings; their flags (`--webhook-*`) come from `WebhookConfig`."""
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -57,5 +58,3 @@ class GatewayConfig:
         for name in ("max_wait_s", "sse_heartbeat_s", "shutdown_grace_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
-        if self.webhook_secret is not None and not self.webhook_secret.startswith("whsec_"):
-            raise ValueError("webhook_secret: must start with whsec_")

@@ -40,7 +40,7 @@ CLOSED = {"type": "closed"}
 """Put in every waiter's queue when the gateway shuts down."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity, so waiters can live in a set
 class Subscription:
     channel: str
     queue: asyncio.Queue[dict[str, Any]] = field(default_factory=lambda: asyncio.Queue(MAX_QUEUED_EVENTS))

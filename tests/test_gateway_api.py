@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -14,10 +15,13 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
+from gateway.webhooks import generate_secret
+from gateway.webhooks.config import WebhookConfig
 from scheduler.job import JobSpec
 from scheduler.keys import Keys
 
 KEYS = Keys()
+SECRET = generate_secret()
 
 MakeClient = Callable[..., Any]
 
@@ -34,7 +38,8 @@ async def make_client(redis_url: str) -> AsyncIterator[MakeClient]:
     clients: list[TestClient] = []
 
     async def make(**overrides: Any) -> TestClient:
-        config = GatewayConfig(redis_url=redis_url, no_webhooks=True, **overrides)
+        webhooks = WebhookConfig(webhook_secret=SECRET)
+        config = GatewayConfig(redis_url=redis_url, no_webhooks=True, webhooks=webhooks, **overrides)
         client = TestClient(TestServer(init_app(config)))
         await client.start_server()
         clients.append(client)
@@ -84,6 +89,15 @@ async def test_bad_bodies_get_400_naming_the_field(
     assert reply["error"]["field"] == field
     assert reply["error"]["message"]
     assert sum([await redis.xlen(stream) for stream in KEYS.lanes()]) == 0
+
+
+async def test_webhooks_are_refused_without_a_signing_secret(redis_url: str) -> None:
+    config = GatewayConfig(redis_url=redis_url, no_webhooks=True)
+    async with TestClient(TestServer(init_app(config))) as client:
+        status, reply = await submit(client, {"prompt": "hi", "webhook": {"url": "https://example.com/hook"}})
+        assert status == 400
+        assert reply["error"]["field"] == "webhook.url" and "secret" in reply["error"]["message"]
+        assert (await submit(client, {"prompt": "hi"}))[0] == 202
 
 
 async def test_body_that_is_not_json_names_the_body(client: TestClient) -> None:
@@ -172,7 +186,7 @@ async def test_health_readiness_and_metrics(client: TestClient, redis: aioredis.
     assert ready["lanes"]["batch"]["depth"] == 1 and ready["lanes"]["interactive"]["depth"] == 0
     assert ready["workers"]["w1"]["capacity"] == 8
     text = await (await client.get("/metrics")).text()
-    assert 'carpool_gateway_jobs_submitted_total{lane="batch"} 1.0' in text
+    assert re.search(r'^carpool_jobs_submitted_total\{.*carpool_lane="batch".*\} 1\.0$', text, re.M), text
 
 
 async def test_readyz_is_503_without_redis() -> None:
