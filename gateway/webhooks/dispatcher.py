@@ -1,0 +1,240 @@
+"""The webhook dispatcher: takes deliveries off ``keys.webhooks``, signs and sends them, retries on schedule.
+
+Run it in-process (`async with WebhookDispatcher(redis, keys, config): ...`,
+which is how the gateway hosts it) or on its own with ``carpool webhooks``.
+Several dispatchers may share one Redis: every state change is one atomic
+script in `gateway.webhooks.store`, so no attempt is sent twice by two of
+them, and all state lives in Redis, so a restarted dispatcher carries on
+where the old one stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+
+import aiohttp
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from gateway.webhooks.config import WebhookConfig
+from gateway.webhooks.safety import VettingResolver, WebhookUrlError, check_webhook_url
+from gateway.webhooks.signing import generate_secret, signed_headers
+from gateway.webhooks.store import Claimed, DeliveryStore
+from scheduler.keys import DEFAULT_PREFIX, Keys
+from scheduler.webhooks import AttemptOutcome, AttemptRecord, decide, parse_retry_after
+
+log = logging.getLogger(__name__)
+
+USER_AGENT = "carpool-webhooks/0.1"
+LEASE_MARGIN_S = 5.0
+"""A claimed attempt comes due again this long after its timeout, in case its dispatcher died."""
+INGEST_BATCH = 100
+REDIS_RETRY_S = 1.0
+
+
+class WebhookDispatcher:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, config: WebhookConfig, *, name: str | None = None) -> None:
+        self._config = config
+        self._store = DeliveryStore(redis, keys, ttl_s=config.webhook_ttl_s)
+        self._policy = config.retry_policy()
+        self._allow = config.allowlist()
+        self._key = config.signing_key()
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self._rand = random.Random()
+        self._attempts: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._is_stopping = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> WebhookDispatcher:
+        self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The delivery loop's task once started (done when the loop ended, for whatever reason)."""
+        return self._task
+
+    def start(self) -> None:
+        assert self._task is None, "dispatcher already started"
+        self._task = asyncio.create_task(self.run(), name=f"webhook-dispatcher-{self.name}")
+
+    async def close(self) -> None:
+        """Stop taking attempts, let in-flight ones finish within ``webhook_drain_s``, then cancel the rest."""
+        self._is_stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task  # re-raises whatever ended the loop, so it is never lost
+
+    async def run(self) -> None:
+        if self._key is None:
+            log.warning("no --webhook-secret configured: webhook deliveries stay queued until a dispatcher with one runs")
+            return
+        await self._store.ensure_group()
+        connector = aiohttp.TCPConnector(
+            resolver=VettingResolver(self._allow), use_dns_cache=False, limit=self._config.webhook_concurrency
+        )
+        timeout = aiohttp.ClientTimeout(total=self._config.webhook_timeout_s)
+        # trust_env=False: proxy variables must not route webhooks around the address checks.
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
+            try:
+                while not self._is_stopping:
+                    try:
+                        is_busy = await self._step(session)
+                    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+                        log.warning("webhook dispatcher: Redis unavailable (%s); retrying in %.0f s", e, REDIS_RETRY_S)
+                        await self._sleep(REDIS_RETRY_S)
+                        continue
+                    if not is_busy:
+                        await self._sleep(self._config.webhook_poll_s)
+            finally:
+                await self._drain()
+
+    async def _sleep(self, delay_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=delay_s)
+        except asyncio.TimeoutError:
+            pass
+        self._wake.clear()
+
+    async def _step(self, session: aiohttp.ClientSession) -> bool:
+        """Ingest new deliveries and start due attempts; True when there may be more to do right away."""
+        now = time.time()
+        num_new = await self._store.ingest(self.name, count=INGEST_BATCH, now=now)
+        free = self._config.webhook_concurrency - len(self._attempts)
+        if free <= 0:
+            return False
+        claimed = await self._store.claim(
+            now=now,
+            lease_until=now + self._config.webhook_timeout_s + LEASE_MARGIN_S,
+            limit=free,
+            token=f"{self.name}:{secrets.token_hex(6)}",
+        )
+        for c in claimed:
+            task = asyncio.create_task(self._attempt(session, c), name=f"webhook-{c.delivery_id}-{c.attempt}")
+            self._attempts.add(task)
+            task.add_done_callback(self._reap)
+        return num_new >= INGEST_BATCH or len(claimed) >= free
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        self._attempts.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # The claim's lease runs out and another poll retries the attempt.
+            log.error("webhook attempt %s failed", task.get_name(), exc_info=task.exception())
+        self._wake.set()
+
+    async def _drain(self) -> None:
+        if not self._attempts:
+            return
+        _, pending = await asyncio.wait(set(self._attempts), timeout=self._config.webhook_drain_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _attempt(self, session: aiohttp.ClientSession, c: Claimed) -> None:
+        try:
+            status_code, error, retry_after_s = await self._send(session, c)
+        except asyncio.CancelledError:
+            # Shutting down mid-attempt: hand it back so whoever polls next retries it without waiting for the lease.
+            await self._store.release(c, now=time.time())
+            raise
+        now = time.time()
+        decision = decide(self._policy, c.attempt, status_code, error, retry_after_s, self._rand.random())
+        record = AttemptRecord(
+            delivery_id=c.delivery_id, event=c.event, attempt=c.attempt, at=now, status_code=status_code,
+            error=error, next_at=None if decision.delay_s is None else now + decision.delay_s,
+            outcome=decision.outcome.value,
+        )
+        if not await self._store.settle(c, decision, record, now=now):
+            log.warning("webhook %s attempt %d: claim lapsed before it finished; left to its new holder", c.delivery_id, c.attempt)
+        elif decision.outcome is not AttemptOutcome.DELIVERED:
+            log.info("webhook %s (%s of job %s) attempt %d: %s -> %s", c.delivery_id, c.event, c.job_id,
+                     c.attempt, decision.reason, decision.outcome.value)
+
+    async def _send(self, session: aiohttp.ClientSession, c: Claimed) -> tuple[int | None, str | None, float | None]:
+        """One POST; returns (status code, error, Retry-After seconds)."""
+        assert self._key is not None
+        headers = signed_headers(self._key, c.delivery_id, int(time.time()), c.payload, USER_AGENT)
+        try:
+            check_webhook_url(c.url, self._allow)  # literal addresses never reach the resolver
+            async with session.post(c.url, data=c.payload, headers=headers, allow_redirects=False) as resp:
+                await resp.read()
+                retry_after_s = parse_retry_after(resp.headers.get("Retry-After"), now=time.time())
+                return resp.status, None, retry_after_s
+        except WebhookUrlError as e:
+            return None, f"refused: {e}", None
+        except asyncio.TimeoutError:
+            return None, f"timed out after {self._config.webhook_timeout_s:g} s", None
+        except (aiohttp.ClientError, OSError) as e:
+            return None, f"{type(e).__name__}: {e}", None
+
+
+def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespace:
+    from gateway.flags import add_config_flags
+
+    parser = argparse.ArgumentParser(
+        prog="carpool webhooks", description="Send signed webhook callbacks queued in Redis, with retries."
+    )
+    parser.add_argument("--redis-url", default=env.get("CARPOOL_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                        help="Redis server holding the webhook queue [env CARPOOL_REDIS_URL]")
+    parser.add_argument("--key-prefix", default=env.get("CARPOOL_KEY_PREFIX", DEFAULT_PREFIX),
+                        help="prefix of every Redis key [env CARPOOL_KEY_PREFIX]")
+    parser.add_argument("--generate-secret", action="store_true", help="print a new whsec_ signing secret and exit")
+    add_config_flags(parser, WebhookConfig, env)
+    return parser.parse_args(list(argv))
+
+
+async def serve(redis_url: str, keys: Keys, config: WebhookConfig) -> None:
+    """Run one dispatcher until SIGTERM or SIGINT, then shut it down in two phases."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        async with WebhookDispatcher(client, keys, config) as dispatcher:
+            log.info("webhook dispatcher %s running on %s", dispatcher.name, redis_url)
+            waiter = asyncio.create_task(stop.wait())
+            assert dispatcher.task is not None
+            await asyncio.wait({waiter, dispatcher.task}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+    finally:
+        await client.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv, os.environ)
+    if args.generate_secret:
+        print(generate_secret())
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from gateway.flags import config_from_args
+
+    try:
+        config = config_from_args(WebhookConfig, args)
+    except ValueError as e:
+        print(f"carpool webhooks: {e}", file=sys.stderr)
+        return 2
+    if config.webhook_secret is None:
+        print("carpool webhooks: --webhook-secret (or CARPOOL_WEBHOOK_SECRET) is required", file=sys.stderr)
+        return 2
+    asyncio.run(serve(args.redis_url, Keys(args.key_prefix), config))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
