@@ -83,6 +83,10 @@ class Keys:
         """Hash holding one webhook delivery's state (payload, attempts, next attempt)."""
         return f"{self.prefix}:webhook:{delivery_id}"
 
+    def webhook_chain(self, job_id: str) -> str:
+        """List of one job's undelivered webhook delivery ids, oldest first; only the head is sent."""
+        return f"{self.prefix}:webhook-chain:{job_id}"
+
     @property
     def webhooks_dead(self) -> str:
         """Stream of webhook deliveries that exhausted their retry schedule."""
