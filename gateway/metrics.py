@@ -1,37 +1,179 @@
-"""The gateway's Prometheus metrics, one registry per app (two apps in a process never mix)."""
+"""The gateway's instruments, its HTTP tracing middleware and the ``/metrics`` body.
+
+One ``GatewayMetrics`` per app, built on that process's ``Telemetry`` (its own
+meter, tracer and Prometheus registry), so two apps in one process never mix.
+Spans: every HTTP request gets a server span continuing an incoming W3C
+``traceparent`` header; a submission adds a ``carpool.enqueue`` producer span
+whose context travels to the worker in the job message's ``traceparent``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+from scheduler import metric_schema as M
+from scheduler.job import JobSpec
+from scheduler.keys import Keys
+from scheduler.lanes import LANES
+from scheduler.stream_stats import DEFAULT_POLL_INTERVAL_S, StreamStats
+from scheduler.telemetry import (
+    PROMETHEUS_CONTENT_TYPE,
+    Telemetry,
+    TelemetryConfig,
+    context_from_traceparent,
+    traceparent_of,
+)
+
+CONTENT_TYPE = PROMETHEUS_CONTENT_TYPE
+UNKNOWN_LANE = "unknown"
+# Scrapes and probes would drown the job traces; they still count in the duration histogram.
+UNTRACED_ROUTES = frozenset({"/metrics", "/healthz", "/readyz"})
 
 
-@dataclass
 class GatewayMetrics:
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    def __init__(self, telemetry: Telemetry | None = None) -> None:
+        self._owns_telemetry = telemetry is None
+        self.telemetry = telemetry or Telemetry(TelemetryConfig(service_name="carpool-gateway"))
+        self.tracer = self.telemetry.tracer
+        t = self.telemetry
+        self._submitted = t.counter(M.JOBS_SUBMITTED)
+        self._rejected = t.counter(M.JOBS_REJECTED)
+        self._deduplicated = t.counter(M.JOBS_DEDUPLICATED)
+        self._cancelled = t.counter(M.JOBS_CANCELLED)
+        self._open_waiters = t.up_down_counter(M.OPEN_WAITERS)
+        self._http_duration = t.histogram(M.HTTP_SERVER_DURATION)
+        self._webhook_deliveries = t.counter(M.WEBHOOK_DELIVERIES)
+        self._webhook_duration = t.histogram(M.WEBHOOK_DURATION)
+        self.streams: StreamStats | None = None
+        # Zero series for every known label set, so dashboards and rate() see them before the first event.
+        for lane in LANES:
+            self._submitted.add(0, {M.A_LANE: lane.value})
+        self._deduplicated.add(0)
+        self._open_waiters.add(0)
+        for state in ("queued", "running"):
+            self._cancelled.add(0, {M.A_CANCEL_STATE: state})
 
-    def __post_init__(self) -> None:
-        self.jobs_submitted = Counter(
-            "carpool_gateway_jobs_submitted", "Jobs enqueued by this gateway", ["lane"], registry=self.registry
-        )
-        self.jobs_deduplicated = Counter(
-            "carpool_gateway_jobs_deduplicated",
-            "Submissions answered with an existing job (reused id or Idempotency-Key)",
-            registry=self.registry,
-        )
-        self.jobs_rejected = Counter(
-            "carpool_gateway_jobs_rejected", "Submissions refused", ["reason"], registry=self.registry
-        )
-        self.jobs_cancelled = Counter(
-            "carpool_gateway_jobs_cancelled", "Cancellations accepted", ["state"], registry=self.registry
-        )
-        self.open_waiters = Gauge(
-            "carpool_gateway_open_waiters", "Long-polls and event streams waiting on a job", registry=self.registry
-        )
+    # --- recording --------------------------------------------------------------------
+
+    def job_submitted(self, lane: str) -> None:
+        self._submitted.add(1, {M.A_LANE: lane})
+
+    def job_rejected(self, reason: str, lane: str | None = None) -> None:
+        self._rejected.add(1, {M.A_LANE: lane or UNKNOWN_LANE, M.A_REJECT_REASON: reason})
+
+    def job_deduplicated(self) -> None:
+        self._deduplicated.add(1)
+
+    def job_cancelled(self, state: str) -> None:
+        self._cancelled.add(1, {M.A_CANCEL_STATE: state})
+
+    def waiter_opened(self) -> None:
+        """A long-poll or event stream started waiting on a job (pair with ``waiter_closed``)."""
+        self._open_waiters.add(1)
+
+    def waiter_closed(self) -> None:
+        self._open_waiters.add(-1)
+
+    def record_http(self, duration_s: float, attributes: dict[str, Any]) -> None:
+        self._http_duration.record(duration_s, attributes)
+
+    def webhook_attempt(self, event: str, outcome: str, duration_s: float | None = None) -> None:
+        self._webhook_deliveries.add(1, {M.A_WEBHOOK_EVENT: event, M.A_WEBHOOK_OUTCOME: outcome})
+        if duration_s is not None:
+            self._webhook_duration.record(duration_s, {M.A_WEBHOOK_OUTCOME: outcome})
+
+    # --- tracing ----------------------------------------------------------------------
+
+    @contextmanager
+    def enqueue_span(self, spec: JobSpec) -> Iterator[trace.Span]:
+        """Span around putting a job on its lane; sets ``spec.traceparent`` so the worker continues it.
+
+        A ``traceparent`` the producer put in the body is the parent; otherwise
+        the current context (the HTTP server span, itself continuing any
+        incoming ``traceparent`` header).
+        """
+        parent = context_from_traceparent(spec.traceparent)
+        attributes = {"carpool.job.id": spec.id, M.A_LANE: spec.lane.value}
+        with self.tracer.start_as_current_span(
+            "carpool.enqueue", context=parent, kind=SpanKind.PRODUCER, attributes=attributes
+        ) as span:
+            spec.traceparent = traceparent_of(span)
+            yield span
+
+    @contextmanager
+    def webhook_span(self, traceparent: str | None, event: str, url: str) -> Iterator[trace.Span]:
+        """Client span of one webhook delivery attempt, in the trace of the job it reports on."""
+        with self.tracer.start_as_current_span(
+            "carpool.webhook.deliver",
+            context=context_from_traceparent(traceparent),
+            kind=SpanKind.CLIENT,
+            attributes={M.A_WEBHOOK_EVENT: event, "url.full": url},
+        ) as span:
+            yield span
+
+    # --- streams and exposition -----------------------------------------------------
+
+    def watch_streams(self, redis: Any, keys: Keys, *, interval_s: float = DEFAULT_POLL_INTERVAL_S) -> StreamStats:
+        """Start the lane/dead-letter gauges; the caller awaits ``streams.aclose()`` at shutdown."""
+        assert self.streams is None, "streams already watched"
+        self.streams = StreamStats(redis, keys, interval_s=interval_s)
+        self.telemetry.observable(M.QUEUE_DEPTH, self.streams.observe_depth)
+        self.telemetry.observable(M.QUEUE_PENDING, self.streams.observe_pending)
+        self.telemetry.observable(M.DEAD_LETTER_DEPTH, self.streams.observe_dead)
+        self.streams.start()
+        return self.streams
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self.telemetry.render_metrics()
+
+    def close(self) -> None:
+        """Shut the telemetry down if this object made it (a passed-in one stays its owner's)."""
+        if self._owns_telemetry:
+            self.telemetry.shutdown()
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def telemetry_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Server span (continuing a ``traceparent`` header) and duration histogram for every request."""
+    from gateway import appkeys as K  # appkeys imports this module
+
+    metrics = request.app[K.METRICS]
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    attributes: dict[str, Any] = {M.A_HTTP_METHOD: request.method, M.A_HTTP_ROUTE: route}
+    start = time.perf_counter()
+    status = 500
+    if route in UNTRACED_ROUTES:
+        span_cm: Any = nullcontext(None)
+    else:
+        span_cm = metrics.tracer.start_as_current_span(
+            f"{request.method} {route}",
+            context=context_from_traceparent(request.headers.get("traceparent"), request.headers.get("tracestate")),
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+        )
+    with span_cm as span:
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        finally:
+            metrics.record_http(time.perf_counter() - start, {**attributes, M.A_HTTP_STATUS: status})
+            if span is not None:
+                span.set_attribute(M.A_HTTP_STATUS, status)
+                if status >= 500:
+                    span.set_status(Status(StatusCode.ERROR))
+
