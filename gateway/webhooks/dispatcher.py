@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
+from typing import Protocol
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -43,9 +44,24 @@ INGEST_BATCH = 100
 REDIS_RETRY_S = 1.0
 
 
+class AttemptObserver(Protocol):
+    """Where attempt counts and durations go (the gateway's metrics implement it)."""
+
+    def webhook_attempt(self, event: str, outcome: str, duration_s: float | None = None) -> None: ...
+
+
 class WebhookDispatcher:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, config: WebhookConfig, *, name: str | None = None) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        config: WebhookConfig,
+        *,
+        name: str | None = None,
+        observer: AttemptObserver | None = None,
+    ) -> None:
         self._config = config
+        self._observer = observer
         self._store = DeliveryStore(redis, keys, ttl_s=config.webhook_ttl_s)
         self._policy = config.retry_policy()
         self._allow = config.allowlist()
@@ -146,6 +162,7 @@ class WebhookDispatcher:
         await asyncio.gather(*pending, return_exceptions=True)
 
     async def _attempt(self, session: aiohttp.ClientSession, c: Claimed) -> None:
+        started = time.monotonic()
         try:
             status_code, error, retry_after_s = await self._send(session, c)
         except asyncio.CancelledError:
@@ -159,6 +176,8 @@ class WebhookDispatcher:
             error=error, next_at=None if decision.delay_s is None else now + decision.delay_s,
             outcome=decision.outcome.value,
         )
+        if self._observer is not None:
+            self._observer.webhook_attempt(c.event, decision.outcome.value, time.monotonic() - started)
         if not await self._store.settle(c, decision, record, now=now):
             log.warning("webhook %s attempt %d: claim lapsed before it finished; left to its new holder", c.delivery_id, c.attempt)
         elif decision.outcome is not AttemptOutcome.DELIVERED:

@@ -1,0 +1,72 @@
+"""A dispatcher process killed with SIGKILL between two attempts delivers after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from gateway.webhooks.signing import generate_secret
+from scheduler.keys import Keys
+from scheduler.webhooks import delivery_fields
+from webhook_receiver import Answer, Receiver
+
+KEYS = Keys("whrestart")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def start_dispatcher(redis_url: str, secret: str, log_path: Path) -> subprocess.Popen[bytes]:
+    args = [
+        sys.executable, "-m", "gateway.webhooks.dispatcher", "--redis-url", redis_url, "--key-prefix", KEYS.prefix,
+        "--webhook-allow", "127.0.0.1", "--webhook-retry-schedule-s", "2", "--webhook-jitter", "0",
+        "--webhook-poll-s", "0.05", "--webhook-timeout-s", "2",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CARPOOL_WEBHOOK_SECRET": secret}
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+async def test_sigkilled_dispatcher_delivers_after_restart(redis_url: str, tmp_path: Path) -> None:
+    log_path = tmp_path / "dispatcher.log"
+    secret = generate_secret()
+    receiver = await Receiver(secret, [Answer(500)], then=Answer(200)).start()
+    client = aioredis.Redis.from_url(redis_url)
+    first = start_dispatcher(redis_url, secret, log_path)
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        fields = delivery_fields("job1", "completed", receiver.url, {"id": "job1"}, now=time.time())
+        delivery_id = fields["id"].decode()
+        await client.hset(KEYS.job("job1"), mapping={"id": "job1", "status": "succeeded"})
+        await client.xadd(KEYS.webhooks, fields)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 30
+        while await client.hget(KEYS.webhook_delivery(delivery_id), "state") != b"retrying":
+            assert time.monotonic() < deadline and first.poll() is None, "first attempt never settled"
+            await asyncio.sleep(0.02)
+        first.send_signal(signal.SIGKILL)
+        assert first.wait(10) == -signal.SIGKILL
+        assert [r.status for r in receiver.received] == [500]
+        assert await client.zscore(KEYS.webhooks_retry, delivery_id) is not None
+
+        second = start_dispatcher(redis_url, secret, log_path)
+        await asyncio.wait_for(receiver.accepted.wait(), 30)
+        await asyncio.sleep(0.3)
+        assert [r.status for r in receiver.received] == [500, 200]
+        assert {r.headers["webhook-id"] for r in receiver.received} == {delivery_id}
+        assert receiver.bad_signatures == 0
+        assert await client.hget(KEYS.webhook_delivery(delivery_id), "state") == b"delivered"
+        assert await client.hget(KEYS.job("job1"), "wh_count") == b"2"
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(10) == 0, log_path.read_text()
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        await client.aclose()
+        await receiver.stop()
