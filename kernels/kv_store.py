@@ -43,16 +43,16 @@ def _store_kv_kernel(
 ):
     # One program per token: all of its kv heads at once.
     token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    # Padding tokens (slot -1) are masked out rather than returned early.
-    is_kept = slot >= 0
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    # BLOCK_H / BLOCK_D are padded to powers of two: mask the tail.
-    mask = is_kept & (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    # The slot is loaded once per head row: a per-row vector keeps every mask a
+    # full 2-D tile (the interpreter rejects scalar-and-tile masks).
+    slot = tl.load(slot_mapping_ptr + token + offs_h * 0).to(tl.int64)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    # Padding tokens (slot -1) are masked out; BLOCK_H / BLOCK_D are padded to
+    # powers of two, so their tails are masked too.
+    mask = (slot[:, None] >= 0) & (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
 
     # Gather this token's [heads, head_dim] key and value rows.
     key = tl.load(
@@ -64,8 +64,8 @@ def _store_kv_kernel(
         mask=mask,
     )
     # Scatter into the cache slot; block ids go through int64 so large caches do not overflow.
-    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
-    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs
+    k_dst = k_cache_ptr + (block * stride_kcb + offset * stride_kcs)[:, None]
+    v_dst = v_cache_ptr + (block * stride_vcb + offset * stride_vcs)[:, None]
     tl.store(
         k_dst + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
         key.to(k_cache_ptr.dtype.element_ty),
@@ -124,11 +124,9 @@ def store_kv_reference(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Plain-torch store: `k_cache.view(-1, H, D)[slot] = key[t]` for every slot >= 0."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    """Plain-torch store: `k_cache[slot // B, slot % B] = key[t]` for every slot >= 0."""
+    block_size = k_cache.shape[1]
     is_kept = slot_mapping >= 0
     slots = slot_mapping[is_kept].long()
-    k_flat = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    v_flat = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    k_flat[slots] = key[is_kept].to(k_cache.dtype)
-    v_flat[slots] = value[is_kept].to(v_cache.dtype)
+    k_cache[slots // block_size, slots % block_size] = key[is_kept].to(k_cache.dtype)
+    v_cache[slots // block_size, slots % block_size] = value[is_kept].to(v_cache.dtype)

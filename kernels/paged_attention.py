@@ -168,9 +168,9 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + ml_rows + 1, l_i, mask=is_row)
 
 
-def _query_tile_rows(rows_per_seq: int, head_dim: int) -> int:
+def _query_tile_rows(rows_per_seq: int, head_dim: int, is_fp32: bool) -> int:
     """Rows per query tile: small for decode (few rows), 64 for prefill chunks."""
-    largest = 32 if head_dim > 128 else 64
+    largest = 32 if head_dim > 128 or is_fp32 else 64
     return min(largest, max(16, triton.next_power_of_2(rows_per_seq)))
 
 
@@ -220,8 +220,10 @@ def paged_attention(
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group = num_heads // num_kv_heads
-    block_m = _query_tile_rows(max_query_len * group, head_dim)
-    block_n = 32 if head_dim > 128 else 64
+    # fp32 and wide heads use smaller tiles to stay within shared memory.
+    is_fp32 = q.dtype == torch.float32
+    block_m = _query_tile_rows(max_query_len * group, head_dim, is_fp32)
+    block_n = 32 if head_dim > 128 or is_fp32 else 64
     num_q_tiles = triton.cdiv(max_query_len * group, block_m)
     if num_kv_splits is None:
         num_kv_splits = plan_kv_splits(q.device, num_seqs * num_kv_heads * num_q_tiles, max_seq_len, seq_lens)
