@@ -1,0 +1,112 @@
+"""Webhooks end to end: gateway (with its in-process dispatcher) + a real worker + a real receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway.app import init_app
+from gateway.config import GatewayConfig
+from gateway.webhooks import generate_secret
+from gateway.webhooks.config import WebhookConfig
+from scheduler.job import job_view
+from scheduler.keys import Keys
+from webhook_receiver import Answer, Receiver
+from worker_harness import running_worker
+
+SECRET = generate_secret()
+
+
+async def start_gateway(redis_url: str, allow: list[str]) -> TestClient:
+    webhooks = WebhookConfig(
+        webhook_secret=SECRET, webhook_allow=allow, webhook_retry_schedule_s=[0.1, 0.2, 0.3],
+        webhook_jitter=0.0, webhook_poll_s=0.02, webhook_timeout_s=2.0,
+    )
+    client = TestClient(TestServer(init_app(GatewayConfig(redis_url=redis_url, webhooks=webhooks))))
+    await client.start_server()
+    return client
+
+
+@pytest.fixture
+async def gateway(redis_url: str) -> AsyncIterator[TestClient]:
+    """Receivers run on 127.0.0.1, which this gateway's allow-list admits."""
+    client = await start_gateway(redis_url, ["127.0.0.1"])
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def strict_gateway(redis_url: str) -> AsyncIterator[TestClient]:
+    """No allow-list: only public addresses."""
+    client = await start_gateway(redis_url, [])
+    yield client
+    await client.close()
+
+
+async def test_receiver_gets_started_outputs_completed_in_order(redis_url, gateway, tiny_model) -> None:
+    from worker.engine import Engine
+
+    receiver = await Receiver(SECRET, [Answer(503)], then=Answer(200)).start()
+    try:
+        engine = Engine(model=tiny_model(), max_num_seqs=4)
+        async with running_worker(redis_url, engine, webhook_output_interval_s=0.0):
+            body = {
+                "prompt": "hello webhooks",
+                "params": {"max_tokens": 24, "ignore_eos": True, "temperature": 0},
+                "webhook": {"url": receiver.url},
+            }
+            resp = await gateway.post("/v1/jobs", json=body)
+            assert resp.status == 202, await resp.text()
+            job_id = (await resp.json())["id"]
+            deadline = time.monotonic() + 60
+            while not any(r.status == 200 and r.payload["type"] == "completed" for r in receiver.received):
+                assert time.monotonic() < deadline, [r.payload["type"] for r in receiver.received]
+                await asyncio.sleep(0.05)
+            job = await (await gateway.get(f"/v1/jobs/{job_id}")).json()
+    finally:
+        await receiver.stop()
+    assert receiver.bad_signatures == 0
+    accepted = [r.payload for r in receiver.received if r.status == 200]
+    types = [p["type"] for p in accepted]
+    assert types[0] == "started" and types[-1] == "completed" and types.count("completed") == 1
+    assert set(types[1:-1]) == {"output"}, types
+    assert all(p["data"]["id"] == job_id for p in accepted)
+    final_text = job["output"]["text"]
+    assert job["status"] == "succeeded" and final_text
+    assert accepted[-1]["data"]["output"]["text"] == final_text
+    assert accepted[-1]["data"]["status"] == "succeeded"
+    partials = [p["data"]["output"]["text"] for p in accepted[1:-1]]
+    assert all(final_text.startswith(t) for t in partials)
+    # The first (503) attempt of `started` and its retry are both on the record, with one webhook-id.
+    assert receiver.received[0].status == 503
+    assert receiver.received[0].headers["webhook-id"] == receiver.received[1].headers["webhook-id"]
+    await asyncio.sleep(0.2)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        attempts = job_view(await client.hgetall(Keys().job(job_id)))["webhooks"]
+    finally:
+        await client.aclose()
+    assert attempts[0]["event"] == "started" and attempts[0]["status_code"] == 503
+    assert [a["outcome"] for a in attempts].count("delivered") == len(accepted)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://10.0.0.1/hook", "http://169.254.169.254/latest/meta-data/", "http://localhost:8080/hook",
+     "http://localhost./hook", "http://[::1]/hook", "file:///etc/passwd"],
+)
+async def test_submission_refuses_non_public_webhooks(strict_gateway, redis_url, url: str) -> None:
+    resp = await strict_gateway.post("/v1/jobs", json={"prompt": "hi", "webhook": {"url": url}})
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["field"] == "webhook.url"
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        assert [await client.xlen(k) for k in Keys().lanes()] == [0, 0, 0], "a refused job is never queued"
+    finally:
+        await client.aclose()
