@@ -55,6 +55,8 @@ class GatewayMetrics:
         # Zero series for every known label set, so dashboards and rate() see them before the first event.
         for lane in LANES:
             self._submitted.add(0, {M.A_LANE: lane.value})
+            self._rejected.add(0, {M.A_LANE: lane.value, M.A_REJECT_REASON: "lane_full"})
+        self._rejected.add(0, {M.A_LANE: UNKNOWN_LANE, M.A_REJECT_REASON: "invalid"})
         self._deduplicated.add(0)
         self._open_waiters.add(0)
         for state in ("queued", "running"):

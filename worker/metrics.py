@@ -1,0 +1,252 @@
+"""The worker's instruments, the spans of a job's life on the worker, and the ``/metrics`` handler.
+
+Recording is cheap and thread-safe (OpenTelemetry SDK instruments), and the
+engine gauges read a snapshot of ``Engine.stats()`` taken after each step, so
+a scrape never touches the engine while its thread is stepping.
+
+A job's trace continues the ``traceparent`` of its message: a
+``carpool.queue_wait`` span (enqueue to pick-up) and a ``carpool.job`` consumer
+span (pick-up to committed result) whose children are ``carpool.admission``
+(pick-up until handed to the engine), ``carpool.prefill`` (engine queue and
+prompt until the first token), ``carpool.decode`` (first token to the last)
+and ``carpool.result.publish`` (the atomic result commit).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from scheduler import metric_schema as M
+from scheduler.job import JobSpec, JobStatus
+from scheduler.keys import Keys
+from scheduler.lanes import LANES
+from scheduler.stream_stats import DEFAULT_POLL_INTERVAL_S, StreamStats
+from scheduler.telemetry import (
+    PROMETHEUS_CONTENT_TYPE,
+    Telemetry,
+    TelemetryConfig,
+    context_from_traceparent,
+    s_to_ns,
+    traceparent_of,
+)
+
+if TYPE_CHECKING:
+    from worker.results import Outcome
+
+A_JOB_ID = "carpool.job.id"
+DEAD_LETTER_REASONS = ("no_job_field", "invalid_job", "too_many_deliveries")
+
+
+@dataclass
+class JobTrace:
+    """One job's run on this worker: its lane, timestamps (unix s) and open ``carpool.job`` span."""
+
+    job_id: str
+    lane: str
+    created_s: float
+    started_s: float
+    span: trace.Span
+    admitted_s: float | None = None
+    resumed_from: int = 0
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def traceparent(self) -> str | None:
+        """Parent for work this job causes elsewhere (webhook deliveries)."""
+        return traceparent_of(self.span)
+
+    def admitted(self, now_s: float) -> None:
+        if self.admitted_s is None:
+            self.admitted_s = now_s
+
+
+class WorkerMetrics:
+    def __init__(self, telemetry: Telemetry | None = None, *, max_num_seqs: int = 1) -> None:
+        assert max_num_seqs >= 1
+        self._owns_telemetry = telemetry is None
+        self.telemetry = telemetry or Telemetry(TelemetryConfig(service_name="carpool-worker"))
+        self.tracer = self.telemetry.tracer
+        self.max_num_seqs = max_num_seqs
+        t = self.telemetry
+        self._finished = t.counter(M.JOBS_FINISHED)
+        self._queue_wait = t.histogram(M.QUEUE_WAIT)
+        self._ttft = t.histogram(M.TIME_TO_FIRST_TOKEN)
+        self._tpot = t.histogram(M.TIME_PER_OUTPUT_TOKEN)
+        self._e2e = t.histogram(M.REQUEST_DURATION)
+        self._tokens = t.histogram(M.TOKEN_USAGE)
+        self._step_s = t.histogram(M.STEP_DURATION)
+        self._step_tokens = t.histogram(M.STEP_TOKENS)
+        self._reclaimed = t.counter(M.LEASES_RECLAIMED)
+        self._dead = t.counter(M.DEAD_LETTERED)
+        self._stats: Any = None  # the engine's last EngineStats; replaced whole, never mutated
+        self._last_step = 0
+        for spec, read in (
+            (M.SEQS_RUNNING, lambda s: s.num_running),
+            (M.SEQS_WAITING, lambda s: s.num_waiting),
+            (M.KV_CACHE_USAGE, lambda s: s.kv_usage),
+            (M.BATCH_OCCUPANCY, lambda s: s.num_running / self.max_num_seqs),
+            (M.PREEMPTIONS, lambda s: s.num_preemptions),
+            (M.PREFIX_CACHE_QUERIES, lambda s: s.prefix_cache_query_tokens),
+            (M.PREFIX_CACHE_HITS, lambda s: s.prefix_cache_hit_tokens),
+            (M.PREFIX_CACHE_HIT_RATE, _hit_rate),
+        ):
+            t.observable(spec, self._observer(read))
+        for lane in LANES:
+            self._reclaimed.add(0, {M.A_LANE: lane.value})
+            for reason in DEAD_LETTER_REASONS:
+                self._dead.add(0, {M.A_LANE: lane.value, M.A_DEAD_LETTER_REASON: reason})
+        self.streams: StreamStats | None = None
+
+    # --- engine ------------------------------------------------------------------------
+
+    def record_step(self, stats: Any) -> None:
+        """Take the engine's ``EngineStats`` after a tick; records the step if one ran."""
+        self._stats = stats
+        if stats.num_steps > self._last_step:
+            self._last_step = stats.num_steps
+            self._step_s.record(stats.last_step_s)
+            self._step_tokens.record(stats.last_step_num_tokens)
+
+    def _observer(self, read: Any) -> Any:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            stats = self._stats
+            return [] if stats is None else [Observation(read(stats))]
+
+        return observe
+
+    # --- jobs ----------------------------------------------------------------------------
+
+    def job_started(self, spec: JobSpec, created_s: float, now_s: float | None = None, *, resumed_from: int = 0) -> JobTrace:
+        """A job was picked up to run: records its queue wait and opens its spans."""
+        now_s = time.time() if now_s is None else now_s
+        lane = spec.lane.value
+        created_s = min(created_s, now_s)
+        self._queue_wait.record(now_s - created_s, {M.A_LANE: lane})
+        parent = context_from_traceparent(spec.traceparent)
+        attributes = {A_JOB_ID: spec.id, M.A_LANE: lane}
+        self.tracer.start_span(
+            "carpool.queue_wait", context=parent, kind=SpanKind.INTERNAL, attributes=attributes,
+            start_time=s_to_ns(created_s),
+        ).end(end_time=s_to_ns(now_s))
+        span = self.tracer.start_span(
+            "carpool.job", context=parent, kind=SpanKind.CONSUMER,
+            attributes={**attributes, "carpool.job.resumed_from": resumed_from}, start_time=s_to_ns(now_s),
+        )
+        return JobTrace(spec.id, lane, created_s, now_s, span, resumed_from=resumed_from, attributes=attributes)
+
+    @contextmanager
+    def publish_span(self, job: JobTrace | None) -> Iterator[None]:
+        """Span around committing a job's result (record, pub/sub, reply stream, XACK, webhook)."""
+        if job is None:
+            yield
+            return
+        with self.tracer.start_as_current_span(
+            "carpool.result.publish", context=trace.set_span_in_context(job.span), attributes=job.attributes
+        ):
+            yield
+
+    def job_finished(
+        self, job: JobTrace, status: JobStatus, *, prompt_tokens: int, completion_tokens: int,
+        first_token_s: float | None, now_s: float | None = None,
+    ) -> None:
+        """The job's result is committed: closes its spans and records its latencies and tokens."""
+        now_s = time.time() if now_s is None else now_s
+        lane = {M.A_LANE: job.lane}
+        self._finished.add(1, {**lane, M.A_JOB_STATUS: status.value})
+        self._e2e.record(now_s - job.created_s, {**lane, M.A_JOB_STATUS: status.value})
+        self._tokens.record(prompt_tokens, {**lane, M.A_TOKEN_TYPE: "input"})
+        self._tokens.record(completion_tokens, {**lane, M.A_TOKEN_TYPE: "output"})
+        generated_here = completion_tokens - job.resumed_from
+        if status == JobStatus.SUCCEEDED and first_token_s is not None:
+            self._ttft.record(max(0.0, first_token_s - job.created_s), lane)
+            if generated_here > 1:
+                self._tpot.record(max(0.0, now_s - first_token_s) / (generated_here - 1), lane)
+        self._phase_spans(job, first_token_s, now_s)
+        job.span.set_attribute(M.A_JOB_STATUS, status.value)
+        job.span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
+        job.span.set_attribute("gen_ai.usage.output_tokens", completion_tokens)
+        if status == JobStatus.FAILED:
+            job.span.set_status(Status(StatusCode.ERROR))
+        job.span.end(end_time=s_to_ns(now_s))
+
+    def job_committed(self, outcome: Outcome, won: bool) -> None:
+        """Close a job that ran here once its outcome is committed (``won``: this commit decided it)."""
+        job = outcome.trace
+        assert isinstance(job, JobTrace)
+        if not won:  # decided elsewhere (another worker, a cancel): its metrics were counted there
+            job.span.set_attribute("carpool.job.superseded", True)
+            job.span.end()
+            return
+        usage = outcome.usage or {}
+        self.job_finished(
+            job, outcome.status, prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens", 0)), first_token_s=outcome.first_token_at,
+        )
+
+    def _phase_spans(self, job: JobTrace, first_token_s: float | None, end_s: float) -> None:
+        parent = trace.set_span_in_context(job.span)
+        admitted_s = job.admitted_s if job.admitted_s is not None else job.started_s
+        phases = [("carpool.admission", job.started_s, admitted_s)]
+        if first_token_s is not None and first_token_s >= admitted_s:
+            phases += [("carpool.prefill", admitted_s, first_token_s), ("carpool.decode", first_token_s, end_s)]
+        else:
+            phases.append(("carpool.prefill", admitted_s, end_s))
+        for name, start_s, stop_s in phases:
+            self.tracer.start_span(name, context=parent, attributes=job.attributes, start_time=s_to_ns(start_s)).end(
+                end_time=s_to_ns(max(start_s, stop_s))
+            )
+
+    def job_finished_unrun(self, spec: JobSpec, status: JobStatus, created_s: float, now_s: float | None = None) -> None:
+        """A job decided without running (expired, cancelled while queued, invalid, dead-lettered)."""
+        now_s = time.time() if now_s is None else now_s
+        lane = spec.lane.value
+        self._finished.add(1, {M.A_LANE: lane, M.A_JOB_STATUS: status.value})
+        self._e2e.record(max(0.0, now_s - created_s), {M.A_LANE: lane, M.A_JOB_STATUS: status.value})
+
+    def leases_reclaimed(self, lanes: Iterable[str]) -> None:
+        for lane in lanes:
+            self._reclaimed.add(1, {M.A_LANE: lane})
+
+    def dead_lettered(self, lane: str, reason: str) -> None:
+        self._dead.add(1, {M.A_LANE: lane, M.A_DEAD_LETTER_REASON: reason})
+
+    # --- streams and exposition ----------------------------------------------------------
+
+    def watch_streams(self, redis: Any, keys: Keys, *, interval_s: float = DEFAULT_POLL_INTERVAL_S) -> StreamStats:
+        """Start the lane/dead-letter gauges; the caller awaits ``streams.aclose()`` at shutdown."""
+        assert self.streams is None, "streams already watched"
+        self.streams = StreamStats(redis, keys, interval_s=interval_s)
+        self.telemetry.observable(M.QUEUE_DEPTH, self.streams.observe_depth)
+        self.telemetry.observable(M.QUEUE_PENDING, self.streams.observe_pending)
+        self.telemetry.observable(M.DEAD_LETTER_DEPTH, self.streams.observe_dead)
+        self.streams.start()
+        return self.streams
+
+    def render(self) -> bytes:
+        return self.telemetry.render_metrics()
+
+    def close(self) -> None:
+        """Shut the telemetry down if this object made it (a passed-in one stays its owner's)."""
+        if self._owns_telemetry:
+            self.telemetry.shutdown()
+
+
+def _hit_rate(stats: Any) -> float:
+    queried = stats.prefix_cache_query_tokens
+    return stats.prefix_cache_hit_tokens / queried if queried else 0.0
+
+
+METRICS_KEY = web.AppKey("worker_metrics", WorkerMetrics)
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS_KEY].render(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
