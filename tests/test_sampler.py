@@ -1,0 +1,167 @@
+"""Sampler: greedy, truncation, penalties, seeded determinism and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from scheduler.params import SamplingParams
+from worker.sampler import SampleRequest, Sampler, apply_penalties, filter_logits
+
+VOCAB = 8
+
+
+def _request(
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    position: int = 0,
+    suppress: list[int] | None = None,
+    **params: object,
+) -> SampleRequest:
+    return SampleRequest(SamplingParams(**params), prompt or [], output or [], position, suppress or [])
+
+
+def _draw_many(logits: torch.Tensor, num_draws: int, **params: object) -> set[int]:
+    sampler = Sampler(seed=0)
+    rows = logits.expand(num_draws, -1)
+    return {t.token_id for t in sampler.sample(rows, [_request(**params) for _ in range(num_draws)])}
+
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0, 1.5]])  # order: 6, 0, 7, 1, 2, 3, 4, 5
+
+
+def test_greedy_is_argmax_per_row() -> None:
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
+    tokens = Sampler(seed=1).sample(logits, [_request(temperature=0.0) for _ in range(5)])
+    assert [t.token_id for t in tokens] == logits.argmax(dim=-1).tolist()
+    assert all(t.logprob is None and t.top_logprobs is None for t in tokens)
+
+
+def test_unrestricted_sampling_reaches_the_whole_support() -> None:
+    assert _draw_many(torch.zeros(1, VOCAB), 400, temperature=1.0) == set(range(VOCAB))
+
+
+def test_top_k_restricts_support() -> None:
+    assert _draw_many(LOGITS, 400, temperature=5.0, top_k=3) == {6, 0, 7}
+
+
+def test_top_p_restricts_support() -> None:
+    probs = LOGITS[0].softmax(-1)
+    # Mass of the top two (6 and 0) is below 0.8, adding 7 crosses it: exactly three tokens remain.
+    assert probs[6] + probs[0] < 0.8 < probs[6] + probs[0] + probs[7]
+    assert _draw_many(LOGITS, 400, temperature=1.0, top_p=0.8) == {6, 0, 7}
+
+
+def test_min_p_restricts_support() -> None:
+    # Kept: p >= 0.3 * p_max, i.e. logit >= 3 + ln(0.3) ~= 1.80.
+    assert _draw_many(LOGITS, 400, temperature=1.0, min_p=0.3) == {6, 0}
+
+
+def test_filters_keep_the_top_token_even_when_everything_else_is_cut() -> None:
+    filtered = filter_logits(LOGITS, torch.tensor([1]), torch.tensor([0.01]), torch.tensor([1.0]))
+    assert torch.isfinite(filtered[0]).tolist() == [i == 6 for i in range(VOCAB)]
+
+
+def test_suppressed_ids_are_never_drawn() -> None:
+    assert 6 not in _draw_many(LOGITS, 200, temperature=1.0, suppress=[6])
+    greedy = Sampler().sample(LOGITS, [_request(temperature=0.0, suppress=[6, 0])])
+    assert greedy[0].token_id == 7
+
+
+def test_repetition_penalty_follows_transformers() -> None:
+    row = torch.tensor([2.0, -2.0, 1.0, -1.0])
+    apply_penalties(row, _request(prompt=[0, 1], output=[1, 1], repetition_penalty=2.0))
+    assert row.tolist() == [1.0, -4.0, 1.0, -1.0]
+
+
+def test_presence_and_frequency_penalties_follow_openai() -> None:
+    row = torch.tensor([2.0, -2.0, 1.0, -1.0])
+    # Prompt tokens don't count; token 1 appears twice in the output, token 3 once.
+    apply_penalties(row, _request(prompt=[0], output=[1, 3, 1], presence_penalty=0.5, frequency_penalty=0.25))
+    assert row.tolist() == [2.0, -2.0 - 0.5 - 0.5, 1.0, -1.0 - 0.5 - 0.25]
+
+
+def test_penalties_apply_inside_sample() -> None:
+    logits = torch.tensor([[3.0, 2.5, 0.0]])
+    # Without penalty token 0 wins; with repetition penalty 2 on it (3 -> 1.5), token 1 wins.
+    tokens = Sampler().sample(logits, [_request(output=[0], temperature=0.0, repetition_penalty=2.0)])
+    assert tokens[0].token_id == 1
+    assert logits.tolist() == [[3.0, 2.5, 0.0]]  # input untouched
+
+
+def test_seeded_draw_depends_only_on_seed_position_and_logits() -> None:
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(9))
+    target = _request(position=17, temperature=1.0, seed=1234)
+    alone = Sampler(seed=1).sample(logits, [target])[0].token_id
+    others = torch.randn(4, 300)
+    batch = torch.cat([others[:2], logits, others[2:]])
+    crowd = [
+        _request(temperature=0.7),
+        _request(temperature=1.0, seed=5, position=17),
+        target,
+        _request(temperature=0.0),
+        _request(temperature=1.3, top_k=10),
+    ]
+    in_batch = Sampler(seed=2).sample(batch, crowd)[2].token_id
+    assert alone == in_batch
+    # Different positions with the same seed give different draws (not a constant).
+    draws = {Sampler().sample(logits, [_request(position=p, temperature=1.0, seed=1234)])[0].token_id for p in range(30)}
+    assert len(draws) > 5
+
+
+def test_unseeded_draws_follow_the_sampler_seed_and_not_the_global_rng() -> None:
+    logits = torch.zeros(20, 1000)
+    requests = [_request(temperature=1.0) for _ in range(20)]
+    torch.manual_seed(0)
+    first = [t.token_id for t in Sampler(seed=7).sample(logits, requests)]
+    torch.manual_seed(99)
+    second = [t.token_id for t in Sampler(seed=7).sample(logits, requests)]
+    assert first == second
+    state = torch.get_rng_state()
+    Sampler(seed=8).sample(logits, requests)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_logprobs_are_log_softmax_of_the_final_distribution() -> None:
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(4))
+    tokens = Sampler().sample(
+        logits,
+        [_request(temperature=0.0, logprobs=3), _request(temperature=0.5, top_k=2, logprobs=4, seed=3)],
+    )
+    greedy_lp = logits[0].log_softmax(-1)
+    assert tokens[0].logprob == pytest.approx(greedy_lp.max().item(), abs=1e-6)
+    top = greedy_lp.topk(3)
+    assert tokens[0].top_logprobs == pytest.approx(dict(zip(top.indices.tolist(), top.values.tolist())), abs=1e-6)
+    # Sampled row: temperature 0.5, then only the top two tokens remain.
+    scaled = logits[1] / 0.5
+    kept = scaled.topk(2).indices.tolist()
+    assert tokens[1].token_id in kept
+    two = scaled[kept].log_softmax(-1)
+    expected = dict(zip(kept, two.tolist()))
+    assert tokens[1].top_logprobs == pytest.approx(expected, abs=1e-6)  # ruled-out tokens left off
+    assert tokens[1].logprob == pytest.approx(expected[tokens[1].token_id], abs=1e-6)
+    assert math.fsum(math.exp(v) for v in expected.values()) == pytest.approx(1.0)
+
+
+def test_logprobs_zero_gives_only_the_sampled_token() -> None:
+    token = Sampler().sample(LOGITS, [_request(temperature=0.0, logprobs=0)])[0]
+    assert token.token_id == 6
+    assert token.logprob == pytest.approx(LOGITS[0].log_softmax(-1)[6].item())
+    assert token.top_logprobs == {}
+
+
+def test_temperature_sharpens_the_distribution() -> None:
+    logits = torch.tensor([[1.0, 0.0]])
+    counts_hot = sum(t == 0 for t in _draw_list(logits, 600, temperature=2.0))
+    counts_cold = sum(t == 0 for t in _draw_list(logits, 600, temperature=0.25))
+    # p(token 0) = sigmoid(1/T): ~0.62 at T=2, ~0.98 at T=0.25.
+    assert 0.52 * 600 < counts_hot < 0.72 * 600
+    assert counts_cold > 0.94 * 600
+
+
+def _draw_list(logits: torch.Tensor, num_draws: int, **params: object) -> list[int]:
+    sampler = Sampler(seed=11)
+    rows = logits.expand(num_draws, -1)
+    return [t.token_id for t in sampler.sample(rows, [_request(**params) for _ in range(num_draws)])]
