@@ -66,7 +66,8 @@ class EmbeddedRedis:
         else:
             args += ["--appendonly", "no", "--save", ""]
         log = open(self.data_dir / "redis.log", "ab")
-        self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        # Its own session: a Ctrl-C meant for `carpool up` must not kill Redis before the worker has drained.
+        self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,100 @@
+"""The `carpool` command: one verb per process kind.
+
+`up`, `gateway` and `submit` live here; `worker` and `generate` belong to
+`worker.cli` and `webhooks` to `gateway.webhooks.dispatcher`, imported only
+when those verbs run, so the gateway never loads torch. Configuration is read
+once, here: flags first, then `CARPOOL_<FLAG>` variables, then defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from gateway.config import GatewayConfig
+from gateway.flags import add_config_flags, config_from_args
+from gateway.submit import add_submit_flags, run_submit
+from gateway.up import UpConfig, default_data_dir, run_up
+from gateway.webhooks.config import WebhookConfig
+
+DELEGATED_VERBS: dict[str, str] = {
+    "worker": "run a GPU/CPU worker: consume the lanes, batch jobs, write results",
+    "generate": "run the offline engine once on a prompt and print the completion",
+    "webhooks": "run a webhook dispatcher on its own (the gateway also runs one)",
+}
+"""Verbs whose flags live with their own module; `carpool VERB --help` shows them."""
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="carpool", description="Queue-fed LLM inference over Redis Streams.")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    up = verbs.add_parser("up", help="start Redis (bundled unless --redis-url), the gateway and one worker")
+    add_config_flags(up, UpConfig, env)
+    add_config_flags(up, WebhookConfig, env)
+
+    gateway = verbs.add_parser("gateway", help="run the HTTP gateway")
+    add_config_flags(gateway, GatewayConfig, env)
+    add_config_flags(gateway, WebhookConfig, env)
+    gateway.add_argument("--log-level", default=env.get("CARPOOL_LOG_LEVEL", "INFO"), help="[env CARPOOL_LOG_LEVEL]")
+
+    submit = verbs.add_parser("submit", help="send one prompt to a gateway; --wait prints the completion")
+    add_submit_flags(submit, env)
+
+    for verb, help_text in DELEGATED_VERBS.items():
+        verbs.add_parser(verb, help=help_text, add_help=False)
+    return parser
+
+
+def _delegate(verb: str) -> Callable[[list[str], Mapping[str, str]], int]:
+    if verb in ("worker", "generate"):
+        from worker.cli import main as worker_main
+
+        return lambda rest, env: worker_main([verb, *rest], env)
+    from gateway.webhooks.dispatcher import main as webhooks_main
+
+    return lambda rest, env: webhooks_main(rest)
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    environ = os.environ if env is None else env
+    if args_list and args_list[0] in DELEGATED_VERBS:
+        return _delegate(args_list[0])(args_list[1:], environ)
+    parser = build_parser(environ)
+    args = parser.parse_args(args_list)
+    if args.verb == "submit":
+        return run_submit(args)
+    try:
+        webhooks = config_from_args(WebhookConfig, args)
+        if args.verb == "up":
+            up = config_from_args(UpConfig, args)
+        else:
+            gateway = config_from_args(GatewayConfig, args, webhooks=webhooks)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.verb == "up":
+        data_dir = Path(up.data_dir).expanduser() if up.data_dir else default_data_dir(Path.home())
+        return run_up(up, webhooks, data_dir)
+    return run_gateway(gateway, args.log_level)
+
+
+def run_gateway(config: GatewayConfig, log_level: str) -> int:
+    from aiohttp import web
+
+    from gateway.app import init_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    web.run_app(
+        init_app(config), host=config.host, port=config.port, shutdown_timeout=config.shutdown_grace_s,
+        print=lambda line: print(f"carpool gateway: {line}", flush=True),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

