@@ -21,10 +21,12 @@ from aiohttp import web
 from scheduler.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
 from scheduler.keys import Keys
 from scheduler.lanes import Lane
+from scheduler.telemetry import Telemetry
 from scheduler.webhooks import delivery_fields
 from worker.config import WorkerConfig
 from worker.consumer import Entry, LaneConsumer
 from worker.job_loop import JobLoop
+from worker.metrics import METRICS_KEY, WorkerMetrics, metrics_handler
 from worker.results import Outcome, ResultStore, pack
 
 log = logging.getLogger(__name__)
@@ -33,7 +35,8 @@ SERVICE_KEY: web.AppKey[WorkerService] = web.AppKey("service", "WorkerService")
 
 
 class WorkerService:
-    def __init__(self, config: WorkerConfig, engine: Any, client: aioredis.Redis) -> None:
+    def __init__(self, config: WorkerConfig, engine: Any, client: aioredis.Redis,
+                 telemetry: Telemetry | None = None) -> None:
         self.config = config
         self.engine = engine
         self.client = client
@@ -43,7 +46,10 @@ class WorkerService:
         self.consumer = LaneConsumer(client, self.keys, config.worker_name, {lane: config.weight(lane) for lane in Lane},
                                      lease_ms=config.lease_ms, read_block_ms=config.read_block_ms,
                                      max_deliveries=config.max_deliveries)
-        self.loop = JobLoop(engine, self.store, client, self.keys, config)
+        # ``telemetry`` (built by the CLI from the OTEL_* variables) stays the caller's to shut down.
+        self.metrics = WorkerMetrics(telemetry, max_num_seqs=getattr(engine, "max_num_seqs", config.capacity))
+        self._lane_of = {self.keys.lane(lane): lane.value for lane in Lane}
+        self.loop = JobLoop(engine, self.store, client, self.keys, config, self.metrics)
         self.is_ready = False
         self.is_draining = False
         self.stopped = asyncio.Event()
@@ -59,6 +65,7 @@ class WorkerService:
         self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         # Subscribe before reading any entry: a cancel published after admission is then never missed.
         await self._pubsub.subscribe(self.keys.control)
+        self.metrics.watch_streams(self.client, self.keys)
         self._spawn("engine", self.loop.run())
         self._spawn("control", self._control())
         self._spawn("leases", self._leases())
@@ -98,6 +105,9 @@ class WorkerService:
         if self._http is not None:
             await self._http.cleanup()
         self.loop.close()
+        if self.metrics.streams is not None:
+            await self.metrics.streams.aclose()
+        self.metrics.close()
 
     def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=f"worker {name}")
@@ -131,7 +141,9 @@ class WorkerService:
                 continue
             entries: list[Entry] = []
             if time.monotonic() >= next_reclaim:
-                entries += await self.consumer.reclaim(free)
+                reclaimed = await self.consumer.reclaim(free)
+                self.metrics.leases_reclaimed(self._lane_of.get(e.ref.stream, "unknown") for e in reclaimed)
+                entries += reclaimed
                 next_reclaim = time.monotonic() + reclaim_every_s
             if len(entries) < free:
                 entries += await self.consumer.read(free - len(entries))
@@ -156,6 +168,7 @@ class WorkerService:
         raw = entry.fields.get(b"job")
         if raw is None:
             await self.store.dead_letter_entry(ref, "entry has no 'job' field", entry.fields)
+            self.metrics.dead_lettered(self._lane_of.get(ref.stream, "unknown"), "no_job_field")
             return
         try:
             spec = JobSpec.unpack(raw)
@@ -163,6 +176,7 @@ class WorkerService:
             job_id = _recover_id(raw)
             reason = f"invalid job: {e}"
             log.warning("%s: %s", ref, reason)
+            self.metrics.dead_lettered(self._lane_of.get(ref.stream, "unknown"), "invalid_job")
             if job_id is None:
                 await self.store.dead_letter_entry(ref, reason, entry.fields)
             else:
@@ -172,6 +186,7 @@ class WorkerService:
         if entry.deliveries > self.config.max_deliveries:
             reason = f"delivered {entry.deliveries} times (max_deliveries {self.config.max_deliveries})"
             log.warning("job %s: %s; dead-lettered", spec.id, reason)
+            self.metrics.dead_lettered(spec.lane.value, "too_many_deliveries")
             await self.store.commit(Outcome(spec.id, JobStatus.FAILED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
                                             dead_reason=reason, dead_payload=raw,
                                             error={"type": "too_many_deliveries", "message": reason}))
@@ -183,9 +198,11 @@ class WorkerService:
         elif admission.verdict == "cancel":
             await self.store.commit(Outcome(spec.id, JobStatus.CANCELLED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
                                             error={"type": "cancelled", "message": "cancelled before it started"}))
+            self.metrics.job_finished_unrun(spec, JobStatus.CANCELLED, created_at)
         elif admission.verdict == "expire":
             await self.store.commit(Outcome(spec.id, JobStatus.EXPIRED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
                                             error={"type": "expired", "message": "deadline passed before the job started"}))
+            self.metrics.job_finished_unrun(spec, JobStatus.EXPIRED, created_at)
         else:
             assert admission.verdict == "run", admission.verdict
             await self._announce_start(spec, admission.attempts, admission.is_first_start, len(admission.checkpoint))
@@ -241,6 +258,8 @@ class WorkerService:
         app[SERVICE_KEY] = self
         app.router.add_get("/healthz", _healthz)
         app.router.add_get("/readyz", _readyz)
+        app[METRICS_KEY] = self.metrics
+        app.router.add_get("/metrics", metrics_handler)
         return app
 
     async def start_http(self, host: str, port: int) -> None:

@@ -1,0 +1,165 @@
+"""The worker against a real redis-server and a real tiny model: results, replies, poison, expiry, cancel, leases."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+
+from scheduler.job import JobSpec
+from scheduler.keys import CONSUMER_GROUP
+from scheduler.lanes import LANES, Lane
+from scheduler.params import SamplingParams
+from worker_harness import KEYS, running_worker, status_of, wait_terminal, xadd_job
+
+
+@pytest.fixture
+def engine_factory(tiny_model):
+    from worker.engine import Engine
+
+    def make(**kwargs):
+        kwargs.setdefault("max_num_seqs", 16)
+        kwargs.setdefault("policy", "priority")
+        return Engine(model=tiny_model(), **kwargs)
+
+    return make
+
+
+async def test_jobs_over_three_lanes_match_offline_engine(redis_url, engine_factory):
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    specs = [
+        JobSpec(id=f"job-{i}", prompt=f"lane test prompt {i} " + "x" * (i % 5), params=greedy,
+                lane=LANES[i % 3], reply_to=("replies:a" if i % 4 == 0 else "replies:b" if i % 4 == 1 else None))
+        for i in range(40)
+    ]
+    expected = engine_factory().generate([s.prompt for s in specs], greedy)
+    client = aioredis.Redis.from_url(redis_url)
+    async with running_worker(redis_url, engine_factory()):
+        for spec in specs:
+            await xadd_job(client, spec)
+        views = await wait_terminal(client, [s.id for s in specs], timeout_s=120)
+    for spec, completion in zip(specs, expected):
+        view = views[spec.id]
+        assert view["status"] == "succeeded", view
+        assert view["output"]["token_ids"] == completion.token_ids
+        assert view["output"]["text"] == completion.text
+        assert view["attempts"] == 1
+        assert view["lane"] == spec.lane.value
+        timings = view["timings"]
+        assert timings["queued_s"] >= 0 and timings["ttft_s"] >= timings["queued_s"]
+        assert timings["e2e_s"] >= timings["ttft_s"]
+        assert view["usage"]["completion_tokens"] == len(completion.token_ids)
+    for stream, wanted in (("replies:a", {s.id for s in specs if s.reply_to == "replies:a"}),
+                           ("replies:b", {s.id for s in specs if s.reply_to == "replies:b"})):
+        entries = await client.xrange(stream)
+        got = [msgpack.unpackb(fields[b"result"], raw=False)["id"] for _, fields in entries]
+        assert sorted(got) == sorted(wanted)  # exactly one reply per job
+    for lane in Lane:  # acknowledged and deleted: nothing pending, nothing left in the lanes
+        assert await client.xlen(KEYS.lane(lane)) == 0
+        assert (await client.xpending(KEYS.lane(lane), CONSUMER_GROUP))["pending"] == 0
+    await client.aclose()
+
+
+async def test_poison_entries_are_dead_lettered_and_the_worker_keeps_serving(redis_url, engine_factory):
+    client = aioredis.Redis.from_url(redis_url)
+    lane = KEYS.lane(Lane.STANDARD)
+    async with running_worker(redis_url, engine_factory()):
+        await client.xadd(lane, {"job": b"\xc1\xff not msgpack"})
+        await client.xadd(lane, {"something": b"else"})
+        await client.xadd(lane, {"job": msgpack.packb({"v": 1, "id": "no-prompt"})})
+        await client.xadd(lane, {"job": msgpack.packb({"v": 1, "id": "bad-params", "prompt": "hi",
+                                                       "params": {"temperature": -1}})})
+        good = JobSpec(id="good", prompt="still serving", params=SamplingParams(max_tokens=3, temperature=0))
+        await xadd_job(client, good)
+        views = await wait_terminal(client, ["no-prompt", "bad-params", "good"], timeout_s=60)
+        deadline = time.monotonic() + 10
+        while await client.xlen(KEYS.dead) < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    assert views["good"]["status"] == "succeeded"
+    assert views["no-prompt"]["status"] == "failed"
+    assert views["no-prompt"]["error"]["field"] == "prompt"
+    assert views["bad-params"]["status"] == "failed"
+    assert views["bad-params"]["error"]["field"] == "params.temperature"
+    assert "temperature" in views["bad-params"]["error"]["message"]
+    dead = await client.xrange(KEYS.dead)
+    reasons = sorted(fields[b"reason"].decode() for _, fields in dead)
+    assert len(dead) == 4
+    assert any("not a msgpack map" in r for r in reasons)
+    assert any("no 'job' field" in r for r in reasons)
+    assert (await client.xpending(lane, CONSUMER_GROUP))["pending"] == 0
+    await client.aclose()
+
+
+async def test_expired_job_never_runs(redis_url, engine_factory):
+    client = aioredis.Redis.from_url(redis_url)
+    engine = engine_factory()
+    spec = JobSpec(id="late", prompt="too late", deadline=time.time() - 1, reply_to="replies:late",
+                   params=SamplingParams(max_tokens=4))
+    async with running_worker(redis_url, engine):
+        await xadd_job(client, spec)
+        views = await wait_terminal(client, ["late"], timeout_s=30)
+    view = views["late"]
+    assert view["status"] == "expired"
+    assert view["started_at"] is None and view["output"] is None
+    assert view["error"]["type"] == "expired"
+    assert engine.stats().num_steps == 0  # the engine never saw it
+    assert len(await client.xrange("replies:late")) == 1
+    await client.aclose()
+
+
+async def test_cancel_running_job_frees_its_blocks(redis_url, engine_factory):
+    client = aioredis.Redis.from_url(redis_url)
+    engine = engine_factory(enable_prefix_caching=False)
+    spec = JobSpec(id="long", prompt="a long one", params=SamplingParams(max_tokens=1500, ignore_eos=True))
+    async with running_worker(redis_url, engine, checkpoint_tokens=2) as service:
+        await xadd_job(client, spec)
+        deadline = time.monotonic() + 30
+        while not await client.hget(KEYS.job("long"), "checkpoint"):
+            assert time.monotonic() < deadline, "job never started"
+            await asyncio.sleep(0.05)
+        assert engine.stats().num_kv_blocks_used > 0
+        # What the gateway does for a running job: raise the flag, tell the workers.
+        await client.set(KEYS.cancel("long"), "1")
+        await client.publish(KEYS.control, msgpack.packb({"type": "cancel", "id": "long"}))
+        views = await wait_terminal(client, ["long"], timeout_s=30)
+        deadline = time.monotonic() + 10
+        while service.engine.stats().num_kv_blocks_used and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stats = engine.stats()
+    assert views["long"]["status"] == "cancelled"
+    assert views["long"]["usage"]["completion_tokens"] < 1500
+    assert stats.num_kv_blocks_used == 0 and stats.num_running == 0
+    await client.aclose()
+
+
+async def test_live_worker_keeps_its_lease_beyond_the_lease_time(redis_url, engine_factory):
+    client = aioredis.Redis.from_url(redis_url)
+    spec = JobSpec(id="slow", prompt="slow job", params=SamplingParams(max_tokens=600, ignore_eos=True, temperature=0))
+    finals: list[bytes] = []
+    pubsub = client.pubsub()
+    await pubsub.subscribe(KEYS.events("slow"))
+
+    async def listen():
+        async for message in pubsub.listen():
+            if message["type"] == "message" and msgpack.unpackb(message["data"])["type"] == "final":
+                finals.append(message["data"])
+
+    listener = asyncio.create_task(listen())
+    async with running_worker(redis_url, engine_factory(), lease_s=1.5, worker_name="a"):
+        async with running_worker(redis_url, engine_factory(), lease_s=1.5, worker_name="b"):
+            started = time.monotonic()
+            await xadd_job(client, spec)
+            views = await wait_terminal(client, ["slow"], timeout_s=60)
+            run_s = time.monotonic() - started
+    await asyncio.sleep(0.2)
+    listener.cancel()
+    await asyncio.gather(listener, return_exceptions=True)
+    await pubsub.aclose()
+    assert run_s > 3 * 1.5, f"job ran {run_s:.2f}s: too short to prove the lease was renewed"
+    assert views["slow"]["status"] == "succeeded"
+    assert views["slow"]["attempts"] == 1 and views["slow"]["resumed_from"] == 0
+    assert len(finals) == 1
+    await client.aclose()
