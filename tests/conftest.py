@@ -8,10 +8,16 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 from gateway.embedded_redis import EmbeddedRedis
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Triton picks compiling or its numpy interpreter when a kernel is defined (at
+# import), so without a GPU the interpreter goes on before any test imports `kernels`.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
