@@ -19,7 +19,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from scheduler import metric_schema as M
-from scheduler.job import JobSpec
+from scheduler.job import JobSpec, WebhookEvent
 from scheduler.keys import Keys
 from scheduler.lanes import LANES
 from scheduler.stream_stats import DEFAULT_POLL_INTERVAL_S, StreamStats
@@ -33,6 +33,7 @@ from scheduler.telemetry import (
 
 CONTENT_TYPE = PROMETHEUS_CONTENT_TYPE
 UNKNOWN_LANE = "unknown"
+WEBHOOK_OUTCOMES = ("delivered", "retrying", "failed", "refused")
 # Scrapes and probes would drown the job traces; they still count in the duration histogram.
 UNTRACED_ROUTES = frozenset({"/metrics", "/healthz", "/readyz"})
 
@@ -57,6 +58,9 @@ class GatewayMetrics:
             self._submitted.add(0, {M.A_LANE: lane.value})
             self._rejected.add(0, {M.A_LANE: lane.value, M.A_REJECT_REASON: "lane_full"})
         self._rejected.add(0, {M.A_LANE: UNKNOWN_LANE, M.A_REJECT_REASON: "invalid"})
+        for event in WebhookEvent:
+            for outcome in WEBHOOK_OUTCOMES:
+                self._webhook_deliveries.add(0, {M.A_WEBHOOK_EVENT: event.value, M.A_WEBHOOK_OUTCOME: outcome})
         self._deduplicated.add(0)
         self._open_waiters.add(0)
         for state in ("queued", "running"):

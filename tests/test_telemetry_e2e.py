@@ -19,6 +19,7 @@ from gateway import appkeys as K
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from scheduler.metric_schema import GATEWAY_METRICS, WORKER_METRICS
+from tests.test_telemetry_dashboard import load_dashboard, queries, series_in
 from tests.telemetry_support import in_memory_telemetry, is_connected, sample_names, spans_by_trace, value
 from worker.config import WorkerConfig
 from worker.service import WorkerService
@@ -112,6 +113,11 @@ async def test_metrics_and_traces_from_gateway_to_worker(redis_url: str, tiny_mo
         for spec in specs:
             if spec.name not in WEBHOOK_ONLY:
                 assert set(spec.prometheus_names) <= names, spec.name
+
+    # the dashboard reads only series these scrapes expose
+    scraped = sample_names(gw_text) | sample_names(wk_text)
+    used = set().union(*(series_in(expr) for expr in queries(load_dashboard())))
+    assert used <= scraped, sorted(used - scraped)
 
     # traces: one per job, spans from both processes, connected
     gw_by_trace = spans_by_trace(gw_spans.get_finished_spans())
