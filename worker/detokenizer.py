@@ -30,6 +30,8 @@ class IncrementalDetokenizer:
         # _ids[prefix_offset:read_offset] is context already emitted; _ids[read_offset:] is pending.
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        # Characters of the pending tokens' text already emitted while a partial character waits.
+        self._num_emitted_pending = 0
         self._pieces: list[str] = []
 
     @property
@@ -49,16 +51,19 @@ class IncrementalDetokenizer:
     def _advance(self, is_final: bool) -> str:
         if self._read_offset == len(self._ids):
             return ""
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        prefix_len = len(self._decode(self._ids[self._prefix_offset : self._read_offset]))
         full_text = self._decode(self._ids[self._prefix_offset :])
-        if len(full_text) <= len(prefix_text) and not is_final:
-            # Nothing visible yet (special tokens skipped, or a partial character).
-            return ""
-        if full_text.endswith(REPLACEMENT_CHAR) and not is_final:
-            return ""
-        new_text = full_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        is_complete = is_final or not full_text.endswith(REPLACEMENT_CHAR)
+        # Text before a trailing partial character is stable already.
+        stable_end = len(full_text) if is_complete else len(full_text.rstrip(REPLACEMENT_CHAR))
+        start = prefix_len + self._num_emitted_pending
+        new_text = full_text[start:stable_end]
+        if is_complete:
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            self._num_emitted_pending = 0
+        else:
+            self._num_emitted_pending += len(new_text)
         if new_text:
             self._pieces.append(new_text)
         return new_text

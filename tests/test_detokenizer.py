@@ -1,0 +1,116 @@
+"""Incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from worker.default_model import build_tokenizer
+from worker.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def test_pieces_concatenate_to_the_full_decode(tokenizer) -> None:
+    rng = random.Random(0)
+    text = "Grüße 👋🏽 from 東京 — ok"
+    output = tokenizer(text, add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tokenizer, tokenizer("prompt: ").input_ids)
+    pieces: list[str] = []
+    start = 0
+    while start < len(output):
+        size = rng.randint(1, 3)
+        pieces.append(detok.push(output[start : start + size]))
+        start += size
+    assert "".join(pieces) == text == detok.text
+    assert all("\ufffd" not in piece for piece in pieces)
+
+
+def test_multibyte_character_is_emitted_only_when_complete(tokenizer) -> None:
+    detok = IncrementalDetokenizer(tokenizer, [tokenizer.bos_token_id])
+    emoji = list("😀".encode())  # 4 byte tokens; ids equal byte values
+    assert [detok.push([b]) for b in emoji] == ["", "", "", "😀"]
+    assert detok.push([ord("!")]) == "!"
+    assert detok.text == "😀!"
+
+
+def test_special_tokens_are_skipped_or_kept(tokenizer) -> None:
+    ids = [*b"hi", tokenizer.eos_token_id]
+    skipping = IncrementalDetokenizer(tokenizer, [])
+    assert skipping.push(ids) == "hi"
+    keeping = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    assert keeping.push(ids) == "hi<|eos|>"
+
+
+def test_prompt_ending_mid_character_does_not_leak_into_output(tokenizer) -> None:
+    # The context window may start inside a character of the prompt.
+    prompt = tokenizer("漢字漢字").input_ids
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    assert detok.push(list("é".encode())) == "é"
+
+
+def test_text_before_a_partial_character_is_not_held_back(tokenizer) -> None:
+    detok = IncrementalDetokenizer(tokenizer, [])
+    first, second, third = "漢".encode()
+    assert detok.push([ord("a"), first]) == "a"
+    assert detok.push([second]) == ""
+    assert detok.push([third, ord("b")]) == "漢b"
+    assert detok.text == "a漢b"
+
+
+def test_flush_releases_an_incomplete_tail(tokenizer) -> None:
+    detok = IncrementalDetokenizer(tokenizer, [])
+    assert detok.push([ord("a"), 0xE6]) == "a"
+    assert detok.flush() == "\ufffd"
+    assert detok.text == "a\ufffd"
+
+
+def test_works_with_a_loaded_checkpoint_tokenizer(tiny_model) -> None:
+    loaded = AutoTokenizer.from_pretrained(tiny_model("llama"), local_files_only=True)
+    output = loaded("naïve 🚀", add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(loaded, loaded("hello").input_ids)
+    assert "".join(detok.push([t]) for t in output) == "naïve 🚀"
+
+
+def test_find_stop_returns_the_earliest_stop_ending_in_new_text() -> None:
+    assert find_stop("hello world", ["wor", "o w"], new_text_len=5) == (4, "o w")
+    assert find_stop("hello world", ["xyz"], new_text_len=5) is None
+    # "lo" lies wholly in the old text: it was checked before, not reported now.
+    assert find_stop("hello world", ["lo"], new_text_len=5) is None
+    # A stop straddling old and new text is found.
+    assert find_stop("abcSTOP", ["STOP"], new_text_len=2) == (3, "STOP")
+    # Same start: the longer stop wins, so more of it is trimmed.
+    assert find_stop("say END!", ["END", "END!"], new_text_len=4) == (4, "END!")
+
+
+def test_partial_stop_len_holds_back_a_possible_stop_start() -> None:
+    assert partial_stop_len("the answer is <", ["</s>", "STOP"]) == 1
+    assert partial_stop_len("done </", ["</s>"]) == 2
+    assert partial_stop_len("done", ["</s>"]) == 0
+    # A complete stop is find_stop's job; only proper prefixes are held back.
+    assert partial_stop_len("x</s>", ["</s>"]) == 0
+    assert partial_stop_len("aaST", ["STOP", "aST"]) == 2
+
+
+def test_streaming_with_hold_back_never_emits_a_stop(tokenizer) -> None:
+    stops = ["<END>"]
+    detok = IncrementalDetokenizer(tokenizer, [])
+    streamed = ""
+    stopped_at = None
+    for byte in b"alpha <EN beta <END> gamma":
+        new = detok.push([byte])
+        text = detok.text
+        hit = find_stop(text, stops, len(new))
+        if hit is not None:
+            stopped_at = hit[0]
+            streamed += text[len(streamed) : hit[0]]
+            break
+        safe_end = len(text) - partial_stop_len(text, stops)
+        streamed += text[len(streamed) : safe_end]
+    assert stopped_at == len("alpha <EN beta ")
+    assert streamed == "alpha <EN beta "
