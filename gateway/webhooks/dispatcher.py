@@ -100,7 +100,6 @@ class WebhookDispatcher:
         if self._key is None:
             log.warning("no --webhook-secret configured: webhook deliveries stay queued until a dispatcher with one runs")
             return
-        await self._store.ensure_group()
         connector = aiohttp.TCPConnector(
             resolver=VettingResolver(self._allow), use_dns_cache=False, limit=self._config.webhook_concurrency
         )
@@ -108,9 +107,18 @@ class WebhookDispatcher:
         # trust_env=False: proxy variables must not route webhooks around the address checks.
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
             try:
+                is_grouped = False
                 while not self._is_stopping:
                     try:
+                        if not is_grouped:
+                            await self._store.ensure_group()
+                            is_grouped = True
                         is_busy = await self._step(session)
+                    except redis.exceptions.ResponseError as e:
+                        if "NOGROUP" not in str(e):
+                            raise
+                        is_grouped = False  # the stream was deleted under us: recreate the group
+                        continue
                     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
                         log.warning("webhook dispatcher: Redis unavailable (%s); retrying in %.0f s", e, REDIS_RETRY_S)
                         await self._sleep(REDIS_RETRY_S)
@@ -190,8 +198,8 @@ class WebhookDispatcher:
         headers = signed_headers(self._key, c.delivery_id, int(time.time()), c.payload, USER_AGENT)
         try:
             check_webhook_url(c.url, self._allow)  # literal addresses never reach the resolver
+            # The response body is never read: an endpoint cannot make us buffer an unbounded answer.
             async with session.post(c.url, data=c.payload, headers=headers, allow_redirects=False) as resp:
-                await resp.read()
                 retry_after_s = parse_retry_after(resp.headers.get("Retry-After"), now=time.time())
                 return resp.status, None, retry_after_s
         except WebhookUrlError as e:
