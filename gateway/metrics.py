@@ -22,6 +22,7 @@ from scheduler import metric_schema as M
 from scheduler.job import JobSpec, WebhookEvent
 from scheduler.keys import Keys
 from scheduler.lanes import LANES
+from scheduler.log_format import job_context
 from scheduler.stream_stats import DEFAULT_POLL_INTERVAL_S, StreamStats
 from scheduler.telemetry import (
     PROMETHEUS_CONTENT_TYPE,
@@ -111,7 +112,8 @@ class GatewayMetrics:
             "carpool.enqueue", context=parent, kind=SpanKind.PRODUCER, attributes=attributes
         ) as span:
             spec.traceparent = traceparent_of(span)
-            yield span
+            with job_context(spec.id):
+                yield span
 
     @contextmanager
     def webhook_span(self, traceparent: str | None, event: str, url: str) -> Iterator[trace.Span]:
@@ -168,7 +170,8 @@ async def telemetry_middleware(request: web.Request, handler: Handler) -> web.St
             kind=SpanKind.SERVER,
             attributes=attributes,
         )
-    with span_cm as span:
+    job_id = request.match_info.get("id")
+    with span_cm as span, (job_context(job_id) if job_id else nullcontext()):
         try:
             response = await handler(request)
             status = response.status

@@ -1,0 +1,94 @@
+"""Structured logs: one JSON object per line, carrying the job id and trace id of the job it is about.
+
+The job a piece of code works on is held in a ``ContextVar`` (per asyncio task
+and per thread, so concurrent jobs never see each other's id); ``job_context``
+sets it for a block. The trace id comes from the current OpenTelemetry span.
+``configure_logging`` is called once by a process's CLI, never at import.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import IO, Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+# Per-context state, not shared mutable state: each task and thread sees its own value.
+_JOB_ID: ContextVar[str | None] = ContextVar("carpool_job_id", default=None)
+
+# Attributes every LogRecord has; anything else was passed through ``extra=`` and is logged as a field.
+_STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None)).keys()) | {"message", "asctime"}
+
+
+@contextmanager
+def job_context(job_id: str, span: trace.Span | None = None) -> Iterator[None]:
+    """Every log record emitted inside the block (this task or thread) names ``job_id``.
+
+    With ``span``, that span is also made current, so the records carry its trace id.
+    """
+    token = _JOB_ID.set(job_id)
+    span_token = otel_context.attach(trace.set_span_in_context(span)) if span is not None else None
+    try:
+        yield
+    finally:
+        if span_token is not None:
+            otel_context.detach(span_token)
+        _JOB_ID.reset(token)
+
+
+def current_job_id() -> str | None:
+    return _JOB_ID.get()
+
+
+class JsonFormatter(logging.Formatter):
+    """``{"ts", "level", "logger", "message", "job_id", "trace_id", "span_id", ...extra, "exc"}``."""
+
+    def __init__(self, *, service: str | None = None) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if self.service:
+            out["service"] = self.service
+        job_id = getattr(record, "job_id", None) or _JOB_ID.get()
+        if job_id:
+            out["job_id"] = job_id
+        span_context = trace.get_current_span().get_span_context()
+        if span_context.is_valid:
+            out["trace_id"] = format(span_context.trace_id, "032x")
+            out["span_id"] = format(span_context.span_id, "016x")
+        for key, value in vars(record).items():
+            if key not in _STANDARD_ATTRS and key not in out:
+                out[key] = value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def configure_logging(
+    level: str | int = "INFO", *, stream: IO[str] | None = None, service: str | None = None, is_json: bool = True
+) -> logging.Handler:
+    """Route the root logger to one handler on ``stream`` (default stderr), JSON lines unless ``is_json`` is false."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(
+        JsonFormatter(service=service) if is_json else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+    return handler
