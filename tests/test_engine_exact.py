@@ -1,0 +1,143 @@
+"""Greedy engine output is token-for-token what transformers `generate` gives.
+
+One set of 32 prompts per architecture (lengths 1 to several blocks, half of
+them sharing a long prefix) is run through transformers one prompt at a time,
+without padding, then through the engine in each batching regime.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from scheduler import SamplingParams
+from worker import Engine
+
+ARCHS = ["llama", "qwen2", "mistral"]
+NUM_REQUESTS = 32
+MAX_NEW_TOKENS = 10
+BLOCK_SIZE = 8
+SHARED_PREFIX_LEN = 3 * BLOCK_SIZE
+LONGEST_PROMPT = 5 * BLOCK_SIZE + 3
+GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    # Tiny models gain nothing from intra-op threads, and on a busy CI box the
+    # thread pool's spinning makes every op orders of magnitude slower.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def make_prompts(vocab_size: int) -> list[list[int]]:
+    rng = random.Random(1234)
+    lengths = [1, 2, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, LONGEST_PROMPT]
+    lengths += [rng.randint(1, LONGEST_PROMPT) for _ in range(NUM_REQUESTS // 2 - len(lengths))]
+    prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+    shared = [rng.randrange(vocab_size) for _ in range(SHARED_PREFIX_LEN)]
+    for i in range(NUM_REQUESTS // 2):
+        # Suffix lengths 0.. so some prompts are exactly the prefix (never a full hit).
+        prompts.append(shared + [rng.randrange(vocab_size) for _ in range(i % (BLOCK_SIZE + 3))])
+    return prompts
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def reference(request: pytest.FixtureRequest, tiny_model: Callable[..., str]) -> tuple[str, list[list[int]], list[list[int]]]:
+    """(model path, prompts, transformers greedy outputs) for one architecture."""
+    path = tiny_model(request.param)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    # EOS off, so every output runs to MAX_NEW_TOKENS as with ignore_eos.
+    model.generation_config.eos_token_id = None
+    prompts = make_prompts(model.config.vocab_size)
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW_TOKENS
+            )
+            outputs.append(out[0, len(prompt):].tolist())
+    assert all(len(o) == MAX_NEW_TOKENS for o in outputs)
+    return path, prompts, outputs
+
+
+def run_engine(path: str, prompts: list[list[int]], **engine_kwargs: object) -> tuple[Engine, list[list[int]]]:
+    kwargs: dict[str, object] = {"block_size": BLOCK_SIZE, "num_blocks": 256, **engine_kwargs}
+    engine = Engine(model=path, **kwargs)  # type: ignore[arg-type]
+    results = engine.generate(prompts, GREEDY)
+    assert all(r.finish_reason == "length" for r in results)
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks, "every block is back in the pool"
+    assert not engine.has_unfinished_requests()
+    return engine, [r.token_ids for r in results]
+
+
+def assert_same(expected: list[list[int]], actual: list[list[int]]) -> None:
+    mismatched = [i for i, (e, a) in enumerate(zip(expected, actual)) if e != a]
+    assert not mismatched, f"requests {mismatched} differ, first: {expected[mismatched[0]]} vs {actual[mismatched[0]]}"
+
+
+def test_fewer_slots_than_requests(reference: tuple[str, list[list[int]], list[list[int]]]) -> None:
+    path, prompts, expected = reference
+    engine, actual = run_engine(path, prompts, max_num_seqs=6, enable_prefix_caching=False)
+    assert_same(expected, actual)
+    assert engine.stats().num_steps >= NUM_REQUESTS * MAX_NEW_TOKENS // 6
+
+
+def test_kv_pool_too_small_preempts(reference: tuple[str, list[list[int]], list[list[int]]]) -> None:
+    path, prompts, expected = reference
+    # 20 blocks of 8 tokens hold the longest request alone (7 blocks) but not all 32 at once.
+    engine, actual = run_engine(path, prompts, num_blocks=20, max_num_seqs=NUM_REQUESTS)
+    assert_same(expected, actual)
+    assert engine.stats().num_preemptions > 0
+
+
+def test_chunked_prefill(reference: tuple[str, list[list[int]], list[list[int]]]) -> None:
+    path, prompts, expected = reference
+    budget = 12
+    assert budget < LONGEST_PROMPT
+    engine = Engine(model=path, block_size=BLOCK_SIZE, num_blocks=256, max_num_batched_tokens=budget)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+    tokens: dict[str, list[int]] = {}
+    max_step_tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.token_ids
+        max_step_tokens = max(max_step_tokens, engine.stats().last_step_num_tokens)
+    # No step computed more than the budget, so the longest prompt went in chunks.
+    assert max_step_tokens == budget
+    assert_same(expected, [tokens[str(i)] for i in range(len(prompts))])
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_shared_prefix_hits_the_cache(reference: tuple[str, list[list[int]], list[list[int]]]) -> None:
+    path, prompts, expected = reference
+    # Few slots: later prompts arrive after the shared prefix has been computed and cached.
+    engine, actual = run_engine(path, prompts, max_num_seqs=4)
+    assert_same(expected, actual)
+    stats = engine.stats()
+    assert stats.prefix_cache_hit_tokens >= SHARED_PREFIX_LEN
+    assert stats.prefix_cache_hit_tokens % BLOCK_SIZE == 0
+    # A second run of the same prompts is served largely from the cache, with the same tokens.
+    again = engine.generate(prompts, GREEDY)
+    assert_same(expected, [r.token_ids for r in again])
+    assert sum(r.num_cached_tokens for r in again) > stats.prefix_cache_hit_tokens
+
+
+@pytest.mark.parametrize("batching", ["static", "dynamic"])
+def test_static_and_dynamic_batching_give_the_same_tokens(
+    reference: tuple[str, list[list[int]], list[list[int]]], batching: str
+) -> None:
+    path, prompts, expected = reference
+    engine, actual = run_engine(path, prompts, batching=batching, max_num_seqs=8, max_wait_ms=1.0)
+    assert_same(expected, actual)

@@ -1,0 +1,335 @@
+"""The engine: continuous batching over a paged KV cache, offline and step by step.
+
+``Engine.step()`` is ``schedule → run → postprocess``: the scheduler picks
+the tokens to compute, the model runner computes them in one forward, the
+sampler draws a token for every sequence whose known tokens are now all
+computed, and the stop rules decide who finishes. ``generate`` drives
+``step`` until its prompts are done. The engine is not thread-safe: callers
+use it from one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.block_manager import BlockManager
+from scheduler.params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler.sequence import FinishReason, Sequence
+from worker.detokenizer import IncrementalDetokenizer
+from worker.model_runner import ModelRunner, StepSeq
+from worker.request_state import Completion, RequestOutput, RequestState
+from worker.sampler import SampleRequest, Sampler
+
+__all__ = ["Completion", "Engine", "EngineConfig", "EngineStats", "RequestOutput"]
+
+# How long generate() sleeps when a step had nothing to run (dynamic batching gathering a group).
+IDLE_SLEEP_S = 0.001
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings as given; derived sizes live on the engine itself."""
+
+    model: str
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    batching: str = "continuous"
+    policy: str = "fcfs"
+    attention_backend: str | None = None
+    max_wait_ms: float = 20.0
+    dtype: str | None = None
+    kv_cache_memory_gb: float | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks: must be positive, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_kv_blocks_used: int
+    kv_usage: float
+    """Share of KV blocks in use, 0..1 (evictable cached blocks count as free)."""
+    num_preemptions: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_steps: int
+    last_step_num_tokens: int
+    last_step_num_seqs: int
+    last_step_s: float
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str = "cpu",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        batching: str = "continuous",
+        policy: str = "fcfs",
+        attention_backend: str | None = None,
+        max_wait_ms: float = 20.0,
+        dtype: str | None = None,
+        kv_cache_memory_gb: float | None = None,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        if model is None:
+            from worker.default_model import default_model_path
+
+            model = str(default_model_path())
+        self.config = EngineConfig(
+            str(model), device, block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
+            batching, policy, attention_backend, max_wait_ms, dtype, kv_cache_memory_gb,
+            max_model_len, enable_prefix_caching,
+        )
+        self.runner = ModelRunner(
+            str(model), device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
+            kv_cache_memory_gb=kv_cache_memory_gb, attention_backend=attention_backend,
+        )
+        self.tokenizer = self.runner.tokenizer
+        if max_model_len is not None and max_model_len > self.runner.max_model_len:
+            raise ValueError(
+                f"max_model_len: {max_model_len} exceeds the model's context length {self.runner.max_model_len}"
+            )
+        # One sequence of max_model_len must always fit alone, or preemption could never make room.
+        self.max_model_len = min(
+            max_model_len or self.runner.max_model_len, self.runner.num_blocks * self.runner.block_size
+        )
+        self.max_num_seqs = max_num_seqs
+        self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                batching=batching,
+                policy=policy,
+                max_wait_ms=max_wait_ms,
+            ),
+            self.block_manager,
+        )
+        self.sampler = Sampler()
+        self._requests: dict[str, RequestState] = {}
+        self._pending: list[RequestOutput] = []
+        """Outputs decided outside a step (aborts, already-complete resumes), sent with the next one."""
+        self._num_generate_calls = 0
+        self._num_steps = 0
+        self._last_step = (0, 0, 0.0)
+
+    # ---- step API -------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        priority: int = 0,
+        resume_token_ids: list[int] | None = None,
+    ) -> int:
+        """Queue a request; returns its number of prompt tokens. Bad input raises ValueError."""
+        if request_id in self._requests:
+            raise ValueError(f"id: request {request_id!r} is already running")
+        params = params if params is not None else SamplingParams()
+        prompt_ids = self._prompt_token_ids(prompt, messages)
+        resumed = list(resume_token_ids or [])
+        self._check_token_ids("resume_token_ids", resumed)
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        seq = Sequence(request_id, prompt_ids, params, priority=priority, output_token_ids=resumed)
+        state = RequestState(seq, IncrementalDetokenizer(self.tokenizer, prompt_ids), self.runner.eos_token_ids)
+        if resumed:
+            state.detokenizer.push(resumed)
+        if len(resumed) >= params.max_tokens:
+            # Crashed after its last token but before its result was written: done already.
+            seq.finish_reason = FinishReason.LENGTH
+            seq.status = seq.status.FINISHED
+            state.detokenizer.flush()
+            self._pending.append(state.take_output())
+            return len(prompt_ids)
+        self.scheduler.add(seq)
+        self._requests[request_id] = state
+        return len(prompt_ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request; its final output (finish_reason "abort") comes with the next step."""
+        seq = self.scheduler.abort(request_id)
+        state = self._requests.pop(request_id, None)
+        if seq is None or state is None:
+            return False
+        state.detokenizer.flush()
+        self._pending.append(state.take_output())
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; one output per request that got a token or finished."""
+        start_s = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        scheduled = self.scheduler.schedule()
+        if not scheduled.is_empty:
+            outputs.extend(self._run(scheduled))
+        self._num_steps += 1
+        self._last_step = (
+            scheduled.num_batched_tokens, len(scheduled.scheduled), time.perf_counter() - start_s
+        )
+        return outputs
+
+    def _run(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        batch = [
+            StepSeq(s.token_ids, s.start_pos, list(s.seq.block_table), s.needs_logits)
+            for s in scheduled.scheduled
+        ]
+        logits = self.runner.execute(batch)
+        with_logits = [s for s in scheduled.scheduled if s.needs_logits]
+        rows = [i for i, s in enumerate(with_logits) if s.is_sampling]
+        sampling = [with_logits[i].seq for i in rows]
+        states = [self._requests[seq.request_id] for seq in sampling]
+        sampled = []
+        if sampling:
+            requests = [
+                SampleRequest(
+                    params=seq.params,
+                    prompt_token_ids=seq.prompt_token_ids,
+                    output_token_ids=seq.output_token_ids,
+                    position=seq.num_tokens,
+                    suppress_token_ids=state.suppress_token_ids(),
+                )
+                for seq, state in zip(sampling, states)
+            ]
+            sampled = self.sampler.sample(logits[rows], requests)
+        self.scheduler.advance(scheduled, {seq.request_id: t.token_id for seq, t in zip(sampling, sampled)})
+        outputs = []
+        for seq, state, token in zip(sampling, states, sampled):
+            decision = state.on_token(token)
+            if decision is not None:
+                self.scheduler.finish(seq, decision.reason, decision.stop_reason)
+                del self._requests[seq.request_id]
+            outputs.append(state.take_output())
+        return outputs
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        num_tokens, num_seqs, step_s = self._last_step
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks=bm.num_blocks,
+            num_kv_blocks_used=bm.num_used_blocks,
+            kv_usage=bm.num_used_blocks / bm.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_query_tokens=bm.prefix_cache_query_tokens,
+            prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens,
+            num_steps=self._num_steps,
+            last_step_num_tokens=num_tokens,
+            last_step_num_seqs=num_seqs,
+            last_step_s=step_s,
+        )
+
+    # ---- offline API ----------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run every prompt to completion; results in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+            per_prompt = params
+        else:
+            per_prompt = [params or SamplingParams()] * len(prompts)
+        self._num_generate_calls += 1
+        ids = [f"generate-{self._num_generate_calls}-{i}" for i in range(len(prompts))]
+        prompt_ids: dict[str, list[int]] = {}
+        for request_id, prompt, p in zip(ids, prompts, per_prompt):
+            self.add_request(request_id, prompt, p)  # type: ignore[arg-type]
+            prompt_ids[request_id] = self._requests[request_id].seq.prompt_token_ids
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            outputs = self.step()
+            done.update((o.request_id, o) for o in outputs if o.finished and o.request_id in prompt_ids)
+            if not outputs and self._last_step[1] == 0:
+                time.sleep(IDLE_SLEEP_S)
+        return [
+            Completion(
+                request_id=rid,
+                prompt_token_ids=prompt_ids[rid],
+                token_ids=done[rid].token_ids,
+                text=done[rid].text,
+                finish_reason=done[rid].finish_reason,
+                stop_reason=done[rid].stop_reason,
+                logprobs=done[rid].logprobs,
+                num_cached_tokens=done[rid].num_cached_tokens,
+            )
+            for rid in ids
+        ]
+
+    # ---- input checks ---------------------------------------------------
+
+    def _prompt_token_ids(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise ValueError("prompt: give exactly one of prompt or messages")
+        if messages is not None:
+            ids = self._apply_chat_template(messages)
+        elif isinstance(prompt, str):
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, list):
+            ids = list(prompt)
+            self._check_token_ids("prompt", ids)
+        else:
+            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        return ids
+
+    def _apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: must be a non-empty list of {role, content} maps")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                    or not isinstance(message.get("content"), str):
+                raise ValueError(f"messages[{i}]: must be a map with string role and content")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: the model's tokenizer has no chat template")
+        try:
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # template errors come in many types (jinja, KeyError, ...)
+            raise ValueError(f"messages: the chat template failed: {e}") from e
+        # The template writes the special tokens itself.
+        return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+    def _check_token_ids(self, name: str, ids: list[int]) -> None:
+        vocab = self.runner.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"{name}: token id {t!r} is outside the vocabulary (0..{vocab - 1})")
