@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 # Slices shorter than this spend more on the merge than they win in parallelism.
-MIN_TOKENS_PER_SPLIT = 1024
+MIN_TOKENS_PER_SPLIT = 1024  # splits only when max_seq_len >= 2 * this
 MAX_SPLITS = 16
 
 
