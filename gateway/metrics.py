@@ -34,7 +34,7 @@ from scheduler.telemetry import (
 
 CONTENT_TYPE = PROMETHEUS_CONTENT_TYPE
 UNKNOWN_LANE = "unknown"
-WEBHOOK_OUTCOMES = ("delivered", "retrying", "failed", "refused")
+WEBHOOK_OUTCOMES = ("delivered", "retrying", "gone", "dead")  # scheduler.webhooks.AttemptOutcome
 # Scrapes and probes would drown the job traces; they still count in the duration histogram.
 UNTRACED_ROUTES = frozenset({"/metrics", "/healthz", "/readyz"})
 

@@ -109,7 +109,7 @@ HTTP_SERVER_DURATION = MetricSpec(
 )
 WEBHOOK_DELIVERIES = MetricSpec(
     "carpool.webhook.deliveries", "counter", "{delivery}",
-    "Webhook delivery attempts by outcome: delivered, retrying, failed (retries exhausted), refused (address not allowed).",
+    "Webhook delivery attempts by outcome: delivered, retrying, gone (receiver answered 410), dead (retries exhausted).",
     (A_WEBHOOK_EVENT, A_WEBHOOK_OUTCOME),
 )
 WEBHOOK_DURATION = MetricSpec(
@@ -202,7 +202,8 @@ DEAD_LETTERED = MetricSpec(
 
 STREAM_METRICS: tuple[MetricSpec, ...] = (QUEUE_DEPTH, QUEUE_PENDING, DEAD_LETTER_DEPTH)
 GATEWAY_METRICS: tuple[MetricSpec, ...] = (
-    JOBS_SUBMITTED, JOBS_REJECTED, JOBS_DEDUPLICATED, JOBS_CANCELLED, OPEN_WAITERS, HTTP_SERVER_DURATION, WEBHOOK_DELIVERIES, WEBHOOK_DURATION, *STREAM_METRICS,
+    JOBS_SUBMITTED, JOBS_REJECTED, JOBS_DEDUPLICATED, JOBS_CANCELLED, OPEN_WAITERS, HTTP_SERVER_DURATION,
+    WEBHOOK_DELIVERIES, WEBHOOK_DURATION, *STREAM_METRICS,
 )
 WORKER_METRICS: tuple[MetricSpec, ...] = (
     JOBS_FINISHED, QUEUE_WAIT, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, REQUEST_DURATION, TOKEN_USAGE,
