@@ -187,3 +187,24 @@ def test_dynamic_waits_for_the_batch_to_fill_or_time_out() -> None:
     for name in ("b", "c", "d"):
         sched.add(make_seq(name, 2, 1))
     assert len(step(sched).scheduled) == 3
+
+
+def test_scheduler_package_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, scheduler, scheduler.scheduler; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_lone_sequence_can_preempt_itself_and_still_finish() -> None:
+    # Two sequences that each need 3 blocks at the end share a pool of 4.
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    a, b = make_seq("a", 4, max_tokens=8), make_seq("b", 4, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    run_all(sched)
+    assert a.num_output_tokens == b.num_output_tokens == 8
+    assert sched.num_preemptions >= 1
+    sched.block_manager.check_invariants()
+    assert sched.block_manager.num_free_blocks == 4
