@@ -115,8 +115,8 @@ def test_attributes_and_cache_sizing(tiny_model) -> None:
     assert runner.eos_token_ids == {runner.tokenizer.eos_token_id, runner.tokenizer.convert_tokens_to_ids("<|im_end|>")}
     assert (runner.device, runner.dtype, runner.backend.name) == (torch.device("cpu"), torch.float32, "torch")
     default = ModelRunner(tiny_model("llama"))
-    # CPU default: capped at 32 full-length sequences.
-    assert default.num_blocks == 32 * 2048 // 16
+    # CPU default: capped at 16 full-length sequences.
+    assert default.num_blocks == 16 * 2048 // 16
 
 
 def test_context_limit_respects_a_sliding_window(tiny_model) -> None:

@@ -17,12 +17,12 @@ from kernels import get_backend
 from worker.attention import METADATA_KWARG, PagedAttentionMetadata, register_paged_attention
 
 GIB = 1024**3
-# CPU default cache budget; pages are only touched as blocks fill up.
-CPU_KV_CACHE_GB = 0.5
+# CPU default cache budget, allocated (zeroed) up front.
+CPU_KV_CACHE_GB = 0.25
 # On CUDA the cache takes this share of the memory still free after loading.
 CUDA_KV_CACHE_FRACTION = 0.7
 # Without an explicit size, never allocate more than this many full-length sequences' worth.
-MAX_DEFAULT_SEQS_CPU = 32
+MAX_DEFAULT_SEQS_CPU = 16
 MAX_DEFAULT_SEQS_CUDA = 512
 
 _DTYPES = {
