@@ -210,3 +210,27 @@ def test_logprobs_are_reported_per_token(engine: Engine) -> None:
         assert len(entry["top_logprobs"]) == 3
         # Greedy: the sampled token is the most likely one.
         assert entry["top_logprobs"][0]["token_id"] == token
+
+
+@pytest.mark.parametrize("batching", ["static", "dynamic"])
+def test_padded_modes_match_continuous_with_uneven_lengths(model_path: str, batching: str) -> None:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 20))] for _ in range(10)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 9), temperature=0.0, ignore_eos=True) for _ in prompts]
+    continuous = Engine(model=model_path, block_size=8, num_blocks=64, max_num_seqs=4).generate(prompts, params)
+    padded = Engine(model=model_path, block_size=8, num_blocks=64, max_num_seqs=4, batching=batching, max_wait_ms=1.0)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        padded.add_request(str(i), prompt, p)
+    tokens: dict[str, list[int]] = {}
+    num_seq_steps = 0
+    while padded.has_unfinished_requests():
+        for out in padded.step():
+            tokens[out.request_id] = out.token_ids
+            assert len(out.token_ids) <= params[int(out.request_id)].max_tokens
+        num_seq_steps += padded.stats().last_step_num_seqs
+    assert [tokens[str(i)] for i in range(len(prompts))] == [r.token_ids for r in continuous]
+    # Unpadded, each request is scheduled once per token it gets; finished
+    # members kept computing as padding, so the groups took more.
+    assert num_seq_steps > sum(p.max_tokens for p in params)
+    assert padded.block_manager.num_free_blocks == padded.block_manager.num_blocks
+    assert not padded.has_unfinished_requests()

@@ -17,7 +17,7 @@ from typing import Any
 from scheduler.block_manager import BlockManager
 from scheduler.params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from scheduler.sequence import FinishReason, Sequence
+from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from worker.detokenizer import IncrementalDetokenizer
 from worker.model_runner import ModelRunner, StepSeq
 from worker.request_state import Completion, RequestOutput, RequestState
@@ -164,7 +164,7 @@ class Engine:
         if len(resumed) >= params.max_tokens:
             # Crashed after its last token but before its result was written: done already.
             seq.finish_reason = FinishReason.LENGTH
-            seq.status = seq.status.FINISHED
+            seq.status = SequenceStatus.FINISHED
             state.detokenizer.flush()
             self._pending.append(state.take_output())
             return len(prompt_ids)
