@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -37,6 +38,9 @@ MAX_IDEMPOTENCY_KEY_LEN = 255
 
 WebhookCheck = Callable[[str], None]
 """Raises ValueError (with a reason) when a webhook URL may not be used."""
+
+EnqueueSpan = Callable[[JobSpec], AbstractContextManager[object]]
+"""Wraps the enqueue in a trace span and sets the spec's ``traceparent`` before it is packed."""
 
 # Writes the record and adds the lane entry only if no record exists for this id, so a
 # reused id (or two racing submissions of it) enqueues the job exactly once.
@@ -89,12 +93,14 @@ class Admitted:
 
 class Admission:
     def __init__(
-        self, redis: aioredis.Redis, keys: Keys, config: GatewayConfig, check_webhook: WebhookCheck | None
+        self, redis: aioredis.Redis, keys: Keys, config: GatewayConfig, check_webhook: WebhookCheck | None,
+        enqueue_span: EnqueueSpan = lambda spec: nullcontext(),
     ) -> None:
         self._redis = redis
         self._keys = keys
         self._config = config
         self._check_webhook = check_webhook
+        self._enqueue_span = enqueue_span
         self._enqueue = redis.register_script(_ENQUEUE_LUA)
         self._release = redis.register_script(_RELEASE_IDEMPOTENCY_LUA)
 
@@ -180,10 +186,11 @@ class Admission:
             F_PRIORITY: str(spec.priority),
             F_CREATED_AT: repr(time.time()),
         }
-        args: list[str | bytes | int] = [self._config.result_ttl_s, DEFAULT_LANE_MAXLEN, spec.pack(), F_SPEC, spec.pack()]
-        for name, value in record.items():
-            args += [name, value]
-        is_new, detail = await self._enqueue(keys=[self._keys.job(spec.id), self._keys.lane(spec.lane)], args=args)
+        with self._enqueue_span(spec):
+            args: list[str | bytes | int] = [self._config.result_ttl_s, DEFAULT_LANE_MAXLEN, spec.pack(), F_SPEC, spec.pack()]
+            for name, value in record.items():
+                args += [name, value]
+            is_new, detail = await self._enqueue(keys=[self._keys.job(spec.id), self._keys.lane(spec.lane)], args=args)
         if not is_new:
             return Admitted(spec.id, detail.decode(), spec.lane.value, is_new=False)
         return Admitted(spec.id, JobStatus.QUEUED.value, spec.lane.value, is_new=True)

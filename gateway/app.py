@@ -10,8 +10,7 @@ start.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from functools import partial
+from collections.abc import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -21,21 +20,27 @@ from gateway.admission import Admission
 from gateway.cancel import Canceller
 from gateway.config import GatewayConfig
 from gateway.handlers import routes
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, telemetry_middleware
 from gateway.results import EventHub
-from gateway.webhooks import Allowlist, check_webhook_url
+from gateway.webhooks import check_webhook_url
+from gateway.webhooks.config import WebhookConfig
+from gateway.webhooks.dispatcher import WebhookDispatcher
 from scheduler.keys import Keys
+from scheduler.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
 
-def init_app(config: GatewayConfig) -> web.Application:
-    app = web.Application(client_max_size=config.max_body_bytes)
+def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.Application:
+    """``telemetry`` (built by the CLI from the OTEL_* variables) stays the caller's to shut down."""
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[telemetry_middleware])
     app[K.CONFIG] = config
     app[K.KEYS] = Keys(config.key_prefix)
-    app[K.METRICS] = GatewayMetrics()
+    app[K.METRICS] = GatewayMetrics(telemetry)
+    app.cleanup_ctx.append(_metrics_ctx)
     app.cleanup_ctx.append(_redis_ctx)
     app.cleanup_ctx.append(_hub_ctx)
+    app.cleanup_ctx.append(_streams_ctx)
     app.cleanup_ctx.append(_domain_ctx)
     if not config.no_webhooks:
         app.cleanup_ctx.append(_webhooks_ctx)
@@ -51,6 +56,17 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     await client.aclose()
 
 
+async def _metrics_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    app[K.METRICS].close()
+
+
+async def _streams_ctx(app: web.Application) -> AsyncIterator[None]:
+    streams = app[K.METRICS].watch_streams(app[K.REDIS], app[K.KEYS])
+    yield
+    await streams.aclose()
+
+
 async def _hub_ctx(app: web.Application) -> AsyncIterator[None]:
     hub = EventHub(app[K.REDIS])
     hub.start()
@@ -61,17 +77,29 @@ async def _hub_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _domain_ctx(app: web.Application) -> AsyncIterator[None]:
     config, redis, keys = app[K.CONFIG], app[K.REDIS], app[K.KEYS]
-    allow = Allowlist.parse(config.webhook_allow)
-    app[K.ADMISSION] = Admission(redis, keys, config, partial(check_webhook_url, allow=allow))
+    app[K.ADMISSION] = Admission(
+        redis, keys, config, _webhook_check(config.webhooks), enqueue_span=app[K.METRICS].enqueue_span
+    )
     app[K.CANCELLER] = Canceller(redis, keys, flag_ttl_s=config.result_ttl_s)
     yield
 
 
 async def _webhooks_ctx(app: web.Application) -> AsyncIterator[None]:
-    from gateway.webhooks.dispatcher import run_in_app  # the dispatcher is optional at import time
-
-    async with run_in_app(app[K.CONFIG], app[K.REDIS], app[K.KEYS]):
+    async with WebhookDispatcher(app[K.REDIS], app[K.KEYS], app[K.CONFIG].webhooks, observer=app[K.METRICS]):
         yield
+
+
+def _webhook_check(config: WebhookConfig) -> Callable[[str], None]:
+    """Submission-time check (no DNS); the dispatcher vets every resolved address when it connects."""
+    allow = config.allowlist()
+    has_secret = config.webhook_secret is not None
+
+    def check(url: str) -> None:
+        if not has_secret:
+            raise ValueError("this server has no --webhook-secret, so it cannot sign callbacks")
+        check_webhook_url(url, allow)
+
+    return check
 
 
 async def _wake_waiters(app: web.Application) -> None:

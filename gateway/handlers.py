@@ -38,24 +38,24 @@ async def post_job(request: web.Request) -> web.Response:
     try:
         body = await request.json(loads=json.loads)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        metrics.jobs_rejected.labels("invalid").inc()
+        metrics.job_rejected("invalid")
         return error_response(400, "invalid_request", f"body is not valid JSON: {e}", field="body")
     try:
         admitted = await request.app[K.ADMISSION].submit(body, request.headers.get("Idempotency-Key"))
     except InvalidJob as e:
-        metrics.jobs_rejected.labels("invalid").inc()
+        metrics.job_rejected("invalid")
         return error_response(400, "invalid_request", e.message, field=e.field)
     except LaneFull as e:
-        metrics.jobs_rejected.labels("lane_full").inc()
+        metrics.job_rejected("lane_full", e.lane.value)
         retry_after = str(request.app[K.CONFIG].retry_after_s)
         return error_response(429, "lane_full", str(e), field="lane", **{"Retry-After": retry_after})
     except IdempotencyInFlight as e:
         return error_response(409, "conflict", f"a request with this Idempotency-Key is still creating job {e}",
                               field="Idempotency-Key", **{"Retry-After": "1"})
     if admitted.is_new:
-        metrics.jobs_submitted.labels(admitted.lane).inc()
+        metrics.job_submitted(admitted.lane)
     else:
-        metrics.jobs_deduplicated.inc()
+        metrics.job_deduplicated()
     return web.json_response(
         {"id": admitted.job_id, "status": admitted.status},
         status=202 if admitted.is_new else 200,
@@ -77,11 +77,11 @@ async def get_job(request: web.Request) -> web.Response:
             return error_response(400, "invalid_request", "must be a non-negative number of seconds", field="wait")
     wait_s = min(wait_s, app[K.CONFIG].max_wait_s)
     metrics = app[K.METRICS]
-    metrics.open_waiters.inc()
+    metrics.waiter_opened()
     try:
         record = await wait_for_terminal(app[K.REDIS], app[K.HUB], app[K.KEYS], job_id, wait_s)
     finally:
-        metrics.open_waiters.dec()
+        metrics.waiter_closed()
     if not record:
         return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
     return web.json_response(job_view(record))
@@ -98,7 +98,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
     })
-    app[K.METRICS].open_waiters.inc()
+    app[K.METRICS].waiter_opened()
     try:
         async with hub.subscribe(keys.events(job_id)) as sub:
             record = await redis.hgetall(keys.job(job_id))
@@ -120,7 +120,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
             if record:
                 await _send(response, final_event(record))
     finally:
-        app[K.METRICS].open_waiters.dec()
+        app[K.METRICS].waiter_closed()
     return response
 
 
@@ -138,7 +138,7 @@ async def delete_job(request: web.Request) -> web.Response:
         return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
     except AlreadyFinished as e:
         return error_response(409, "conflict", f"job {job_id!r} already {e.status}", field="id")
-    request.app[K.METRICS].jobs_cancelled.labels("queued" if outcome.is_cancelled_now else "running").inc()
+    request.app[K.METRICS].job_cancelled("queued" if outcome.is_cancelled_now else "running")
     return web.json_response(outcome.view, status=202)
 
 
