@@ -36,6 +36,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     up = verbs.add_parser("up", help="start Redis (bundled unless --redis-url), the gateway and one worker")
     add_config_flags(up, UpConfig, env)
     add_config_flags(up, WebhookConfig, env)
+    up.add_argument("--log-level", default=env.get("CARPOOL_LOG_LEVEL", "WARNING"), help="gateway log level [env CARPOOL_LOG_LEVEL]")
 
     gateway = verbs.add_parser("gateway", help="run the HTTP gateway")
     add_config_flags(gateway, GatewayConfig, env)
@@ -79,20 +80,30 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         parser.error(str(e))
     if args.verb == "up":
         data_dir = Path(up.data_dir).expanduser() if up.data_dir else default_data_dir(Path.home())
-        return run_up(up, webhooks, data_dir)
-    return run_gateway(gateway, args.log_level)
+        from scheduler.log_format import configure_logging
+        from scheduler.telemetry import telemetry_config_from_env
+
+        configure_logging(args.log_level.upper(), service="carpool-up", is_json=False)
+        return run_up(up, webhooks, data_dir, telemetry_config_from_env(environ, service_name="carpool-gateway"))
+    return run_gateway(gateway, args.log_level, environ)
 
 
-def run_gateway(config: GatewayConfig, log_level: str) -> int:
+def run_gateway(config: GatewayConfig, log_level: str, env: Mapping[str, str] | None = None) -> int:
     from aiohttp import web
 
     from gateway.app import init_app
+    from scheduler.log_format import configure_logging
+    from scheduler.telemetry import Telemetry, telemetry_config_from_env
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    web.run_app(
-        init_app(config), host=config.host, port=config.port, shutdown_timeout=config.shutdown_grace_s,
-        print=lambda line: print(f"carpool gateway: {line}", flush=True),
-    )
+    configure_logging(log_level.upper(), service="carpool-gateway")
+    telemetry = Telemetry(telemetry_config_from_env(env or {}, service_name="carpool-gateway"))
+    try:
+        web.run_app(
+            init_app(config, telemetry), host=config.host, port=config.port, shutdown_timeout=config.shutdown_grace_s,
+            print=lambda line: print(f"carpool gateway: {line}", flush=True),
+        )
+    finally:
+        telemetry.shutdown()
     return 0
 
 

@@ -23,6 +23,7 @@ from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.embedded_redis import EmbeddedRedis, free_port
 from gateway.webhooks.config import WebhookConfig
+from scheduler.telemetry import Telemetry, TelemetryConfig
 
 READY_POLL_S = 0.25
 
@@ -57,7 +58,7 @@ def default_data_dir(home: Path) -> Path:
     return home / ".local" / "share" / "carpool"
 
 
-def run_up(config: UpConfig, webhooks: WebhookConfig, data_dir: Path) -> int:
+def run_up(config: UpConfig, webhooks: WebhookConfig, data_dir: Path, telemetry_config: TelemetryConfig) -> int:
     redis: EmbeddedRedis | None = None
     redis_url = config.redis_url
     if redis_url is None:
@@ -65,7 +66,11 @@ def run_up(config: UpConfig, webhooks: WebhookConfig, data_dir: Path) -> int:
         redis_url = redis.url
         print(f"carpool: redis      {redis_url}  (data in {data_dir / 'redis'})", flush=True)
     try:
-        return asyncio.run(_run_stack(config, webhooks, redis_url))
+        telemetry = Telemetry(telemetry_config)
+        try:
+            return asyncio.run(_run_stack(config, webhooks, redis_url, telemetry))
+        finally:
+            telemetry.shutdown()
     except StackError as e:
         print(f"carpool up: {e}", file=sys.stderr)
         return 1
@@ -75,7 +80,7 @@ def run_up(config: UpConfig, webhooks: WebhookConfig, data_dir: Path) -> int:
             print("carpool: redis stopped", flush=True)
 
 
-async def _run_stack(config: UpConfig, webhooks: WebhookConfig, redis_url: str) -> int:
+async def _run_stack(config: UpConfig, webhooks: WebhookConfig, redis_url: str, telemetry: Telemetry) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -84,7 +89,7 @@ async def _run_stack(config: UpConfig, webhooks: WebhookConfig, redis_url: str) 
     gateway_config = GatewayConfig(
         redis_url=redis_url, host=config.host, port=config.port, max_model_len=config.max_model_len, webhooks=webhooks,
     )
-    runner = web.AppRunner(init_app(gateway_config), shutdown_timeout=gateway_config.shutdown_grace_s)
+    runner = web.AppRunner(init_app(gateway_config, telemetry), shutdown_timeout=gateway_config.shutdown_grace_s)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port).start()
