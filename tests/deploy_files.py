@@ -141,15 +141,18 @@ def parse_verb(verb: str, env: Mapping[str, str]) -> argparse.Namespace:
     return args
 
 
-def third_party_imports(package_dirs: list[Path]) -> dict[str, list[str]]:
-    """Dotted modules imported under `package_dirs`, not stdlib, not first-party -> files.
+FIRST_PARTY = frozenset({"gateway", "scheduler", "worker", "kernels", "bench", "tests"})
+
+
+def third_party_imports(paths: list[Path]) -> dict[str, list[str]]:
+    """Dotted modules imported in `paths` (files, or folders searched for *.py), not stdlib, not first-party -> files.
 
     Imports inside `try: ... except ImportError` are optional and left out.
     """
-    first_party = {"gateway", "scheduler", "worker", "kernels", "bench", "tests"}
+    first_party = FIRST_PARTY
     found: dict[str, list[str]] = {}
-    for package in package_dirs:
-        for path in sorted(package.rglob("*.py")):
+    for root in paths:
+        for path in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
             tree = ast.parse(path.read_text(), filename=str(path))
             optional = _optional_import_nodes(tree)
             for node in ast.walk(tree):

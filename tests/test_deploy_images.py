@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy_files import DEPLOY, REPO, normalize_dist, requirement_names, third_party_imports
+from deploy_files import DEPLOY, FIRST_PARTY, REPO, normalize_dist, requirement_names, third_party_imports
 
 DOCKER = DEPLOY / "docker"
 GATEWAY_REQUIREMENTS = DOCKER / "requirements-gateway.txt"
@@ -107,15 +107,45 @@ def _dist_name(requirement: str) -> str:
     return normalize_dist(re.split(r"[<>=!~; \[(]", requirement.strip(), maxsplit=1)[0])
 
 
-def test_gateway_cli_builds_its_parser_without_torch() -> None:
+def _requirement_closure(names: set[str]) -> set[str]:
+    """`names` plus everything they require (installed versions, extras left out)."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        todo += [_dist_name(r) for r in requires if "extra ==" not in r]
+    return seen
+
+
+def test_gateway_processes_load_only_what_the_gateway_image_installs() -> None:
     code = (
-        "import sys, gateway.cli as cli, gateway.webhooks.dispatcher\n"
-        "cli.build_parser({}) if cli.build_parser.__code__.co_argcount else cli.build_parser()\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules)\n"
-        "assert not heavy, heavy\n"
+        "import sys, gateway.cli as cli, gateway.webhooks.dispatcher, gateway.app\n"
+        "cli.build_parser({})\n"
+        "print('\\n'.join(sorted(sys.modules)))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+    loaded = done.stdout.split()
+    assert not {m.split(".")[0] for m in loaded} & NEVER_IN_GATEWAY
+    # Every third-party import of the first-party modules these processes load must be installed.
+    files = []
+    for module in loaded:
+        if module.split(".")[0] in FIRST_PARTY:
+            base = REPO.joinpath(*module.split("."))
+            files.append(base / "__init__.py" if base.is_dir() else base.with_suffix(".py"))
+    assert any(f.parts[-2:] == ("gateway", "cli.py") for f in files)
+    installed = _requirement_closure(requirement_names(GATEWAY_REQUIREMENTS))
+    top_level = importlib.metadata.packages_distributions()
+    for module, where in third_party_imports([f for f in files if f.is_file()]).items():
+        owners = _distributions_of(module, top_level)
+        assert owners & installed, f"{where[0]} imports {module} ({sorted(owners)}), which the gateway image does not install"
 
 
 class _Probe(http.server.BaseHTTPRequestHandler):
