@@ -11,7 +11,7 @@ atomic step.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -36,8 +36,8 @@ from scheduler.lanes import Lane
 
 MAX_IDEMPOTENCY_KEY_LEN = 255
 
-WebhookCheck = Callable[[str], None]
-"""Raises ValueError (with a reason) when a webhook URL may not be used."""
+WebhookCheck = Callable[[str], Awaitable[None]]
+"""Raises ValueError (with a reason) when a webhook URL may not be used; may resolve the host."""
 
 EnqueueSpan = Callable[[JobSpec], AbstractContextManager[object]]
 """Wraps the enqueue in a trace span and sets the spec's ``traceparent`` before it is packed."""
@@ -124,7 +124,7 @@ class Admission:
             raise InvalidJob("params.max_tokens", f"must be below the model's context length of {max_len}")
         if spec.webhook is not None and self._check_webhook is not None:
             try:
-                self._check_webhook(spec.webhook.url)
+                await self._check_webhook(spec.webhook.url)
             except ValueError as e:
                 raise InvalidJob("webhook.url", str(e).removeprefix("webhook.url: ")) from e
         return spec

@@ -10,19 +10,19 @@ start.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from aiohttp import web
 
 from gateway import appkeys as K
-from gateway.admission import Admission
+from gateway.admission import Admission, WebhookCheck
 from gateway.cancel import Canceller
 from gateway.config import GatewayConfig
 from gateway.handlers import routes
 from gateway.metrics import GatewayMetrics, telemetry_middleware
 from gateway.results import EventHub
-from gateway.webhooks import check_webhook_url
+from gateway.webhooks import check_webhook_url_async
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher
 from scheduler.keys import Keys
@@ -89,15 +89,18 @@ async def _webhooks_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-def _webhook_check(config: WebhookConfig) -> Callable[[str], None]:
-    """Submission-time check (no DNS); the dispatcher vets every resolved address when it connects."""
+def _webhook_check(config: WebhookConfig) -> WebhookCheck:
+    """Submission-time check, resolving the host so a name for a private address is refused up front.
+
+    DNS can change its answer later, so the dispatcher still vets every address it connects to.
+    """
     allow = config.allowlist()
     has_secret = config.webhook_secret is not None
 
-    def check(url: str) -> None:
+    async def check(url: str) -> None:
         if not has_secret:
             raise ValueError("this server has no --webhook-secret, so it cannot sign callbacks")
-        check_webhook_url(url, allow)
+        await check_webhook_url_async(url, allow)
 
     return check
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -14,6 +17,7 @@ from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
+from gateway.webhooks.safety import is_public
 from scheduler.job import job_view
 from scheduler.keys import Keys
 from webhook_receiver import Answer, Receiver
@@ -110,3 +114,51 @@ async def test_submission_refuses_non_public_webhooks(strict_gateway, redis_url,
         assert [await client.xlen(k) for k in Keys().lanes()] == [0, 0, 0], "a refused job is never queued"
     finally:
         await client.aclose()
+
+
+def name_for_a_non_public_address() -> str:
+    """A host name (not a ``localhost`` one, which is refused without DNS) that resolves locally to a non-public address.
+
+    /etc/hosts normally maps the machine's own name (and in containers, loopback or the
+    private container address), so the lookup never leaves the machine.
+    """
+    hosts = Path("/etc/hosts")
+    candidates = [socket.gethostname()]
+    if hosts.exists():
+        for line in hosts.read_text().splitlines():
+            parts = line.split("#", 1)[0].split()
+            candidates += parts[1:]
+    for name in candidates:
+        if "localhost" in name.lower() or not name:
+            continue
+        try:
+            infos = socket.getaddrinfo(name, 80, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError):
+            continue
+        if infos and not any(is_public(ipaddress.ip_address(i[4][0].split("%", 1)[0])) for i in infos):
+            return name
+    raise AssertionError("no host name on this machine resolves locally to a non-public address")
+
+
+async def assert_refused_and_nothing_queued(gateway: TestClient, redis_url: str, url: str, reason: str) -> None:
+    resp = await gateway.post("/v1/jobs", json={"prompt": "hi", "webhook": {"url": url}})
+    assert resp.status == 400, await resp.text()
+    error = (await resp.json())["error"]
+    assert error["field"] == "webhook.url" and reason in error["message"], error
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        assert [await client.xlen(k) for k in Keys().lanes()] == [0, 0, 0], "a refused job is never queued"
+        assert await client.keys(Keys().job("*")) == [], "a refused job leaves no record"
+    finally:
+        await client.aclose()
+
+
+async def test_submission_refuses_a_name_that_resolves_to_a_non_public_address(strict_gateway, redis_url) -> None:
+    name = name_for_a_non_public_address()
+    await assert_refused_and_nothing_queued(strict_gateway, redis_url, f"http://{name}:8080/hook", "non-public")
+
+
+async def test_submission_refuses_a_name_that_does_not_resolve(strict_gateway, redis_url) -> None:
+    await assert_refused_and_nothing_queued(
+        strict_gateway, redis_url, "https://no-such-host.invalid/hook", "does not resolve"
+    )
