@@ -21,7 +21,15 @@ from typing import Any
 
 import msgpack
 
-from scheduler.job import WebhookEvent
+from scheduler.job import (
+    F_FIRST_TOKEN_AT,
+    F_OUTPUT,
+    F_RESUMED_FROM,
+    F_STATUS,
+    JobStatus,
+    WebhookEvent,
+    job_view,
+)
 
 DEFAULT_OUTPUT_INTERVAL_S = 0.5
 """Least time between two ``output`` callbacks of one job (at most 2 a second)."""
@@ -89,6 +97,24 @@ def build_payload(event: WebhookEvent | str, data: dict[str, Any], *, now: float
     """The JSON body ``{type, timestamp, data}``; `data` is the job record as the HTTP API shows it."""
     body = {"type": WebhookEvent(event).value, "timestamp": iso_timestamp(now), "data": data}
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def running_view(
+    record: dict[bytes, bytes], text: str, token_ids: list[int], *, first_token_at: float | None,
+    resumed_from: int | None,
+) -> dict[str, Any]:
+    """Data of an ``output`` event: the job view of `record` (as read when the job started) with the output so far.
+
+    The worker holds the record and the tokens in memory, so a callback per step costs no read.
+    """
+    running = dict(record)
+    running[F_STATUS.encode()] = JobStatus.RUNNING.value.encode()
+    running[F_OUTPUT.encode()] = msgpack.packb({"text": text, "token_ids": token_ids, "finish_reason": None})
+    if first_token_at is not None:
+        running.setdefault(F_FIRST_TOKEN_AT.encode(), repr(first_token_at).encode())
+    if resumed_from is not None:
+        running[F_RESUMED_FROM.encode()] = str(resumed_from).encode()
+    return job_view(running)
 
 
 def delivery_fields(

@@ -86,6 +86,16 @@ async def test_receiver_gets_started_outputs_completed_in_order(redis_url, gatew
     assert accepted[-1]["data"]["status"] == "succeeded"
     partials = [p["data"]["output"]["text"] for p in accepted[1:-1]]
     assert all(final_text.startswith(t) for t in partials)
+    # An `output` event carries the whole job view, as GET shows it, with the output so far.
+    for p in accepted[1:-1]:
+        data = p["data"]
+        assert data.keys() == job.keys()
+        assert data["status"] == "running" and data["output"]["finish_reason"] is None
+        assert job["output"]["token_ids"][: len(data["output"]["token_ids"])] == data["output"]["token_ids"]
+        for name in ("id", "lane", "priority", "worker", "attempts", "created_at", "started_at", "metadata"):
+            assert data[name] == job[name], name
+        assert data["finished_at"] is None and data["timings"]["queued_s"] == job["timings"]["queued_s"]
+        assert data["timings"]["ttft_s"] is not None and data["timings"]["e2e_s"] is None
     # The first (503) attempt of `started` and its retry are both on the record, with one webhook-id.
     assert receiver.received[0].status == 503
     assert receiver.received[0].headers["webhook-id"] == receiver.received[1].headers["webhook-id"]

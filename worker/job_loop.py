@@ -22,8 +22,10 @@ import redis.asyncio as aioredis
 from scheduler.job import JobSpec, JobStatus, WebhookEvent, job_view
 from scheduler.keys import Keys
 from scheduler.lanes import LANE_RANK
-from scheduler.webhooks import OutputThrottle, delivery_fields
+from scheduler.webhooks import OutputThrottle, delivery_fields, running_view
 from worker.config import WorkerConfig
+from scheduler.log_format import job_context
+from worker.metrics import JobTrace, WorkerMetrics
 from worker.results import EntryRef, Outcome, ResultStore, pack
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,9 @@ class RunningJob:
     checkpointed: int = 0
     checkpoint_at: float = field(default_factory=time.monotonic)
     throttle: OutputThrottle | None = None
+    trace: JobTrace | None = None
+    record: dict[bytes, bytes] = field(default_factory=dict)
+    """The job record as admitted: the base of ``output`` webhook data."""
 
 
 @dataclass
@@ -62,8 +67,9 @@ class Tick:
 
 class JobLoop:
     def __init__(self, engine: Any, store: ResultStore, client: aioredis.Redis, keys: Keys,
-                 config: WorkerConfig) -> None:
+                 config: WorkerConfig, metrics: WorkerMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics or WorkerMetrics(max_num_seqs=getattr(engine, "max_num_seqs", config.capacity))
         self.store = store
         self.client = client
         self.keys = keys
@@ -100,13 +106,16 @@ class JobLoop:
 
     # --- intake --------------------------------------------------------------------
 
-    def start(self, spec: JobSpec, entry: EntryRef, checkpoint: list[int]) -> None:
+    def start(self, spec: JobSpec, entry: EntryRef, checkpoint: list[int],
+              record: dict[bytes, bytes] | None = None) -> None:
         """Queue a job for the engine; it is added at the start of the next tick."""
         assert spec.id not in self.jobs
         job = RunningJob(spec=spec, entry=entry, resumed_from=len(checkpoint), token_ids=list(checkpoint),
-                         checkpointed=len(checkpoint))
+                         checkpointed=len(checkpoint), record=record or {})
         if spec.webhook is not None and spec.webhook.wants(WebhookEvent.OUTPUT):
             job.throttle = OutputThrottle(self.config.webhook_output_interval_s)
+        enqueued_s = int(entry.entry_id.split("-", 1)[0]) / 1000  # the stream entry id is its XADD time
+        job.trace = self.metrics.job_started(spec, enqueued_s, resumed_from=len(checkpoint))
         self.jobs[spec.id] = job
         priority = LANE_RANK[spec.lane] * LANE_PRIORITY_STRIDE + spec.priority
         self._adds.append((job, priority))
@@ -163,10 +172,14 @@ class JobLoop:
                 if self.config.max_wait_ms > 0 and self.free > 0:
                     await asyncio.sleep(self.config.max_wait_ms / 1000)
             adds = [(job.spec.id, job.spec, priority, job.token_ids) for job, priority in self._adds]
+            for job, _ in self._adds:
+                if job.trace is not None:
+                    job.trace.admitted(time.time())
             self._adds, aborts, self._aborts = [], self._aborts, []
             tick = await loop.run_in_executor(self._executor, self._tick, adds, aborts, True)
             num_unfinished = tick.num_unfinished
             self.stats = tick.stats
+            self.metrics.record_step(tick.stats)
             await self._handle(tick)
             if num_unfinished and not tick.outputs and tick.stats.last_step_num_seqs == 0:
                 await asyncio.sleep(IDLE_STEP_SLEEP_S)  # the engine holds work back (dynamic batching window)
@@ -198,7 +211,8 @@ class JobLoop:
                     "type": "token", "id": job.spec.id, "text": out.text, "token_ids": new_ids,
                     "index": len(job.token_ids) - len(new_ids)}))
                 if job.throttle is not None and not out.finished and job.throttle.should_emit(mono):
-                    partial = {"id": job.spec.id, "status": "running", "output": {"text": job.text, "token_ids": job.token_ids}}
+                    partial = running_view(job.record, job.text, job.token_ids,
+                                           first_token_at=job.first_token_at, resumed_from=job.resumed_from)
                     assert job.spec.webhook is not None
                     pipe.xadd(self.keys.webhooks, delivery_fields(job.spec.id, WebhookEvent.OUTPUT, job.spec.webhook.url, partial))
             if out.finished:
@@ -241,7 +255,7 @@ class JobLoop:
                  "cached_tokens": job.num_cached_tokens}
         return Outcome(job_id=job.spec.id, status=status, entry=job.entry, reply_to=job.spec.reply_to,
                        webhook=job.spec.webhook, output=output, usage=usage, error=error,
-                       first_token_at=job.first_token_at, resumed_from=job.resumed_from)
+                       first_token_at=job.first_token_at, resumed_from=job.resumed_from, trace=job.trace)
 
     def commit_now(self, outcome: Outcome) -> None:
         """Commit an outcome decided outside the engine (expired, invalid, dead-lettered)."""
@@ -254,9 +268,13 @@ class JobLoop:
 
     async def _commit(self, outcome: Outcome) -> None:
         # Shielded: once decided, a shutdown must not cut the commit in half.
-        won = await asyncio.shield(self.store.commit(outcome))
-        self.num_finished += 1
-        log.info("job %s: %s%s", outcome.job_id, outcome.status.value, "" if won else " (already decided elsewhere)")
+        with job_context(outcome.job_id, outcome.trace.span if outcome.trace is not None else None):
+            with self.metrics.publish_span(outcome.trace):
+                won = await asyncio.shield(self.store.commit(outcome))
+            self.num_finished += 1
+            if outcome.trace is not None:
+                self.metrics.job_committed(outcome, won)
+            log.info("job %s: %s%s", outcome.job_id, outcome.status.value, "" if won else " (already decided elsewhere)")
 
     def _reap(self, task: asyncio.Task[None]) -> None:
         self._commits.discard(task)

@@ -47,7 +47,11 @@ if ARGV[9] ~= '' and st ~= 'running' and tonumber(ARGV[2]) > tonumber(ARGV[9]) t
 local fresh = redis.call('HSETNX', KEYS[1], 'started_at', ARGV[2])
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'stream_entry', ARGV[7])
 local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-return {'run', st, tostring(fresh), tostring(attempts), redis.call('HGET', KEYS[1], 'checkpoint') or ''}
+local record, flat = {}, redis.call('HGETALL', KEYS[1])
+for k = 1, #flat, 2 do
+  if flat[k] ~= 'checkpoint' then record[#record + 1] = flat[k]; record[#record + 1] = flat[k + 1] end
+end
+return {'run', st, tostring(fresh), tostring(attempts), redis.call('HGET', KEYS[1], 'checkpoint') or '', record}
 """
 
 # KEYS: job, cancel flag. ARGV: worker, checkpoint, first_token_at|''. -> 1 stored, 0 not ours, 2 cancel flagged
@@ -111,6 +115,8 @@ class Admission:
     is_first_start: bool = False
     attempts: int = 0
     checkpoint: list[int] = field(default_factory=list)
+    record: dict[bytes, bytes] = field(default_factory=dict)
+    """The job record as the job starts (without the checkpoint), so its view needs no read."""
 
 
 @dataclass
@@ -131,6 +137,8 @@ class Outcome:
     dead_payload: bytes | None = None
     """Original ``job`` field, copied to the dead-letter entry."""
     worker: str | None = None
+    trace: Any = None
+    """The job's ``worker.metrics.JobTrace`` when it ran here: closed with the job's spans and metrics."""
 
 
 class ResultStore:
@@ -159,8 +167,9 @@ class ResultStore:
             return Admission(verdict, previous)
         raw_checkpoint = reply[4]
         checkpoint = list(msgpack.unpackb(raw_checkpoint)) if raw_checkpoint else []
+        flat = reply[5]
         return Admission("run", previous, is_first_start=_s(reply[2]) == "1", attempts=int(reply[3]),
-                         checkpoint=checkpoint)
+                         checkpoint=checkpoint, record=dict(zip(flat[::2], flat[1::2])))
 
     async def add_checkpoint(self, pipe: aioredis.client.Pipeline, job_id: str, token_ids: list[int],
                        first_token_at: float | None) -> None:

@@ -18,7 +18,7 @@ import msgpack
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from scheduler.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
+from scheduler.job import JobSpec, JobStatus, JobValidationError, WebhookEvent, job_view
 from scheduler.keys import Keys
 from scheduler.lanes import Lane
 from scheduler.telemetry import Telemetry
@@ -27,7 +27,7 @@ from worker.config import WorkerConfig
 from worker.consumer import Entry, LaneConsumer
 from worker.job_loop import JobLoop
 from worker.metrics import METRICS_KEY, WorkerMetrics, metrics_handler
-from worker.results import Outcome, ResultStore, pack
+from worker.results import Admission, Outcome, ResultStore, pack
 
 log = logging.getLogger(__name__)
 
@@ -205,16 +205,16 @@ class WorkerService:
             self.metrics.job_finished_unrun(spec, JobStatus.EXPIRED, created_at)
         else:
             assert admission.verdict == "run", admission.verdict
-            await self._announce_start(spec, admission.attempts, admission.is_first_start, len(admission.checkpoint))
-            self.loop.start(spec, ref, admission.checkpoint)
+            await self._announce_start(spec, admission)
+            self.loop.start(spec, ref, admission.checkpoint, admission.record)
 
-    async def _announce_start(self, spec: JobSpec, attempts: int, is_first_start: bool, resumed_from: int) -> None:
+    async def _announce_start(self, spec: JobSpec, admission: Admission) -> None:
         pipe = self.client.pipeline(transaction=False)
         pipe.publish(self.keys.events(spec.id), pack({
-            "type": "started", "id": spec.id, "worker": self.config.worker_name, "attempts": attempts,
-            "resumed_from": resumed_from}))
-        if is_first_start and spec.webhook is not None and spec.webhook.wants(WebhookEvent.STARTED):
-            view = await self.loop.view(spec.id)
+            "type": "started", "id": spec.id, "worker": self.config.worker_name, "attempts": admission.attempts,
+            "resumed_from": len(admission.checkpoint)}))
+        if admission.is_first_start and spec.webhook is not None and spec.webhook.wants(WebhookEvent.STARTED):
+            view = job_view(admission.record)
             pipe.xadd(self.keys.webhooks, delivery_fields(spec.id, WebhookEvent.STARTED, spec.webhook.url, view))
         await pipe.execute()
 
