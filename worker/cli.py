@@ -16,7 +16,9 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from gateway.flags import add_config_flags, config_from_args
+from scheduler.log_format import configure_logging
 from scheduler.params import SamplingParams
+from scheduler.telemetry import Telemetry, TelemetryConfig, telemetry_config_from_env
 from worker.config import WorkerConfig
 
 log = logging.getLogger("worker")
@@ -43,7 +45,8 @@ def _service_fields() -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    args = build_parser(os.environ if env is None else env).parse_args(argv)
+    environ = os.environ if env is None else env
+    args = build_parser(environ).parse_args(argv)
     if args.verb == "generate":
         config = config_from_args(WorkerConfig, args, exclude=_service_fields())
         return generate(config, args.prompt, SamplingParams(
@@ -53,8 +56,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     except ValueError as e:
         print(f"carpool worker: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(config))
+    configure_logging(config.log_level.upper(), service="carpool-worker")
+    telemetry_config = telemetry_config_from_env(environ, service_name="carpool-worker",
+                                                 service_instance_id=config.worker_name or None)
+    return asyncio.run(serve(config, telemetry_config))
 
 
 def generate(config: WorkerConfig, prompt: str, params: SamplingParams) -> int:
@@ -66,7 +71,7 @@ def generate(config: WorkerConfig, prompt: str, params: SamplingParams) -> int:
     return 0
 
 
-async def serve(config: WorkerConfig) -> int:
+async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None = None) -> int:
     """Run until SIGTERM/SIGINT (or a failed background task), then shut down in two phases."""
     import redis.asyncio as aioredis
 
@@ -77,7 +82,8 @@ async def serve(config: WorkerConfig) -> int:
     log.info("loading model %s on %s", config.model or "(built-in tiny model)", config.device)
     engine = await loop.run_in_executor(None, lambda: Engine(**config.engine_kwargs()))
     client = aioredis.Redis.from_url(config.redis_url)
-    service = WorkerService(config, engine, client)
+    telemetry = Telemetry(telemetry_config or TelemetryConfig(service_name="carpool-worker"))
+    service = WorkerService(config, engine, client, telemetry)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stopped.set)
     try:
@@ -87,6 +93,7 @@ async def serve(config: WorkerConfig) -> int:
     finally:
         await service.shutdown()
         await client.aclose()
+        telemetry.shutdown()
     return 0
 
 
