@@ -19,8 +19,8 @@ from gateway import appkeys as K
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from scheduler.metric_schema import GATEWAY_METRICS, WORKER_METRICS
-from tests.test_telemetry_dashboard import load_dashboard, queries, series_in
-from tests.telemetry_support import in_memory_telemetry, is_connected, sample_names, spans_by_trace, value
+from test_telemetry_dashboard import load_dashboard, queries, series_in
+from telemetry_support import in_memory_telemetry, is_connected, sample_names, spans_by_trace, value
 from worker.config import WorkerConfig
 from worker.service import WorkerService
 

@@ -16,7 +16,7 @@ from scheduler.job import JobSpec
 from scheduler.keys import Keys
 from scheduler.metric_schema import GATEWAY_METRICS
 from scheduler.telemetry import Telemetry
-from tests.telemetry_support import in_memory_telemetry, sample_names, value
+from telemetry_support import in_memory_telemetry, sample_names, value
 
 KEYS = Keys()
 PRODUCER_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

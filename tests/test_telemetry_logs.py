@@ -8,7 +8,7 @@ import json
 import logging
 
 from scheduler.log_format import JsonFormatter, configure_logging, job_context
-from tests.telemetry_support import in_memory_telemetry
+from telemetry_support import in_memory_telemetry
 
 
 def capture() -> tuple[logging.Logger, io.StringIO]:
