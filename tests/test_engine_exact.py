@@ -8,7 +8,7 @@ without padding, then through the engine in each batching regime.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,16 +24,6 @@ BLOCK_SIZE = 8
 SHARED_PREFIX_LEN = 3 * BLOCK_SIZE
 LONGEST_PROMPT = 5 * BLOCK_SIZE + 3
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # Tiny models gain nothing from intra-op threads, and on a busy CI box the
-    # thread pool's spinning makes every op orders of magnitude slower.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def make_prompts(vocab_size: int) -> list[list[int]]:

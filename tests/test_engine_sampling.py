@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-import torch
 
 from scheduler import SamplingParams
 from worker import Engine
@@ -14,14 +13,6 @@ from worker import Engine
 # Its greedy continuation holds no EOS within 24 tokens, so EOS tests pick their own.
 PROMPT = list(b"Once upon a time")
 FULL = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from scheduler.log_format import configure_logging
 from scheduler.params import SamplingParams
 from scheduler.telemetry import Telemetry, TelemetryConfig, telemetry_config_from_env
 from worker.config import WorkerConfig
+from worker.torch_threads import apply_torch_threads
 
 log = logging.getLogger("worker")
 
@@ -40,7 +41,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
 
 def _service_fields() -> list[str]:
-    engine = set(WorkerConfig().engine_kwargs())
+    engine = set(WorkerConfig().engine_kwargs()) | {"torch_threads"}
     return [name for name in WorkerConfig.__dataclass_fields__ if name not in engine]
 
 
@@ -65,6 +66,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 def generate(config: WorkerConfig, prompt: str, params: SamplingParams) -> int:
     from worker.engine import Engine
 
+    apply_torch_threads(config.torch_threads, config.device)
     engine = Engine(**config.engine_kwargs())
     (completion,) = engine.generate([prompt], params)
     print(completion.text)
@@ -79,7 +81,8 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
     from worker.service import WorkerService
 
     loop = asyncio.get_running_loop()
-    log.info("loading model %s on %s", config.model or "(built-in tiny model)", config.device)
+    threads = apply_torch_threads(config.torch_threads, config.device)
+    log.info("loading model %s on %s (%d torch threads)", config.model or "(built-in tiny model)", config.device, threads)
     engine = await loop.run_in_executor(None, lambda: Engine(**config.engine_kwargs()))
     client = aioredis.Redis.from_url(config.redis_url)
     telemetry = Telemetry(telemetry_config or TelemetryConfig(service_name="carpool-worker"))

@@ -46,6 +46,8 @@ class WorkerConfig:
     kv_cache_memory_gb: float | None = field(default=None, metadata=_help("memory budget of the KV cache in GiB"))
     max_model_len: int | None = field(default=None, metadata=_help("longest prompt + output; default: the model's"))
     enable_prefix_caching: bool = field(default=True, metadata=_help("reuse KV blocks of shared prompt prefixes"))
+    torch_threads: int = field(default=0, metadata=_help(
+        "torch intra-op threads of this process; 0: one on CPU (fastest for small models on shared cores), torch's default on CUDA"))
 
     # --- service ------------------------------------------------------------------
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata=_help("Redis server holding the lanes"))
@@ -81,6 +83,8 @@ class WorkerConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_deliveries", "checkpoint_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads: must be >= 0, got {self.torch_threads}")
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
         for name in ("lease_s", "checkpoint_interval_s", "heartbeat_interval_s"):
