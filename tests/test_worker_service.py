@@ -135,9 +135,15 @@ async def test_cancel_running_job_frees_its_blocks(redis_url, engine_factory):
     await client.aclose()
 
 
-async def test_live_worker_keeps_its_lease_beyond_the_lease_time(redis_url, engine_factory):
+async def test_live_worker_keeps_its_lease_beyond_the_lease_time(redis_url, tiny_model):
+    """A job running for several lease periods on a live worker is never handed to the other worker."""
+    from worker.engine import Engine
+
+    lease_s = 1.0
+    # A context long enough that the job cannot finish within the observation window, however fast the CPU.
+    model = tiny_model(max_position_embeddings=16384)
+    spec = JobSpec(id="slow", prompt="slow job", params=SamplingParams(max_tokens=16000, ignore_eos=True, temperature=0))
     client = aioredis.Redis.from_url(redis_url)
-    spec = JobSpec(id="slow", prompt="slow job", params=SamplingParams(max_tokens=900, ignore_eos=True, temperature=0))
     finals: list[bytes] = []
     pubsub = client.pubsub()
     await pubsub.subscribe(KEYS.events("slow"))
@@ -148,18 +154,29 @@ async def test_live_worker_keeps_its_lease_beyond_the_lease_time(redis_url, engi
                 finals.append(message["data"])
 
     listener = asyncio.create_task(listen())
-    async with running_worker(redis_url, engine_factory(), lease_s=2.0, worker_name="a"):
-        async with running_worker(redis_url, engine_factory(), lease_s=2.0, worker_name="b"):
-            started = time.monotonic()
+    async with running_worker(redis_url, Engine(model=model, max_num_seqs=4), lease_s=lease_s, worker_name="a"):
+        async with running_worker(redis_url, Engine(model=model, max_num_seqs=4), lease_s=lease_s, worker_name="b"):
             await xadd_job(client, spec)
-            views = await wait_terminal(client, ["slow"], timeout_s=60)
-            run_s = time.monotonic() - started
+            deadline = time.monotonic() + 30
+            while await status_of(client, "slow") != "running":
+                assert time.monotonic() < deadline, "job never started"
+                await asyncio.sleep(0.02)
+            owner = (await client.hget(KEYS.job("slow"), "worker")).decode()
+            watch_until = time.monotonic() + 4 * lease_s
+            while time.monotonic() < watch_until:
+                assert await status_of(client, "slow") == "running", "job ended before the lease was tested"
+                assert (await client.hget(KEYS.job("slow"), "worker")).decode() == owner
+                await asyncio.sleep(0.1)
+            await client.set(KEYS.cancel("slow"), "1")
+            await client.publish(KEYS.control, msgpack.packb({"type": "cancel", "id": "slow"}))
+            views = await wait_terminal(client, ["slow"], timeout_s=30)
     await asyncio.sleep(0.2)
     listener.cancel()
     await asyncio.gather(listener, return_exceptions=True)
     await pubsub.aclose()
-    assert run_s > 2 * 2.0, f"job ran {run_s:.2f}s: too short to prove the lease was renewed"
-    assert views["slow"]["status"] == "succeeded"
-    assert views["slow"]["attempts"] == 1 and views["slow"]["resumed_from"] == 0
+    view = views["slow"]
+    assert view["status"] == "cancelled"
+    assert view["worker"] == owner
+    assert view["attempts"] == 1 and view["resumed_from"] == 0
     assert len(finals) == 1
     await client.aclose()
