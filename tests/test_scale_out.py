@@ -138,14 +138,14 @@ def test_interactive_trickle_is_served_first_on_every_worker(
 ) -> None:
     workers = three_workers
     client = redis.Redis.from_url(redis_server.url)
-    batch_ids = [f"batch-{n:03d}" for n in range(72)]
+    batch_ids = [f"batch-{n:03d}" for n in range(120)]
     interactive_ids = [f"inter-{n:03d}" for n in range(24)]
     for job_id in batch_ids:
-        enqueue(client, job_id, "batch", max_tokens=10, reply_to="scale-out:lanes:replies")
+        enqueue(client, job_id, "batch", max_tokens=24, reply_to="scale-out:lanes:replies")
     wait_until(lambda: count_finished(client, batch_ids) >= 6, 60, "the batch backlog to start", workers)
     for job_id in interactive_ids:  # a trickle while the batch backlog is still queued
         enqueue(client, job_id, "interactive", max_tokens=4, reply_to="scale-out:lanes:replies")
-        time.sleep(0.03)
+        time.sleep(0.02)
     all_ids = batch_ids + interactive_ids
     wait_until(lambda: count_finished(client, all_ids) == len(all_ids), 120, "all jobs", workers)
     final = records(client, all_ids)
