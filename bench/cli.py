@@ -1,0 +1,105 @@
+"""`carpool bench`: the whole batching comparison in one command, with a report on disk.
+
+    carpool bench --output bench-results            # the full comparison (default model)
+    carpool bench --quick --output /tmp/smoke       # seconds: a tiny model, a few short requests
+
+Settings are read once here (flags, then ``CARPOOL_BENCH_<FLAG>`` variables)
+and passed down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from bench.config import BATCHING_MODES, BenchConfig
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    def default(flag: str, value: str | None) -> str | None:
+        return env.get(f"CARPOOL_BENCH_{flag.upper().replace('-', '_')}", value)
+
+    base = BenchConfig()
+    p = argparse.ArgumentParser(prog="carpool bench", description=(
+        "Compare static, dynamic and continuous batching (engine direct and through gateway + Redis) and "
+        "transformers' generate / generate_batch on seeded workloads; writes results.json, results.md and PNG plots."))
+    p.add_argument("--output", default=default("output", "bench-results"), help="report folder [env CARPOOL_BENCH_OUTPUT]")
+    p.add_argument("--quick", action="store_true", help="smoke test: tiny model, few short requests (seconds)")
+    p.add_argument("--model", default=default("model", None),
+                   help="checkpoint directory; default: the built-in model (--quick: a tiny one built in OUTPUT)")
+    p.add_argument("--max-num-seqs", type=int, default=int(default("max-num-seqs", str(base.max_num_seqs))),
+                   help="batch slots for every system")
+    p.add_argument("--seed", type=int, default=int(default("seed", str(base.seed))))
+    p.add_argument("--skewed-requests", type=int, default=None, help=f"default {base.skewed_requests}")
+    p.add_argument("--sharegpt-requests", type=int, default=None, help=f"default {base.sharegpt_requests}")
+    p.add_argument("--online-modes", default=None,
+                   help=f"comma-separated batching modes swept online (default: {','.join(BATCHING_MODES)})")
+    p.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    config = BenchConfig(max_num_seqs=args.max_num_seqs, seed=args.seed)
+    if args.quick:
+        config = config.quick()
+    overrides: dict[str, object] = {"peers": not args.no_peers}
+    if args.skewed_requests is not None:
+        overrides["skewed_requests"] = args.skewed_requests
+    if args.sharegpt_requests is not None:
+        overrides["sharegpt_requests"] = args.sharegpt_requests
+    if args.online_modes:
+        overrides["online_modes"] = tuple(m.strip() for m in args.online_modes.split(",") if m.strip())
+    return replace(config, **overrides)
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    environ = os.environ if env is None else env
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    output = Path(args.output).expanduser()
+    output.mkdir(parents=True, exist_ok=True)
+    model = args.model or _default_model(args.quick, output)
+
+    from tqdm import tqdm
+
+    from bench.report import write_report
+    from bench.suite import build_workloads, planned_output_tokens, run_suite
+
+    total = planned_output_tokens(config, build_workloads(config))
+    with tqdm(total=total, unit="tok", desc="carpool bench", disable=args.no_progress, file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        def progress(phase: str, num_tokens: int) -> None:
+            bar.set_description(phase, refresh=False)
+            bar.update(num_tokens)
+
+        report = run_suite(config, model, progress)
+    paths = write_report(report, output)
+    for check in report.checks:
+        verdict = "–" if check["passed"] is None else ("met" if check["passed"] else "NOT met")
+        print(f"{check['name']}: {check['measured']} (target {check['target']}, {verdict})")
+    print(f"report: {paths['markdown']} and {paths['json']} ({report.duration_s:.0f} s)")
+    return 0
+
+
+def _default_model(quick: bool, output: Path) -> str:
+    from worker.default_model import create_tiny_model, default_model_path
+
+    if quick:
+        path = output / "tiny-model"
+        if not (path / "config.json").exists():
+            create_tiny_model(path)
+        return str(path)
+    return str(default_model_path())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""The benchmark's settings: one dataclass, the full comparison by default, ``quick()`` for CI."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+BATCHING_MODES = ("static", "dynamic", "continuous")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str | None = None
+    """Checkpoint directory; None is the default model."""
+    max_num_seqs: int = 8
+    seed: int = 0
+    skewed_requests: int = 32
+    output_scale: float = 1.0
+    """Multiplies the skewed output lengths; below 1 only for smoke tests."""
+    sharegpt_requests: int = 48
+    shared_prefix_requests: int = 6
+    shared_prefix_len: int = 768
+    mixed_interactive: int = 12
+    mixed_batch: int = 16
+    mixed_interactive_rate: float = 2.0
+    online_rate_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, math.inf)
+    """Arrival rates as fractions of the offline continuous request rate; inf is all at once (saturation)."""
+    online_modes: tuple[str, ...] = BATCHING_MODES
+    peers: bool = True
+    max_wait_ms: float = 50.0
+    modes: tuple[str, ...] = field(default=BATCHING_MODES)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "skewed_requests", "sharegpt_requests", "shared_prefix_requests",
+                     "mixed_interactive", "mixed_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if not 0 < self.output_scale <= 1:
+            raise ValueError(f"output_scale: must be in (0, 1], got {self.output_scale}")
+        for mode in (*self.modes, *self.online_modes):
+            if mode not in BATCHING_MODES:
+                raise ValueError(f"modes: unknown batching mode {mode!r}; modes are {', '.join(BATCHING_MODES)}")
+        if "continuous" not in self.modes:
+            raise ValueError("modes: continuous is the baseline the others are compared with")
+        if not self.online_rate_fractions or any(f <= 0 for f in self.online_rate_fractions):
+            raise ValueError("online_rate_fractions: must be positive")
+
+    def quick(self) -> BenchConfig:
+        """A few requests with short outputs: checks that every part runs and reports, not speed."""
+        return replace(self, max_num_seqs=4, skewed_requests=6, output_scale=0.04, sharegpt_requests=6,
+                       shared_prefix_requests=3, shared_prefix_len=128, mixed_interactive=3, mixed_batch=4,
+                       mixed_interactive_rate=8.0, online_rate_fractions=(0.5, math.inf),
+                       online_modes=("continuous",), max_wait_ms=5.0)

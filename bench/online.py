@@ -1,0 +1,194 @@
+"""Through the queue: HTTP submissions with Poisson arrivals to a gateway, Redis lanes, a worker process.
+
+The stack is real: a bundled redis-server, the gateway app on a loopback
+port (in this process: it only forwards), and ``carpool worker`` as a child
+process with the batching mode under test. Each job is followed with a
+long-poll ``GET /v1/jobs/{id}?wait=``; its timings come from the job record
+the worker wrote (created, started, first token, finished), so they measure
+the whole path, queue included. Inter-token latency per job is its decode
+time over its tokens after the first (the record holds no per-token times).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from bench.records import RequestTiming, RunResult, Sample
+from bench.workloads import Workload
+from gateway.app import init_app
+from gateway.config import GatewayConfig
+from gateway.embedded_redis import EmbeddedRedis, free_port
+
+WORKER_READY_TIMEOUT_S = 300.0
+LONG_POLL_S = 30
+PREEMPTIONS_METRIC = re.compile(r"^carpool_engine_preemptions[a-z_]*(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
+
+
+class OnlineStack:
+    """Redis + gateway + one worker for one batching mode; an async context manager."""
+
+    def __init__(self, model: str, batching: str, max_num_seqs: int, max_wait_ms: float = 20.0) -> None:
+        self.model = model
+        self.batching = batching
+        self.max_num_seqs = max_num_seqs
+        self.max_wait_ms = max_wait_ms
+        self._tmp = tempfile.TemporaryDirectory(prefix="carpool-bench-")
+        self.redis = EmbeddedRedis(Path(self._tmp.name) / "redis", is_persistent=False)
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self._runner: web.AppRunner | None = None
+        self._worker: asyncio.subprocess.Process | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def __aenter__(self) -> OnlineStack:
+        self.redis.start()
+        try:
+            config = GatewayConfig(redis_url=self.redis.url, port=self.port, no_webhooks=True,
+                                   max_lane_depth={"interactive": 100_000, "standard": 100_000, "batch": 100_000})
+            self._runner = web.AppRunner(init_app(config))
+            await self._runner.setup()
+            await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+            self._worker = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gateway.cli", "worker", "--redis-url", self.redis.url, "--model", self.model,
+                "--batching", self.batching, "--max-num-seqs", str(self.max_num_seqs),
+                "--max-wait-ms", str(self.max_wait_ms), "--metrics-host", "127.0.0.1",
+                "--metrics-port", str(self.metrics_port), "--log-level", "WARNING",
+                "--read-block-ms", "20", "--shutdown-grace-s", "5",
+                stdout=asyncio.subprocess.DEVNULL,
+            )
+            await self._wait_ready()
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
+        url = f"http://127.0.0.1:{self.metrics_port}/readyz"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            while time.monotonic() < deadline:
+                assert self._worker is not None
+                if self._worker.returncode is not None:
+                    raise RuntimeError(f"the benchmark worker exited with {self._worker.returncode}")
+                try:
+                    async with session.get(url) as resp:
+                        if resp.status == 200:
+                            return
+                except (aiohttp.ClientError, OSError, TimeoutError):
+                    pass  # still loading the model
+                await asyncio.sleep(0.2)
+        raise RuntimeError(f"the benchmark worker was not ready after {WORKER_READY_TIMEOUT_S:g}s")
+
+    async def preemptions(self) -> int | None:
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+                async with session.get(f"http://127.0.0.1:{self.metrics_port}/metrics") as resp:
+                    text = await resp.text()
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return None
+        values = [float(v) for v in PREEMPTIONS_METRIC.findall(text)]
+        return int(sum(values)) if values else 0
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            if self._worker is not None and self._worker.returncode is None:
+                self._worker.terminate()
+                try:
+                    await asyncio.wait_for(self._worker.wait(), 15)
+                except TimeoutError:
+                    self._worker.kill()
+                    await self._worker.wait()
+            if self._runner is not None:
+                await self._runner.cleanup()
+        finally:
+            self.redis.stop()
+            self._tmp.cleanup()
+
+
+async def _submit_and_follow(session: aiohttp.ClientSession, base_url: str, body: dict[str, Any]) -> dict[str, Any]:
+    async with session.post(f"{base_url}/v1/jobs", json=body) as resp:
+        if resp.status != 202:
+            raise RuntimeError(f"submission refused with {resp.status}: {await resp.text()}")
+        job_id = (await resp.json())["id"]
+    while True:
+        async with session.get(f"{base_url}/v1/jobs/{job_id}", params={"wait": str(LONG_POLL_S)}) as resp:
+            record = await resp.json()
+        if record["status"] not in ("queued", "running"):
+            return record
+
+
+async def run_online(stack: OnlineStack, workload: Workload, rate_label: str,
+                     on_token: Callable[[int], None] | None = None) -> RunResult:
+    """Submit ``workload`` at its arrival times and wait for every job; times relative to the first submission."""
+    requests = sorted(workload.requests, key=lambda r: r.arrival_s)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        preempted_before = await stack.preemptions()
+        start_mono = time.monotonic()
+        start_unix = time.time()
+        tasks: list[asyncio.Task[dict[str, Any]]] = []
+        try:
+            for r in requests:
+                delay = r.arrival_s - (time.monotonic() - start_mono)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                body = {"prompt_token_ids": r.prompt_token_ids, "lane": r.lane, "priority": r.priority,
+                        "params": {"max_tokens": r.max_tokens, "ignore_eos": True}}
+                task = asyncio.create_task(_submit_and_follow(session, stack.base_url, body))
+                if on_token is not None:
+                    task.add_done_callback(lambda t, n=r.max_tokens: t.cancelled() or t.exception() or on_token(n))
+                tasks.append(task)
+            records = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+        preempted_after = await stack.preemptions()
+    timings = [_timing(rec, start_unix) for rec in records]
+    end = max((t.finished_s or 0.0) for t in timings)
+    preemptions = 0 if preempted_before is None or preempted_after is None else preempted_after - preempted_before
+    return RunResult(
+        workload=workload.name, mode="online", system=stack.batching, duration_s=end,
+        requests=timings, max_num_seqs=stack.max_num_seqs, timeline=_timeline(timings),
+        num_preemptions=preemptions, extra={"rate": rate_label, "failed": sum(rec["status"] != "succeeded" for rec in records)},
+    )
+
+
+def _timing(record: dict[str, Any], start_unix: float) -> RequestTiming:
+    created = record["created_at"] - start_unix
+    timings = record["timings"]
+    n = int((record.get("usage") or {}).get("completion_tokens") or 0)
+    timing = RequestTiming(lane=record.get("lane") or "standard", arrival_s=created, num_output_tokens=n)
+    if timings.get("queued_s") is not None:
+        timing.admitted_s = created + timings["queued_s"]
+    if timings.get("ttft_s") is not None:
+        timing.first_token_s = created + timings["ttft_s"]
+    if record["status"] == "succeeded" and timings.get("e2e_s") is not None:
+        timing.finished_s = created + timings["e2e_s"]
+    if timing.first_token_s is not None and timing.finished_s is not None and n > 1:
+        timing.token_gaps_s = [(timing.finished_s - timing.first_token_s) / (n - 1)] * (n - 1)
+    return timing
+
+
+def _timeline(timings: list[RequestTiming], num_points: int = 200) -> list[Sample]:
+    """Jobs running and queued over time, rebuilt from the records (no KV view from outside the worker)."""
+    end = max((t.finished_s or 0.0) for t in timings)
+    samples = []
+    for i in range(num_points + 1):
+        t = end * i / num_points
+        running = sum(1 for r in timings if r.admitted_s is not None and r.admitted_s <= t < (r.finished_s or end))
+        queued = sum(1 for r in timings if r.arrival_s <= t and (r.admitted_s is None or t < r.admitted_s))
+        samples.append(Sample(t, running, 0, queued, None))
+    return samples

@@ -1,0 +1,190 @@
+"""The whole comparison: every workload, batching mode, peer and arrival rate, in one seeded run."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.config import BenchConfig
+from bench.offline import make_engine, run_offline
+from bench.online import OnlineStack, run_online
+from bench.records import RunResult, summarize
+from bench.workloads import Workload, mixed_lanes, poisson_arrivals, shared_prefix, sharegpt_like, skewed
+
+Progress = Callable[[str, int], None]
+"""``progress(phase, num_new_output_tokens)``."""
+
+
+@dataclass
+class BenchReport:
+    config: dict[str, Any]
+    machine: dict[str, Any]
+    runs: list[RunResult] = field(default_factory=list)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    peer_errors: dict[str, str] = field(default_factory=dict)
+    duration_s: float = 0.0
+
+    def summaries(self) -> list[dict[str, Any]]:
+        return [summarize(run) for run in self.runs]
+
+    def find(self, workload: str, mode: str, system: str, rate: str | None = None) -> RunResult | None:
+        for run in self.runs:
+            if (run.workload, run.mode, run.system) == (workload, mode, system) and (
+                    rate is None or run.extra.get("rate") == rate):
+                return run
+        return None
+
+
+@dataclass
+class Workloads:
+    skewed: Workload
+    sharegpt: Workload
+    shared_prefix: Workload
+    mixed_alone: Workload
+    mixed_with_batch: Workload
+
+
+def build_workloads(config: BenchConfig) -> Workloads:
+    scale = config.output_scale
+    return Workloads(
+        skewed=skewed(config.skewed_requests, seed=config.seed, output_scale=scale),
+        sharegpt=sharegpt_like(config.sharegpt_requests, seed=config.seed, max_output_len=max(4, round(256 * scale))),
+        shared_prefix=shared_prefix(config.shared_prefix_requests, prefix_len=config.shared_prefix_len,
+                                    max_tokens=4, seed=config.seed),
+        mixed_alone=mixed_lanes(config.mixed_interactive, config.mixed_batch, config.mixed_interactive_rate,
+                                seed=config.seed, with_batch=False, output_scale=scale),
+        mixed_with_batch=mixed_lanes(config.mixed_interactive, config.mixed_batch, config.mixed_interactive_rate,
+                                     seed=config.seed, with_batch=True, output_scale=scale),
+    )
+
+
+def planned_output_tokens(config: BenchConfig, w: Workloads) -> int:
+    """Output tokens the whole run will produce, for the progress bar."""
+    offline = len(config.modes) * (w.skewed.num_output_tokens + w.sharegpt.num_output_tokens)
+    peers = 2 * (w.skewed.num_output_tokens + w.sharegpt.num_output_tokens) if config.peers else 0
+    prefix = 2 * w.shared_prefix.num_output_tokens
+    mixed = w.mixed_alone.num_output_tokens + w.mixed_with_batch.num_output_tokens
+    online = len(config.online_modes) * len(config.online_rate_fractions) * w.sharegpt.num_output_tokens
+    return offline + peers + prefix + mixed + online
+
+
+def describe_machine() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
+        cpu = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), cpu)
+    except (OSError, subprocess.SubprocessError):
+        pass  # lscpu is a nicety; platform's answer stands
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "num_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def run_suite(config: BenchConfig, model: str, progress: Progress) -> BenchReport:
+    started = time.perf_counter()
+    w = build_workloads(config)
+    report = BenchReport(config={**config.__dict__, "model": model}, machine=describe_machine())
+
+    def tick(phase: str) -> Callable[[int], None]:
+        return lambda n: progress(phase, n)
+
+    for mode in config.modes:
+        engine = make_engine(model, mode, config.max_num_seqs, max_wait_ms=config.max_wait_ms)
+        for workload in (w.skewed, w.sharegpt):
+            report.runs.append(run_offline(engine, workload, mode, tick(f"offline {workload.name} {mode}")))
+        del engine
+        gc.collect()
+
+    if config.peers:
+        _run_peers(config, model, w, report, tick)
+
+    for system, caching in (("continuous, prefix cache", True), ("continuous, no prefix cache", False)):
+        engine = make_engine(model, "continuous", config.max_num_seqs, enable_prefix_caching=caching)
+        report.runs.append(_run_one_at_a_time(engine, w.shared_prefix, system, tick(f"shared-prefix {system}")))
+        del engine
+
+    engine = make_engine(model, "continuous", config.max_num_seqs, policy="priority")
+    for workload in (w.mixed_alone, w.mixed_with_batch):
+        report.runs.append(run_offline(engine, workload, "continuous, priority", tick(f"{workload.name}")))
+    del engine
+    gc.collect()
+
+    capacity = report.find("sharegpt-like", "offline", "continuous")
+    assert capacity is not None
+    capacity_rps = summarize(capacity)["requests_per_s"]
+    asyncio.run(_run_online_sweeps(config, model, w.sharegpt, capacity_rps, report, tick))
+
+    report.machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    report.duration_s = time.perf_counter() - started
+    from bench.checks import evaluate_checks
+
+    report.checks = evaluate_checks(report, w, config)
+    return report
+
+
+def _run_peers(config: BenchConfig, model: str, w: Workloads, report: BenchReport,
+               tick: Callable[[str], Callable[[int], None]]) -> None:
+    from bench.peers import load_hf_model, run_hf_generate, run_hf_generate_batch
+
+    hf_model, tokenizer = load_hf_model(model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # Warm-up: one short padded batch through each path.
+    warm = skewed(2, seed=config.seed + 99, output_scale=0.02)
+    run_hf_generate(hf_model, pad_id, warm, config.max_num_seqs)
+    for workload in (w.skewed, w.sharegpt):
+        report.runs.append(run_hf_generate(hf_model, pad_id, workload, config.max_num_seqs,
+                                           tick(f"peer hf-generate {workload.name}")))
+    try:
+        run_hf_generate_batch(hf_model, warm, config.max_num_seqs)
+        for workload in (w.skewed, w.sharegpt):
+            report.runs.append(run_hf_generate_batch(hf_model, workload, config.max_num_seqs,
+                                                     tick(f"peer hf-generate-batch {workload.name}")))
+    except Exception as e:  # any failure of the peer is reported, not fatal to the comparison
+        report.peer_errors["hf-generate-batch"] = f"{type(e).__name__}: {e}"
+
+
+def _run_one_at_a_time(engine: Any, workload: Workload, system: str, on_token: Callable[[int], None]) -> RunResult:
+    """Each request alone, so TTFT is the prefill itself with no queueing behind the others."""
+    runs = [run_offline(engine, Workload(workload.name, [r]), system, on_token) for r in workload.requests]
+    merged = runs[0]
+    for run in runs[1:]:
+        merged.requests += run.requests
+        merged.timeline += run.timeline
+        merged.duration_s += run.duration_s
+        merged.num_steps += run.num_steps
+    merged.extra = {"prefix_cache_hit_tokens": runs[-1].extra.get("prefix_cache_hit_tokens", 0)}
+    return merged
+
+
+async def _run_online_sweeps(config: BenchConfig, model: str, workload: Workload, capacity_rps: float,
+                             report: BenchReport, tick: Callable[[str], Callable[[int], None]]) -> None:
+    for mode in config.online_modes:
+        async with OnlineStack(model, mode, config.max_num_seqs, config.max_wait_ms) as stack:
+            # Warm-up through the whole path before timing anything.
+            await run_online(stack, Workload("warm-up", workload.requests[:2]), "warm-up")
+            for fraction in config.online_rate_fractions:
+                rate = math.inf if math.isinf(fraction) else fraction * capacity_rps
+                label = "saturation" if math.isinf(fraction) else f"{fraction:g}x"
+                timed = poisson_arrivals(workload, rate, seed=config.seed)
+                run = await run_online(stack, timed, label, tick(f"online {mode} {label}"))
+                run.extra["rate_per_s"] = None if math.isinf(rate) else round(rate, 4)
+                report.runs.append(run)
