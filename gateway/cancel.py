@@ -93,6 +93,7 @@ class Canceller:
             if spec.reply_to:
                 pipe.xadd(spec.reply_to, {"result": msgpack.packb(view)}, maxlen=DEFAULT_REPLY_MAXLEN, approximate=True)
             if spec.webhook is not None and should_send(spec.webhook.events, WebhookEvent.COMPLETED):
-                fields = delivery_fields(spec.id, WebhookEvent.COMPLETED, spec.webhook.url, view)
+                fields = delivery_fields(spec.id, WebhookEvent.COMPLETED, spec.webhook.url, view,
+                                         traceparent=spec.traceparent)
                 pipe.xadd(self._keys.webhooks, fields)  # type: ignore[arg-type]
             await pipe.execute()

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from gateway.webhooks.metrics import WebhookMetrics
 from scheduler import metric_schema as M
-from scheduler.job import JobSpec, WebhookEvent
+from scheduler.job import JobSpec
 from scheduler.keys import Keys
 from scheduler.lanes import LANES
 from scheduler.log_format import job_context
@@ -34,7 +35,6 @@ from scheduler.telemetry import (
 
 CONTENT_TYPE = PROMETHEUS_CONTENT_TYPE
 UNKNOWN_LANE = "unknown"
-WEBHOOK_OUTCOMES = ("delivered", "retrying", "gone", "dead")  # scheduler.webhooks.AttemptOutcome
 # Scrapes and probes would drown the job traces; they still count in the duration histogram.
 UNTRACED_ROUTES = frozenset({"/metrics", "/healthz", "/readyz"})
 
@@ -51,17 +51,13 @@ class GatewayMetrics:
         self._cancelled = t.counter(M.JOBS_CANCELLED)
         self._open_waiters = t.up_down_counter(M.OPEN_WAITERS)
         self._http_duration = t.histogram(M.HTTP_SERVER_DURATION)
-        self._webhook_deliveries = t.counter(M.WEBHOOK_DELIVERIES)
-        self._webhook_duration = t.histogram(M.WEBHOOK_DURATION)
+        self.webhooks = WebhookMetrics(t)
         self.streams: StreamStats | None = None
         # Zero series for every known label set, so dashboards and rate() see them before the first event.
         for lane in LANES:
             self._submitted.add(0, {M.A_LANE: lane.value})
             self._rejected.add(0, {M.A_LANE: lane.value, M.A_REJECT_REASON: "lane_full"})
         self._rejected.add(0, {M.A_LANE: UNKNOWN_LANE, M.A_REJECT_REASON: "invalid"})
-        for event in WebhookEvent:
-            for outcome in WEBHOOK_OUTCOMES:
-                self._webhook_deliveries.add(0, {M.A_WEBHOOK_EVENT: event.value, M.A_WEBHOOK_OUTCOME: outcome})
         self._deduplicated.add(0)
         self._open_waiters.add(0)
         for state in ("queued", "running"):
@@ -92,9 +88,7 @@ class GatewayMetrics:
         self._http_duration.record(duration_s, attributes)
 
     def webhook_attempt(self, event: str, outcome: str, duration_s: float | None = None) -> None:
-        self._webhook_deliveries.add(1, {M.A_WEBHOOK_EVENT: event, M.A_WEBHOOK_OUTCOME: outcome})
-        if duration_s is not None:
-            self._webhook_duration.record(duration_s, {M.A_WEBHOOK_OUTCOME: outcome})
+        self.webhooks.webhook_attempt(event, outcome, duration_s)
 
     # --- tracing ----------------------------------------------------------------------
 
@@ -115,16 +109,9 @@ class GatewayMetrics:
             with job_context(spec.id):
                 yield span
 
-    @contextmanager
-    def webhook_span(self, traceparent: str | None, event: str, url: str) -> Iterator[trace.Span]:
+    def webhook_span(self, traceparent: str | None, event: str, url: str) -> AbstractContextManager[trace.Span]:
         """Client span of one webhook delivery attempt, in the trace of the job it reports on."""
-        with self.tracer.start_as_current_span(
-            "carpool.webhook.deliver",
-            context=context_from_traceparent(traceparent),
-            kind=SpanKind.CLIENT,
-            attributes={M.A_WEBHOOK_EVENT: event, "url.full": url},
-        ) as span:
-            yield span
+        return self.webhooks.webhook_span(traceparent, event, url)
 
     # --- streams and exposition -----------------------------------------------------
 

@@ -73,6 +73,8 @@ F_EVENT = "event"
 F_URL = "url"
 F_PAYLOAD = "payload"
 F_CREATED_AT = "created_at"
+F_TRACEPARENT = "traceparent"
+"""W3C trace context of the job the delivery reports on: each attempt is a span in that job's trace."""
 REQUIRED_FIELDS: tuple[str, ...] = (F_ID, F_JOB_ID, F_EVENT, F_URL, F_PAYLOAD)
 
 
@@ -125,11 +127,15 @@ def delivery_fields(
     *,
     now: float | None = None,
     delivery_id: str | None = None,
+    traceparent: str | None = None,
 ) -> dict[str, bytes]:
-    """The fields of one entry to XADD on ``keys.webhooks`` (`now` defaults to the current time)."""
+    """The fields of one entry to XADD on ``keys.webhooks`` (`now` defaults to the current time).
+
+    `traceparent` is the job's trace context; the dispatcher's attempt spans become its children.
+    """
     if now is None:
         now = time.time()
-    return {
+    fields = {
         F_ID: (delivery_id or new_delivery_id()).encode(),
         F_JOB_ID: job_id.encode(),
         F_EVENT: WebhookEvent(event).value.encode(),
@@ -137,6 +143,9 @@ def delivery_fields(
         F_PAYLOAD: build_payload(event, data, now=now),
         F_CREATED_AT: repr(now).encode(),
     }
+    if traceparent:
+        fields[F_TRACEPARENT] = traceparent.encode()
+    return fields
 
 
 @dataclass

@@ -18,16 +18,19 @@ from aiohttp.test_utils import TestClient, TestServer
 from gateway import appkeys as K
 from gateway.app import init_app
 from gateway.config import GatewayConfig
+from gateway.webhooks import generate_secret
+from gateway.webhooks.config import WebhookConfig
 from scheduler.metric_schema import GATEWAY_METRICS, WORKER_METRICS
 from test_telemetry_dashboard import load_dashboard, queries, series_in
 from telemetry_support import in_memory_telemetry, is_connected, sample_names, spans_by_trace, value
+from webhook_receiver import Receiver
 from worker.config import WorkerConfig
 from worker.service import WorkerService
 
 NUM_JOBS = 4
 PRODUCER_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PRODUCER_SPAN_ID = "b7ad6b7169203331"
-WEBHOOK_ONLY = {"carpool.webhook.deliveries", "carpool.webhook.delivery.duration"}  # no webhooks in this run
+WEBHOOK_JOB = 1  # this one asks for every webhook event; the dispatcher runs in the gateway
 
 
 async def scrape(client: TestClient) -> str:
@@ -57,7 +60,10 @@ async def test_metrics_and_traces_from_gateway_to_worker(redis_url: str, tiny_mo
     redis_client = aioredis.Redis.from_url(redis_url)
     worker = WorkerService(config, engine, redis_client, telemetry=wk_telemetry)
     await worker.start()
-    gateway = TestClient(TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True), gw_telemetry)))
+    secret = generate_secret()
+    receiver = await Receiver(secret).start()
+    webhooks = WebhookConfig(webhook_secret=secret, webhook_allow=["127.0.0.1"], webhook_poll_s=0.02)
+    gateway = TestClient(TestServer(init_app(GatewayConfig(redis_url=redis_url, webhooks=webhooks), gw_telemetry)))
     worker_http = TestClient(TestServer(worker.http_app()))
     await gateway.start_server()
     await worker_http.start_server()
@@ -67,6 +73,8 @@ async def test_metrics_and_traces_from_gateway_to_worker(redis_url: str, tiny_mo
             headers = {"traceparent": f"00-{PRODUCER_TRACE_ID}-{PRODUCER_SPAN_ID}-01"} if i == 0 else {}
             body = {"prompt": f"telemetry {i} " + "y" * i, "lane": ["interactive", "standard"][i % 2],
                     "params": {"max_tokens": 3 + i, "temperature": 0.0, "ignore_eos": True}}
+            if i == WEBHOOK_JOB:
+                body["webhook"] = {"url": receiver.url}
             resp = await gateway.post("/v1/jobs", json=body, headers=headers)
             assert resp.status == 202
             ids.append((await resp.json())["id"])
@@ -78,6 +86,12 @@ async def test_metrics_and_traces_from_gateway_to_worker(redis_url: str, tiny_mo
         completion = sum(v["usage"]["completion_tokens"] for v in views.values())
         prompt = sum(v["usage"]["prompt_tokens"] for v in views.values())
         assert completion == sum(3 + i for i in range(NUM_JOBS))
+        await asyncio.wait_for(receiver.accepted.wait(), 20)
+        deadline = time.monotonic() + 20
+        while not any(r.payload["type"] == "completed" for r in receiver.received) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        webhook_events = [r.payload["type"] for r in receiver.received]
+        assert webhook_events[0] == "started" and webhook_events[-1] == "completed", webhook_events
 
         await worker.metrics.streams.refresh()
         wk_text = await wait_for(worker_http, "carpool_jobs_finished_total", NUM_JOBS)
@@ -88,6 +102,7 @@ async def test_metrics_and_traces_from_gateway_to_worker(redis_url: str, tiny_mo
         await gateway.close()
         await worker_http.close()
         await worker.shutdown()
+        await receiver.stop()
         await redis_client.aclose()
 
     # gateway: N submissions, per lane
@@ -111,8 +126,7 @@ async def test_metrics_and_traces_from_gateway_to_worker(redis_url: str, tiny_mo
     for specs, text in ((GATEWAY_METRICS, gw_text), (WORKER_METRICS, wk_text)):
         names = sample_names(text)
         for spec in specs:
-            if spec.name not in WEBHOOK_ONLY:
-                assert set(spec.prometheus_names) <= names, spec.name
+            assert set(spec.prometheus_names) <= names, spec.name
 
     # the dashboard reads only series these scrapes expose
     scraped = sample_names(gw_text) | sample_names(wk_text)
@@ -139,5 +153,18 @@ async def test_metrics_and_traces_from_gateway_to_worker(redis_url: str, tiny_mo
             assert is_connected(gw + wk, remote_parent_span_id=int(PRODUCER_SPAN_ID, 16))
         else:
             assert is_connected(gw + wk)
+        deliveries = [s for s in gw if s.name == "carpool.webhook.deliver"]
+        if i != WEBHOOK_JOB:
+            assert deliveries == []
+            continue
+        # every attempt the receiver saw is a client span of this job's trace, under the worker's spans
+        assert sorted(s.attributes["carpool.webhook.event"] for s in deliveries) == sorted(webhook_events)
+        for s in deliveries:
+            assert s.attributes["carpool.webhook.attempt"] == 1
+            assert s.attributes["http.response.status_code"] == 200
+            assert s.attributes["carpool.webhook.outcome"] == "delivered"
+            assert s.attributes["carpool.job.id"] == job_id
+        completed = next(s for s in deliveries if s.attributes["carpool.webhook.event"] == "completed")
+        assert completed.parent.span_id == job_span.context.span_id
     gw_telemetry.shutdown()
     wk_telemetry.shutdown()

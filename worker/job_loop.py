@@ -214,7 +214,9 @@ class JobLoop:
                     partial = running_view(job.record, job.text, job.token_ids,
                                            first_token_at=job.first_token_at, resumed_from=job.resumed_from)
                     assert job.spec.webhook is not None
-                    pipe.xadd(self.keys.webhooks, delivery_fields(job.spec.id, WebhookEvent.OUTPUT, job.spec.webhook.url, partial))
+                    pipe.xadd(self.keys.webhooks, delivery_fields(
+                        job.spec.id, WebhookEvent.OUTPUT, job.spec.webhook.url, partial,
+                        traceparent=job.trace.traceparent if job.trace is not None else job.spec.traceparent))
             if out.finished:
                 finished.append((job, out))
             elif self._checkpoint_due(job, mono):
@@ -255,7 +257,8 @@ class JobLoop:
                  "cached_tokens": job.num_cached_tokens}
         return Outcome(job_id=job.spec.id, status=status, entry=job.entry, reply_to=job.spec.reply_to,
                        webhook=job.spec.webhook, output=output, usage=usage, error=error,
-                       first_token_at=job.first_token_at, resumed_from=job.resumed_from, trace=job.trace)
+                       first_token_at=job.first_token_at, resumed_from=job.resumed_from, trace=job.trace,
+                       traceparent=job.spec.traceparent)
 
     def commit_now(self, outcome: Outcome) -> None:
         """Commit an outcome decided outside the engine (expired, invalid, dead-lettered)."""

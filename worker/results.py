@@ -139,6 +139,8 @@ class Outcome:
     worker: str | None = None
     trace: Any = None
     """The job's ``worker.metrics.JobTrace`` when it ran here: closed with the job's spans and metrics."""
+    traceparent: str | None = None
+    """The job message's trace context: the parent of its webhook delivery when it did not run here."""
 
 
 class ResultStore:
@@ -205,7 +207,9 @@ class ResultStore:
         final = pack({"type": "final", "id": outcome.job_id, "job": view})
         webhook: list[Any] = []
         if outcome.webhook is not None and outcome.webhook.wants(WebhookEvent.COMPLETED):
-            for k, v in delivery_fields(outcome.job_id, WebhookEvent.COMPLETED.value, outcome.webhook.url, view).items():
+            traceparent = outcome.trace.traceparent if outcome.trace is not None else outcome.traceparent
+            for k, v in delivery_fields(outcome.job_id, WebhookEvent.COMPLETED.value, outcome.webhook.url, view,
+                                        traceparent=traceparent).items():
                 webhook += [k, v]
         dead: list[Any] = []
         if outcome.dead_reason is not None:

@@ -188,7 +188,7 @@ class WorkerService:
             log.warning("job %s: %s; dead-lettered", spec.id, reason)
             self.metrics.dead_lettered(spec.lane.value, "too_many_deliveries")
             await self.store.commit(Outcome(spec.id, JobStatus.FAILED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
-                                            dead_reason=reason, dead_payload=raw,
+                                            traceparent=spec.traceparent, dead_reason=reason, dead_payload=raw,
                                             error={"type": "too_many_deliveries", "message": reason}))
             return
         created_at = int(ref.entry_id.split("-", 1)[0]) / 1000
@@ -197,10 +197,12 @@ class WorkerService:
             await self.store.ack(ref)
         elif admission.verdict == "cancel":
             await self.store.commit(Outcome(spec.id, JobStatus.CANCELLED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
+                                            traceparent=spec.traceparent,
                                             error={"type": "cancelled", "message": "cancelled before it started"}))
             self.metrics.job_finished_unrun(spec, JobStatus.CANCELLED, created_at)
         elif admission.verdict == "expire":
             await self.store.commit(Outcome(spec.id, JobStatus.EXPIRED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
+                                            traceparent=spec.traceparent,
                                             error={"type": "expired", "message": "deadline passed before the job started"}))
             self.metrics.job_finished_unrun(spec, JobStatus.EXPIRED, created_at)
         else:
@@ -215,7 +217,8 @@ class WorkerService:
             "resumed_from": len(admission.checkpoint)}))
         if admission.is_first_start and spec.webhook is not None and spec.webhook.wants(WebhookEvent.STARTED):
             view = job_view(admission.record)
-            pipe.xadd(self.keys.webhooks, delivery_fields(spec.id, WebhookEvent.STARTED, spec.webhook.url, view))
+            pipe.xadd(self.keys.webhooks, delivery_fields(spec.id, WebhookEvent.STARTED, spec.webhook.url, view,
+                                                          traceparent=spec.traceparent))
         await pipe.execute()
 
     # --- leases, cancellation, heartbeat ----------------------------------------------------------

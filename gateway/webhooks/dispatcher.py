@@ -21,12 +21,14 @@ import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
 from typing import Protocol
 
 import aiohttp
 import redis.asyncio as aioredis
 import redis.exceptions
+from opentelemetry.trace import Span, Status, StatusCode
 
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.safety import VettingResolver, WebhookUrlError, check_webhook_url
@@ -45,9 +47,11 @@ REDIS_RETRY_S = 1.0
 
 
 class AttemptObserver(Protocol):
-    """Where attempt counts and durations go (the gateway's metrics implement it)."""
+    """Where attempt counts, durations and spans go (``gateway.webhooks.metrics.WebhookMetrics`` implements it)."""
 
     def webhook_attempt(self, event: str, outcome: str, duration_s: float | None = None) -> None: ...
+
+    def webhook_span(self, traceparent: str | None, event: str, url: str) -> AbstractContextManager[Span]: ...
 
 
 class WebhookDispatcher:
@@ -170,15 +174,21 @@ class WebhookDispatcher:
         await asyncio.gather(*pending, return_exceptions=True)
 
     async def _attempt(self, session: aiohttp.ClientSession, c: Claimed) -> None:
-        started = time.monotonic()
-        try:
-            status_code, error, retry_after_s = await self._send(session, c)
-        except asyncio.CancelledError:
-            # Shutting down mid-attempt: hand it back so whoever polls next retries it without waiting for the lease.
-            await self._store.release(c, now=time.time())
-            raise
-        now = time.time()
-        decision = decide(self._policy, c.attempt, status_code, error, retry_after_s, self._rand.random())
+        span_cm: AbstractContextManager[Span | None] = (
+            nullcontext(None) if self._observer is None else self._observer.webhook_span(c.traceparent, c.event, c.url)
+        )
+        with span_cm as span:
+            started = time.monotonic()
+            try:
+                status_code, error, retry_after_s = await self._send(session, c)
+            except asyncio.CancelledError:
+                # Shutting down mid-attempt: hand it back so whoever polls next retries it without waiting for the lease.
+                await self._store.release(c, now=time.time())
+                raise
+            now = time.time()
+            decision = decide(self._policy, c.attempt, status_code, error, retry_after_s, self._rand.random())
+            if span is not None:
+                _describe_attempt(span, c, status_code, error, decision.outcome)
         record = AttemptRecord(
             delivery_id=c.delivery_id, event=c.event, attempt=c.attempt, at=now, status_code=status_code,
             error=error, next_at=None if decision.delay_s is None else now + decision.delay_s,
@@ -208,6 +218,19 @@ class WebhookDispatcher:
             return None, f"timed out after {self._config.webhook_timeout_s:g} s", None
         except (aiohttp.ClientError, OSError) as e:
             return None, f"{type(e).__name__}: {e}", None
+
+
+def _describe_attempt(span: Span, c: Claimed, status_code: int | None, error: str | None,
+                      outcome: AttemptOutcome) -> None:
+    span.set_attribute("carpool.job.id", c.job_id)
+    span.set_attribute("carpool.webhook.attempt", c.attempt)
+    span.set_attribute("carpool.webhook.outcome", outcome.value)
+    if status_code is not None:
+        span.set_attribute("http.response.status_code", status_code)
+    if error is not None:
+        span.set_attribute("carpool.webhook.error", error)
+    if outcome is not AttemptOutcome.DELIVERED:
+        span.set_status(Status(StatusCode.ERROR, error or f"receiver answered {status_code}"))
 
 
 def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespace:

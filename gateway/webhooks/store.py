@@ -44,7 +44,8 @@ for _, entry in ipairs(entries[1][2]) do
     -- A delivery id seen before is the same delivery (a producer retrying its XADD).
     if redis.call('EXISTS', dkey) == 0 then
       redis.call('HSET', dkey, 'id', f['id'], 'job_id', f['job_id'], 'event', f['event'], 'url', f['url'],
-        'payload', f['payload'], 'created_at', f['created_at'] or ARGV[4], 'attempts', 0, 'state', 'pending')
+        'payload', f['payload'], 'created_at', f['created_at'] or ARGV[4], 'attempts', 0, 'state', 'pending',
+        'traceparent', f['traceparent'] or '')
       if redis.call('HEXISTS', ARGV[8] .. f['job_id'], '""" + F_GONE + """') == 1 then
         redis.call('HSET', dkey, 'state', 'gone')
         redis.call('EXPIRE', dkey, ARGV[5])
@@ -75,8 +76,8 @@ for _, id in ipairs(ids) do
     redis.call('ZADD', KEYS[1], ARGV[2], id)
     redis.call('HSET', dkey, 'claim', ARGV[5], 'state', 'sending')
     local attempt = redis.call('HINCRBY', dkey, 'attempts', 1)
-    local d = redis.call('HMGET', dkey, 'job_id', 'event', 'url', 'payload')
-    table.insert(out, {id, attempt, d[1], d[2], d[3], d[4]})
+    local d = redis.call('HMGET', dkey, 'job_id', 'event', 'url', 'payload', 'traceparent')
+    table.insert(out, {id, attempt, d[1], d[2], d[3], d[4], d[5] or ''})
   end
 end
 return out
@@ -145,6 +146,8 @@ class Claimed:
     url: str
     payload: bytes
     token: str
+    traceparent: str | None = None
+    """The job's trace context, when its producer gave one: the attempt's span joins that trace."""
 
 
 class DeliveryStore:
@@ -183,7 +186,7 @@ class DeliveryStore:
         return [
             Claimed(
                 delivery_id=row[0].decode(), attempt=int(row[1]), job_id=row[2].decode(), event=row[3].decode(),
-                url=row[4].decode(), payload=bytes(row[5]), token=token,
+                url=row[4].decode(), payload=bytes(row[5]), token=token, traceparent=row[6].decode() or None,
             )
             for row in rows
         ]

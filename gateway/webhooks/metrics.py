@@ -1,0 +1,49 @@
+"""Webhook delivery telemetry: attempt counts and durations, and one span per attempt in the job's trace.
+
+``WebhookMetrics`` is the dispatcher's ``AttemptObserver``. The gateway holds
+one inside its ``GatewayMetrics`` (the in-process dispatcher).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from scheduler import metric_schema as M
+from scheduler.job import WebhookEvent
+from scheduler.telemetry import Telemetry, context_from_traceparent
+from scheduler.webhooks import AttemptOutcome
+
+WEBHOOK_OUTCOMES = tuple(o.value for o in AttemptOutcome)
+
+
+class WebhookMetrics:
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+        self.tracer = telemetry.tracer
+        self._deliveries = telemetry.counter(M.WEBHOOK_DELIVERIES)
+        self._duration = telemetry.histogram(M.WEBHOOK_DURATION)
+        # Zero series for every event and outcome, so rate() sees them before the first attempt.
+        for event in WebhookEvent:
+            for outcome in WEBHOOK_OUTCOMES:
+                self._deliveries.add(0, {M.A_WEBHOOK_EVENT: event.value, M.A_WEBHOOK_OUTCOME: outcome})
+
+    def webhook_attempt(self, event: str, outcome: str, duration_s: float | None = None) -> None:
+        self._deliveries.add(1, {M.A_WEBHOOK_EVENT: event, M.A_WEBHOOK_OUTCOME: outcome})
+        if duration_s is not None:
+            self._duration.record(duration_s, {M.A_WEBHOOK_OUTCOME: outcome})
+
+    @contextmanager
+    def webhook_span(self, traceparent: str | None, event: str, url: str) -> Iterator[trace.Span]:
+        """Client span of one delivery attempt, a child of the job's trace context when the entry carries one."""
+        with self.tracer.start_as_current_span(
+            "carpool.webhook.deliver",
+            context=context_from_traceparent(traceparent),
+            kind=SpanKind.CLIENT,
+            attributes={M.A_WEBHOOK_EVENT: event, "url.full": url},
+        ) as span:
+            yield span
+
