@@ -33,6 +33,8 @@ A_HTTP_STATUS = "http.response.status_code"
 
 # Bucket boundaries advised by the semantic conventions where they give some.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+# Per-token gaps sit well below per-request latencies; finer at the bottom than the TPOT advice.
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 DURATION_BUCKETS_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 QUEUE_WAIT_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
@@ -149,6 +151,11 @@ TIME_PER_OUTPUT_TOKEN = MetricSpec(
     "Mean inter-token latency of a successful job: decode time over output tokens after the first.",
     (A_LANE,), TPOT_BUCKETS_S,
 )
+INTER_TOKEN_LATENCY = MetricSpec(
+    "carpool.inter_token_latency", "histogram", "s",
+    "Gap between consecutive output tokens of a sequence, one sample per token after the first.",
+    (A_LANE,), ITL_BUCKETS_S,
+)
 REQUEST_DURATION = MetricSpec(
     "gen_ai.server.request.duration", "histogram", "s", "End-to-end job latency, submission to final status.",
     (A_LANE, A_JOB_STATUS), DURATION_BUCKETS_S,
@@ -206,7 +213,8 @@ GATEWAY_METRICS: tuple[MetricSpec, ...] = (
     WEBHOOK_DELIVERIES, WEBHOOK_DURATION, *STREAM_METRICS,
 )
 WORKER_METRICS: tuple[MetricSpec, ...] = (
-    JOBS_FINISHED, QUEUE_WAIT, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, REQUEST_DURATION, TOKEN_USAGE,
+    JOBS_FINISHED, QUEUE_WAIT, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, INTER_TOKEN_LATENCY, REQUEST_DURATION,
+    TOKEN_USAGE,
     STEP_DURATION, STEP_TOKENS, SEQS_RUNNING, SEQS_WAITING, BATCH_OCCUPANCY, KV_CACHE_USAGE, PREEMPTIONS,
     PREFIX_CACHE_HIT_RATE, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, LEASES_RECLAIMED, DEAD_LETTERED,
     *STREAM_METRICS,

@@ -117,6 +117,11 @@ async def test_metrics_and_traces_from_gateway_to_worker(redis_url: str, tiny_mo
     for name in ("gen_ai_server_time_to_first_token_seconds_count", "gen_ai_server_time_per_output_token_seconds_count",
                  "gen_ai_server_request_duration_seconds_count", "carpool_job_queue_wait_seconds_count"):
         assert value(wk_text, name) == NUM_JOBS, name
+    # one inter-token sample per output token after each job's first
+    assert value(wk_text, "carpool_inter_token_latency_seconds_count") == completion - NUM_JOBS
+    assert value(wk_text, "carpool_inter_token_latency_seconds_count", carpool_lane="standard") == sum(
+        2 + i for i in range(NUM_JOBS) if i % 2)
+    assert value(wk_text, "carpool_inter_token_latency_seconds_sum") > 0
     assert value(wk_text, "carpool_engine_step_duration_seconds_count") == stats.num_steps > 0
     assert value(wk_text, "carpool_engine_step_tokens_sum") >= prompt + completion - NUM_JOBS
     assert value(wk_text, "carpool_engine_sequences_running") == 0

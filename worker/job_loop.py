@@ -46,6 +46,8 @@ class RunningJob:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     first_token_at: float | None = None
+    last_token_mono: float | None = None
+    """Monotonic time this worker last saw new tokens of the job (inter-token latency)."""
     checkpointed: int = 0
     checkpoint_at: float = field(default_factory=time.monotonic)
     throttle: OutputThrottle | None = None
@@ -207,6 +209,9 @@ class JobLoop:
             if new_ids:
                 if job.first_token_at is None:
                     job.first_token_at = now
+                gap_s = None if job.last_token_mono is None else mono - job.last_token_mono
+                self.metrics.tokens_emitted(job.spec.lane.value, gap_s, len(new_ids))
+                job.last_token_mono = mono
                 pipe.publish(self.keys.events(job.spec.id), pack({
                     "type": "token", "id": job.spec.id, "text": out.text, "token_ids": new_ids,
                     "index": len(job.token_ids) - len(new_ids)}))

@@ -81,6 +81,8 @@ class WorkerMetrics:
         self._queue_wait = t.histogram(M.QUEUE_WAIT)
         self._ttft = t.histogram(M.TIME_TO_FIRST_TOKEN)
         self._tpot = t.histogram(M.TIME_PER_OUTPUT_TOKEN)
+        self._itl = t.histogram(M.INTER_TOKEN_LATENCY)
+        self._lane_attributes = {lane.value: {M.A_LANE: lane.value} for lane in LANES}  # read-only once built
         self._e2e = t.histogram(M.REQUEST_DURATION)
         self._tokens = t.histogram(M.TOKEN_USAGE)
         self._step_s = t.histogram(M.STEP_DURATION)
@@ -122,6 +124,18 @@ class WorkerMetrics:
             return [] if stats is None else [Observation(read(stats))]
 
         return observe
+
+    def tokens_emitted(self, lane: str, gap_s: float | None, num_tokens: int) -> None:
+        """A step gave a sequence ``num_tokens`` new tokens, ``gap_s`` after its previous token (None: its first).
+
+        One inter-token sample per token after the first: the first new token
+        waited ``gap_s``, the others of the same step came with it (gap 0).
+        """
+        attributes = self._lane_attributes.get(lane) or {M.A_LANE: lane}
+        if gap_s is not None:
+            self._itl.record(max(0.0, gap_s), attributes)
+        for _ in range(num_tokens - 1):
+            self._itl.record(0.0, attributes)
 
     # --- jobs ----------------------------------------------------------------------------
 
