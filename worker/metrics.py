@@ -219,10 +219,9 @@ class WorkerMetrics:
                 end_time=s_to_ns(max(start_s, stop_s))
             )
 
-    def job_finished_unrun(self, spec: JobSpec, status: JobStatus, created_s: float, now_s: float | None = None) -> None:
+    def job_finished_unrun(self, lane: str, status: JobStatus, created_s: float, now_s: float | None = None) -> None:
         """A job decided without running (expired, cancelled while queued, invalid, dead-lettered)."""
         now_s = time.time() if now_s is None else now_s
-        lane = spec.lane.value
         self._finished.add(1, {M.A_LANE: lane, M.A_JOB_STATUS: status.value})
         self._e2e.record(max(0.0, now_s - created_s), {M.A_LANE: lane, M.A_JOB_STATUS: status.value})
 

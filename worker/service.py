@@ -165,6 +165,7 @@ class WorkerService:
         if entry.fields is None:
             await self.store.ack(ref)  # deleted while pending: nothing left to run
             return
+        created_at = int(ref.entry_id.split("-", 1)[0]) / 1000  # the stream entry id is its XADD time
         raw = entry.fields.get(b"job")
         if raw is None:
             await self.store.dead_letter_entry(ref, "entry has no 'job' field", entry.fields)
@@ -176,22 +177,24 @@ class WorkerService:
             job_id = _recover_id(raw)
             reason = f"invalid job: {e}"
             log.warning("%s: %s", ref, reason)
-            self.metrics.dead_lettered(self._lane_of.get(ref.stream, "unknown"), "invalid_job")
+            lane = self._lane_of.get(ref.stream, "unknown")
+            self.metrics.dead_lettered(lane, "invalid_job")
             if job_id is None:
                 await self.store.dead_letter_entry(ref, reason, entry.fields)
-            else:
-                await self.store.commit(Outcome(job_id, JobStatus.FAILED, ref, dead_reason=reason, dead_payload=raw,
-                                                error={"type": "invalid_job", "field": e.field, "message": str(e)}))
+            elif await self.store.commit(Outcome(job_id, JobStatus.FAILED, ref, dead_reason=reason, dead_payload=raw,
+                                                 error={"type": "invalid_job", "field": e.field, "message": str(e)})):
+                self.metrics.job_finished_unrun(lane, JobStatus.FAILED, created_at)
             return
         if entry.deliveries > self.config.max_deliveries:
             reason = f"delivered {entry.deliveries} times (max_deliveries {self.config.max_deliveries})"
             log.warning("job %s: %s; dead-lettered", spec.id, reason)
             self.metrics.dead_lettered(spec.lane.value, "too_many_deliveries")
-            await self.store.commit(Outcome(spec.id, JobStatus.FAILED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
-                                            traceparent=spec.traceparent, dead_reason=reason, dead_payload=raw,
-                                            error={"type": "too_many_deliveries", "message": reason}))
+            if await self.store.commit(Outcome(spec.id, JobStatus.FAILED, ref, reply_to=spec.reply_to,
+                                               webhook=spec.webhook, traceparent=spec.traceparent, dead_reason=reason,
+                                               dead_payload=raw,
+                                               error={"type": "too_many_deliveries", "message": reason})):
+                self.metrics.job_finished_unrun(spec.lane.value, JobStatus.FAILED, created_at)
             return
-        created_at = int(ref.entry_id.split("-", 1)[0]) / 1000
         admission = await self.store.admit(spec, ref, created_at, time.time())
         if admission.verdict in ("terminal", "duplicate"):
             await self.store.ack(ref)
@@ -199,12 +202,12 @@ class WorkerService:
             await self.store.commit(Outcome(spec.id, JobStatus.CANCELLED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
                                             traceparent=spec.traceparent,
                                             error={"type": "cancelled", "message": "cancelled before it started"}))
-            self.metrics.job_finished_unrun(spec, JobStatus.CANCELLED, created_at)
+            self.metrics.job_finished_unrun(spec.lane.value, JobStatus.CANCELLED, created_at)
         elif admission.verdict == "expire":
             await self.store.commit(Outcome(spec.id, JobStatus.EXPIRED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
                                             traceparent=spec.traceparent,
                                             error={"type": "expired", "message": "deadline passed before the job started"}))
-            self.metrics.job_finished_unrun(spec, JobStatus.EXPIRED, created_at)
+            self.metrics.job_finished_unrun(spec.lane.value, JobStatus.EXPIRED, created_at)
         else:
             assert admission.verdict == "run", admission.verdict
             await self._announce_start(spec, admission)
