@@ -230,6 +230,12 @@ def context_from_traceparent(traceparent: str | None, tracestate: str | None = N
     return ctx
 
 
+def span_of_traceparent(traceparent: str | None) -> trace.Span | None:
+    """The remote span a ``traceparent`` names (non-recording), to put a job's trace id on log lines."""
+    ctx = context_from_traceparent(traceparent)
+    return None if ctx is None else trace.get_current_span(ctx)
+
+
 def traceparent_of(span: trace.Span | None = None) -> str | None:
     """The ``traceparent`` that makes a span (default: the current one) the parent of remote work."""
     ctx = trace.set_span_in_context(span) if span is not None else otel_context.get_current()

@@ -1,9 +1,15 @@
-"""Worker telemetry for jobs that never reach the engine: dead-lettered jobs are finished jobs too."""
+"""Worker telemetry around the engine: dead-lettered jobs are finished jobs too, and every log line about
+a job (reclaim, admission, dead-letter, commit) names the job and its trace as JSON fields."""
 
 from __future__ import annotations
 
 import asyncio
+import io
+import json
+import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import msgpack
 import pytest
@@ -12,6 +18,7 @@ import redis.asyncio as aioredis
 from scheduler.job import JobSpec
 from scheduler.keys import CONSUMER_GROUP
 from scheduler.lanes import LANES, Lane
+from scheduler.log_format import JsonFormatter
 from scheduler.params import SamplingParams
 from telemetry_support import value
 from worker_harness import KEYS, running_worker, wait_terminal, xadd_job
@@ -61,3 +68,56 @@ async def test_dead_lettered_jobs_count_as_failed_jobs(redis_url: str, engine) -
     assert value(text, "carpool_jobs_finished_total", carpool_job_status="failed", carpool_lane="batch") == 1
     assert value(text, "carpool_jobs_finished_total", carpool_job_status="succeeded") == 1
     assert value(text, "gen_ai_server_request_duration_seconds_count", carpool_job_status="failed") == 2
+
+
+@contextmanager
+def worker_json_logs() -> Iterator[io.StringIO]:
+    """The JSON lines the worker's loggers write while the block runs."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter(service="carpool-worker"))
+    logger = logging.getLogger("worker")
+    saved_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield stream
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)
+
+
+GOOD_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+POISON_TRACE = "0af7651916cd43dd8448eb211c80319c"
+
+
+async def test_log_lines_about_a_job_carry_its_id_and_trace(redis_url: str, engine) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    good = JobSpec(id="good", prompt="taken over", params=SamplingParams(max_tokens=2, temperature=0.0),
+                   traceparent=f"00-{GOOD_TRACE}-00f067aa0ba902b7-01")
+    await crashed_worker_holds(client, good)
+    with worker_json_logs() as stream:
+        async with running_worker(redis_url, engine, lease_s=0.3):
+            await client.xadd(KEYS.lane(Lane.BATCH), {"job": msgpack.packb(
+                {"v": 1, "id": "poison", "prompt": "hi", "params": {"temperature": -1},
+                 "traceparent": f"00-{POISON_TRACE}-b7ad6b7169203331-01"})})
+            views = await wait_terminal(client, ["good", "poison"], timeout_s=60)
+            deadline = time.monotonic() + 10
+            while "good: succeeded" not in stream.getvalue() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+    await client.aclose()
+    assert views["good"]["status"] == "succeeded" and views["poison"]["status"] == "failed"
+    records = [json.loads(line) for line in stream.getvalue().splitlines()]
+    about = {job_id: [r for r in records if f"job {job_id}:" in r["message"]] for job_id in ("good", "poison")}
+    good_lines = {r["message"].split(":")[1].split()[0]: r for r in about["good"]}
+    assert {"reclaimed", "admitted", "succeeded"} <= set(good_lines), [r["message"] for r in about["good"]]
+    assert good_lines["reclaimed"]["delivery"] == 2 and good_lines["admitted"]["lane"] == "standard"
+    (poison_line,) = about["poison"]
+    assert "dead-lettered" in poison_line["message"] and poison_line["dead_letter"] == "invalid_job"
+    for job_id, trace_id in (("good", GOOD_TRACE), ("poison", POISON_TRACE)):
+        for record in about[job_id]:
+            assert record["job_id"] == job_id and record["trace_id"] == trace_id, record
+            assert record["service"] == "carpool-worker"
+    # the one line not about a job names none
+    (ready,) = [r for r in records if "ready" in r["message"]]
+    assert "job_id" not in ready and "trace_id" not in ready

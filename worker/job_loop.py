@@ -25,6 +25,7 @@ from scheduler.lanes import LANE_RANK
 from scheduler.webhooks import OutputThrottle, delivery_fields, running_view
 from worker.config import WorkerConfig
 from scheduler.log_format import job_context
+from scheduler.telemetry import span_of_traceparent
 from worker.metrics import JobTrace, WorkerMetrics
 from worker.results import EntryRef, Outcome, ResultStore, pack
 
@@ -135,8 +136,10 @@ class JobLoop:
 
     def drop(self, job_id: str) -> None:
         """Forget a job without committing anything (its entry is someone else's now)."""
-        if job_id in self.jobs:
-            log.warning("job %s: lease lost, another worker owns it now; stopping our copy", job_id)
+        job = self.jobs.get(job_id)
+        if job is not None:
+            with job_context(job_id, job.trace.span if job.trace is not None else None):
+                log.warning("job %s: lease lost, another worker owns it now; stopping our copy", job_id)
             self._abort(job_id)
 
     def _abort(self, job_id: str) -> None:
@@ -276,7 +279,8 @@ class JobLoop:
 
     async def _commit(self, outcome: Outcome) -> None:
         # Shielded: once decided, a shutdown must not cut the commit in half.
-        with job_context(outcome.job_id, outcome.trace.span if outcome.trace is not None else None):
+        span = outcome.trace.span if outcome.trace is not None else span_of_traceparent(outcome.traceparent)
+        with job_context(outcome.job_id, span):
             with self.metrics.publish_span(outcome.trace):
                 won = await asyncio.shield(self.store.commit(outcome))
             self.num_finished += 1

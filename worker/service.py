@@ -21,7 +21,8 @@ from aiohttp import web
 from scheduler.job import JobSpec, JobStatus, JobValidationError, WebhookEvent, job_view
 from scheduler.keys import Keys
 from scheduler.lanes import Lane
-from scheduler.telemetry import Telemetry
+from scheduler.log_format import job_context
+from scheduler.telemetry import Telemetry, span_of_traceparent
 from scheduler.webhooks import delivery_fields
 from worker.config import WorkerConfig
 from worker.consumer import Entry, LaneConsumer
@@ -174,20 +175,36 @@ class WorkerService:
         try:
             spec = JobSpec.unpack(raw)
         except JobValidationError as e:
-            job_id = _recover_id(raw)
+            job_id, traceparent = _recover_id(raw), _recover_traceparent(raw)
             reason = f"invalid job: {e}"
-            log.warning("%s: %s", ref, reason)
             lane = self._lane_of.get(ref.stream, "unknown")
             self.metrics.dead_lettered(lane, "invalid_job")
             if job_id is None:
+                log.warning("%s: %s; dead-lettered", ref, reason, extra={"entry": str(ref), "dead_letter": "invalid_job"})
                 await self.store.dead_letter_entry(ref, reason, entry.fields)
-            elif await self.store.commit(Outcome(job_id, JobStatus.FAILED, ref, dead_reason=reason, dead_payload=raw,
-                                                 error={"type": "invalid_job", "field": e.field, "message": str(e)})):
-                self.metrics.job_finished_unrun(lane, JobStatus.FAILED, created_at)
+                return
+            with job_context(job_id, span_of_traceparent(traceparent)):
+                log.warning("job %s: %s; dead-lettered and failed", job_id, reason,
+                            extra={"entry": str(ref), "lane": lane, "dead_letter": "invalid_job"})
+                if await self.store.commit(Outcome(job_id, JobStatus.FAILED, ref, dead_reason=reason, dead_payload=raw,
+                                                   traceparent=traceparent,
+                                                   error={"type": "invalid_job", "field": e.field, "message": str(e)})):
+                    self.metrics.job_finished_unrun(lane, JobStatus.FAILED, created_at)
             return
+        # Every line about this job names it and its trace (the message's context until the job's own span opens).
+        with job_context(spec.id, span_of_traceparent(spec.traceparent)):
+            await self._admit_spec(spec, entry, raw, created_at)
+
+    async def _admit_spec(self, spec: JobSpec, entry: Entry, raw: bytes, created_at: float) -> None:
+        ref = entry.ref
+        lane = spec.lane.value
+        if entry.deliveries > 1:
+            log.info("job %s: reclaimed from %s (delivery %d): its previous worker stopped renewing or handed it back",
+                     spec.id, ref, entry.deliveries, extra={"entry": str(ref), "lane": lane, "delivery": entry.deliveries})
         if entry.deliveries > self.config.max_deliveries:
             reason = f"delivered {entry.deliveries} times (max_deliveries {self.config.max_deliveries})"
-            log.warning("job %s: %s; dead-lettered", spec.id, reason)
+            log.warning("job %s: %s; dead-lettered and failed", spec.id, reason,
+                        extra={"entry": str(ref), "lane": lane, "dead_letter": "too_many_deliveries"})
             self.metrics.dead_lettered(spec.lane.value, "too_many_deliveries")
             if await self.store.commit(Outcome(spec.id, JobStatus.FAILED, ref, reply_to=spec.reply_to,
                                                webhook=spec.webhook, traceparent=spec.traceparent, dead_reason=reason,
@@ -196,6 +213,9 @@ class WorkerService:
                 self.metrics.job_finished_unrun(spec.lane.value, JobStatus.FAILED, created_at)
             return
         admission = await self.store.admit(spec, ref, created_at, time.time())
+        if admission.verdict != "run":
+            log.info("job %s: not run (%s, was %s)", spec.id, admission.verdict, admission.previous_status or "new",
+                     extra={"entry": str(ref), "lane": lane, "verdict": admission.verdict})
         if admission.verdict in ("terminal", "duplicate"):
             await self.store.ack(ref)
         elif admission.verdict == "cancel":
@@ -212,6 +232,10 @@ class WorkerService:
             assert admission.verdict == "run", admission.verdict
             await self._announce_start(spec, admission)
             self.loop.start(spec, ref, admission.checkpoint, admission.record)
+            log.info("job %s: admitted from %s (attempt %d, resuming after %d tokens)", spec.id, ref,
+                     admission.attempts, len(admission.checkpoint),
+                     extra={"entry": str(ref), "lane": lane, "attempt": admission.attempts,
+                            "resumed_from": len(admission.checkpoint)})
 
     async def _announce_start(self, spec: JobSpec, admission: Admission) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -285,6 +309,16 @@ async def _readyz(request: web.Request) -> web.Response:
     body = {"ready": service.is_ready, "draining": service.is_draining, "running": len(service.loop.jobs),
             "capacity": service.config.capacity}
     return web.json_response(body, status=200 if service.is_ready else 503)
+
+
+def _recover_traceparent(raw: bytes) -> str | None:
+    """The ``traceparent`` of an invalid message, when one can be read, so its lines join the producer's trace."""
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    traceparent = data.get("traceparent") if isinstance(data, dict) else None
+    return traceparent if isinstance(traceparent, str) else None
 
 
 def _recover_id(raw: bytes) -> str | None:
