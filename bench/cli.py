@@ -70,10 +70,12 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     model = args.model or _default_model(args.quick, output)
 
     from tqdm import tqdm
+    from transformers.utils import logging as hf_logging
 
     from bench.report import write_report
     from bench.suite import build_workloads, planned_output_tokens, run_suite
 
+    hf_logging.disable_progress_bar()  # one bar on screen: ours
     total = planned_output_tokens(config, build_workloads(config))
     with tqdm(total=total, unit="tok", desc="carpool bench", disable=args.no_progress, file=sys.stderr,
               dynamic_ncols=True) as bar:

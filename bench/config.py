@@ -17,14 +17,14 @@ class BenchConfig:
     skewed_requests: int = 32
     output_scale: float = 1.0
     """Multiplies the skewed output lengths; below 1 only for smoke tests."""
-    sharegpt_requests: int = 48
-    shared_prefix_requests: int = 6
+    sharegpt_requests: int = 32
+    shared_prefix_requests: int = 12
     shared_prefix_len: int = 768
     mixed_interactive: int = 12
     mixed_batch: int = 16
     mixed_interactive_rate: float = 2.0
-    online_rate_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, math.inf)
-    """Arrival rates as fractions of the offline continuous request rate; inf is all at once (saturation)."""
+    online_rate_fractions: tuple[float, ...] = (0.5, 0.8, math.inf)
+    """Arrival rates as fractions of continuous's request rate at saturation online; inf is all at once."""
     online_modes: tuple[str, ...] = BATCHING_MODES
     peers: bool = True
     max_wait_ms: float = 50.0

@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import aiohttp
 from aiohttp import web
@@ -48,6 +48,8 @@ class OnlineStack:
         self.metrics_port = free_port()
         self._runner: web.AppRunner | None = None
         self._worker: asyncio.subprocess.Process | None = None
+        self._worker_log = Path(self._tmp.name) / "worker.log"
+        self._log_file: BinaryIO | None = None
 
     @property
     def base_url(self) -> str:
@@ -61,13 +63,14 @@ class OnlineStack:
             self._runner = web.AppRunner(init_app(config))
             await self._runner.setup()
             await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+            self._log_file = self._worker_log.open("wb")
             self._worker = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "gateway.cli", "worker", "--redis-url", self.redis.url, "--model", self.model,
                 "--batching", self.batching, "--max-num-seqs", str(self.max_num_seqs),
                 "--max-wait-ms", str(self.max_wait_ms), "--metrics-host", "127.0.0.1",
                 "--metrics-port", str(self.metrics_port), "--log-level", "WARNING",
                 "--read-block-ms", "20", "--shutdown-grace-s", "5",
-                stdout=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL, stderr=self._log_file,
             )
             await self._wait_ready()
         except BaseException:
@@ -82,7 +85,8 @@ class OnlineStack:
             while time.monotonic() < deadline:
                 assert self._worker is not None
                 if self._worker.returncode is not None:
-                    raise RuntimeError(f"the benchmark worker exited with {self._worker.returncode}")
+                    tail = self._worker_log.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"the benchmark worker exited with {self._worker.returncode}:\n{tail}")
                 try:
                     async with session.get(url) as resp:
                         if resp.status == 200:
@@ -114,6 +118,8 @@ class OnlineStack:
             if self._runner is not None:
                 await self._runner.cleanup()
         finally:
+            if self._log_file is not None:
+                self._log_file.close()
             self.redis.stop()
             self._tmp.cleanup()
 

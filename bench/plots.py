@@ -72,8 +72,9 @@ def plot_timeline(report: BenchReport, path: Path, workload: str = "skewed") -> 
     for run in runs:
         ts = [s.t_s for s in run.timeline]
         axes[0].plot(ts, [100.0 * s.num_running / run.max_num_seqs for s in run.timeline],
-                     color=_color(run.system), label=run.system, linewidth=1)
-        axes[1].plot(ts, [s.num_waiting for s in run.timeline], color=_color(run.system), linewidth=1)
+                     color=_color(run.system), label=run.system, linewidth=1, drawstyle="steps-post")
+        axes[1].plot(ts, [s.num_waiting for s in run.timeline], color=_color(run.system), linewidth=1,
+                     drawstyle="steps-post")
     axes[0].set_ylabel("batch occupancy (% of slots\nholding a live request)")
     axes[1].set_ylabel("queue depth (requests waiting)")
     axes[1].set_xlabel("time since start of run (s)")
