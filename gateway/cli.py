@@ -88,8 +88,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         from scheduler.log_format import configure_logging
         from scheduler.telemetry import telemetry_config_from_env
 
-        configure_logging(args.log_level.upper(), service="carpool-up", is_json=False)
-        return run_up(up, webhooks, data_dir, telemetry_config_from_env(environ, service_name="carpool-gateway"))
+        # The same JSON logs and OTEL_* telemetry as `carpool gateway`; the worker child reads OTEL_* itself.
+        telemetry_config = telemetry_config_from_env(environ, service_name="carpool-gateway")
+        configure_logging(args.log_level.upper(), service=telemetry_config.service_name)
+        return run_up(up, webhooks, data_dir, telemetry_config)
     return run_gateway(gateway, args.log_level, environ)
 
 

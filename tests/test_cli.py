@@ -115,7 +115,7 @@ def test_up_then_submit_wait_prints_a_completion(tiny_model: Callable[..., str],
     with open(log_path, "w") as log:
         up = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--model", model,
-             "--data-dir", str(tmp_path / "data"), "--worker-grace-s", "5"],
+             "--data-dir", str(tmp_path / "data"), "--worker-grace-s", "5", "--log-level", "info"],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
         )
     try:
@@ -139,3 +139,6 @@ def test_up_then_submit_wait_prints_a_completion(tiny_model: Callable[..., str],
     out = log_path.read_text()
     assert code == 0, out
     assert out.index("carpool: shutting down") < out.index("carpool: worker stopped (0)") < out.index("carpool: redis stopped")
+    # the gateway logs JSON lines like `carpool gateway` (the worker child's own say carpool-worker)
+    services = {json.loads(line)["service"] for line in out.splitlines() if line.startswith("{")}
+    assert {"carpool-gateway", "carpool-worker"} <= services, out

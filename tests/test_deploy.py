@@ -69,7 +69,7 @@ def test_compose_services_and_what_they_reference_exist() -> None:
                 assert not services[dep].get("healthcheck", {}).get("disable"), f"{dep} has no health check"
                 assert "test" in services[dep]["healthcheck"]
     # Every long-running carpool process and Redis has a real health check.
-    for name in ("redis", "gateway", "worker", "prometheus", "grafana"):
+    for name in ("redis", "gateway", "worker", "webhooks", "prometheus", "grafana"):
         assert services[name]["healthcheck"]["test"][0] == "CMD"
 
 
@@ -137,12 +137,16 @@ def test_compose_ports_match_the_flags() -> None:
     assert services["worker"]["expose"] == [str(worker.metrics_port)]
     assert services["worker"]["healthcheck"]["test"][-3:] == ["/readyz", "CARPOOL_METRICS_PORT", str(worker.metrics_port)]
     redis_url = service_env(services["worker"], env)["CARPOOL_REDIS_URL"]
-    assert redis_url == "redis://:example-password@redis:6379/0" == parse_verb("webhooks", service_env(services["webhooks"], env)).redis_url
+    webhooks = parse_verb("webhooks", service_env(services["webhooks"], env))
+    assert redis_url == "redis://:example-password@redis:6379/0" == webhooks.redis_url
+    assert webhooks.metrics_port == 9465 and services["webhooks"]["expose"] == [str(webhooks.metrics_port)]
+    assert services["webhooks"]["healthcheck"]["test"][-3:] == ["/healthz", "CARPOOL_METRICS_PORT", str(webhooks.metrics_port)]
 
     prometheus = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
     assert jobs["carpool-gateway"]["static_configs"][0]["targets"] == [f"gateway:{gateway.port}"]
     assert jobs["carpool-worker"]["dns_sd_configs"][0] == {"names": ["worker"], "type": "A", "port": worker.metrics_port, "refresh_interval": "15s"}
+    assert jobs["carpool-webhooks"]["dns_sd_configs"][0] == {"names": ["webhooks"], "type": "A", "port": webhooks.metrics_port, "refresh_interval": "15s"}
     collector = yaml.safe_load((DEPLOY / "otel" / "collector.yaml").read_text())
     exporter_port = collector["exporters"]["prometheus"]["endpoint"].rsplit(":", 1)[1]
     assert jobs["otel-collector"]["static_configs"][0]["targets"] == [f"otel-collector:{exporter_port}"]

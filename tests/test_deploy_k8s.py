@@ -122,6 +122,13 @@ def test_probes_and_ports_match_the_flags() -> None:
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
         assert ports[c["readinessProbe"]["httpGet"]["port"]] == port, name
+    webhooks_args = parse_verb("webhooks", container_env(deployments["carpool-webhooks"], secrets))
+    c = container(deployments["carpool-webhooks"])
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert webhooks_args.metrics_port == 9465 and c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert ports[c["livenessProbe"]["httpGet"]["port"]] == webhooks_args.metrics_port
+    annotations = deployments["carpool-webhooks"]["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == webhooks_args.metrics_port
     assert worker_args.device == "cuda" and worker_args.model == "/models/my-model"
     worker_pod = deployments["carpool-worker"]["spec"]["template"]["spec"]
     assert worker_pod["terminationGracePeriodSeconds"] > worker_args.shutdown_grace_s

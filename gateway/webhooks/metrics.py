@@ -1,20 +1,22 @@
 """Webhook delivery telemetry: attempt counts and durations, and one span per attempt in the job's trace.
 
 ``WebhookMetrics`` is the dispatcher's ``AttemptObserver``. The gateway holds
-one inside its ``GatewayMetrics`` (the in-process dispatcher).
+one inside its ``GatewayMetrics`` (the in-process dispatcher); ``carpool
+webhooks`` builds its own and serves it with ``dispatcher_http_app``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from scheduler import metric_schema as M
 from scheduler.job import WebhookEvent
-from scheduler.telemetry import Telemetry, context_from_traceparent
+from scheduler.telemetry import PROMETHEUS_CONTENT_TYPE, Telemetry, context_from_traceparent
 from scheduler.webhooks import AttemptOutcome
 
 WEBHOOK_OUTCOMES = tuple(o.value for o in AttemptOutcome)
@@ -47,3 +49,19 @@ class WebhookMetrics:
         ) as span:
             yield span
 
+
+
+def dispatcher_http_app(metrics: WebhookMetrics, is_healthy: Callable[[], bool]) -> web.Application:
+    """``/metrics`` (Prometheus text) and ``/healthz`` (200 while ``is_healthy()``, else 500) of ``carpool webhooks``."""
+
+    async def render(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.telemetry.render_metrics(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
+
+    async def healthz(request: web.Request) -> web.Response:
+        healthy = is_healthy()
+        return web.json_response({"status": "ok" if healthy else "failed"}, status=200 if healthy else 500)
+
+    app = web.Application()
+    app.router.add_get("/metrics", render)
+    app.router.add_get("/healthz", healthz)
+    return app
