@@ -21,14 +21,12 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from gateway.webhooks.metrics import WebhookMetrics
 from scheduler import metric_schema as M
 from scheduler.job import JobSpec
-from scheduler.keys import Keys
 from scheduler.lanes import LANES
 from scheduler.log_format import job_context
-from scheduler.stream_stats import DEFAULT_POLL_INTERVAL_S, StreamStats
+from scheduler.process_metrics import ProcessMetrics
 from scheduler.telemetry import (
     PROMETHEUS_CONTENT_TYPE,
     Telemetry,
-    TelemetryConfig,
     context_from_traceparent,
     traceparent_of,
 )
@@ -39,11 +37,9 @@ UNKNOWN_LANE = "unknown"
 UNTRACED_ROUTES = frozenset({"/metrics", "/healthz", "/readyz"})
 
 
-class GatewayMetrics:
+class GatewayMetrics(ProcessMetrics):
     def __init__(self, telemetry: Telemetry | None = None) -> None:
-        self._owns_telemetry = telemetry is None
-        self.telemetry = telemetry or Telemetry(TelemetryConfig(service_name="carpool-gateway"))
-        self.tracer = self.telemetry.tracer
+        super().__init__(telemetry, "carpool-gateway")
         t = self.telemetry
         self._submitted = t.counter(M.JOBS_SUBMITTED)
         self._rejected = t.counter(M.JOBS_REJECTED)
@@ -52,7 +48,6 @@ class GatewayMetrics:
         self._open_waiters = t.up_down_counter(M.OPEN_WAITERS)
         self._http_duration = t.histogram(M.HTTP_SERVER_DURATION)
         self.webhooks = WebhookMetrics(t)
-        self.streams: StreamStats | None = None
         # Zero series for every known label set, so dashboards and rate() see them before the first event.
         for lane in LANES:
             self._submitted.add(0, {M.A_LANE: lane.value})
@@ -113,25 +108,6 @@ class GatewayMetrics:
         """Client span of one webhook delivery attempt, in the trace of the job it reports on."""
         return self.webhooks.webhook_span(traceparent, event, url)
 
-    # --- streams and exposition -----------------------------------------------------
-
-    def watch_streams(self, redis: Any, keys: Keys, *, interval_s: float = DEFAULT_POLL_INTERVAL_S) -> StreamStats:
-        """Start the lane/dead-letter gauges; the caller awaits ``streams.aclose()`` at shutdown."""
-        assert self.streams is None, "streams already watched"
-        self.streams = StreamStats(redis, keys, interval_s=interval_s)
-        self.telemetry.observable(M.QUEUE_DEPTH, self.streams.observe_depth)
-        self.telemetry.observable(M.QUEUE_PENDING, self.streams.observe_pending)
-        self.telemetry.observable(M.DEAD_LETTER_DEPTH, self.streams.observe_dead)
-        self.streams.start()
-        return self.streams
-
-    def render(self) -> bytes:
-        return self.telemetry.render_metrics()
-
-    def close(self) -> None:
-        """Shut the telemetry down if this object made it (a passed-in one stays its owner's)."""
-        if self._owns_telemetry:
-            self.telemetry.shutdown()
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

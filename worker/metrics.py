@@ -27,13 +27,11 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from scheduler import metric_schema as M
 from scheduler.job import JobSpec, JobStatus
-from scheduler.keys import Keys
 from scheduler.lanes import LANES
-from scheduler.stream_stats import DEFAULT_POLL_INTERVAL_S, StreamStats
+from scheduler.process_metrics import ProcessMetrics
 from scheduler.telemetry import (
     PROMETHEUS_CONTENT_TYPE,
     Telemetry,
-    TelemetryConfig,
     context_from_traceparent,
     s_to_ns,
     traceparent_of,
@@ -69,12 +67,10 @@ class JobTrace:
             self.admitted_s = now_s
 
 
-class WorkerMetrics:
+class WorkerMetrics(ProcessMetrics):
     def __init__(self, telemetry: Telemetry | None = None, *, max_num_seqs: int = 1) -> None:
         assert max_num_seqs >= 1
-        self._owns_telemetry = telemetry is None
-        self.telemetry = telemetry or Telemetry(TelemetryConfig(service_name="carpool-worker"))
-        self.tracer = self.telemetry.tracer
+        super().__init__(telemetry, "carpool-worker")
         self.max_num_seqs = max_num_seqs
         t = self.telemetry
         self._finished = t.counter(M.JOBS_FINISHED)
@@ -106,7 +102,6 @@ class WorkerMetrics:
             self._reclaimed.add(0, {M.A_LANE: lane.value})
             for reason in DEAD_LETTER_REASONS:
                 self._dead.add(0, {M.A_LANE: lane.value, M.A_DEAD_LETTER_REASON: reason})
-        self.streams: StreamStats | None = None
 
     # --- engine ------------------------------------------------------------------------
 
@@ -232,25 +227,6 @@ class WorkerMetrics:
     def dead_lettered(self, lane: str, reason: str) -> None:
         self._dead.add(1, {M.A_LANE: lane, M.A_DEAD_LETTER_REASON: reason})
 
-    # --- streams and exposition ----------------------------------------------------------
-
-    def watch_streams(self, redis: Any, keys: Keys, *, interval_s: float = DEFAULT_POLL_INTERVAL_S) -> StreamStats:
-        """Start the lane/dead-letter gauges; the caller awaits ``streams.aclose()`` at shutdown."""
-        assert self.streams is None, "streams already watched"
-        self.streams = StreamStats(redis, keys, interval_s=interval_s)
-        self.telemetry.observable(M.QUEUE_DEPTH, self.streams.observe_depth)
-        self.telemetry.observable(M.QUEUE_PENDING, self.streams.observe_pending)
-        self.telemetry.observable(M.DEAD_LETTER_DEPTH, self.streams.observe_dead)
-        self.streams.start()
-        return self.streams
-
-    def render(self) -> bytes:
-        return self.telemetry.render_metrics()
-
-    def close(self) -> None:
-        """Shut the telemetry down if this object made it (a passed-in one stays its owner's)."""
-        if self._owns_telemetry:
-            self.telemetry.shutdown()
 
 
 def _hit_rate(stats: Any) -> float:
