@@ -9,7 +9,6 @@ once, here: flags first, then `CARPOOL_<FLAG>` variables, then defaults.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence

@@ -21,7 +21,6 @@ from gateway.app import init_app
 from gateway.config import GatewayConfig
 from scheduler.job import JobSpec
 from scheduler.lanes import LANES
-from scheduler.params import SamplingParams
 from worker_harness import running_worker, wait_terminal, xadd_job
 
 NUM_PER_SOURCE = 40
