@@ -75,6 +75,30 @@ def _quantiles_ms(values: list[float]) -> dict[str, float | None]:
     return out
 
 
+def token_times(timing: RequestTiming) -> list[float]:
+    if timing.first_token_s is None:
+        return []
+    times = [timing.first_token_s]
+    for gap in timing.token_gaps_s:
+        times.append(times[-1] + gap)
+    return times
+
+
+def saturated_tokens_per_s(run: RunResult) -> float | None:
+    """Output tokens/s while requests were still waiting to be admitted: the steady state of a backlog.
+
+    The window runs from the start to the last admission; it leaves out the
+    drain at the end, when nothing is left to fill freed slots, whose length
+    depends on how long the last admitted requests happen to be.
+    """
+    admitted = [r.admitted_s for r in run.requests if r.admitted_s is not None]
+    if not admitted or max(admitted) <= 0:
+        return None
+    end = max(admitted)
+    num_tokens = sum(1 for r in run.requests for t in token_times(r) if t <= end)
+    return round(num_tokens / end, 2)
+
+
 def summarize(run: RunResult) -> dict[str, Any]:
     done = [r for r in run.requests if r.finished_s is not None]
     tokens = sum(r.num_output_tokens for r in done)
@@ -93,6 +117,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "requests_per_s": round(len(done) / duration, 4),
         "output_tokens_per_s": round(tokens / duration, 2),
         "num_output_tokens": tokens,
+        "saturated_output_tokens_per_s": saturated_tokens_per_s(run),
         "ttft_ms": _quantiles_ms([r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]),
         "itl_ms": _quantiles_ms([g for r in done for g in r.token_gaps_s]),
         "e2e_ms": _quantiles_ms([r.finished_s - r.arrival_s for r in done if r.finished_s is not None]),

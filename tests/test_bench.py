@@ -52,7 +52,8 @@ def test_step_count_ceiling_counts_padded_groups() -> None:
     workload = Workload("w", [BenchRequest([1], n) for n in lens])
     ceiling = step_count_ceiling(workload, max_num_seqs=4)
     assert ceiling["static_steps"] == 500 + 100
-    assert ceiling["continuous_steps"] == 500  # total 1150 / 4 slots = 288, but the 500 bounds it
+    assert ceiling["packed_steps"] == 288  # 1150 tokens over 4 busy slots
+    assert ceiling["fcfs_steps"] == 500  # filling freed slots in order, the 500 sets the end
     # The skewed workload's ceiling is about 2.4 when groups are large and many.
     many = step_count_ceiling(skewed(64 * 60, seed=0), max_num_seqs=64)
     assert 2.25 <= many["ratio"] <= 2.5  # 500 / 212.5 = 2.35 in expectation; this draw gives 2.45
@@ -99,6 +100,10 @@ def test_quick_bench_writes_a_complete_report(tmp_path: Path, tiny_model: Callab
     assert runs[("skewed", "offline", "static", None)]["padding_share"] > 0
     assert runs[("skewed", "offline", "continuous", None)]["padding_share"] == 0
 
+    skewed_check = document["checks"][0]
+    assert skewed_check["whole_run_ratio"] > 0 and skewed_check["step_count_ceiling"] > 1
+    for mode in ("static", "continuous"):
+        assert runs[("skewed", "offline", mode, None)]["saturated_output_tokens_per_s"] > 0
     assert [c["name"].split(":")[0] for c in document["checks"]] == [
         "skewed", "online at saturation / offline output tokens/s (continuous, sharegpt-like)", "shared-prefix",
         "mixed-lanes"]
