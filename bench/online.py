@@ -2,10 +2,10 @@
 
 The stack is real: a bundled redis-server, the gateway app on a loopback
 port (in this process: it only forwards), and ``carpool worker`` as a child
-process with the batching mode under test. Each job is followed with a
-long-poll ``GET /v1/jobs/{id}?wait=``; its timings come from the job record
-the worker wrote (created, started, first token, finished), so they measure
-the whole path, queue included. Inter-token latency per job is its decode
+process with the batching mode under test. Jobs are submitted with
+``POST /v1/jobs`` and name a ``reply_to`` stream, on which the worker puts
+each final job record; their timings (created, started, first token,
+finished) measure the whole path, queue included. Inter-token latency per job is its decode
 time over its tokens after the first (the record holds no per-token times).
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import uuid
 import sys
 import tempfile
 import time
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import aiohttp
+import msgpack
+import redis.asyncio as aioredis
 from aiohttp import web
 
 from bench.records import RequestTiming, RunResult, Sample
@@ -30,7 +33,7 @@ from gateway.config import GatewayConfig
 from gateway.embedded_redis import EmbeddedRedis, free_port
 
 WORKER_READY_TIMEOUT_S = 300.0
-LONG_POLL_S = 30
+RESULTS_TIMEOUT_S = 900.0
 PREEMPTIONS_METRIC = re.compile(r"^carpool_engine_preemptions[a-z_]*(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
 
 
@@ -124,54 +127,73 @@ class OnlineStack:
             self._tmp.cleanup()
 
 
-async def _submit_and_follow(session: aiohttp.ClientSession, base_url: str, body: dict[str, Any]) -> dict[str, Any]:
+async def _submit(session: aiohttp.ClientSession, base_url: str, body: dict[str, Any]) -> str:
     async with session.post(f"{base_url}/v1/jobs", json=body) as resp:
         if resp.status != 202:
             raise RuntimeError(f"submission refused with {resp.status}: {await resp.text()}")
-        job_id = (await resp.json())["id"]
-    while True:
-        async with session.get(f"{base_url}/v1/jobs/{job_id}", params={"wait": str(LONG_POLL_S)}) as resp:
-            record = await resp.json()
-        if record["status"] not in ("queued", "running"):
-            return record
+        return str((await resp.json())["id"])
+
+
+async def _read_replies(client: aioredis.Redis, stream: str, num_jobs: int,
+                        on_token: Callable[[int], None] | None) -> list[dict[str, Any]]:
+    """The final job records, as the worker XADDs them to the ``reply_to`` stream."""
+    records: list[dict[str, Any]] = []
+    last_id = "0-0"
+    while len(records) < num_jobs:
+        reply = await client.xread({stream: last_id}, block=1000, count=100)
+        for _, entries in reply:
+            for entry_id, fields in entries:
+                last_id = entry_id
+                record = msgpack.unpackb(fields[b"result"], raw=False, strict_map_key=False)
+                records.append(record)
+                if on_token is not None:
+                    on_token(int((record.get("usage") or {}).get("completion_tokens") or 0))
+    return records
 
 
 async def run_online(stack: OnlineStack, workload: Workload, rate_label: str,
                      on_token: Callable[[int], None] | None = None) -> RunResult:
-    """Submit ``workload`` at its arrival times and wait for every job; times relative to the first submission."""
+    """Submit ``workload`` at its arrival times and collect every result; times relative to the first submission.
+
+    Results come back on a ``reply_to`` stream read by one task, as a
+    producer that does not poll would take them.
+    """
     requests = sorted(workload.requests, key=lambda r: r.arrival_s)
+    stream = f"bench:replies:{uuid.uuid4().hex}"
+    client = aioredis.Redis.from_url(stack.redis.url)
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-        preempted_before = await stack.preemptions()
-        start_mono = time.monotonic()
-        start_unix = time.time()
-        tasks: list[asyncio.Task[dict[str, Any]]] = []
-        try:
-            for r in requests:
-                delay = r.arrival_s - (time.monotonic() - start_mono)
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                body = {"prompt_token_ids": r.prompt_token_ids, "lane": r.lane, "priority": r.priority,
-                        "params": {"max_tokens": r.max_tokens, "ignore_eos": True}}
-                task = asyncio.create_task(_submit_and_follow(session, stack.base_url, body))
-                if on_token is not None:
-                    task.add_done_callback(lambda t, n=r.max_tokens: t.cancelled() or t.exception() or on_token(n))
-                tasks.append(task)
-            records = await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-        preempted_after = await stack.preemptions()
+    try:
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+            preempted_before = await stack.preemptions()
+            reader = asyncio.create_task(_read_replies(client, stream, len(requests), on_token))
+            submissions: list[asyncio.Task[str]] = []
+            try:
+                start_mono = time.monotonic()
+                start_unix = time.time()
+                for r in requests:
+                    delay = r.arrival_s - (time.monotonic() - start_mono)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    body = {"prompt_token_ids": r.prompt_token_ids, "lane": r.lane, "priority": r.priority,
+                            "reply_to": stream, "params": {"max_tokens": r.max_tokens, "ignore_eos": True}}
+                    submissions.append(asyncio.create_task(_submit(session, stack.base_url, body)))
+                await asyncio.gather(*submissions)
+                records = await asyncio.wait_for(reader, RESULTS_TIMEOUT_S)
+            finally:
+                for task in (reader, *submissions):
+                    task.cancel()
+            preempted_after = await stack.preemptions()
+    finally:
+        await client.aclose()
     timings = [_timing(rec, start_unix) for rec in records]
     end = max((t.finished_s or 0.0) for t in timings)
     preemptions = 0 if preempted_before is None or preempted_after is None else preempted_after - preempted_before
     return RunResult(
         workload=workload.name, mode="online", system=stack.batching, duration_s=end,
         requests=timings, max_num_seqs=stack.max_num_seqs, timeline=_timeline(timings),
-        num_preemptions=preemptions, extra={"rate": rate_label, "failed": sum(rec["status"] != "succeeded" for rec in records)},
+        num_preemptions=preemptions,
+        extra={"rate": rate_label, "failed": sum(rec["status"] != "succeeded" for rec in records)},
     )
-
-
 def _timing(record: dict[str, Any], start_unix: float) -> RequestTiming:
     created = record["created_at"] - start_unix
     timings = record["timings"]
