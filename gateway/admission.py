@@ -33,6 +33,7 @@ from scheduler.job import (
 )
 from scheduler.keys import CONSUMER_GROUP, DEFAULT_LANE_MAXLEN, Keys
 from scheduler.lanes import Lane
+from scheduler.redis_replies import as_bytes, as_optional_bytes
 
 MAX_IDEMPOTENCY_KEY_LEN = 255
 
@@ -141,8 +142,8 @@ class Admission:
             raw = await self._redis.get(idem)
             if raw is None:  # expired between SET and GET: nobody holds it now
                 return await self.submit(body, idempotency_key)
-            existing_id = raw.decode()
-            status = await self._redis.hget(self._keys.job(existing_id), F_STATUS)
+            existing_id = as_bytes(raw).decode()
+            status = as_optional_bytes(await self._redis.hget(self._keys.job(existing_id), F_STATUS))
             if status is None:
                 raise IdempotencyInFlight(existing_id)
             return Admitted(existing_id, status.decode(), spec.lane.value, is_new=False)
@@ -172,7 +173,7 @@ class Admission:
         return int(await self._redis.xlen(stream))
 
     async def _admit(self, spec: JobSpec) -> Admitted:
-        existing = await self._redis.hget(self._keys.job(spec.id), F_STATUS)
+        existing = as_optional_bytes(await self._redis.hget(self._keys.job(spec.id), F_STATUS))
         if existing is not None:
             return Admitted(spec.id, existing.decode(), spec.lane.value, is_new=False)
         max_depth = self._config.max_lane_depth[spec.lane.value]

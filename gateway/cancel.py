@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from gateway.results import final_event
 from scheduler.job import F_ERROR, F_FINISHED_AT, F_SPEC, F_STATUS, JobSpec, JobStatus, WebhookEvent, job_view
 from scheduler.keys import DEFAULT_REPLY_MAXLEN, Keys
+from scheduler.redis_replies import read_hash
 from scheduler.webhooks import delivery_fields, should_send
 
 # Returns '+cancelled' or '+cancelling' when it acted, 'missing', or the terminal status it found.
@@ -77,7 +78,7 @@ class Canceller:
             raise JobNotFound(job_id)
         if outcome not in ("+cancelled", "+cancelling"):
             raise AlreadyFinished(outcome)
-        record: dict[bytes, bytes] = await self._redis.hgetall(self._keys.job(job_id))
+        record = await read_hash(self._redis, self._keys.job(job_id))
         if outcome == "+cancelling":
             return CancelOutcome(job_view(record), is_cancelled_now=False)
         assert record.get(F_STATUS.encode()) == JobStatus.CANCELLED.value.encode()
@@ -95,5 +96,5 @@ class Canceller:
             if spec.webhook is not None and should_send(spec.webhook.events, WebhookEvent.COMPLETED):
                 fields = delivery_fields(spec.id, WebhookEvent.COMPLETED, spec.webhook.url, view,
                                          traceparent=spec.traceparent)
-                pipe.xadd(self._keys.webhooks, fields)  # type: ignore[arg-type]
+                pipe.xadd(self._keys.webhooks, fields)
             await pipe.execute()

@@ -19,6 +19,7 @@ from gateway.metrics import CONTENT_TYPE
 from gateway.results import final_event, is_terminal, wait_for_terminal
 from scheduler.job import job_view
 from scheduler.lanes import LANES
+from scheduler.redis_replies import read_hash
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     app[K.METRICS].waiter_opened()
     try:
         async with hub.subscribe(keys.events(job_id)) as sub:
-            record = await redis.hgetall(keys.job(job_id))
+            record = await read_hash(redis, keys.job(job_id))
             await response.prepare(request)
             while record and not is_terminal(record):
                 try:
@@ -109,7 +110,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
                 except TimeoutError:
                     await response.write(b": keep-alive\n\n")
                     # A final event lost to a dropped connection must not leave the stream open forever.
-                    record = await redis.hgetall(keys.job(job_id))
+                    record = await read_hash(redis, keys.job(job_id))
                     continue
                 if event["type"] == "closed":
                     return response
@@ -154,7 +155,7 @@ async def readyz(request: web.Request) -> web.Response:
     try:
         await redis.ping()
         lanes = {lane.value: await admission.lane_depth(lane) for lane in LANES}
-        raw_workers: dict[bytes, bytes] = await redis.hgetall(keys.workers)
+        raw_workers = await read_hash(redis, keys.workers)
     except (RedisError, OSError) as e:
         return web.json_response({"status": "unavailable", "redis": f"unreachable: {e}"}, status=503)
     workers: dict[str, Any] = {}

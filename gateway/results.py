@@ -28,6 +28,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from scheduler.job import F_STATUS, TERMINAL_STATUSES, job_view
 from scheduler.keys import Keys
+from scheduler.redis_replies import read_hash
 
 log = logging.getLogger(__name__)
 
@@ -179,13 +180,13 @@ async def wait_for_terminal(
     redis: aioredis.Redis, hub: EventHub, keys: Keys, job_id: str, timeout_s: float
 ) -> dict[bytes, bytes]:
     """The job record once it is terminal, or as it stands after `timeout_s` (empty if unknown)."""
-    record: dict[bytes, bytes] = await redis.hgetall(keys.job(job_id))
+    record = await read_hash(redis, keys.job(job_id))
     if not record or is_terminal(record) or timeout_s <= 0:
         return record
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     async with hub.subscribe(keys.events(job_id)) as sub:
-        record = await redis.hgetall(keys.job(job_id))
+        record = await read_hash(redis, keys.job(job_id))
         while record and not is_terminal(record):
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -197,5 +198,5 @@ async def wait_for_terminal(
             if event["type"] == "closed":
                 break
             if event["type"] == "final":
-                record = await redis.hgetall(keys.job(job_id))
+                record = await read_hash(redis, keys.job(job_id))
     return record

@@ -280,12 +280,12 @@ def _text(record: dict[bytes, bytes], name: str) -> str | None:
 
 def _float(record: dict[bytes, bytes], name: str) -> float | None:
     raw = _text(record, name)
-    return None if raw in (None, "") else float(raw)  # type: ignore[arg-type]
+    return float(raw) if raw else None
 
 
 def _int(record: dict[bytes, bytes], name: str) -> int | None:
     raw = _text(record, name)
-    return None if raw in (None, "") else int(raw)  # type: ignore[arg-type]
+    return int(raw) if raw else None
 
 
 def _unpacked(record: dict[bytes, bytes], name: str) -> Any:

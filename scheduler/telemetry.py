@@ -147,9 +147,9 @@ class Telemetry:
         if config.otlp_metrics_endpoint:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
-            exporter = OTLPMetricExporter(endpoint=config.otlp_metrics_endpoint, headers=config.otlp_headers)
+            metric_exporter = OTLPMetricExporter(endpoint=config.otlp_metrics_endpoint, headers=config.otlp_headers)
             readers.append(
-                PeriodicExportingMetricReader(exporter, export_interval_millis=config.metric_export_interval_ms)
+                PeriodicExportingMetricReader(metric_exporter, export_interval_millis=config.metric_export_interval_ms)
             )
         self.meter_provider = MeterProvider(metric_readers=readers, resource=self.resource, shutdown_on_exit=False)
         self.meter = self.meter_provider.get_meter(INSTRUMENTATION_SCOPE)
@@ -159,8 +159,8 @@ class Telemetry:
         if config.otlp_traces_endpoint:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            exporter = OTLPSpanExporter(endpoint=config.otlp_traces_endpoint, headers=config.otlp_headers)
-            self.tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
+            span_exporter = OTLPSpanExporter(endpoint=config.otlp_traces_endpoint, headers=config.otlp_headers)
+            self.tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
         for processor in span_processors:
             self.tracer_provider.add_span_processor(processor)
         self.tracer = self.tracer_provider.get_tracer(INSTRUMENTATION_SCOPE)

@@ -20,6 +20,7 @@ from enum import Enum
 from typing import Any
 
 import msgpack
+from redis.typing import EncodableT, FieldT
 
 from scheduler.job import (
     F_FIRST_TOKEN_AT,
@@ -128,14 +129,16 @@ def delivery_fields(
     now: float | None = None,
     delivery_id: str | None = None,
     traceparent: str | None = None,
-) -> dict[str, bytes]:
+) -> dict[FieldT, EncodableT]:
     """The fields of one entry to XADD on ``keys.webhooks`` (`now` defaults to the current time).
+
+    Names are str and values bytes; the dict is typed as XADD takes it, since a dict's types are invariant.
 
     `traceparent` is the job's trace context; the dispatcher's attempt spans become its children.
     """
     if now is None:
         now = time.time()
-    fields = {
+    fields: dict[FieldT, EncodableT] = {
         F_ID: (delivery_id or new_delivery_id()).encode(),
         F_JOB_ID: job_id.encode(),
         F_EVENT: WebhookEvent(event).value.encode(),

@@ -62,6 +62,7 @@ def paged_attention_forward(
         )
     assert query.shape[0] == 1, "the runner flattens every sequence into one batch row"
     layer_idx = module.layer_idx
+    assert isinstance(layer_idx, int), "transformers' attention modules carry their layer index"
     k_cache = metadata.k_caches[layer_idx]
     v_cache = metadata.v_caches[layer_idx]
     q = query[0].transpose(0, 1).contiguous()

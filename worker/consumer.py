@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
+from redis.typing import StreamIdT, XReadGroupResponse
 
 from scheduler.keys import CONSUMER_GROUP, Keys
 from scheduler.lanes import LANES, Lane
+from scheduler.redis_replies import stream_entries
 from worker.results import EntryRef
 
 log = logging.getLogger(__name__)
@@ -104,13 +106,12 @@ class LaneConsumer:
         reply = await self.client.xreadgroup(CONSUMER_GROUP, self.name, {self.keys.lane(lane): ">"}, count=count)
         return self._entries(reply)
 
-    def _entries(self, reply: object) -> list[Entry]:
+    def _entries(self, reply: XReadGroupResponse) -> list[Entry]:
         out: list[Entry] = []
-        for stream, messages in reply or []:  # type: ignore[union-attr]
-            name = stream.decode() if isinstance(stream, bytes) else stream
+        for stream, messages in stream_entries(reply):
+            name = stream.decode()
             for entry_id, fields in messages:
-                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                out.append(Entry(EntryRef(name, eid), self._lane_of[name], fields or None, 1))
+                out.append(Entry(EntryRef(name, entry_id.decode()), self._lane_of[name], fields or None, 1))
         return out
 
     async def reclaim(self, free: int) -> list[Entry]:
@@ -151,7 +152,7 @@ class LaneConsumer:
                                                          count=len(wanted) * 4 + 64, consumername=self.name):
                 mid = info["message_id"]
                 owned.add(mid.decode() if isinstance(mid, bytes) else mid)
-            mine = [r.entry_id for r in wanted if r.entry_id in owned]
+            mine: list[StreamIdT] = [r.entry_id for r in wanted if r.entry_id in owned]
             lost |= {r for r in wanted if r.entry_id not in owned}
             if mine:
                 await self.client.xclaim(stream, CONSUMER_GROUP, self.name, 0, mine, justid=True)
@@ -159,7 +160,7 @@ class LaneConsumer:
 
     async def hand_back(self, refs: Iterable[EntryRef]) -> None:
         """Make our entries look long idle so the next worker's XAUTOCLAIM takes them at once."""
-        by_stream: dict[str, list[str]] = {}
+        by_stream: dict[str, list[StreamIdT]] = {}
         for ref in refs:
             by_stream.setdefault(ref.stream, []).append(ref.entry_id)
         for stream, ids in by_stream.items():

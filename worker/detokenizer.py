@@ -69,9 +69,12 @@ class IncrementalDetokenizer:
         return new_text
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(
+        text = self._tokenizer.decode(
             ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
         )
+        # `decode` returns a list only for a batch of sequences; one flat list of ids gives one string.
+        assert isinstance(text, str), type(text)
+        return text
 
 
 def find_stop(text: str, stops: list[str], new_text_len: int) -> tuple[int, str] | None:

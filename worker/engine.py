@@ -10,9 +10,12 @@ use it from one thread.
 
 from __future__ import annotations
 
+import collections.abc
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from typing_extensions import TypeIs
 
 from scheduler.block_manager import BlockManager
 from scheduler.params import SamplingParams
@@ -260,19 +263,22 @@ class Engine:
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[Completion]:
         """Run every prompt to completion; results in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        batch: collections.abc.Sequence[str | list[int]]
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            batch = [prompts]
+        else:
+            batch = prompts
         if isinstance(params, list):
-            if len(params) != len(prompts):
-                raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+            if len(params) != len(batch):
+                raise ValueError(f"params: {len(params)} given for {len(batch)} prompts")
             per_prompt = params
         else:
-            per_prompt = [params or SamplingParams()] * len(prompts)
+            per_prompt = [params or SamplingParams()] * len(batch)
         self._num_generate_calls += 1
-        ids = [f"generate-{self._num_generate_calls}-{i}" for i in range(len(prompts))]
+        ids = [f"generate-{self._num_generate_calls}-{i}" for i in range(len(batch))]
         prompt_ids: dict[str, list[int]] = {}
-        for request_id, prompt, p in zip(ids, prompts, per_prompt):
-            self.add_request(request_id, prompt, p)  # type: ignore[arg-type]
+        for request_id, prompt, p in zip(ids, batch, per_prompt):
+            self.add_request(request_id, prompt, p)
             prompt_ids[request_id] = self._requests[request_id].seq.prompt_token_ids
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
@@ -333,3 +339,8 @@ class Engine:
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"{name}: token id {t!r} is outside the vocabulary (0..{vocab - 1})")
+
+
+def _is_token_ids(prompts: list[int] | list[str] | list[list[int]]) -> TypeIs[list[int]]:
+    """One prompt given as token ids, rather than a batch of prompts."""
+    return bool(prompts) and isinstance(prompts[0], int)

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 
 from scheduler.job import JobSpec, JobStatus, WebhookEvent, job_view
 from scheduler.keys import Keys
+from scheduler.redis_replies import read_hash
 from scheduler.lanes import LANE_RANK
 from scheduler.webhooks import OutputThrottle, delivery_fields, running_view
 from worker.config import WorkerConfig
@@ -318,4 +319,4 @@ class JobLoop:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def view(self, job_id: str) -> dict[str, Any]:
-        return job_view(await self.client.hgetall(self.keys.job(job_id)))
+        return job_view(await read_hash(self.client, self.keys.job(job_id)))

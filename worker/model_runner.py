@@ -73,7 +73,9 @@ class ModelRunner:
             )
         except OSError as e:
             raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
-        self.model.to(self.device).eval()
+        # transformers declares PreTrainedModel.to through functools.wraps, and typeshed's `_Wrapped` binds no
+        # `self`, so mypy takes the device for the model.
+        self.model.to(self.device).eval()  # type: ignore[arg-type]
         self.model.requires_grad_(False)
         config = self.model.config
         self.dtype: torch.dtype = self.model.dtype

@@ -21,10 +21,12 @@ from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT
 
 from scheduler import job as J
 from scheduler.job import JobStatus, WebhookEvent, WebhookSpec, job_view
 from scheduler.keys import CONSUMER_GROUP, Keys
+from scheduler.redis_replies import read_hash
 from scheduler.webhooks import delivery_fields
 
 _TERMINAL_LUA = "local function terminal(s) return s == 'succeeded' or s == 'failed' or s == 'cancelled' or s == 'expired' end\n"
@@ -195,7 +197,7 @@ class ResultStore:
             fields[J.F_ERROR] = pack(outcome.error)
         if outcome.resumed_from is not None:
             fields[J.F_RESUMED_FROM] = str(outcome.resumed_from)
-        record = await self.client.hgetall(job_key)
+        record = await read_hash(self.client, job_key)
         if outcome.first_token_at is not None and J.F_FIRST_TOKEN_AT.encode() not in record:
             fields[J.F_FIRST_TOKEN_AT] = repr(outcome.first_token_at)
         if J.F_ID.encode() not in record:
@@ -235,7 +237,8 @@ class ResultStore:
     async def dead_letter_entry(self, entry: EntryRef, reason: str, raw_fields: dict[bytes, bytes]) -> None:
         """An entry with no usable job id: keep it on the dead stream and let it go from the lane."""
         pipe = self.client.pipeline(transaction=True)
-        dead: dict[Any, Any] = {"reason": reason, "stream": entry.stream, "entry_id": entry.entry_id, "worker": self.worker}
+        dead: dict[FieldT, EncodableT] = {
+            "reason": reason, "stream": entry.stream, "entry_id": entry.entry_id, "worker": self.worker}
         for k, v in raw_fields.items():
             dead.setdefault(k, v)
         pipe.xadd(self.keys.dead, dead, maxlen=self.dead_maxlen, approximate=True)

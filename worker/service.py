@@ -32,9 +32,6 @@ from worker.results import Admission, Outcome, ResultStore, pack
 
 log = logging.getLogger(__name__)
 
-SERVICE_KEY: web.AppKey[WorkerService] = web.AppKey("service", "WorkerService")
-
-
 class WorkerService:
     def __init__(self, config: WorkerConfig, engine: Any, client: aioredis.Redis,
                  telemetry: Telemetry | None = None) -> None:
@@ -296,6 +293,9 @@ class WorkerService:
         self._http = web.AppRunner(self.http_app())
         await self._http.setup()
         await web.TCPSite(self._http, host, port).start()
+
+
+SERVICE_KEY = web.AppKey("service", WorkerService)
 
 
 async def _healthz(request: web.Request) -> web.Response:

@@ -154,7 +154,14 @@ async def resolve_host(host: str, port: int) -> list[IPAddress]:
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         raise WebhookUrlError(f"webhook.url: host {host!r} does not resolve ({e})") from e
-    return [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
+    return [ipaddress.ip_address(_address_of(sockaddr).split("%", 1)[0]) for *_, sockaddr in infos]
+
+
+def _address_of(sockaddr: tuple[str, int] | tuple[str, int, int, int] | tuple[int, bytes]) -> str:
+    # A host name resolves to IPv4/IPv6 addresses only, whose socket address starts with the address text.
+    address = sockaddr[0]
+    assert isinstance(address, str), sockaddr
+    return address
 
 
 async def check_webhook_url_async(url: str, allow: Allowlist) -> None:
