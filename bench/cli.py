@@ -15,12 +15,16 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 from bench.config import BATCHING_MODES, BenchConfig
 
 
+_Default = TypeVar("_Default", str, None)
+
+
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    def default(flag: str, value: str | None) -> str | None:
+    def default(flag: str, value: _Default) -> str | _Default:
         return env.get(f"CARPOOL_BENCH_{flag.upper().replace('-', '_')}", value)
 
     base = BenchConfig()
@@ -34,6 +38,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=int(default("max-num-seqs", str(base.max_num_seqs))),
                    help="batch slots for every system")
     p.add_argument("--seed", type=int, default=int(default("seed", str(base.seed))))
+    p.add_argument("--threads", type=int, default=int(default("threads", str(base.threads))),
+                   help="torch CPU threads for every system, worker included (default 1: steady numbers on a shared CPU)")
     p.add_argument("--skewed-requests", type=int, default=None, help=f"default {base.skewed_requests}")
     p.add_argument("--sharegpt-requests", type=int, default=None, help=f"default {base.sharegpt_requests}")
     p.add_argument("--online-modes", default=None,
@@ -44,17 +50,17 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    config = BenchConfig(max_num_seqs=args.max_num_seqs, seed=args.seed)
+    config = BenchConfig(max_num_seqs=args.max_num_seqs, seed=args.seed, threads=args.threads)
     if args.quick:
         config = config.quick()
-    overrides: dict[str, object] = {"peers": not args.no_peers}
+    config = replace(config, peers=not args.no_peers)
     if args.skewed_requests is not None:
-        overrides["skewed_requests"] = args.skewed_requests
+        config = replace(config, skewed_requests=args.skewed_requests)
     if args.sharegpt_requests is not None:
-        overrides["sharegpt_requests"] = args.sharegpt_requests
+        config = replace(config, sharegpt_requests=args.sharegpt_requests)
     if args.online_modes:
-        overrides["online_modes"] = tuple(m.strip() for m in args.online_modes.split(",") if m.strip())
-    return replace(config, **overrides)
+        config = replace(config, online_modes=tuple(m.strip() for m in args.online_modes.split(",") if m.strip()))
+    return config
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
@@ -83,7 +89,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             bar.set_description(phase, refresh=False)
             bar.update(num_tokens)
 
-        report = run_suite(config, model, progress)
+        report = run_suite(config, model, progress, environ)
     paths = write_report(report, output)
     for check in report.checks:
         verdict = "–" if check["passed"] is None else ("met" if check["passed"] else "NOT met")

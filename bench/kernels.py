@@ -96,11 +96,11 @@ def bench_case(shape: Shape, q_lens: list[int], ctx_lens: list[int], args: argpa
     is_gqa = shape.num_kv_heads != shape.num_heads
     is_causal = q_lens[0] > 1
 
-    def run_paged() -> object:
+    def run_paged() -> torch.Tensor:
         return paged_attention(t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["cu_seqlens_q"],
                                t["seq_lens"], scale, out, max_query_len=max(q_lens), max_seq_len=max(ctx_lens))
 
-    def run_sdpa() -> object:
+    def run_sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(t["q_dense"], t["k_dense"], t["v_dense"], is_causal=is_causal,
                                               scale=scale, enable_gqa=is_gqa)
 

@@ -17,7 +17,7 @@ import uuid
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -31,6 +31,7 @@ from bench.workloads import Workload
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.embedded_redis import EmbeddedRedis, free_port
+from scheduler.redis_replies import stream_entries
 
 WORKER_READY_TIMEOUT_S = 300.0
 RESULTS_TIMEOUT_S = 900.0
@@ -40,8 +41,10 @@ PREEMPTIONS_METRIC = re.compile(r"^carpool_engine_preemptions[a-z_]*(?:\{[^}]*\}
 class OnlineStack:
     """Redis + gateway + one worker for one batching mode; an async context manager."""
 
-    def __init__(self, model: str, batching: str, max_num_seqs: int, max_wait_ms: float = 20.0) -> None:
+    def __init__(self, model: str, batching: str, max_num_seqs: int, max_wait_ms: float = 20.0,
+                 child_env: Mapping[str, str] | None = None) -> None:
         self.model = model
+        self.child_env = dict(child_env) if child_env is not None else None
         self.batching = batching
         self.max_num_seqs = max_num_seqs
         self.max_wait_ms = max_wait_ms
@@ -73,7 +76,7 @@ class OnlineStack:
                 "--max-wait-ms", str(self.max_wait_ms), "--metrics-host", "127.0.0.1",
                 "--metrics-port", str(self.metrics_port), "--log-level", "WARNING",
                 "--read-block-ms", "20", "--shutdown-grace-s", "5",
-                stdout=asyncio.subprocess.DEVNULL, stderr=self._log_file,
+                stdout=asyncio.subprocess.DEVNULL, stderr=self._log_file, env=self.child_env,
             )
             await self._wait_ready()
         except BaseException:
@@ -141,9 +144,10 @@ async def _read_replies(client: aioredis.Redis, stream: str, num_jobs: int,
     last_id = "0-0"
     while len(records) < num_jobs:
         reply = await client.xread({stream: last_id}, block=1000, count=100)
-        for _, entries in reply:
+        for _, entries in stream_entries(reply):
             for entry_id, fields in entries:
-                last_id = entry_id
+                last_id = entry_id.decode()
+                assert fields is not None, "nothing deletes reply entries while the run reads them"
                 record = msgpack.unpackb(fields[b"result"], raw=False, strict_map_key=False)
                 records.append(record)
                 if on_token is not None:

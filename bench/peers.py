@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from bench.records import RequestTiming, RunResult
 from bench.workloads import Workload
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    # transformers' own annotation of what AutoModelForCausalLM loads: a PreTrainedModel with GenerationMixin.
+    from transformers.models.auto.modeling_auto import _BaseModelWithGenerate as CausalLM
 
 
 class _StepClock:
@@ -30,7 +36,7 @@ class _StepClock:
         return scores
 
 
-def load_hf_model(model_path: str) -> tuple[torch.nn.Module, object]:
+def load_hf_model(model_path: str) -> tuple[CausalLM, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -39,7 +45,7 @@ def load_hf_model(model_path: str) -> tuple[torch.nn.Module, object]:
 
 
 @torch.no_grad()
-def run_hf_generate(model: torch.nn.Module, pad_id: int, workload: Workload, batch_size: int,
+def run_hf_generate(model: CausalLM, pad_id: int, workload: Workload, batch_size: int,
                     on_token: Callable[[int], None] | None = None) -> RunResult:
     from transformers import LogitsProcessorList
 
@@ -58,8 +64,11 @@ def run_hf_generate(model: torch.nn.Module, pad_id: int, workload: Workload, bat
         longest = max(requests[i].max_tokens for i in group)
         group_start = time.perf_counter() - start
         clock = _StepClock()
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                       do_sample=False, pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]))
+        # transformers types generate's self as a Protocol with settable `device` and `dtype`, which
+        # PreTrainedModel's read-only properties do not satisfy.
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,  # type: ignore[misc]
+                       min_new_tokens=longest, do_sample=False, pad_token_id=pad_id,
+                       logits_processor=LogitsProcessorList([clock]))
         times = [t - start for t in clock.times]
         for i in group:
             n = requests[i].max_tokens
@@ -75,7 +84,7 @@ def run_hf_generate(model: torch.nn.Module, pad_id: int, workload: Workload, bat
 
 
 @torch.no_grad()
-def run_hf_generate_batch(model: torch.nn.Module, workload: Workload, batch_size: int,
+def run_hf_generate_batch(model: CausalLM, workload: Workload, batch_size: int,
                           on_token: Callable[[int], None] | None = None) -> RunResult:
     """Raises whatever transformers raises when its continuous batching cannot run here."""
     from transformers import GenerationConfig

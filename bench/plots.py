@@ -42,19 +42,20 @@ def plot_throughput_latency(report: BenchReport, path: Path) -> Path:
     return _save(fig, path)
 
 
-def _cdf(ax: plt.Axes, values: list[float], **style: object) -> None:
+def _cdf(ax: plt.Axes, values: list[float], color: str, label: str) -> None:
     ordered = sorted(values)
     if ordered:
-        ax.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], where="post", **style)
+        ax.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], where="post", color=color, label=label)
 
 
 def plot_latency_cdfs(report: BenchReport, path: Path, workload: str = "skewed") -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for run in (r for r in report.runs if r.workload == workload and r.mode in ("offline", "peer")):
-        done = [t for t in run.requests if t.finished_s is not None and t.first_token_s is not None]
-        style = {"color": _color(run.system), "label": f"{run.system} ({run.mode})"}
-        _cdf(axes[0], [t.first_token_s - t.arrival_s for t in done], **style)
-        _cdf(axes[1], [t.finished_s - t.arrival_s for t in done], **style)
+        done = [(t.arrival_s, t.first_token_s, t.finished_s) for t in run.requests
+                if t.finished_s is not None and t.first_token_s is not None]
+        color, label = _color(run.system), f"{run.system} ({run.mode})"
+        _cdf(axes[0], [first - arrival for arrival, first, _ in done], color, label)
+        _cdf(axes[1], [finished - arrival for arrival, _, finished in done], color, label)
     axes[0].set_xlabel("time to first token (s)")
     axes[1].set_xlabel("end-to-end latency (s)")
     for ax in axes:
