@@ -28,10 +28,12 @@ class BenchConfig:
     online_modes: tuple[str, ...] = BATCHING_MODES
     peers: bool = True
     max_wait_ms: float = 50.0
+    threads: int = 1
+    """torch CPU threads for every system (the engine, the peers, the worker process)."""
     modes: tuple[str, ...] = field(default=BATCHING_MODES)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "skewed_requests", "sharegpt_requests", "shared_prefix_requests",
+        for name in ("max_num_seqs", "threads", "skewed_requests", "sharegpt_requests", "shared_prefix_requests",
                      "mixed_interactive", "mixed_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")

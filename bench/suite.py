@@ -9,7 +9,7 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +99,12 @@ def describe_machine() -> dict[str, Any]:
     }
 
 
-def run_suite(config: BenchConfig, model: str, progress: Progress) -> BenchReport:
+def run_suite(config: BenchConfig, model: str, progress: Progress, env: Mapping[str, str]) -> BenchReport:
+    """``env`` is the environment the worker child starts with (its torch thread count is set from the config)."""
+    import torch
+
+    torch.set_num_threads(config.threads)
+    child_env = {**env, "OMP_NUM_THREADS": str(config.threads)}
     started = time.perf_counter()
     w = build_workloads(config)
     report = BenchReport(config={**config.__dict__, "model": model}, machine=describe_machine())
@@ -128,7 +133,7 @@ def run_suite(config: BenchConfig, model: str, progress: Progress) -> BenchRepor
     del engine
     gc.collect()
 
-    asyncio.run(_run_online_sweeps(config, model, w.sharegpt, report, tick))
+    asyncio.run(_run_online_sweeps(config, model, w.sharegpt, report, tick, child_env))
 
     report.machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     report.duration_s = time.perf_counter() - started
@@ -171,12 +176,12 @@ def _run_one_at_a_time(engine: Any, workload: Workload, system: str, on_token: C
 
 
 async def _run_online_sweeps(config: BenchConfig, model: str, workload: Workload, report: BenchReport,
-                             tick: Callable[[str], Callable[[int], None]]) -> None:
+                             tick: Callable[[str], Callable[[int], None]], child_env: Mapping[str, str]) -> None:
     """Each mode at saturation first; continuous's saturated request rate sets the sweep's rates for all modes."""
     capacity_rps: float | None = None
     fractions = sorted(config.online_rate_fractions, key=lambda f: not math.isinf(f))
     for mode in sorted(config.online_modes, key=lambda m: m != "continuous"):
-        async with OnlineStack(model, mode, config.max_num_seqs, config.max_wait_ms) as stack:
+        async with OnlineStack(model, mode, config.max_num_seqs, config.max_wait_ms, child_env) as stack:
             # Warm-up through the whole path before timing anything.
             await run_online(stack, Workload("warm-up", workload.requests[:2]), "warm-up")
             for fraction in fractions:
