@@ -21,7 +21,7 @@ class BenchConfig:
     shared_prefix_requests: int = 12
     shared_prefix_len: int = 768
     mixed_interactive: int = 12
-    mixed_batch: int = 16
+    mixed_batch: int = 40
     mixed_interactive_rate: float = 2.0
     online_rate_fractions: tuple[float, ...] = (0.5, 0.8, math.inf)
     """Arrival rates as fractions of continuous's request rate at saturation online; inf is all at once."""

@@ -24,7 +24,9 @@ def plot_throughput_latency(report: BenchReport, path: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
     online = [r for r in report.runs if r.mode == "online"]
     for system in dict.fromkeys(r.system for r in online):
-        points = sorted((summarize(r) for r in online if r.system == system), key=lambda s: s["output_tokens_per_s"])
+        # In order of offered load, saturation last.
+        points = sorted((summarize(r) for r in online if r.system == system),
+                        key=lambda s: (s.get("rate_per_s") is None, s.get("rate_per_s") or 0.0))
         xs = [s["output_tokens_per_s"] for s in points]
         for ax, metric in zip(axes, ("ttft_ms", "e2e_ms")):
             ax.plot(xs, [s[metric]["p95"] / 1000.0 for s in points], marker="o", color=_color(system), label=system)
@@ -37,7 +39,7 @@ def plot_throughput_latency(report: BenchReport, path: Path) -> Path:
         ax.set_xlabel("throughput (output tokens/s)")
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
-    _one_legend(fig, axes[0], "batching mode (points: arrival rate as a share of offline capacity)")
+    _one_legend(fig, axes[0], "batching mode (point labels: Poisson arrival rate as a share of continuous's rate at saturation)")
     fig.suptitle("Online, through gateway + Redis: throughput against latency across the rate sweep")
     return _save(fig, path)
 
