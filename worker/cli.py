@@ -89,15 +89,17 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
     service = WorkerService(config, engine, client, telemetry)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stopped.set)
+    has_failed = False
     try:
         await service.start()
         await service.stopped.wait()
+        has_failed = service.has_failed
         log.info("stopping: intake closed, in-flight jobs get %.1fs", config.shutdown_grace_s)
     finally:
         await service.shutdown()
         await client.aclose()
         telemetry.shutdown()
-    return 0
+    return 1 if has_failed else 0
 
 
 if __name__ == "__main__":

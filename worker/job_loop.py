@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from scheduler.job import JobSpec, JobStatus, WebhookEvent, job_view
 from scheduler.keys import Keys
@@ -232,8 +233,14 @@ class JobLoop:
                 checkpointed.append((len(pipe), job))
                 await self.store.add_checkpoint(pipe, job.spec.id, job.token_ids, job.first_token_at)
                 job.checkpointed, job.checkpoint_at = len(job.token_ids), mono
-        if len(pipe):
-            replies = await pipe.execute()
+        replies: list[Any] = []
+        try:
+            replies = await pipe.execute() if len(pipe) else []
+        except (RedisError, OSError) as e:
+            # Token events are best effort and a checkpoint is only late; the engine keeps stepping.
+            log.warning("token events and checkpoints of this step not written: %s", e)
+            checkpointed = []
+        if replies:
             for index, job in checkpointed:
                 reply = replies[index]
                 if job.spec.id not in self.jobs:

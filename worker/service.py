@@ -9,6 +9,8 @@ entries back so another worker resumes them at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import Coroutine
@@ -17,6 +19,8 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 from aiohttp import web
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from scheduler.job import JobSpec, JobStatus, JobValidationError, WebhookEvent, job_view
 from scheduler.keys import Keys
@@ -31,6 +35,11 @@ from worker.metrics import METRICS_KEY, WorkerMetrics, metrics_handler
 from worker.results import Admission, Outcome, ResultStore, pack
 
 log = logging.getLogger(__name__)
+
+# A dropped or unreachable Redis: the background loops wait and retry instead of stopping the worker.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+REDIS_RETRY_S = 0.5
+
 
 class WorkerService:
     def __init__(self, config: WorkerConfig, engine: Any, client: aioredis.Redis,
@@ -120,6 +129,11 @@ class WorkerService:
             log.error("%s failed; stopping the worker", task.get_name(), exc_info=exc)
             self.stopped.set()
 
+    @property
+    def has_failed(self) -> bool:
+        """A background task died: the worker stops, and its process exits non-zero."""
+        return self._failed()
+
     def _failed(self) -> bool:
         return any(t.done() and not t.cancelled() and t.exception() is not None for t in self._tasks.values())
 
@@ -138,13 +152,16 @@ class WorkerService:
                     pass
                 continue
             entries: list[Entry] = []
-            if time.monotonic() >= next_reclaim:
-                reclaimed = await self.consumer.reclaim(free)
-                self.metrics.leases_reclaimed(self._lane_of.get(e.ref.stream, "unknown") for e in reclaimed)
-                entries += reclaimed
-                next_reclaim = time.monotonic() + reclaim_every_s
-            if len(entries) < free:
-                entries += await self.consumer.read(free - len(entries))
+            try:
+                if time.monotonic() >= next_reclaim:
+                    reclaimed = await self.consumer.reclaim(free)
+                    self.metrics.leases_reclaimed(self._lane_of.get(e.ref.stream, "unknown") for e in reclaimed)
+                    entries += reclaimed
+                    next_reclaim = time.monotonic() + reclaim_every_s
+                if len(entries) < free:
+                    entries += await self.consumer.read(free - len(entries))
+            except REDIS_DOWN as e:
+                await _redis_down("intake", e)  # entries already taken are still admitted below
             if entries:
                 self.loop.reserve(len(entries))
                 await asyncio.gather(*(self._admit(entry) for entry in entries))
@@ -188,6 +205,9 @@ class WorkerService:
                                                    error={"type": "invalid_job", "field": e.field, "message": str(e)})):
                     self.metrics.job_finished_unrun(lane, JobStatus.FAILED, created_at)
             return
+        if spec.lane != entry.lane:
+            # The stream it waited in is its lane: a direct producer may leave `lane` out (standard by default).
+            spec = dataclasses.replace(spec, lane=entry.lane)
         # Every line about this job names it and its trace (the message's context until the job's own span opens).
         with job_context(spec.id, span_of_traceparent(spec.traceparent)):
             await self._admit_spec(spec, entry, raw, created_at)
@@ -253,13 +273,23 @@ class WorkerService:
             by_entry = {job.entry: job_id for job_id, job in self.loop.jobs.items()}
             if not by_entry:
                 continue
-            for ref in await self.consumer.renew(list(by_entry)):
+            try:
+                lost = await self.consumer.renew(list(by_entry))
+            except REDIS_DOWN as e:
+                await _redis_down("lease renewal", e)
+                continue
+            for ref in lost:
                 self.loop.drop(by_entry[ref])
 
     async def _control(self) -> None:
         assert self._pubsub is not None
         while True:
-            message = await self._pubsub.get_message(timeout=1.0)
+            try:
+                # After a dropped connection the next read reconnects and subscribes again.
+                message = await self._pubsub.get_message(timeout=1.0)
+            except REDIS_DOWN as e:
+                await _redis_down("control channel", e)
+                continue
             if message is None or message.get("type") != "message":
                 continue
             try:
@@ -273,9 +303,13 @@ class WorkerService:
 
     async def _heartbeat(self) -> None:
         while True:
-            await self.client.hset(self.keys.workers, self.config.worker_name, pack({
-                "time": time.time(), "running": len(self.loop.jobs), "capacity": self.config.capacity,
-                "draining": self.is_draining}))
+            try:
+                await self.client.hset(self.keys.workers, self.config.worker_name, pack({
+                    "time": time.time(), "running": len(self.loop.jobs), "capacity": self.config.capacity,
+                    "draining": self.is_draining}))
+            except REDIS_DOWN as e:
+                await _redis_down("heartbeat", e)
+                continue
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
     # --- health server ---------------------------------------------------------------------------
@@ -311,23 +345,29 @@ async def _readyz(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if service.is_ready else 503)
 
 
-def _recover_traceparent(raw: bytes) -> str | None:
-    """The ``traceparent`` of an invalid message, when one can be read, so its lines join the producer's trace."""
+async def _redis_down(loop: str, error: Exception) -> None:
+    log.warning("worker %s: Redis unreachable (%s); retrying in %.1fs", loop, error, REDIS_RETRY_S)
+    await asyncio.sleep(REDIS_RETRY_S)
+
+
+def _loose_map(raw: bytes) -> dict[Any, Any] | None:
+    """An invalid ``job`` field read as loosely as possible: JSON (redis-cli producers) or msgpack."""
     try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        data = json.loads(raw) if raw[:1] == b"{" else msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception:
         return None
-    traceparent = data.get("traceparent") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def _recover_traceparent(raw: bytes) -> str | None:
+    """The ``traceparent`` of an invalid message, when one can be read, so its lines join the producer's trace."""
+    traceparent = (_loose_map(raw) or {}).get("traceparent")
     return traceparent if isinstance(traceparent, str) else None
 
 
 def _recover_id(raw: bytes) -> str | None:
     """The job id of an invalid message, when one can be read, so its record can be marked failed."""
-    try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except Exception:
-        return None
-    job_id = data.get("id") if isinstance(data, dict) else None
+    job_id = (_loose_map(raw) or {}).get("id")
     if isinstance(job_id, str) and job_id and len(job_id) <= 128 and job_id.isprintable() and " " not in job_id:
         return job_id
     return None

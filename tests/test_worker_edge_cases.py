@@ -1,0 +1,87 @@
+"""Worker edge cases from outside: redis-cli (JSON) producers, entries in a lane their job does not name, dropped connections."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import redis.asyncio as aioredis
+
+from scheduler.job import JobSpec
+from scheduler.keys import CONSUMER_GROUP
+from scheduler.lanes import Lane
+from scheduler.params import SamplingParams
+from worker_harness import KEYS, running_worker, status_of, wait_terminal, xadd_job
+
+
+@pytest.fixture
+def engine(tiny_model):
+    from worker.engine import Engine
+
+    return Engine(model=tiny_model(), max_num_seqs=8, policy="priority")
+
+
+async def test_invalid_json_job_with_an_id_is_marked_failed(redis_url, engine):
+    client = aioredis.Redis.from_url(redis_url)
+    lane = KEYS.lane(Lane.STANDARD)
+    async with running_worker(redis_url, engine):
+        body = {"v": 1, "id": "json-bad", "prompt": "x", "params": {"max_tokenz": 3}, "traceparent": "junk"}
+        await client.xadd(lane, {"job": json.dumps(body)})
+        views = await wait_terminal(client, ["json-bad"], timeout_s=30)
+    view = views["json-bad"]
+    assert view["status"] == "failed"
+    assert view["error"]["type"] == "invalid_job"
+    assert view["error"]["field"] == "params.max_tokenz"
+    assert await client.xlen(KEYS.dead) == 1
+    assert (await client.xpending(lane, CONSUMER_GROUP))["pending"] == 0
+    await client.aclose()
+
+
+async def test_direct_job_without_a_lane_field_belongs_to_the_lane_it_was_added_to(redis_url, engine):
+    client = aioredis.Redis.from_url(redis_url)
+    async with running_worker(redis_url, engine):
+        body = {"v": 1, "id": "nightly", "prompt": "Summarise", "params": {"max_tokens": 3, "temperature": 0}}
+        await client.xadd(KEYS.lane(Lane.BATCH), {"job": json.dumps(body)})
+        views = await wait_terminal(client, ["nightly"], timeout_s=30)
+    assert views["nightly"]["status"] == "succeeded"
+    assert views["nightly"]["lane"] == "batch"
+    await client.aclose()
+
+
+async def _drop_other_connections(client: aioredis.Redis) -> int:
+    me = await client.client_id()
+    killed = 0
+    for info in await client.client_list():
+        if int(info["id"]) != me:
+            killed += await client.client_kill_filter(_id=int(info["id"]))
+    return killed
+
+
+async def test_worker_survives_dropped_redis_connections(redis_url, engine):
+    from gateway.cancel import Canceller
+
+    client = aioredis.Redis.from_url(redis_url)
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    # Checkpoints only at the first token: a later cancel can arrive only over the control channel.
+    async with running_worker(redis_url, engine, lease_s=0.6, heartbeat_interval_s=0.1,
+                              checkpoint_tokens=100_000, checkpoint_interval_s=1000.0) as service:
+        await xadd_job(client, JobSpec(id="before", prompt="one", params=greedy))
+        await wait_terminal(client, ["before"], timeout_s=30)
+        for _ in range(3):  # every connection but ours, pub/sub and blocked reads included
+            assert await _drop_other_connections(client) >= 2
+            await asyncio.sleep(0.4)
+        await xadd_job(client, JobSpec(id="after", prompt="two", params=greedy))
+        views = await wait_terminal(client, ["after"], timeout_s=30)
+        long = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
+        await xadd_job(client, JobSpec(id="long", prompt="three", params=long))
+        while not await client.hget(KEYS.job("long"), "checkpoint"):
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
+        await Canceller(client, KEYS, flag_ttl_s=60).cancel("long")
+        views |= await wait_terminal(client, ["long"], timeout_s=30)
+        assert not service.stopped.is_set() and not service.has_failed
+    assert views["after"]["status"] == "succeeded"
+    assert views["long"]["status"] == "cancelled"
+    assert 0 < views["long"]["usage"]["completion_tokens"] < 1500
+    await client.aclose()
