@@ -74,10 +74,20 @@ def _normal_host(host: str) -> str:
     return host.lower().rstrip(".")
 
 
+NAT64_PREFIX = ipaddress.ip_network("64:ff9b::/96")
+"""RFC 6052 well-known prefix: a NAT64 gateway forwards ``64:ff9b::a.b.c.d`` to a.b.c.d."""
+
+
 def _unmapped(ip: IPAddress) -> IPAddress:
-    """``::ffff:10.0.0.1`` is 10.0.0.1 as far as reachability goes."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
+    """The IPv4 address an IPv6 one leads to, where it embeds one: ``::ffff:10.0.0.1`` (mapped),
+    ``64:ff9b::a00:1`` (NAT64) and ``2002:a00:1::`` (6to4) all reach 10.0.0.1."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return ip.ipv4_mapped
+        if ip in NAT64_PREFIX:
+            return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if ip.sixtofour is not None:
+            return ip.sixtofour
     return ip
 
 
