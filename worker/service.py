@@ -215,6 +215,11 @@ class WorkerService:
     async def _admit_spec(self, spec: JobSpec, entry: Entry, raw: bytes, created_at: float) -> None:
         ref = entry.ref
         lane = spec.lane.value
+        running = self.loop.jobs.get(spec.id)
+        if running is not None and running.entry == ref:
+            # Our own reclaim took our entry after a late renewal: the job still runs here, and the claim renewed it.
+            log.info("job %s: reclaimed our own running entry %s; it keeps running", spec.id, ref)
+            return
         if entry.deliveries > 1:
             log.info("job %s: reclaimed from %s (delivery %d): its previous worker stopped renewing or handed it back",
                      spec.id, ref, entry.deliveries, extra={"entry": str(ref), "lane": lane, "delivery": entry.deliveries})
