@@ -80,7 +80,7 @@ async def _domain_ctx(app: web.Application) -> AsyncIterator[None]:
     app[K.ADMISSION] = Admission(
         redis, keys, config, _webhook_check(config.webhooks), enqueue_span=app[K.METRICS].enqueue_span
     )
-    app[K.CANCELLER] = Canceller(redis, keys, flag_ttl_s=config.result_ttl_s)
+    app[K.CANCELLER] = Canceller(redis, keys, flag_ttl_s=config.result_ttl_s, reply_maxlen=config.reply_maxlen)
     yield
 
 

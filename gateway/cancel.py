@@ -1,10 +1,12 @@
 """Cancelling a job from the gateway.
 
-A queued job is cancelled on the spot (compare-and-set on its status), and
-the gateway, having written the terminal status, also delivers it: the final
-event, the reply stream entry and the webhook. A running job belongs to its
-worker: the gateway raises the cancel flag and tells workers on the control
-channel; the worker stops it at its next step and writes `cancelled` itself.
+A queued job is cancelled on the spot by one Lua script that, only when it
+moves the job from ``queued`` to ``cancelled``, also publishes the final
+event, adds the reply stream entry and enqueues the ``completed`` webhook —
+so a gateway that dies mid-way leaves all of it or none of it, never a
+cancelled job that nobody hears about. A running job belongs to its worker:
+the gateway raises the cancel flag and tells workers on the control channel;
+the worker stops it at its next step and writes `cancelled` itself.
 """
 
 from __future__ import annotations
@@ -16,20 +18,24 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 
-from gateway.results import final_event
 from scheduler.job import F_ERROR, F_FINISHED_AT, F_SPEC, F_STATUS, JobSpec, JobStatus, WebhookEvent, job_view
 from scheduler.keys import DEFAULT_REPLY_MAXLEN, Keys
 from scheduler.redis_replies import read_hash
 from scheduler.webhooks import delivery_fields, should_send
 
-# Returns '+cancelled' or '+cancelling' when it acted, 'missing', or the terminal status it found.
-# KEYS: job record, cancel flag. ARGV: now, packed error, flag ttl_s, control channel, packed control message.
+# Returns '+cancelled' or '+cancelling' when it acted, 'missing', or the status it found otherwise.
+# KEYS: job record, cancel flag, reply stream, webhook stream.
+# ARGV: now, packed error, flag ttl_s, control channel, packed control message, events channel,
+#       packed final event, packed reply result|'', reply maxlen, then the webhook delivery's field pairs.
 _CANCEL_LUA = """
 local status = redis.call('HGET', KEYS[1], '@status@')
 if not status then return 'missing' end
 if status == 'queued' then
   redis.call('HSET', KEYS[1], '@status@', 'cancelled', '@finished_at@', ARGV[1], '@error@', ARGV[2])
   redis.call('SET', KEYS[2], '1', 'EX', ARGV[3])
+  redis.call('PUBLISH', ARGV[6], ARGV[7])
+  if ARGV[8] ~= '' then redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[9], '*', 'result', ARGV[8]) end
+  if #ARGV > 9 then redis.call('XADD', KEYS[4], '*', unpack(ARGV, 10)) end
   return '+cancelled'
 end
 if status == 'running' then
@@ -59,42 +65,54 @@ class CancelOutcome:
 
 
 class Canceller:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, flag_ttl_s: int) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, flag_ttl_s: int,
+                 reply_maxlen: int = DEFAULT_REPLY_MAXLEN) -> None:
         self._redis = redis
         self._keys = keys
         self._flag_ttl_s = flag_ttl_s
+        self._reply_maxlen = reply_maxlen
         self._cancel = redis.register_script(_CANCEL_LUA)
 
     async def cancel(self, job_id: str) -> CancelOutcome:
-        error = msgpack.packb({"type": "cancelled", "message": "cancelled before it started"})
-        control = msgpack.packb({"type": "cancel", "id": job_id})
-        outcome = (
-            await self._cancel(
-                keys=[self._keys.job(job_id), self._keys.cancel(job_id)],
-                args=[repr(time.time()), error, self._flag_ttl_s, self._keys.control, control],
-            )
-        ).decode()
+        outcome, view = await self.transition(job_id)
         if outcome == "missing":
             raise JobNotFound(job_id)
         if outcome not in ("+cancelled", "+cancelling"):
             raise AlreadyFinished(outcome)
-        record = await read_hash(self._redis, self._keys.job(job_id))
         if outcome == "+cancelling":
-            return CancelOutcome(job_view(record), is_cancelled_now=False)
-        assert record.get(F_STATUS.encode()) == JobStatus.CANCELLED.value.encode()
-        await self._deliver(record)
-        return CancelOutcome(job_view(record), is_cancelled_now=True)
+            return CancelOutcome(job_view(await read_hash(self._redis, self._keys.job(job_id))), is_cancelled_now=False)
+        return CancelOutcome(view, is_cancelled_now=True)
 
-    async def _deliver(self, record: dict[bytes, bytes]) -> None:
-        """Result written first, then published, replied and called back (same order as the worker)."""
-        view = job_view(record)
+    async def transition(self, job_id: str) -> tuple[str, dict[str, Any]]:
+        """Run the cancel script once: its outcome, and the record's view as a queued job's cancel wrote it.
+
+        Everything the cancel of a queued job sends is built from the record read here, before the
+        script: a queued record changes only through the script's own status write or a worker's
+        admission, and the script delivers only when it finds the job still queued.
+        """
+        record = await read_hash(self._redis, self._keys.job(job_id))
+        if not record:
+            return "missing", {}
+        now = repr(time.time())
+        error = msgpack.packb({"type": "cancelled", "message": "cancelled before it started"})
+        control = msgpack.packb({"type": "cancel", "id": job_id})
+        cancelled = dict(record)
+        cancelled.update({F_STATUS.encode(): JobStatus.CANCELLED.value.encode(), F_FINISHED_AT.encode(): now.encode(),
+                          F_ERROR.encode(): error})
+        view = job_view(cancelled)
         spec = JobSpec.unpack(record[F_SPEC.encode()])
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.publish(self._keys.events(spec.id), msgpack.packb(final_event(record)))
-            if spec.reply_to:
-                pipe.xadd(spec.reply_to, {"result": msgpack.packb(view)}, maxlen=DEFAULT_REPLY_MAXLEN, approximate=True)
-            if spec.webhook is not None and should_send(spec.webhook.events, WebhookEvent.COMPLETED):
-                fields = delivery_fields(spec.id, WebhookEvent.COMPLETED, spec.webhook.url, view,
-                                         traceparent=spec.traceparent)
-                pipe.xadd(self._keys.webhooks, fields)
-            await pipe.execute()
+        webhook: list[Any] = []
+        if spec.webhook is not None and should_send(spec.webhook.events, WebhookEvent.COMPLETED):
+            for k, v in delivery_fields(spec.id, WebhookEvent.COMPLETED, spec.webhook.url, view,
+                                        traceparent=spec.traceparent).items():
+                webhook += [k, v]
+        final = msgpack.packb({"type": "final", "id": job_id, "job": view})
+        outcome = (
+            await self._cancel(
+                keys=[self._keys.job(job_id), self._keys.cancel(job_id), spec.reply_to or self._keys.dead,
+                      self._keys.webhooks],
+                args=[now, error, self._flag_ttl_s, self._keys.control, control, self._keys.events(job_id), final,
+                      msgpack.packb(view) if spec.reply_to else "", self._reply_maxlen, *webhook],
+            )
+        ).decode()
+        return outcome, view

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.webhooks.config import WebhookConfig
-from scheduler.keys import DEFAULT_PREFIX, DEFAULT_RESULT_TTL_S
+from scheduler.keys import DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S
 from scheduler.lanes import LANES, Lane
 
 DEFAULT_MAX_LANE_DEPTH: dict[str, int] = {
@@ -22,6 +22,7 @@ class GatewayConfig:
     port: int = field(default=8000, metadata={"help": "port the HTTP API listens on"})
     key_prefix: str = field(default=DEFAULT_PREFIX, metadata={"help": "prefix of every Redis key (several deployments can share one server)"})
     result_ttl_s: int = field(default=DEFAULT_RESULT_TTL_S, metadata={"help": "seconds a job record and its idempotency key live"})
+    reply_maxlen: int = field(default=DEFAULT_REPLY_MAXLEN, metadata={"help": "approximate MAXLEN of reply_to streams, for the results of jobs cancelled while queued"})
     max_lane_depth: dict[str, int] = field(
         default_factory=lambda: dict(DEFAULT_MAX_LANE_DEPTH),
         metadata={"help": "jobs a lane may hold before submissions get 429, as lane=N,... (lanes not named keep their default)"},
@@ -52,7 +53,7 @@ class GatewayConfig:
                 raise ValueError(f"max_lane_depth: {lane} must be at least 1, got {depth}")
             depths[lane] = depth
         self.max_lane_depth = depths
-        for name in ("result_ttl_s", "retry_after_s", "max_model_len", "max_body_bytes"):
+        for name in ("result_ttl_s", "reply_maxlen", "retry_after_s", "max_model_len", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
         for name in ("max_wait_s", "sse_heartbeat_s", "shutdown_grace_s"):

@@ -194,3 +194,56 @@ async def test_cancel_a_running_job_asks_its_worker(client: TestClient, redis: a
     assert await redis.get(KEYS.cancel(job_id)) == b"1"
     assert 0 < await redis.ttl(KEYS.cancel(job_id))
     assert (await redis.hget(KEYS.job(job_id), "status")) == b"running"  # the worker writes the final status
+
+
+@pytest.fixture
+async def configured_client(redis_url: str) -> AsyncIterator[TestClient]:
+    webhooks = WebhookConfig(webhook_secret=generate_secret(), webhook_allow=["hooks.test"])
+    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, result_ttl_s=7200, reply_maxlen=1, webhooks=webhooks)
+    async with TestClient(TestServer(init_app(config))) as client:
+        yield client
+
+
+async def test_cancelling_a_queued_job_delivers_it_in_the_same_script(
+    configured_client: TestClient, redis: aioredis.Redis
+) -> None:
+    from gateway.cancel import Canceller
+
+    job_id = await new_job(configured_client, reply_to="replies",
+                           webhook={"url": "https://hooks.test/cb", "events": ["completed"]})
+    for n in range(250):  # older results, in full stream nodes that a small MAXLEN ~ can trim
+        await redis.xadd("replies", {"result": b"old %d" % n})
+    events = redis.pubsub()
+    await events.subscribe(KEYS.events(job_id))
+    await events.get_message(timeout=1)  # the subscribe confirmation
+    canceller = Canceller(redis, KEYS, flag_ttl_s=60, reply_maxlen=1)
+
+    outcome, view = await canceller.transition(job_id)
+
+    # Right after the script, with no more gateway code run: every effect is there already.
+    assert outcome == "+cancelled" and view["status"] == "cancelled"
+    assert (await redis.hget(KEYS.job(job_id), "status")) == b"cancelled"
+    final = await events.get_message(ignore_subscribe_messages=True, timeout=2)
+    assert final is not None and msgpack.unpackb(final["data"])["job"]["status"] == "cancelled"
+    replies = await redis.xrange("replies")
+    assert msgpack.unpackb(replies[-1][1][b"result"])["status"] == "cancelled"
+    assert len(replies) < 251  # trimmed to the configured reply maxlen, not the default
+    deliveries = await redis.xrange(KEYS.webhooks)
+    assert len(deliveries) == 1 and deliveries[0][1][b"event"] == b"completed"
+    assert json.loads(deliveries[0][1][b"payload"])["data"]["status"] == "cancelled"
+
+    again, _ = await canceller.transition(job_id)
+    assert again == "cancelled"
+    assert await events.get_message(ignore_subscribe_messages=True, timeout=0.3) is None
+    assert (await redis.xrange("replies"))[-1][0] == replies[-1][0]
+    assert await redis.xlen(KEYS.webhooks) == 1
+    await events.aclose()
+
+
+async def test_cancel_flag_lives_as_long_as_the_result(configured_client: TestClient, redis: aioredis.Redis) -> None:
+    queued, running = await new_job(configured_client), await new_job(configured_client)
+    await redis.hset(KEYS.job(running), mapping={"status": "running", "worker": "w-test"})
+    for job_id in (queued, running):
+        assert (await configured_client.delete(f"/v1/jobs/{job_id}")).status == 202
+        # A handed-back job may be resumed much later: its flag must outlive the wait, as the record does.
+        assert await redis.ttl(KEYS.cancel(job_id)) > 7200 - 60
