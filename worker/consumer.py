@@ -24,6 +24,21 @@ from worker.results import EntryRef
 
 log = logging.getLogger(__name__)
 
+# KEYS: stream. ARGV: group, consumer, entry ids. -> the ids this consumer no longer owns.
+# One script, so no other worker's claim can fall between the ownership check and our claim.
+_RENEW_LUA = """
+local lost = {}
+for i = 3, #ARGV do
+  local info = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if info[1] and info[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
+
 HANDBACK_IDLE_MS = 365 * 24 * 3600 * 1000
 """Idle time given to handed-back entries, past any worker's lease, so the next XAUTOCLAIM takes them."""
 
@@ -70,6 +85,7 @@ class LaneConsumer:
         self.read_block_ms = read_block_ms
         self.max_deliveries = max_deliveries
         self._lane_of = {keys.lane(lane): lane for lane in LANES}
+        self._renew = client.register_script(_RENEW_LUA)
 
     async def ensure_groups(self) -> None:
         for lane in LANES:
@@ -147,15 +163,8 @@ class LaneConsumer:
             by_stream.setdefault(ref.stream, []).append(ref)
         lost: set[EntryRef] = set()
         for stream, wanted in by_stream.items():
-            owned = set()
-            for info in await self.client.xpending_range(stream, CONSUMER_GROUP, min="-", max="+",
-                                                         count=len(wanted) * 4 + 64, consumername=self.name):
-                mid = info["message_id"]
-                owned.add(mid.decode() if isinstance(mid, bytes) else mid)
-            mine: list[StreamIdT] = [r.entry_id for r in wanted if r.entry_id in owned]
-            lost |= {r for r in wanted if r.entry_id not in owned}
-            if mine:
-                await self.client.xclaim(stream, CONSUMER_GROUP, self.name, 0, mine, justid=True)
+            gone = await self._renew(keys=[stream], args=[CONSUMER_GROUP, self.name, *(r.entry_id for r in wanted)])
+            lost |= {EntryRef(stream, eid.decode() if isinstance(eid, bytes) else eid) for eid in gone}
         return lost
 
     async def hand_back(self, refs: Iterable[EntryRef]) -> None:
