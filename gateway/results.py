@@ -6,9 +6,10 @@ connection for the whole process (subscribing a channel while someone waits
 on it, unsubscribing when the last waiter leaves), so open requests cost
 memory, not Redis connections.
 
-A waiter subscribes *before* it re-reads the job record: the hub only hands
-the subscription over once Redis has confirmed it, so a final event published
-after that read cannot be missed.
+A waiter subscribes *before* it re-reads the job record: the hub hands every
+waiter its subscription only once Redis has confirmed the channel's SUBSCRIBE
+(a waiter joining a channel that is still being subscribed waits too), so a
+final event published after that read cannot be missed.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class EventHub:
         self._subs: dict[str, set[Subscription]] = {}
         # One event per SUBSCRIBE sent, set by the matching confirmation (Redis answers in order).
         self._confirms: dict[str, deque[asyncio.Event]] = {}
+        # Per subscribed channel, set once Redis confirmed the SUBSCRIBE: every waiter of the channel waits for it.
+        self._live: dict[str, asyncio.Event] = {}
         self._lock = asyncio.Lock()
         self._has_connection = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -101,23 +104,24 @@ class EventHub:
     @asynccontextmanager
     async def subscribe(self, channel: str) -> AsyncIterator[Subscription]:
         sub = Subscription(channel)
-        confirmed: asyncio.Event | None = None
         async with self._lock:
             subs = self._subs.setdefault(channel, set())
             is_first = not subs
             subs.add(sub)
             if is_first:
-                confirmed = asyncio.Event()
-                self._confirms.setdefault(channel, deque()).append(confirmed)
+                self._live[channel] = asyncio.Event()
+                self._confirms.setdefault(channel, deque()).append(self._live[channel])
                 try:
                     await self._pubsub.subscribe(channel)
                 except Exception:
                     subs.discard(sub)
+                    self._live.pop(channel, None)
                     raise
                 self._has_connection.set()
+            live = self._live[channel]
         try:
-            if confirmed is not None:
-                await asyncio.wait_for(confirmed.wait(), SUBSCRIBE_TIMEOUT_S)
+            # A later waiter too: until Redis confirms, a final event published after its re-read could be lost.
+            await asyncio.wait_for(live.wait(), SUBSCRIBE_TIMEOUT_S)
             if self._is_closed:
                 sub.offer(CLOSED)
             yield sub
@@ -127,6 +131,7 @@ class EventHub:
                 subs.discard(sub)
                 if not subs:
                     self._subs.pop(channel, None)
+                    self._live.pop(channel, None)
                     await self._pubsub.unsubscribe(channel)
 
     async def _run(self) -> None:
@@ -199,4 +204,7 @@ async def wait_for_terminal(
                 break
             if event["type"] == "final":
                 record = await read_hash(redis, keys.job(job_id))
+        if record and not is_terminal(record):
+            # Once more before answering: a final event lost with a dropped connection still shows on the record.
+            record = await read_hash(redis, keys.job(job_id))
     return record

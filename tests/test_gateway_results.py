@@ -247,3 +247,49 @@ async def test_cancel_flag_lives_as_long_as_the_result(configured_client: TestCl
         assert (await configured_client.delete(f"/v1/jobs/{job_id}")).status == 202
         # A handed-back job may be resumed much later: its flag must outlive the wait, as the record does.
         assert await redis.ttl(KEYS.cancel(job_id)) > 7200 - 60
+
+
+async def test_every_waiter_gets_its_subscription_only_once_redis_confirmed_it(redis: aioredis.Redis) -> None:
+    from gateway.results import EventHub, wait_for_terminal
+
+    await redis.hset(KEYS.job("j"), mapping={"id": "j", "status": "queued"})
+    hub = EventHub(redis)  # its reader is not started yet: no subscribe confirmation is seen
+    entered: list[int] = []
+    release = asyncio.Event()
+
+    async def wait(n: int) -> None:
+        async with hub.subscribe(KEYS.events("j")):
+            entered.append(n)
+            await release.wait()
+
+    waiters = [asyncio.create_task(wait(1))]
+    await asyncio.sleep(0.05)
+    waiters.append(asyncio.create_task(wait(2)))  # joins the channel the first waiter is subscribing
+    polls = [asyncio.create_task(wait_for_terminal(redis, hub, KEYS, "j", 5.0)) for _ in range(2)]
+    await asyncio.sleep(0.3)
+    assert entered == []  # neither waiter may re-read the record before the subscription is live
+    await redis.hset(KEYS.job("j"), mapping={"status": "succeeded", "finished_at": repr(time.time())})
+    await redis.publish(KEYS.events("j"), msgpack.packb({"type": "final", "id": "j", "job": {}}))
+    hub.start()
+    await asyncio.sleep(0.3)
+    assert sorted(entered) == [1, 2]
+    release.set()
+    await asyncio.gather(*waiters)
+    records = await asyncio.wait_for(asyncio.gather(*polls), 3)
+    assert [r[b"status"] for r in records] == [b"succeeded", b"succeeded"]
+    await hub.stop()
+
+
+async def test_long_poll_rereads_the_record_when_its_wait_ends(client: TestClient, redis: aioredis.Redis) -> None:
+    job_id = await new_job(client)
+
+    async def finish_without_event() -> None:
+        while (await redis.pubsub_numsub(KEYS.events(job_id)))[0][1] == 0:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        await redis.hset(KEYS.job(job_id), mapping={"status": "failed", "finished_at": repr(time.time())})
+
+    task = asyncio.create_task(finish_without_event())
+    view = await (await client.get(f"/v1/jobs/{job_id}?wait=0.8")).json()
+    await task
+    assert view["status"] == "failed"  # the final event was never seen, the record still tells
