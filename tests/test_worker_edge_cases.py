@@ -110,3 +110,24 @@ async def test_a_worker_reclaiming_its_own_running_entry_keeps_running_it_once(r
     assert views["slow"]["attempts"] == 1
     assert views["slow"]["usage"]["completion_tokens"] == 1500
     await client.aclose()
+
+
+async def test_an_invalid_message_reusing_a_running_jobs_id_leaves_that_job_alone(redis_url, engine):
+    client = aioredis.Redis.from_url(redis_url)
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    async with running_worker(redis_url, engine, checkpoint_tokens=4):
+        await xadd_job(client, JobSpec(id="taken", prompt="a real job", params=params))
+        while await status_of(client, "taken") != "running":
+            await asyncio.sleep(0.02)
+        garbage = {"v": 1, "id": "taken", "prompt": "x", "params": {"max_tokenz": 3}}
+        await client.xadd(KEYS.lane(Lane.STANDARD), {"job": json.dumps(garbage)})
+        while await client.xlen(KEYS.dead) == 0:
+            await asyncio.sleep(0.02)
+        assert await status_of(client, "taken") == "running"
+        views = await wait_terminal(client, ["taken"], timeout_s=60)
+    assert views["taken"]["status"] == "succeeded"
+    assert views["taken"]["usage"]["completion_tokens"] == 300
+    (dead,) = await client.xrange(KEYS.dead)
+    assert dead[1][b"reason"].startswith(b"invalid job") and b"max_tokenz" in dead[1][b"reason"]
+    assert dead[1][b"job_id"] == b"taken"
+    await client.aclose()

@@ -69,16 +69,20 @@ return 1
 
 # KEYS: job, lane stream, reply stream, webhook stream, dead stream.
 # ARGV: status, group, entry id|'', channel, final message, reply result|'', reply maxlen, ttl_s,
-#       dead maxlen, n webhook fields, n dead fields, then webhook pairs, dead pairs, record pairs.
+#       dead maxlen, n webhook fields, n dead fields, '1' to write only a record that does not exist yet|'',
+#       then webhook pairs, dead pairs, record pairs.
 _COMMIT = _TERMINAL_LUA + """
 local won = 0
 local nwh, ndead = tonumber(ARGV[10]), tonumber(ARGV[11])
-local i = 12
+local i = 13
 local wh, dead, rec = {}, {}, {}
 for k = 1, nwh * 2 do wh[k] = ARGV[i]; i = i + 1 end
 for k = 1, ndead * 2 do dead[k] = ARGV[i]; i = i + 1 end
 while i <= #ARGV do rec[#rec + 1] = ARGV[i]; i = i + 1 end
-if not terminal(redis.call('HGET', KEYS[1], 'status')) then
+local may_write
+if ARGV[12] == '1' then may_write = redis.call('EXISTS', KEYS[1]) == 0
+else may_write = not terminal(redis.call('HGET', KEYS[1], 'status')) end
+if may_write then
   redis.call('HSET', KEYS[1], 'status', ARGV[1], unpack(rec))
   if tonumber(ARGV[8]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[8]) end
   redis.call('PUBLISH', ARGV[4], ARGV[5])
@@ -143,6 +147,8 @@ class Outcome:
     """The job's ``worker.metrics.JobTrace`` when it ran here: closed with the job's spans and metrics."""
     traceparent: str | None = None
     """The job message's trace context: the parent of its webhook delivery when it did not run here."""
+    is_new_record_only: bool = False
+    """Write the outcome only if no record exists for the id (an invalid message must not decide a real job)."""
 
 
 class ResultStore:
@@ -230,7 +236,7 @@ class ResultStore:
             args=[outcome.status.value, CONSUMER_GROUP, entry.entry_id if entry else "",
                   self.keys.events(outcome.job_id), final, pack(view) if outcome.reply_to else "",
                   self.reply_maxlen, self.result_ttl_s, self.dead_maxlen, len(webhook) // 2, len(dead) // 2,
-                  *webhook, *dead, *record_pairs],
+                  "1" if outcome.is_new_record_only else "", *webhook, *dead, *record_pairs],
         )
         return bool(won)
 

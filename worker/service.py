@@ -198,11 +198,14 @@ class WorkerService:
                 await self.store.dead_letter_entry(ref, reason, entry.fields)
                 return
             with job_context(job_id, span_of_traceparent(traceparent)):
-                log.warning("job %s: %s; dead-lettered and failed", job_id, reason,
+                # Only an id nobody used yet gets a failed record: a real job with this id is left as it is.
+                won = await self.store.commit(Outcome(job_id, JobStatus.FAILED, ref, dead_reason=reason,
+                                                      dead_payload=raw, traceparent=traceparent, is_new_record_only=True,
+                                                      error={"type": "invalid_job", "field": e.field, "message": str(e)}))
+                log.warning("job %s: %s; dead-lettered%s", job_id, reason,
+                            " and failed" if won else " (the id names an existing job, which is left alone)",
                             extra={"entry": str(ref), "lane": lane, "dead_letter": "invalid_job"})
-                if await self.store.commit(Outcome(job_id, JobStatus.FAILED, ref, dead_reason=reason, dead_payload=raw,
-                                                   traceparent=traceparent,
-                                                   error={"type": "invalid_job", "field": e.field, "message": str(e)})):
+                if won:
                     self.metrics.job_finished_unrun(lane, JobStatus.FAILED, created_at)
             return
         if spec.lane != entry.lane:
