@@ -16,7 +16,8 @@ lookup, so a hash collision can never hand out the wrong KV.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scheduler.sequence import Sequence
@@ -80,16 +81,22 @@ class BlockManager:
         return max(0, total - len(seq.block_table))
 
     def can_allocate(
-        self, seq: Sequence, num_new_tokens: int, prefix: CachedPrefix | None = None
+        self, seq: Sequence, num_new_tokens: int, prefix: CachedPrefix | None = None,
+        released: Iterable[Sequence] = (),
     ) -> bool:
-        """Whether ``num_new_tokens`` more tokens fit, after taking ``prefix`` if given."""
+        """Whether ``num_new_tokens`` more tokens fit, after taking ``prefix`` if given.
+
+        ``released``: sequences whose blocks would be freed first (preemption
+        candidates); a block comes back only if no one else holds it.
+        """
         num_needed = self.num_new_blocks_needed(seq, num_new_tokens)
-        num_free = self.num_free_blocks
+        freed = Counter(b for s in released for b in s.block_table)
+        num_free = self.num_free_blocks + sum(1 for b, n in freed.items() if self._ref_counts[b] == n)
         if prefix is not None:
             # Taking a hit block that is evictable removes it from the pool.
             num_needed = max(0, self.num_blocks_for(
                 prefix.num_blocks * self.block_size + num_new_tokens) - prefix.num_blocks)
-            num_free -= sum(1 for b in prefix.block_ids if self._ref_counts[b] == 0)
+            num_free -= sum(1 for b in prefix.block_ids if self._ref_counts[b] == freed[b])
         return num_needed <= num_free
 
     # ---- prefix cache ---------------------------------------------------

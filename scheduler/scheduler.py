@@ -9,6 +9,14 @@ lowest-priority, most recently admitted running sequence (possibly itself) is
 preempted by recompute: its blocks go back, its outputs stay, and it waits to
 be prefilled again.
 
+Under the ``priority`` policy in continuous batching, a waiting sequence
+that finds no free slot or not enough blocks also preempts running ones of
+strictly lower priority (least urgent, latest admitted first), by the same
+recompute, and is admitted in that step. Nobody is preempted unless that
+makes room. The preempted sequences' full blocks stay in the prefix cache as
+evictable, so their re-prefill is mostly cache hits; and since they sort
+after the one that displaced them, they cannot displace it in turn.
+
 Batching modes:
 
 - ``continuous``: the above, every step.
@@ -31,7 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler.block_manager import BlockManager
+from scheduler.block_manager import BlockManager, CachedPrefix
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
 BATCHING_MODES = ("continuous", "dynamic", "static")
@@ -122,6 +130,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         """Kept sorted by preemption order: the last one is preempted first."""
         self.num_preemptions = 0
+        """Every preemption by recompute, for lack of blocks or for priority."""
+        self.num_priority_preemptions = 0
+        """Those made only to admit a more urgent waiting sequence."""
         self._num_arrivals = 0
         self._num_admissions = 0
 
@@ -263,17 +274,46 @@ class Scheduler:
 
     def _admit_continuous(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             prefix = bm.lookup_prefix(seq.token_ids)
             num_new = min(seq.num_tokens - prefix.num_blocks * bm.block_size, budget)
-            if not bm.can_allocate(seq, num_new, prefix):
-                break
+            if len(self.running) >= self.config.max_num_seqs or not bm.can_allocate(seq, num_new, prefix):
+                victims = self._priority_victims(seq, num_new, prefix)
+                if not victims:
+                    break
+                for victim in victims:
+                    budget += self._preempt(victim, out)
+                    self.num_priority_preemptions += 1
+                # The victims sort after ``seq`` in the waiting order, so it is still first.
+                assert self.waiting[0] is seq
             self._admit(seq)
             bm.take_prefix(seq, prefix)
             bm.allocate_for(seq, num_new)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+
+    def _priority_victims(self, seq: Sequence, num_new: int, prefix: CachedPrefix) -> list[Sequence]:
+        """The running sequences to preempt so that ``seq`` is admitted now; [] when none will do.
+
+        Only under the ``priority`` policy, and only sequences of strictly
+        lower priority (higher number), least urgent and latest admitted
+        first. All or nothing: nobody is preempted unless ``seq`` then fits.
+        """
+        if self.config.policy != "priority":
+            return []
+        victims: list[Sequence] = []
+        for candidate in reversed(self.running):
+            if candidate.is_padding:
+                continue
+            if candidate.priority <= seq.priority:
+                break  # running is sorted by priority: everyone left is at least as urgent
+            victims.append(candidate)
+            if len(self.running) - len(victims) < self.config.max_num_seqs and self.block_manager.can_allocate(
+                seq, num_new, prefix, released=victims
+            ):
+                return victims
+        return []
 
     def _group_is_ready(self) -> bool:
         if not self.waiting:

@@ -67,6 +67,9 @@ class EngineStats:
     kv_usage: float
     """Share of KV blocks in use, 0..1 (evictable cached blocks count as free)."""
     num_preemptions: int
+    """Every preemption by recompute, for lack of KV blocks or for priority."""
+    num_priority_preemptions: int
+    """Preemptions made only to admit a more urgent waiting request (``priority`` policy)."""
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int
     num_steps: int
@@ -247,6 +250,7 @@ class Engine:
             num_kv_blocks_used=bm.num_used_blocks,
             kv_usage=bm.num_used_blocks / bm.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_priority_preemptions=self.scheduler.num_priority_preemptions,
             prefix_cache_query_tokens=bm.prefix_cache_query_tokens,
             prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens,
             num_steps=self._num_steps,
