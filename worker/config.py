@@ -56,6 +56,10 @@ class WorkerConfig:
     metrics_host: str = field(default="0.0.0.0", metadata=_help("address of the /healthz /readyz /metrics server"))
     metrics_port: int = field(default=9464, metadata=_help("port of /healthz /readyz /metrics; 0 turns the server off"))
     max_inflight: int | None = field(default=None, metadata=_help("most jobs held at once; default: --max-num-seqs"))
+    interactive_reserve: int | None = field(default=None, metadata=_help(
+        "with every slot busy, still take up to N more jobs from the interactive lane only, so the engine can "
+        "preempt a lower-lane job for them (the one bounded exception to no hoarding; needs --policy priority "
+        "and --batching continuous); 0 turns it off; default: max(1, --max-num-seqs / 8)"))
     lane_weights: dict[str, int] = field(
         default_factory=lambda: {lane.value: w for lane, w in DEFAULT_LANE_WEIGHTS.items()},
         metadata=_help("share of reads per lane once interactive work is taken"),
@@ -87,6 +91,8 @@ class WorkerConfig:
             raise ValueError(f"torch_threads: must be >= 0, got {self.torch_threads}")
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
+        if self.interactive_reserve is not None and self.interactive_reserve < 0:
+            raise ValueError(f"interactive_reserve: must be >= 0, got {self.interactive_reserve}")
         for name in ("lease_s", "checkpoint_interval_s", "heartbeat_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
@@ -108,6 +114,15 @@ class WorkerConfig:
     def capacity(self) -> int:
         """Most jobs this worker holds at once: no hoarding beyond what the engine can run."""
         return min(self.max_num_seqs, self.max_inflight or self.max_num_seqs)
+
+    @property
+    def reserve(self) -> int:
+        """Interactive jobs held beyond ``capacity``: only useful where the engine preempts for priority."""
+        if self.policy != "priority" or self.batching != "continuous":
+            return 0
+        if self.interactive_reserve is None:
+            return max(1, self.max_num_seqs // 8)
+        return self.interactive_reserve
 
     @property
     def lease_ms(self) -> int:

@@ -97,6 +97,11 @@ class JobLoop:
     def free(self) -> int:
         return max(0, self.config.capacity - len(self.jobs) - self._reserved)
 
+    @property
+    def interactive_free(self) -> int:
+        """Interactive jobs that may still be taken beyond the free slots (``WorkerConfig.reserve``)."""
+        return max(0, self.config.capacity + self.config.reserve - len(self.jobs) - self._reserved)
+
     def reserve(self, n: int) -> None:
         """Slots held for entries being admitted, so a concurrent read cannot overfill."""
         self._reserved += n

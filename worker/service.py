@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 # A dropped or unreachable Redis: the background loops wait and retry instead of stopping the worker.
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 REDIS_RETRY_S = 0.5
+RESERVE_READ_BLOCK_MS = 20
+"""How long a read for the interactive reserve waits while every slot is busy."""
 
 
 class WorkerService:
@@ -144,6 +146,9 @@ class WorkerService:
         next_reclaim = 0.0
         while not self.is_draining:
             free = self.loop.free
+            if free == 0 and self.loop.interactive_free > 0:
+                await self._intake_reserve(self.loop.interactive_free)
+                continue
             if free == 0:
                 self.loop.slot_freed.clear()
                 try:
@@ -165,6 +170,20 @@ class WorkerService:
             if entries:
                 self.loop.reserve(len(entries))
                 await asyncio.gather(*(self._admit(entry) for entry in entries))
+
+    async def _intake_reserve(self, count: int) -> None:
+        """Every slot is busy: take interactive entries only, for the engine to preempt a lower lane for.
+
+        A short block, so a slot freed meanwhile is filled by the normal weighted read soon after.
+        """
+        try:
+            entries = await self.consumer.read_interactive(count, min(self.config.read_block_ms, RESERVE_READ_BLOCK_MS))
+        except REDIS_DOWN as e:
+            await _redis_down("intake", e)
+            return
+        if entries:
+            self.loop.reserve(len(entries))
+            await asyncio.gather(*(self._admit(entry) for entry in entries))
 
     async def _admit(self, entry: Entry) -> None:
         try:
