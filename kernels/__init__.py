@@ -1,6 +1,7 @@
 """Attention backends over the paged KV cache.
 
-`get_backend("torch")` is the plain-torch reference (the CPU default);
+`get_backend("torch")` is batched plain torch (the CPU default; its
+per-sequence reference in `paged_attention.py` is the test oracle);
 `get_backend("triton")` runs the Triton kernels (CUDA, or CPU tensors
 under `TRITON_INTERPRET=1`). Importing this package launches nothing.
 """
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_store import store_kv, store_kv_reference
-from kernels.paged_attention import paged_attention, paged_attention_reference
+from kernels.paged_attention import paged_attention
+from kernels.paged_attention_torch import paged_attention_torch
 
 StoreKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 Attention = Callable[..., torch.Tensor]
@@ -33,7 +35,7 @@ BACKEND_NAMES = ("torch", "triton")
 
 def get_backend(name: str) -> AttentionBackend:
     if name == "torch":
-        return AttentionBackend("torch", store_kv_reference, paged_attention_reference)
+        return AttentionBackend("torch", store_kv_reference, paged_attention_torch)
     if name == "triton":
         return AttentionBackend("triton", store_kv, paged_attention)
     raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")

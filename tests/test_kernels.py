@@ -19,6 +19,7 @@ from kernels import get_backend  # noqa: E402
 from kernels.interpret import check_launchable  # noqa: E402
 from kernels.kv_store import store_kv, store_kv_reference  # noqa: E402
 from kernels.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
+from kernels.paged_attention_torch import paged_attention_torch  # noqa: E402
 from tests.kernel_batches import MIXED_CASES, assert_close, make_batch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -161,7 +162,7 @@ def test_store_kv_matches_reference_and_skips_padding(dtype: torch.dtype) -> Non
 
 
 def test_backends_by_name() -> None:
-    assert get_backend("torch").attention is paged_attention_reference
+    assert get_backend("torch").attention is paged_attention_torch
     triton_backend = get_backend("triton")
     assert (triton_backend.name, triton_backend.store_kv, triton_backend.attention) == ("triton", store_kv, paged_attention)
     with pytest.raises(ValueError, match="cuda-graph"):

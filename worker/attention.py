@@ -38,6 +38,10 @@ class PagedAttentionMetadata:
     """`[num_seqs + 1]` int32: offsets of each sequence's new tokens."""
     seq_lens: torch.Tensor
     """`[num_seqs]` int32: context length including this step's tokens."""
+    max_query_len: int
+    """Most new tokens of one sequence, known on the host: spares a device read per layer."""
+    max_seq_len: int
+    """Longest context, known on the host."""
 
 
 def paged_attention_forward(
@@ -81,6 +85,8 @@ def paged_attention_forward(
         metadata.seq_lens,
         scale,
         out,
+        max_query_len=metadata.max_query_len,
+        max_seq_len=metadata.max_seq_len,
     )
     return out.unsqueeze(0), None
 

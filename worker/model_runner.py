@@ -8,6 +8,7 @@ token of each sequence that asked for them.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -118,51 +119,82 @@ class ModelRunner:
     def execute(self, batch: list[StepSeq]) -> torch.Tensor:
         """One forward over every sequence's new tokens; float32 logits `[num need_logits, vocab]`."""
         assert batch, "a step runs at least one sequence"
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_seqlens_q = [0]
-        seq_lens: list[int] = []
-        logit_rows: list[int] = []
-        bs = self.block_size
-        for seq in batch:
-            num_new = len(seq.token_ids)
-            assert num_new > 0, "every scheduled sequence brings at least one token"
-            end = seq.start_pos + num_new
-            assert end <= len(seq.block_table) * bs, "block table too short for the scheduled tokens"
-            assert end <= self.max_model_len, "sequence longer than the model's context"
-            input_ids.extend(seq.token_ids)
-            for pos in range(seq.start_pos, end):
-                positions.append(pos)
-                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-            cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
-            seq_lens.append(end)
-            if seq.need_logits:
-                logit_rows.append(cu_seqlens_q[-1] - 1)
-        max_blocks = max(len(seq.block_table) for seq in batch)
-        block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch]
+        meta = _step_layout(batch, self.block_size, self.max_model_len)
 
-        def to_device(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
+        def to_device(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.device, non_blocking=True)
 
         metadata = PagedAttentionMetadata(
             backend=self.backend,
             k_caches=self.k_caches,
             v_caches=self.v_caches,
-            slot_mapping=to_device(slots, torch.int64),
-            block_tables=to_device(block_tables, torch.int32),
-            cu_seqlens_q=to_device(cu_seqlens_q, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
+            slot_mapping=to_device(meta.slot_mapping),
+            block_tables=to_device(meta.block_tables),
+            cu_seqlens_q=to_device(meta.cu_seqlens_q),
+            seq_lens=to_device(meta.seq_lens),
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
         )
         output = self.model(
-            input_ids=to_device(input_ids, torch.long).unsqueeze(0),
-            position_ids=to_device(positions, torch.long).unsqueeze(0),
+            input_ids=to_device(meta.input_ids).unsqueeze(0),
+            position_ids=to_device(meta.positions).unsqueeze(0),
             use_cache=False,
             # A tensor of row indices: lm_head runs only on the rows we sample from.
-            logits_to_keep=to_device(logit_rows, torch.long),
+            logits_to_keep=to_device(meta.logit_rows),
             **{METADATA_KWARG: metadata},
         )
         return output.logits[0].float()
+
+
+@dataclass
+class _StepLayout:
+    """A step's inputs and attention metadata, built on the CPU."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    logit_rows: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+def _step_layout(batch: list[StepSeq], block_size: int, max_model_len: int) -> _StepLayout:
+    """Per-sequence Python, per-token tensor ops: a long prefill chunk costs no Python loop."""
+    q_lens = [len(seq.token_ids) for seq in batch]
+    seq_lens = [seq.start_pos + n for seq, n in zip(batch, q_lens)]
+    max_blocks = max(len(seq.block_table) for seq in batch)
+    for seq, n, end in zip(batch, q_lens, seq_lens):
+        assert n > 0, "every scheduled sequence brings at least one token"
+        assert end <= len(seq.block_table) * block_size, "block table too short for the scheduled tokens"
+        assert end <= max_model_len, "sequence longer than the model's context"
+    cu_seqlens = list(itertools.accumulate(q_lens, initial=0))
+    num_tokens = cu_seqlens[-1]
+    block_tables = torch.tensor(
+        [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch], dtype=torch.int32
+    )
+    q_lens_t = torch.tensor(q_lens)
+    starts = torch.tensor([seq.start_pos for seq in batch])
+    # Token t of sequence s sits at start_pos[s] + (t - cu_seqlens[s]).
+    seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), q_lens_t, output_size=num_tokens)
+    offsets = starts - torch.tensor(cu_seqlens[:-1])
+    positions = torch.arange(num_tokens) + offsets[seq_of_token]
+    slot_mapping = block_tables[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+    # Each sequence's last new token is the one its next token is sampled from.
+    logit_rows = [cu_seqlens[i + 1] - 1 for i, seq in enumerate(batch) if seq.need_logits]
+    return _StepLayout(
+        input_ids=torch.tensor(list(itertools.chain.from_iterable(seq.token_ids for seq in batch)), dtype=torch.long),
+        positions=positions,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        logit_rows=torch.tensor(logit_rows, dtype=torch.long),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
 
 
 def _resolve_dtype(dtype: str | None) -> torch.dtype | str:
