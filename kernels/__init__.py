@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_store import store_kv, store_kv_reference
+from kernels.kv_store import store_kv
 from kernels.paged_attention import paged_attention
-from kernels.paged_attention_torch import paged_attention_torch
+from kernels.paged_attention_torch import paged_attention_torch, store_kv_torch
 
 StoreKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 Attention = Callable[..., torch.Tensor]
@@ -35,7 +35,7 @@ BACKEND_NAMES = ("torch", "triton")
 
 def get_backend(name: str) -> AttentionBackend:
     if name == "torch":
-        return AttentionBackend("torch", store_kv_reference, paged_attention_torch)
+        return AttentionBackend("torch", store_kv_torch, paged_attention_torch)
     if name == "triton":
         return AttentionBackend("triton", store_kv, paged_attention)
     raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")

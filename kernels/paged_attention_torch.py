@@ -1,4 +1,4 @@
-"""Paged attention in batched plain torch: the CPU backend.
+"""Paged attention and the KV store in batched plain torch: the CPU backend.
 
 Same contract as `paged_attention_reference` (kernels/paged_attention.py),
 which stays the test oracle. Where the reference gathers and attends one
@@ -19,6 +19,8 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+
+from kernels.kv_store import store_kv_reference
 
 
 def paged_attention_torch(
@@ -113,3 +115,23 @@ def _attend(
     mask = is_visible[:, None, :, None, :].expand(n, 1, q_len, group, context).reshape(n, 1, q_len * group, context)
     o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)
     return o.view(n, num_kv_heads, q_len, group, head_dim).permute(0, 2, 1, 3, 4).reshape(n, q_len, num_heads, head_dim)
+
+
+def store_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Same contract as `store_kv_reference`; one `index_copy_` per cache when no token is padding.
+
+    The runner never pads, so the masked reference path only runs for a
+    slot mapping with -1 entries or a cache that is a strided view.
+    """
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or bool((slot_mapping < 0).any()):
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+        return
+    slots = slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))

@@ -9,7 +9,8 @@ import torch
 
 from kernels import get_backend
 from kernels.paged_attention import paged_attention_reference
-from kernels.paged_attention_torch import paged_attention_torch
+from kernels.kv_store import store_kv_reference
+from kernels.paged_attention_torch import paged_attention_torch, store_kv_torch
 from tests.kernel_batches import MIXED_CASES, assert_close, make_batch
 
 CPU = torch.device("cpu")
@@ -89,6 +90,26 @@ def test_out_in_place_and_strided_query() -> None:
     assert_close(out, paged_attention_reference(*batch.args()), torch.float32)
 
 
+@pytest.mark.parametrize("with_padding", [False, True], ids=["dense", "padded"])
+def test_store_kv_matches_reference(with_padding: bool) -> None:
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 3, 16
+    gen = torch.Generator().manual_seed(4)
+    k_cache = torch.randn((num_blocks, block_size, num_kv_heads, head_dim), generator=gen)
+    v_cache = torch.randn(k_cache.shape, generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:10]
+    if with_padding:
+        slots[[0, 6]] = -1
+    keys = torch.randn((10, num_kv_heads, head_dim), generator=gen)
+    values = torch.randn((10, num_kv_heads, head_dim), generator=gen)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    store_kv_reference(keys, values, k_expected, v_expected, slots)
+    store_kv_torch(keys, values, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    kept = slots >= 0
+    assert int(kept.sum()) == (8 if with_padding else 10)
+    assert torch.equal(v_cache[slots[kept] // block_size, slots[kept] % block_size], values[kept])
+
+
 def test_torch_backend_is_the_batched_path() -> None:
     backend = get_backend("torch")
-    assert (backend.name, backend.attention) == ("torch", paged_attention_torch)
+    assert (backend.name, backend.store_kv, backend.attention) == ("torch", store_kv_torch, paged_attention_torch)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from scheduler.params import SamplingParams
-from worker.sampler import SampleRequest, Sampler, apply_penalties, filter_logits
+from worker.sampler import SampleRequest, Sampler, apply_penalties, filter_logits, seeded_generator
 
 VOCAB = 8
 
@@ -109,6 +109,18 @@ def test_seeded_draw_depends_only_on_seed_position_and_logits() -> None:
     # Different positions with the same seed give different draws (not a constant).
     draws = {Sampler().sample(logits, [_request(position=p, temperature=1.0, seed=1234)])[0].token_id for p in range(30)}
     assert len(draws) > 5
+
+
+def test_unfiltered_rows_race_over_the_whole_tempered_distribution() -> None:
+    """Rows asking for no top-k/top-p/min-p skip the filter and draw argmax(softmax(l / T) / E)."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
+    requests = [_request(position=p, temperature=0.8, seed=40 + p) for p in range(6)]
+    drawn = [t.token_id for t in Sampler().sample(logits, requests)]
+    expected = []
+    for row, request in enumerate(requests):
+        noise = torch.empty(300).exponential_(generator=seeded_generator(40 + row, request.position))
+        expected.append(int(((logits[row] / 0.8).softmax(dim=-1) / noise).argmax()))
+    assert drawn == expected
 
 
 def test_unseeded_draws_follow_the_sampler_seed_and_not_the_global_rng() -> None:

@@ -123,12 +123,16 @@ class Sampler:
             chosen = [requests[i].params for i in random_rows]
             device = logits.device
             temperature = torch.tensor([p.temperature for p in chosen], device=device).unsqueeze(-1)
-            filtered = filter_logits(
-                logits[random_rows] / temperature,
-                top_k=torch.tensor([p.top_k for p in chosen], device=device),
-                top_p=torch.tensor([p.top_p for p in chosen], device=device),
-                min_p=torch.tensor([p.min_p for p in chosen], device=device),
-            )
+            filtered = logits[random_rows] / temperature
+            # top_p 1 keeps every token (transformers skips its top-p warper there too), so a step
+            # whose rows ask for no filter skips the sort over the vocabulary.
+            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in chosen):
+                filtered = filter_logits(
+                    filtered,
+                    top_k=torch.tensor([p.top_k for p in chosen], device=device),
+                    top_p=torch.tensor([p.top_p for p in chosen], device=device),
+                    min_p=torch.tensor([p.min_p for p in chosen], device=device),
+                )
             final[random_rows] = filtered
             noise = self._exponential_noise([requests[i] for i in random_rows], logits.shape[-1]).to(device)
             token_ids[random_rows] = (filtered.softmax(dim=-1) / noise).argmax(dim=-1)
