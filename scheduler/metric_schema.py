@@ -186,7 +186,7 @@ KV_CACHE_USAGE = MetricSpec(
 )
 PREEMPTIONS = MetricSpec(
     "carpool.engine.preemptions", "observable_counter", "{preemption}",
-    "Sequences preempted (recomputed later) because KV blocks ran out.",
+    "Sequences preempted (recomputed later) because KV blocks ran out or to admit a more urgent job at once.",
 )
 PREFIX_CACHE_HIT_RATE = MetricSpec(
     "carpool.engine.prefix_cache.hit_rate", "observable_gauge", "1",

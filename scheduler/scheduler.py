@@ -302,18 +302,22 @@ class Scheduler:
         """
         if self.config.policy != "priority":
             return []
-        victims: list[Sequence] = []
-        for candidate in reversed(self.running):
-            if candidate.is_padding:
+        candidates: list[Sequence] = []
+        for running in reversed(self.running):
+            if running.is_padding:
                 continue
-            if candidate.priority <= seq.priority:
+            if running.priority <= seq.priority:
                 break  # running is sorted by priority: everyone left is at least as urgent
-            victims.append(candidate)
-            if len(self.running) - len(victims) < self.config.max_num_seqs and self.block_manager.can_allocate(
-                seq, num_new, prefix, released=victims
-            ):
-                return victims
-        return []
+            candidates.append(running)
+
+        def makes_room(victims: list[Sequence]) -> bool:
+            return len(self.running) - len(victims) < self.config.max_num_seqs and self.block_manager.can_allocate(
+                seq, num_new, prefix, released=victims)
+
+        # Releasing more never frees less, so one check over all of them rules out the hopeless case cheaply.
+        if not candidates or not makes_room(candidates):
+            return []
+        return next(candidates[:n] for n in range(1, len(candidates) + 1) if makes_room(candidates[:n]))
 
     def _group_is_ready(self) -> bool:
         if not self.waiting:

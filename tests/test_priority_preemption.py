@@ -132,3 +132,21 @@ def test_nobody_is_preempted_when_that_would_not_make_room() -> None:
     assert mid.num_output_tokens == 1 and urgent.num_output_tokens == low.num_output_tokens == 4
     assert sched.num_priority_preemptions == 0
     sched.block_manager.check_invariants()
+
+
+def test_as_many_less_urgent_sequences_as_needed_are_preempted_together() -> None:
+    # 6 blocks of 4, held 3 and 3 by two low-priority sequences; the urgent prompt needs 5.
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, policy="priority")
+    lows = [make_seq(f"low{i}", 11, max_tokens=3, priority=5) for i in range(2)]
+    for seq in lows:
+        sched.add(seq)
+    step(sched)
+    high = make_seq("high", 18, max_tokens=2, priority=0)
+    sched.add(high)
+    out = step(sched)
+    assert out.preempted == [lows[1], lows[0]]
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("high", 18)]
+    assert sched.num_priority_preemptions == 2
+    run_all(sched)
+    assert all(seq.num_output_tokens == 3 for seq in lows) and high.num_output_tokens == 2
+    sched.block_manager.check_invariants()
