@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
+import msgpack
 import pytest
 import redis.asyncio as aioredis
 
@@ -130,4 +132,39 @@ async def test_an_invalid_message_reusing_a_running_jobs_id_leaves_that_job_alon
     (dead,) = await client.xrange(KEYS.dead)
     assert dead[1][b"reason"].startswith(b"invalid job") and b"max_tokenz" in dead[1][b"reason"]
     assert dead[1][b"job_id"] == b"taken"
+    await client.aclose()
+
+
+def checkpointed_tokens(raw: bytes | None) -> list[int]:
+    data = msgpack.unpackb(raw) if raw else []
+    return list(data["token_ids"] if isinstance(data, dict) else data)
+
+
+async def test_a_resumed_job_reports_the_logprobs_of_every_output_token(redis_url, engine):
+    client = aioredis.Redis.from_url(redis_url)
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, logprobs=2)
+    async with running_worker(redis_url, engine, checkpoint_tokens=4, shutdown_grace_s=0.0, worker_name="first"):
+        await xadd_job(client, JobSpec(id="lp", prompt="logprobs survive", params=params))
+        deadline = time.monotonic() + 30
+        while len(checkpointed_tokens(await client.hget(KEYS.job("lp"), "checkpoint"))) < 8:
+            assert time.monotonic() < deadline, "no checkpoint of 8 tokens"
+            await asyncio.sleep(0.01)
+    # Shut down mid-job: checkpointed and handed back.
+    saved = msgpack.unpackb(await client.hget(KEYS.job("lp"), "checkpoint"))
+    assert await status_of(client, "lp") == "running"
+    assert len(saved["logprobs"]) == len(saved["token_ids"]) >= 8
+    async with running_worker(redis_url, engine, worker_name="second"):
+        views = await wait_terminal(client, ["lp"], timeout_s=60)
+    view = views["lp"]
+    assert view["status"] == "succeeded" and view["worker"] == "second"
+    resumed_from = view["resumed_from"]
+    assert resumed_from == len(saved["token_ids"])
+    token_ids, logprobs = view["output"]["token_ids"], view["output"]["logprobs"]
+    assert len(token_ids) == len(logprobs) == 400
+    assert token_ids[:resumed_from] == saved["token_ids"]
+    assert logprobs[:resumed_from] == saved["logprobs"]
+    assert [entry["token_id"] for entry in logprobs] == token_ids
+    # Greedy: every token is its step's most likely one, before and after the resume.
+    assert all(entry["top_logprobs"][0]["token_id"] == entry["token_id"] for entry in logprobs)
+    assert all(len(entry["top_logprobs"]) == 2 and entry["logprob"] <= 0 for entry in logprobs)
     await client.aclose()

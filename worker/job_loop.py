@@ -57,6 +57,16 @@ class RunningJob:
     trace: JobTrace | None = None
     record: dict[bytes, bytes] = field(default_factory=dict)
     """The job record as admitted: the base of ``output`` webhook data."""
+    resumed_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    """Logprobs of the checkpoint's tokens: the engine reports only those of tokens it generated here."""
+    engine_logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def logprobs(self) -> list[dict[str, Any]] | None:
+        """Every output token's logprobs, when the job asked for them."""
+        if self.spec.params.logprobs is None:
+            return None
+        return self.resumed_logprobs + self.engine_logprobs
 
 
 @dataclass
@@ -117,11 +127,14 @@ class JobLoop:
     # --- intake --------------------------------------------------------------------
 
     def start(self, spec: JobSpec, entry: EntryRef, checkpoint: list[int],
-              record: dict[bytes, bytes] | None = None) -> None:
+              record: dict[bytes, bytes] | None = None,
+              checkpoint_logprobs: list[dict[str, Any]] | None = None) -> None:
         """Queue a job for the engine; it is added at the start of the next tick."""
         assert spec.id not in self.jobs
         job = RunningJob(spec=spec, entry=entry, resumed_from=len(checkpoint), token_ids=list(checkpoint),
                          checkpointed=len(checkpoint), record=record or {})
+        if checkpoint_logprobs is not None and len(checkpoint_logprobs) == len(checkpoint):
+            job.resumed_logprobs = list(checkpoint_logprobs)
         if spec.webhook is not None and spec.webhook.wants(WebhookEvent.OUTPUT):
             job.throttle = OutputThrottle(self.config.webhook_output_interval_s)
         enqueued_s = int(entry.entry_id.split("-", 1)[0]) / 1000  # the stream entry id is its XADD time
@@ -216,6 +229,8 @@ class JobLoop:
             new_ids = list(out.new_token_ids)
             job.token_ids = list(out.token_ids)
             job.text = out.text
+            if out.logprobs is not None:
+                job.engine_logprobs = out.logprobs
             if new_ids:
                 if job.first_token_at is None:
                     job.first_token_at = now
@@ -236,7 +251,7 @@ class JobLoop:
                 finished.append((job, out))
             elif self._checkpoint_due(job, mono):
                 checkpointed.append((len(pipe), job))
-                await self.store.add_checkpoint(pipe, job.spec.id, job.token_ids, job.first_token_at)
+                await self.store.add_checkpoint(pipe, job.spec.id, job.token_ids, job.first_token_at, job.logprobs)
                 job.checkpointed, job.checkpoint_at = len(job.token_ids), mono
         replies: list[Any] = []
         try:
@@ -260,7 +275,7 @@ class JobLoop:
             self.slot_freed.set()
             output: dict[str, Any] = {"text": job.text, "token_ids": job.token_ids, "finish_reason": out.finish_reason}
             if job.spec.params.logprobs is not None:
-                output["logprobs"] = out.logprobs
+                output["logprobs"] = job.logprobs
             self._spawn_commit(self._outcome(job, JobStatus.SUCCEEDED, output=output))
 
     def _checkpoint_due(self, job: RunningJob, mono: float) -> bool:
@@ -318,7 +333,7 @@ class JobLoop:
         pipe = self.client.pipeline(transaction=False)
         refs = []
         for job in list(self.jobs.values()):
-            await self.store.add_checkpoint(pipe, job.spec.id, job.token_ids, job.first_token_at)
+            await self.store.add_checkpoint(pipe, job.spec.id, job.token_ids, job.first_token_at, job.logprobs)
             refs.append(job.entry)
             self._abort(job.spec.id)
         if len(pipe):

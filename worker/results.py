@@ -103,6 +103,22 @@ def pack(value: Any) -> bytes:
     return msgpack.packb(value, use_bin_type=True)
 
 
+def pack_checkpoint(token_ids: list[int], logprobs: list[dict[str, Any]] | None) -> bytes:
+    """The output tokens so far; a job that asked for logprobs keeps theirs beside them, for its resume."""
+    if logprobs is None:
+        return pack(token_ids)
+    return pack({"token_ids": token_ids, "logprobs": logprobs})
+
+
+def unpack_checkpoint(raw: bytes) -> tuple[list[int], list[dict[str, Any]] | None]:
+    if not raw:
+        return [], None
+    data = msgpack.unpackb(raw)
+    if isinstance(data, dict):
+        return list(data["token_ids"]), list(data["logprobs"])
+    return list(data), None
+
+
 @dataclass(frozen=True)
 class EntryRef:
     """Where a job's message sits: its lane stream and entry id."""
@@ -121,6 +137,8 @@ class Admission:
     is_first_start: bool = False
     attempts: int = 0
     checkpoint: list[int] = field(default_factory=list)
+    checkpoint_logprobs: list[dict[str, Any]] | None = None
+    """The logprobs of the checkpoint's tokens, when the job asked for logprobs."""
     record: dict[bytes, bytes] = field(default_factory=dict)
     """The job record as the job starts (without the checkpoint), so its view needs no read."""
 
@@ -175,18 +193,19 @@ class ResultStore:
         verdict, previous = _s(reply[0]), _s(reply[1]) if reply[1] else ""
         if verdict != "run":
             return Admission(verdict, previous)
-        raw_checkpoint = reply[4]
-        checkpoint = list(msgpack.unpackb(raw_checkpoint)) if raw_checkpoint else []
+        checkpoint, checkpoint_logprobs = unpack_checkpoint(reply[4])
         flat = reply[5]
         return Admission("run", previous, is_first_start=_s(reply[2]) == "1", attempts=int(reply[3]),
-                         checkpoint=checkpoint, record=dict(zip(flat[::2], flat[1::2])))
+                         checkpoint=checkpoint, checkpoint_logprobs=checkpoint_logprobs,
+                         record=dict(zip(flat[::2], flat[1::2])))
 
     async def add_checkpoint(self, pipe: aioredis.client.Pipeline, job_id: str, token_ids: list[int],
-                       first_token_at: float | None) -> None:
+                       first_token_at: float | None, logprobs: list[dict[str, Any]] | None = None) -> None:
         """Queue a checkpoint write on `pipe`; its reply is 1 stored, 0 lost ownership, 2 cancel flagged."""
         await self._checkpoint(
             keys=[self.keys.job(job_id), self.keys.cancel(job_id)],
-            args=[self.worker, pack(token_ids), "" if first_token_at is None else repr(first_token_at)],
+            args=[self.worker, pack_checkpoint(token_ids, logprobs),
+                  "" if first_token_at is None else repr(first_token_at)],
             client=pipe,
         )
 

@@ -275,7 +275,7 @@ class WorkerService:
         else:
             assert admission.verdict == "run", admission.verdict
             await self._announce_start(spec, admission)
-            self.loop.start(spec, ref, admission.checkpoint, admission.record)
+            self.loop.start(spec, ref, admission.checkpoint, admission.record, admission.checkpoint_logprobs)
             log.info("job %s: admitted from %s (attempt %d, resuming after %d tokens)", spec.id, ref,
                      admission.attempts, len(admission.checkpoint),
                      extra={"entry": str(ref), "lane": lane, "attempt": admission.attempts,
