@@ -118,11 +118,9 @@ class LaneConsumer:
         )
         return self._entries(reply)
 
-    async def read_interactive(self, count: int, block_ms: int) -> list[Entry]:
-        """At most `count` new interactive entries, waiting up to `block_ms` (the reserve beyond the free slots)."""
-        reply = await self.client.xreadgroup(CONSUMER_GROUP, self.name, {self.keys.lane(Lane.INTERACTIVE): ">"},
-                                             count=count, block=block_ms)
-        return self._entries(reply)
+    async def read_interactive(self, count: int) -> list[Entry]:
+        """At most `count` new interactive entries, without waiting (the reserve beyond the free slots)."""
+        return await self._read_lane(Lane.INTERACTIVE, count)
 
     async def _read_lane(self, lane: Lane, count: int) -> list[Entry]:
         reply = await self.client.xreadgroup(CONSUMER_GROUP, self.name, {self.keys.lane(lane): ">"}, count=count)

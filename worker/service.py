@@ -39,8 +39,8 @@ log = logging.getLogger(__name__)
 # A dropped or unreachable Redis: the background loops wait and retry instead of stopping the worker.
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 REDIS_RETRY_S = 0.5
-RESERVE_READ_BLOCK_MS = 20
-"""How long a read for the interactive reserve waits while every slot is busy."""
+RESERVE_POLL_S = 0.02
+"""How often a worker with every slot busy looks for interactive entries for its reserve."""
 
 
 class WorkerService:
@@ -147,7 +147,7 @@ class WorkerService:
         while not self.is_draining:
             free = self.loop.free
             if free == 0 and self.loop.interactive_free > 0:
-                await self._intake_reserve(self.loop.interactive_free)
+                await self._intake_reserve()
                 continue
             if free == 0:
                 self.loop.slot_freed.clear()
@@ -171,13 +171,23 @@ class WorkerService:
                 self.loop.reserve(len(entries))
                 await asyncio.gather(*(self._admit(entry) for entry in entries))
 
-    async def _intake_reserve(self, count: int) -> None:
+    async def _intake_reserve(self) -> None:
         """Every slot is busy: take interactive entries only, for the engine to preempt a lower lane for.
 
-        A short block, so a slot freed meanwhile is filled by the normal weighted read soon after.
+        It polls instead of blocking: a worker with a free slot, blocked on the lanes, is served a new
+        entry by Redis at once, so a busy worker takes only what no idle one did.
         """
+        self.loop.slot_freed.clear()
         try:
-            entries = await self.consumer.read_interactive(count, min(self.config.read_block_ms, RESERVE_READ_BLOCK_MS))
+            await asyncio.wait_for(self.loop.slot_freed.wait(), timeout=RESERVE_POLL_S)
+            return  # a slot freed: the weighted read takes over
+        except TimeoutError:
+            pass
+        count = self.loop.interactive_free
+        if self.loop.free or not count or self.is_draining:
+            return
+        try:
+            entries = await self.consumer.read_interactive(count)
         except REDIS_DOWN as e:
             await _redis_down("intake", e)
             return
