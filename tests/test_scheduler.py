@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from scheduler import (
@@ -32,7 +34,10 @@ def make_scheduler(
 
 
 def make_seq(request_id: str, num_prompt: int, max_tokens: int = 4, priority: int = 0) -> Sequence:
-    prompt = [(hash(request_id) + i) % 50 for i in range(num_prompt)]
+    # Seeded by the id itself (random.Random hashes a str seed with SHA-512), so prompts are the same in
+    # every process: str hash() changes with PYTHONHASHSEED and could make two ids share a prefix by chance.
+    rng = random.Random(request_id)
+    prompt = [rng.randrange(50) for _ in range(num_prompt)]
     return Sequence(request_id, prompt, SamplingParams(max_tokens=max_tokens), priority=priority)
 
 
