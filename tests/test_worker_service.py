@@ -180,3 +180,33 @@ async def test_live_worker_keeps_its_lease_beyond_the_lease_time(redis_url, tiny
     assert view["attempts"] == 1 and view["resumed_from"] == 0
     assert len(finals) == 1
     await client.aclose()
+
+
+async def test_token_events_carry_text_deltas_that_add_up_to_the_output(redis_url, engine_factory):
+    client = aioredis.Redis.from_url(redis_url)
+    spec = JobSpec(id="stream", prompt="stream me", params=SamplingParams(max_tokens=24, ignore_eos=True, temperature=0))
+    pubsub = client.pubsub()
+    await pubsub.subscribe(KEYS.events("stream"))
+    events: list[dict] = []
+
+    async def listen():
+        async for message in pubsub.listen():
+            if message["type"] == "message":
+                event = msgpack.unpackb(message["data"], raw=False)
+                events.append(event)
+                if event["type"] == "final":
+                    return
+
+    listener = asyncio.create_task(listen())
+    async with running_worker(redis_url, engine_factory()):
+        await xadd_job(client, spec)
+        views = await wait_terminal(client, ["stream"], timeout_s=60)
+        await asyncio.wait_for(listener, timeout=10)
+    await pubsub.aclose()
+    output = views["stream"]["output"]
+    tokens = [e for e in events if e["type"] == "token"]
+    assert len(tokens) >= 2, "a 24-token job streams over several steps"
+    assert "".join(e["text"] for e in tokens) == output["text"]
+    assert [t for e in tokens for t in e["token_ids"]] == output["token_ids"]
+    assert [e["index"] for e in tokens] == [sum(len(x["token_ids"]) for x in tokens[:i]) for i in range(len(tokens))]
+    await client.aclose()

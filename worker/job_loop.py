@@ -228,6 +228,9 @@ class JobLoop:
             job.num_cached_tokens = out.num_cached_tokens or 0
             new_ids = list(out.new_token_ids)
             job.token_ids = list(out.token_ids)
+            # The engine's text only grows while a job runs (a possible stop string is held back), so the
+            # event carries just what is new; the final record holds the whole text.
+            delta_text = out.text[len(job.text):]
             job.text = out.text
             if out.logprobs is not None:
                 job.engine_logprobs = out.logprobs
@@ -238,7 +241,7 @@ class JobLoop:
                 self.metrics.tokens_emitted(job.spec.lane.value, gap_s, len(new_ids))
                 job.last_token_mono = mono
                 pipe.publish(self.keys.events(job.spec.id), pack({
-                    "type": "token", "id": job.spec.id, "text": out.text, "token_ids": new_ids,
+                    "type": "token", "id": job.spec.id, "text": delta_text, "token_ids": new_ids,
                     "index": len(job.token_ids) - len(new_ids)}))
                 if job.throttle is not None and not out.finished and job.throttle.should_emit(mono):
                     partial = running_view(job.record, job.text, job.token_ids,
