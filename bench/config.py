@@ -14,10 +14,10 @@ class BenchConfig:
     """Checkpoint directory; None is the default model."""
     max_num_seqs: int = 8
     seed: int = 0
-    skewed_requests: int = 32
+    skewed_requests: int = 128
     output_scale: float = 1.0
     """Multiplies the skewed output lengths; below 1 only for smoke tests."""
-    sharegpt_requests: int = 32
+    sharegpt_requests: int = 64
     shared_prefix_requests: int = 12
     shared_prefix_len: int = 768
     mixed_interactive: int = 12
