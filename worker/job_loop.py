@@ -4,7 +4,8 @@ The engine is not thread-safe and its steps are long, so every engine call
 runs on one dedicated thread. The event loop keeps Redis I/O and lease
 renewal going meanwhile; it hands each tick the requests to add and abort,
 and gets back the outputs of one step. After each step: token events and due
-checkpoints go out in one pipeline, then finished jobs are committed.
+checkpoints go out in one pipeline, then finished jobs are committed; the next
+step already runs on the engine thread meanwhile.
 """
 
 from __future__ import annotations
@@ -186,28 +187,53 @@ class JobLoop:
         return Tick(rejected, outputs, self.engine.num_unfinished_requests(), self.engine.stats())
 
     async def run(self) -> None:
-        """Step the engine while it has work; wait for work otherwise. Cancelled at shutdown."""
+        """Step the engine while it has work; wait for work otherwise. Cancelled at shutdown.
+
+        Step N+1 runs on the engine thread while step N's events are written, so the engine never
+        idles for a Redis round trip. Step N's handling always ends before step N+1's begins: events
+        stay in order per job and finished jobs are committed after their last token events. A
+        checkpoint reply saying "drop" or "cancel" therefore aborts the job one step later; that step's
+        output for it is ignored, as the job is no longer ours.
+        """
         loop = asyncio.get_running_loop()
         num_unfinished = 0
-        while True:
-            if num_unfinished == 0 and not self._adds and not self._aborts:
-                self._work.clear()
-                await self._work.wait()
-                # Admission window: an idle engine waits briefly so jobs arriving together start together.
-                if self.config.max_wait_ms > 0 and self.free > 0:
-                    await asyncio.sleep(self.config.max_wait_ms / 1000)
-            adds = [(job.spec.id, job.spec, priority, job.token_ids) for job, priority in self._adds]
-            for job, _ in self._adds:
-                if job.trace is not None:
-                    job.trace.admitted(time.time())
-            self._adds, aborts, self._aborts = [], self._aborts, []
-            tick = await loop.run_in_executor(self._executor, self._tick, adds, aborts, True)
-            num_unfinished = tick.num_unfinished
-            self.stats = tick.stats
-            self.metrics.record_step(tick.stats)
-            await self._handle(tick)
-            if num_unfinished and not tick.outputs and tick.stats.last_step_num_seqs == 0:
-                await asyncio.sleep(IDLE_STEP_SLEEP_S)  # the engine holds work back (dynamic batching window)
+        handling: asyncio.Task[None] | None = None
+        try:
+            while True:
+                if num_unfinished == 0 and not self._adds and not self._aborts:
+                    if handling is not None:
+                        # The last step's handling may still queue aborts; settle it before going idle.
+                        pending, handling = handling, None
+                        await pending
+                        continue
+                    self._work.clear()
+                    await self._work.wait()
+                    # Admission window: an idle engine waits briefly so jobs arriving together start together.
+                    if self.config.max_wait_ms > 0 and self.free > 0:
+                        await asyncio.sleep(self.config.max_wait_ms / 1000)
+                adds = [(job.spec.id, job.spec, priority, job.token_ids) for job, priority in self._adds]
+                for job, _ in self._adds:
+                    if job.trace is not None:
+                        job.trace.admitted(time.time())
+                self._adds, aborts, self._aborts = [], self._aborts, []
+                step = loop.run_in_executor(self._executor, self._tick, adds, aborts, True)
+                if handling is not None:
+                    pending, handling = handling, None
+                    await pending
+                tick = await step
+                num_unfinished = tick.num_unfinished
+                self.stats = tick.stats
+                self.metrics.record_step(tick.stats)
+                handling = loop.create_task(self._handle(tick), name="step events")
+                if num_unfinished and not tick.outputs and tick.stats.last_step_num_seqs == 0:
+                    await asyncio.sleep(IDLE_STEP_SLEEP_S)  # the engine holds work back (dynamic batching window)
+        finally:
+            # Only a step's handling not yet awaited is left here (cancelled in the idle sleep).
+            if handling is not None:
+                handling.cancel()
+                [result] = await asyncio.gather(handling, return_exceptions=True)
+                if isinstance(result, Exception):
+                    log.error("handling the last engine step failed", exc_info=result)
 
     async def _handle(self, tick: Tick) -> None:
         for job_id, message in tick.rejected.items():
