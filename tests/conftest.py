@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 import torch
 
 from gateway.embedded_redis import EmbeddedRedis
@@ -63,3 +64,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
         return cache[key]
 
     return make
+
+
+@pytest.fixture(name="redis")
+async def async_redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """An asyncio client of the session's redis-server (emptied for this test), closed afterwards."""
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()

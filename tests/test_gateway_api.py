@@ -26,13 +26,6 @@ MakeClient = Callable[..., Any]
 
 
 @pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture
 async def make_client(redis_url: str) -> AsyncIterator[MakeClient]:
     clients: list[TestClient] = []
 

@@ -24,13 +24,6 @@ KEYS = Keys()
 
 
 @pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture
 async def client(redis_url: str) -> AsyncIterator[TestClient]:
     webhooks = WebhookConfig(webhook_secret=generate_secret(), webhook_allow=["hooks.test"])
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True, sse_heartbeat_s=0.5, webhooks=webhooks)
