@@ -30,6 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from scheduler.job import F_STATUS, TERMINAL_STATUSES, job_view
 from scheduler.keys import Keys
 from scheduler.redis_replies import read_hash
+from scheduler.tasks import cancel_and_reap, raise_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +95,7 @@ class EventHub:
         self.close_waiters()
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_reap(task)
         await self._pubsub.aclose()
 
     @asynccontextmanager
@@ -142,8 +139,10 @@ class EventHub:
             except (RedisConnectionError, RedisTimeoutError, OSError) as e:
                 # redis-py reconnects and resubscribes on the next read; waiters re-read the record on heartbeats.
                 log.warning("event hub lost its Redis connection (%s); retrying", e)
+                raise_if_cancelled()
                 await asyncio.sleep(0.5)
                 continue
+            raise_if_cancelled()
             if message is not None:
                 self._dispatch(message)
 

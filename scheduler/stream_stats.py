@@ -20,6 +20,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from scheduler.keys import CONSUMER_GROUP, Keys
 from scheduler.lanes import LANES, Lane
 from scheduler.metric_schema import A_LANE
+from scheduler.tasks import cancel_and_reap, raise_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,8 @@ class StreamStats:
     async def aclose(self) -> None:
         """Stop polling; re-raises whatever ended the task other than cancellation."""
         task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
+        if task is not None:
+            await cancel_and_reap(task)
 
     async def _poll(self) -> None:
         while True:
@@ -87,6 +83,7 @@ class StreamStats:
                 if type(e).__module__.split(".")[0] != "redis":
                     raise
                 log.warning("stream stats refresh failed: %s", e)
+            raise_if_cancelled()
             await asyncio.sleep(self._interval_s)
 
     # Gauge callbacks: read the snapshot only.

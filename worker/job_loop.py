@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from scheduler.job import JobSpec, JobStatus, WebhookEvent, job_view
 from scheduler.keys import Keys
 from scheduler.redis_replies import read_hash
+from scheduler.tasks import raise_if_cancelled
 from scheduler.lanes import LANE_RANK
 from scheduler.webhooks import OutputThrottle, delivery_fields, running_view
 from worker.config import WorkerConfig
@@ -200,6 +201,7 @@ class JobLoop:
         handling: asyncio.Task[None] | None = None
         try:
             while True:
+                raise_if_cancelled()
                 if num_unfinished == 0 and not self._adds and not self._aborts:
                     if handling is not None:
                         # The last step's handling may still queue aborts; settle it before going idle.

@@ -27,6 +27,7 @@ from scheduler.keys import Keys
 from scheduler.lanes import Lane
 from scheduler.log_format import job_context
 from scheduler.telemetry import Telemetry, span_of_traceparent
+from scheduler.tasks import raise_if_cancelled
 from scheduler.webhooks import delivery_fields
 from worker.config import WorkerConfig
 from worker.consumer import Entry, LaneConsumer
@@ -145,6 +146,7 @@ class WorkerService:
         reclaim_every_s = max(0.05, self.config.lease_s / 4)
         next_reclaim = 0.0
         while not self.is_draining:
+            raise_if_cancelled()
             free = self.loop.free
             if free == 0 and self.loop.interactive_free > 0:
                 await self._intake_reserve()
@@ -306,6 +308,7 @@ class WorkerService:
 
     async def _leases(self) -> None:
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(self.config.lease_s / 3)
             by_entry = {job.entry: job_id for job_id, job in self.loop.jobs.items()}
             if not by_entry:
@@ -327,6 +330,7 @@ class WorkerService:
             except REDIS_DOWN as e:
                 await _redis_down("control channel", e)
                 continue
+            raise_if_cancelled()
             if message is None or message.get("type") != "message":
                 continue
             try:
@@ -347,6 +351,7 @@ class WorkerService:
             except REDIS_DOWN as e:
                 await _redis_down("heartbeat", e)
                 continue
+            raise_if_cancelled()
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
     # --- health server ---------------------------------------------------------------------------
@@ -384,6 +389,7 @@ async def _readyz(request: web.Request) -> web.Response:
 
 async def _redis_down(loop: str, error: Exception) -> None:
     log.warning("worker %s: Redis unreachable (%s); retrying in %.1fs", loop, error, REDIS_RETRY_S)
+    raise_if_cancelled()
     await asyncio.sleep(REDIS_RETRY_S)
 
 
