@@ -169,6 +169,22 @@ def test_abort_frees_blocks_and_reports_abort(engine: Engine) -> None:
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_an_id_re_added_after_its_abort_gets_only_its_own_outputs(
+    engine: Engine, full_run: tuple[list[int], str]
+) -> None:
+    """A worker that aborts a job and is handed it back before the next step must not see the old abort."""
+    tokens, text = full_run
+    engine.add_request("a", PROMPT, FULL)
+    engine.step()
+    engine.step()
+    assert engine.abort_request("a") is True
+    engine.add_request("a", PROMPT, FULL, resume_token_ids=tokens[:1])
+    outputs = drain(engine)["a"]
+    assert [o.finish_reason for o in outputs if o.finished] == ["length"]
+    assert outputs[-1].token_ids == tokens and outputs[-1].text == text
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_bad_requests_are_rejected_clearly(engine: Engine) -> None:
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("x", [], FULL)

@@ -154,6 +154,9 @@ class Engine:
         """Queue a request; returns its number of prompt tokens. Bad input raises ValueError."""
         if request_id in self._requests:
             raise ValueError(f"id: request {request_id!r} is already running")
+        # An earlier request of this id, aborted since the last step, has its final output still queued; it
+        # belongs to that request, so it must not reach the caller as this one's.
+        self._pending = [o for o in self._pending if o.request_id != request_id]
         params = params if params is not None else SamplingParams()
         prompt_ids = self._prompt_token_ids(prompt, messages)
         resumed = list(resume_token_ids or [])
