@@ -23,6 +23,7 @@ from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.embedded_redis import EmbeddedRedis, free_port
 from gateway.webhooks.config import WebhookConfig
+from scheduler.tasks import cancel_and_reap
 from scheduler.telemetry import Telemetry, TelemetryConfig
 
 READY_POLL_S = 0.25
@@ -118,8 +119,8 @@ async def _run_stack(config: UpConfig, webhooks: WebhookConfig, redis_url: str, 
             waiter = asyncio.create_task(stop.wait())
             died = asyncio.create_task(worker.wait())
             await asyncio.wait({waiter, died}, return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
-            died.cancel()
+            await cancel_and_reap(waiter)
+            await cancel_and_reap(died)
         if worker.returncode is not None:
             print(f"carpool up: the worker exited with {worker.returncode}", file=sys.stderr)
             exit_code = 1

@@ -37,6 +37,7 @@ from gateway.webhooks.safety import VettingResolver, WebhookUrlError, check_webh
 from gateway.webhooks.signing import generate_secret, signed_headers
 from gateway.webhooks.store import Claimed, DeliveryStore
 from scheduler.keys import DEFAULT_PREFIX, Keys
+from scheduler.tasks import cancel_and_reap
 from scheduler.telemetry import Telemetry
 from scheduler.webhooks import AttemptOutcome, AttemptRecord, decide, parse_retry_after
 
@@ -285,7 +286,7 @@ async def serve(redis_url: str, keys: Keys, config: WebhookConfig, telemetry: Te
             log.info("webhook dispatcher %s running on %s", dispatcher.name, redis_url)
             waiter = asyncio.create_task(stop.wait())
             await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
+            await cancel_and_reap(waiter)
     finally:
         if http is not None:
             await http.cleanup()
