@@ -32,6 +32,7 @@ from scheduler.log_format import job_context
 from scheduler.telemetry import span_of_traceparent
 from worker.metrics import JobTrace, WorkerMetrics
 from worker.results import EntryRef, Outcome, ResultStore, pack
+from worker.step_writes import CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NOT_OURS, StepWriter, StepWrites
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class JobLoop:
         self.client = client
         self.keys = keys
         self.config = config
+        self.step_writer = StepWriter(client, keys, store.worker)
         self.jobs: dict[str, RunningJob] = {}
         self.stats: Any = None
         self.num_finished = 0
@@ -245,7 +247,7 @@ class JobLoop:
                 self._spawn_commit(self._outcome(job, JobStatus.FAILED, error={
                     "type": "invalid_request", "message": message}))
         now, mono = time.time(), time.monotonic()
-        pipe = self.client.pipeline(transaction=False)
+        writes = StepWrites()
         checkpointed: list[tuple[int, RunningJob]] = []
         finished: list[tuple[RunningJob, Any]] = []
         for out in tick.outputs:
@@ -268,38 +270,36 @@ class JobLoop:
                 gap_s = None if job.last_token_mono is None else mono - job.last_token_mono
                 self.metrics.tokens_emitted(job.spec.lane.value, gap_s, len(new_ids))
                 job.last_token_mono = mono
-                pipe.publish(self.keys.events(job.spec.id), pack({
+                writes.publish(self.keys.events(job.spec.id), pack({
                     "type": "token", "id": job.spec.id, "text": delta_text, "token_ids": new_ids,
                     "index": len(job.token_ids) - len(new_ids)}))
                 if job.throttle is not None and not out.finished and job.throttle.should_emit(mono):
                     partial = running_view(job.record, job.text, job.token_ids,
                                            first_token_at=job.first_token_at, resumed_from=job.resumed_from)
                     assert job.spec.webhook is not None
-                    pipe.xadd(self.keys.webhooks, delivery_fields(
+                    writes.deliver(delivery_fields(
                         job.spec.id, WebhookEvent.OUTPUT, job.spec.webhook.url, partial,
                         traceparent=job.trace.traceparent if job.trace is not None else job.spec.traceparent))
             if out.finished:
                 finished.append((job, out))
             elif self._checkpoint_due(job, mono):
-                checkpointed.append((len(pipe), job))
-                await self.store.add_checkpoint(pipe, job.spec.id, job.token_ids, job.first_token_at, job.logprobs)
+                checkpointed.append((writes.checkpoint(job.spec.id, job.token_ids, job.first_token_at, job.logprobs),
+                                     job))
                 job.checkpointed, job.checkpoint_at = len(job.token_ids), mono
-        replies: list[Any] = []
+        replies: list[int] = []
         try:
-            replies = await pipe.execute() if len(pipe) else []
+            replies = await self.step_writer.write(writes)
         except (RedisError, OSError) as e:
             # Token events are best effort and a checkpoint is only late; the engine keeps stepping.
             log.warning("token events and checkpoints of this step not written: %s", e)
             checkpointed = []
-        if replies:
-            for index, job in checkpointed:
-                reply = replies[index]
-                if job.spec.id not in self.jobs:
-                    continue
-                if reply == 0:
-                    self.drop(job.spec.id)
-                elif reply == 2:
-                    self.cancel(job.spec.id)
+        for index, job in checkpointed:
+            if job.spec.id not in self.jobs:
+                continue
+            if replies[index] == CHECKPOINT_NOT_OURS:
+                self.drop(job.spec.id)
+            elif replies[index] == CHECKPOINT_CANCEL_FLAGGED:
+                self.cancel(job.spec.id)
         for job, out in finished:
             if self.jobs.pop(job.spec.id, None) is None:
                 continue
