@@ -4,9 +4,10 @@ Same contract as `paged_attention_reference` (kernels/paged_attention.py),
 which stays the test oracle. Where the reference gathers and attends one
 sequence at a time, this gathers the blocks of many sequences with one index
 op into a padded `[num_seqs, context, kv_heads, head_dim]` and runs one SDPA
-over them with a length mask. Decode sequences (one new token) are attended
-together; each prefill chunk is attended on its own, so a long chunk never
-pads the decode rows up to its length.
+over them with a length mask. Each prefill chunk is attended on its own, so a
+long chunk never pads the decode rows up to its length; decode sequences
+(one new token) are attended in groups of similar context length
+(`plan_decode_groups`), so one long context does not pad every short one.
 
 GQA costs no copies: as in the Triton kernel, the query rows of one kv head
 are (token, head of its group) pairs, so each kv head's keys serve all the
@@ -16,11 +17,91 @@ query heads that share it.
 from __future__ import annotations
 
 import itertools
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from kernels.kv_store import store_kv_reference
+
+# Python and launch cost of attending one more group, in bytes of fp32 keys and values gathered at the
+# same cost (about 70 us, or 400 KiB at 5-6 GB/s, for a tiny model on one CPU core; a little less here
+# so a group that clearly pays off is split when the host is busy and the gather slower).
+GROUP_OVERHEAD_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode sequences attended together, padded to the longest context among them."""
+
+    seqs: torch.Tensor
+    """Sequence indices (int64, on the attention's device)."""
+    max_seq_len: int
+
+
+@dataclass
+class GatherWorkspace:
+    """Buffers for the gathered keys and values, reused across layers and steps.
+
+    A fresh multi-megabyte tensor per layer is mapped anew by the allocator
+    each time, and touching it page-faults every 4 KiB page: at a 500-token
+    context that cost more than the attention itself. A runner owns one
+    workspace; it is not thread-safe.
+    """
+
+    _buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor of `shape` over the named buffer (grown when too small); its contents are garbage."""
+        numel = math.prod(shape)
+        key = (name, dtype, device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buffer
+        return buffer[:numel].view(shape)
+
+
+def plan_decode_groups(seq_indices: list[int], seq_lens: list[int], block_size: int, block_row_bytes: int,
+                       device: torch.device | None = None) -> list[DecodeGroup]:
+    """Split decode sequences into groups that minimise gathered bytes plus a per-group overhead.
+
+    A group gathers `len(group) * its longest context` (in whole blocks of
+    `block_row_bytes` for keys and values); each extra group costs
+    `GROUP_OVERHEAD_BYTES`. Sequences with the same number of blocks always
+    share a group; over the distinct block counts, sorted, the best split
+    into runs is exact by dynamic programming (quadratic in the distinct
+    counts, at most a few dozen).
+    """
+    assert len(seq_indices) == len(seq_lens) and seq_indices
+    by_blocks: dict[int, list[int]] = {}
+    longest: dict[int, int] = {}
+    for s, n in zip(seq_indices, seq_lens):
+        blocks = -(-n // block_size)
+        by_blocks.setdefault(blocks, []).append(s)
+        longest[blocks] = max(longest.get(blocks, 0), n)
+    levels = sorted(by_blocks, reverse=True)
+    overhead = GROUP_OVERHEAD_BYTES / block_row_bytes
+    # best[j]: cost of the first j levels; a run of levels i..j-1 pads to levels[i].
+    best = [0.0] + [math.inf] * len(levels)
+    run_start = [0] * (len(levels) + 1)
+    for j in range(1, len(levels) + 1):
+        rows = 0
+        for i in range(j - 1, -1, -1):
+            rows += len(by_blocks[levels[i]])
+            cost = best[i] + overhead + rows * levels[i]
+            if cost < best[j]:
+                best[j], run_start[j] = cost, i
+    groups = []
+    j = len(levels)
+    while j > 0:
+        i = run_start[j]
+        seqs = [s for level in levels[i:j] for s in by_blocks[level]]
+        groups.append(DecodeGroup(torch.tensor(seqs, dtype=torch.long, device=device), longest[levels[i]]))
+        j = i
+    groups.reverse()  # longest contexts first
+    return groups
 
 
 def paged_attention_torch(
@@ -35,11 +116,17 @@ def paged_attention_torch(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    decode_groups: list[DecodeGroup] | None = None,
+    workspace: GatherWorkspace | None = None,
     **_launch_hints: int | None,
 ) -> torch.Tensor:
-    """Batched paged attention; `max_query_len` / `max_seq_len` (host ints) spare host reads.
+    """Batched paged attention; the keyword arguments are host hints that change no result.
 
-    With `max_query_len == 1` (a decode-only step) nothing is read back to
+    `max_query_len` / `max_seq_len` spare host reads; `decode_groups` (every
+    sequence with one new token, grouped, as `plan_decode_groups` returns)
+    spares planning them here, per layer, from host copies of the lengths;
+    `workspace` keeps the gathered keys and values in buffers reused from
+    call to call. A decode-only step given its groups reads nothing back to
     the host; a step with prefill chunks reads its query offsets once.
     """
     assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (q.shape, k_cache.shape)
@@ -51,21 +138,20 @@ def paged_attention_torch(
         return out
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    if max_query_len == 1:
-        # Every sequence brings exactly one token, so token row s is sequence s.
-        assert q.shape[0] == num_seqs, (q.shape, num_seqs)
-        o = _attend(q.unsqueeze(1), k_cache, v_cache, block_tables, seq_lens - 1, scale, max_seq_len)
-        out.copy_(o.squeeze(1))
-        return out
-
-    starts = cu_seqlens_q.tolist()
+    starts: list[int] = []
+    if max_query_len > 1 or decode_groups is None:
+        starts = cu_seqlens_q.tolist()
     q_lens = [b - a for a, b in itertools.pairwise(starts)]
-    decodes = [s for s, n in enumerate(q_lens) if n == 1]
-    if decodes:
-        seqs = torch.tensor(decodes, device=q.device)
-        rows = cu_seqlens_q[:-1][seqs].long()
-        last_pos = seq_lens[seqs] - 1
-        o = _attend(q[rows].unsqueeze(1), k_cache, v_cache, block_tables[seqs], last_pos, scale, max_seq_len)
+    if decode_groups is None:
+        decodes = [s for s, n in enumerate(q_lens) if n == 1]
+        block_row_bytes = 2 * k_cache[0].numel() * 4  # keys and values of one block, in fp32
+        decode_groups = plan_decode_groups(decodes, [int(n) for n in seq_lens[decodes].tolist()], k_cache.shape[1],
+                                           block_row_bytes, q.device) if decodes else []
+    for group in decode_groups:
+        # In a decode-only step token row s is sequence s; otherwise sequence s's token sits at its offset.
+        rows = group.seqs if max_query_len == 1 else cu_seqlens_q[:-1][group.seqs].long()
+        o = _attend(q[rows].unsqueeze(1), k_cache, v_cache, block_tables[group.seqs], seq_lens[group.seqs] - 1,
+                    scale, group.max_seq_len, workspace)
         out[rows] = o.squeeze(1).to(out.dtype)
     for s, q_len in enumerate(q_lens):
         if q_len <= 1:
@@ -74,9 +160,21 @@ def paged_attention_torch(
         # Query i of the chunk sits at position seq_len - q_len + i.
         first_pos = seq_lens[s : s + 1] - q_len
         o = _attend(q[start : start + q_len].unsqueeze(0), k_cache, v_cache, block_tables[s : s + 1],
-                    first_pos, scale, max_seq_len)
+                    first_pos, scale, max_seq_len, workspace)
         out[start : start + q_len] = o.squeeze(0).to(out.dtype)
     return out
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, name: str, workspace: GatherWorkspace | None) -> torch.Tensor:
+    """`cache[blocks]` in fp32, `[len(blocks), block_size, kv_heads, d]`."""
+    # index_select copies whole blocks at memcpy speed, where advanced indexing goes element by element.
+    if workspace is None:
+        return cache.index_select(0, blocks).float()
+    shape = (blocks.shape[0], *cache.shape[1:])
+    gathered = torch.index_select(cache, 0, blocks, out=workspace.take(name, shape, cache.dtype, cache.device))
+    if cache.dtype == torch.float32:
+        return gathered
+    return workspace.take(name + "_fp32", shape, torch.float32, cache.device).copy_(gathered)
 
 
 def _attend(
@@ -87,6 +185,7 @@ def _attend(
     first_pos: torch.Tensor,
     scale: float,
     max_seq_len: int | None,
+    workspace: GatherWorkspace | None,
 ) -> torch.Tensor:
     """Causal attention of `q` `[n, q_len, heads, d]` (query i at `first_pos + i`) over n paged contexts.
 
@@ -100,10 +199,9 @@ def _attend(
                                                                        block_tables.shape[1])
     blocks = block_tables[:, :num_blocks].reshape(-1).long()
     context = num_blocks * block_size
-    # index_select copies whole blocks at memcpy speed, where advanced indexing goes element by element.
-    # [n, context, kv_heads, d] -> [n, kv_heads, context, d], fp32 for the accumulation.
-    keys = k_cache.index_select(0, blocks).view(n, context, num_kv_heads, head_dim).transpose(1, 2).float()
-    values = v_cache.index_select(0, blocks).view(n, context, num_kv_heads, head_dim).transpose(1, 2).float()
+    # [n, context, kv_heads, d] -> [n, kv_heads, context, d].
+    keys = _gather(k_cache, blocks, "keys", workspace).view(n, context, num_kv_heads, head_dim).transpose(1, 2)
+    values = _gather(v_cache, blocks, "values", workspace).view(n, context, num_kv_heads, head_dim).transpose(1, 2)
     # Rows of kv head h: (token i, head g of its group), token-major.
     rows = q.view(n, q_len, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
     rows = rows.reshape(n, num_kv_heads, q_len * group, head_dim).float()

@@ -10,7 +10,7 @@ two runners in one process never share state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +42,9 @@ class PagedAttentionMetadata:
     """Most new tokens of one sequence, known on the host: spares a device read per layer."""
     max_seq_len: int
     """Longest context, known on the host."""
+    backend_hints: dict[str, Any] = field(default_factory=dict)
+    """Further keyword arguments for this backend's attention only (the torch backend's decode groups and
+    gather workspace), passed as they are."""
 
 
 def paged_attention_forward(
@@ -87,6 +90,7 @@ def paged_attention_forward(
         out,
         max_query_len=metadata.max_query_len,
         max_seq_len=metadata.max_seq_len,
+        **metadata.backend_hints,
     )
     return out.unsqueeze(0), None
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from kernels import get_backend
+from kernels.paged_attention_torch import GatherWorkspace, plan_decode_groups
 from worker.attention import METADATA_KWARG, PagedAttentionMetadata, register_paged_attention
 
 GIB = 1024**3
@@ -93,6 +95,7 @@ class ModelRunner:
         # Zeroed, not empty: a kernel that masks unused slots must never meet NaN garbage.
         self.k_caches = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_caches = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self._workspace = GatherWorkspace()
 
     @property
     def block_bytes(self) -> int:
@@ -134,6 +137,7 @@ class ModelRunner:
             seq_lens=to_device(meta.seq_lens),
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
+            backend_hints=self._backend_hints(batch),
         )
         output = self.model(
             input_ids=to_device(meta.input_ids).unsqueeze(0),
@@ -144,6 +148,17 @@ class ModelRunner:
             **{METADATA_KWARG: metadata},
         )
         return output.logits[0].float()
+
+    def _backend_hints(self, batch: list[StepSeq]) -> dict[str, Any]:
+        """The torch backend's decode groups, planned once per step rather than once per layer."""
+        if self.backend.name != "torch":
+            return {}
+        decodes = [i for i, seq in enumerate(batch) if len(seq.token_ids) == 1]
+        # Keys and values of one block in fp32, the precision the backend attends in.
+        block_row_bytes = 2 * self.block_size * self.num_kv_heads * self.head_dim * 4
+        groups = plan_decode_groups(decodes, [batch[i].start_pos + 1 for i in decodes], self.block_size,
+                                    block_row_bytes, self.device) if decodes else []
+        return {"decode_groups": groups, "workspace": self._workspace}
 
 
 @dataclass
