@@ -44,12 +44,19 @@ def _scaled(length: int, scale: float) -> int:
 
 
 def skewed(num_requests: int, prompt_len: int = 32, seed: int = 0, output_scale: float = 1.0) -> Workload:
-    """Outputs drawn uniformly from {50, 100, 200, 500}: a padded batch runs to its 500."""
+    """Outputs from {50, 100, 200, 500}, each length equally often, in a seeded order: a padded batch runs to its 500.
+
+    The draw is balanced: every length appears ``num_requests // 4`` times
+    and the remainder takes distinct lengths at random, then the order is
+    shuffled with the seed. Independent draws would let the luck of a seed
+    decide how many static groups hold a 500 (and so how much static wastes);
+    balanced, the seed only decides the order, which favours neither batching.
+    """
     rng = random.Random(seed)
-    return Workload("skewed", [
-        BenchRequest(_prompt(rng, prompt_len), _scaled(rng.choice(SKEWED_OUTPUT_LENS), output_scale))
-        for _ in range(num_requests)
-    ])
+    per_length, remainder = divmod(num_requests, len(SKEWED_OUTPUT_LENS))
+    lens = [n for n in SKEWED_OUTPUT_LENS for _ in range(per_length)] + rng.sample(SKEWED_OUTPUT_LENS, remainder)
+    rng.shuffle(lens)
+    return Workload("skewed", [BenchRequest(_prompt(rng, prompt_len), _scaled(n, output_scale)) for n in lens])
 
 
 def sharegpt_like(num_requests: int, seed: int = 0, max_prompt_len: int = 512, max_output_len: int = 256) -> Workload:
