@@ -183,15 +183,16 @@ def test_three_workers_share_150_jobs_and_a_killed_one_loses_nothing(
     victim = workers[0]
     assert victim.proc.poll() is None, "this test kills w0, so it runs last"
 
-    def victim_has_finished_some() -> bool:
-        done = [r for r in records(client, ids).values() if r.get(b"status") == b"succeeded"]
-        return sum(r.get(b"worker") == victim.name.encode() for r in done) >= 3
+    def victims(status: bytes) -> list[str]:
+        return [i for i, r in records(client, ids).items()
+                if r.get(b"status") == status and r.get(b"worker") == victim.name.encode()]
 
-    wait_until(victim_has_finished_some, 60, f"{victim.name} to finish 3 jobs", workers)
+    # Kill it mid-run: after it finished a few jobs, at a moment it holds some (between two jobs it may hold none).
+    wait_until(lambda: len(victims(b"succeeded")) >= 3 and bool(victims(b"running")), 60,
+               f"{victim.name} to finish 3 jobs and hold more", workers)
     victim.proc.send_signal(signal.SIGKILL)  # no drain, no hand-back: a crash
     victim.proc.wait(timeout=10)
-    running = [i for i, r in records(client, ids).items()
-               if r.get(b"status") == b"running" and r.get(b"worker") == victim.name.encode()]
+    running = victims(b"running")
     assert running, "the killed worker should have held jobs mid-run"
 
     wait_until(lambda: count_finished(client, ids) == len(ids), 90, "all 150 jobs to finish", workers)
