@@ -38,6 +38,13 @@ class DecodeGroup:
     seqs: torch.Tensor
     """Sequence indices (int64, on the attention's device)."""
     max_seq_len: int
+    blocks: torch.Tensor
+    """`[len(seqs) * blocks of max_seq_len]` int64: each sequence's blocks, padded to the longest."""
+    is_visible: torch.Tensor
+    """`[len(seqs), 1, 1, context]` bool: the slots holding each sequence's context.
+
+    Blocks and mask are the same for every layer, so they are built once per step.
+    """
 
 
 @dataclass
@@ -63,8 +70,8 @@ class GatherWorkspace:
         return buffer[:numel].view(shape)
 
 
-def plan_decode_groups(seq_indices: list[int], seq_lens: list[int], block_size: int, block_row_bytes: int,
-                       device: torch.device | None = None) -> list[DecodeGroup]:
+def plan_decode_groups(seq_indices: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int,
+                       block_row_bytes: int) -> list[DecodeGroup]:
     """Split decode sequences into groups that minimise gathered bytes plus a per-group overhead.
 
     A group gathers `len(group) * its longest context` (in whole blocks of
@@ -72,7 +79,8 @@ def plan_decode_groups(seq_indices: list[int], seq_lens: list[int], block_size: 
     `GROUP_OVERHEAD_BYTES`. Sequences with the same number of blocks always
     share a group; over the distinct block counts, sorted, the best split
     into runs is exact by dynamic programming (quadratic in the distinct
-    counts, at most a few dozen).
+    counts, at most a few dozen). `seq_lens` are host copies of the
+    sequences' context lengths; the groups' tensors live on `block_tables`'s device.
     """
     assert len(seq_indices) == len(seq_lens) and seq_indices
     by_blocks: dict[int, list[int]] = {}
@@ -93,15 +101,28 @@ def plan_decode_groups(seq_indices: list[int], seq_lens: list[int], block_size: 
             cost = best[i] + overhead + rows * levels[i]
             if cost < best[j]:
                 best[j], run_start[j] = cost, i
+    length_of = dict(zip(seq_indices, seq_lens))
     groups = []
     j = len(levels)
     while j > 0:
         i = run_start[j]
         seqs = [s for level in levels[i:j] for s in by_blocks[level]]
-        groups.append(DecodeGroup(torch.tensor(seqs, dtype=torch.long, device=device), longest[levels[i]]))
+        groups.append(_decode_group(seqs, [length_of[s] for s in seqs], levels[i], longest[levels[i]], block_tables,
+                                    block_size))
         j = i
     groups.reverse()  # longest contexts first
     return groups
+
+
+def _decode_group(seqs: list[int], seq_lens: list[int], num_blocks: int, max_seq_len: int,
+                  block_tables: torch.Tensor, block_size: int) -> DecodeGroup:
+    device = block_tables.device
+    seqs_t = torch.tensor(seqs, dtype=torch.long, device=device)
+    num_blocks = min(num_blocks, block_tables.shape[1])
+    blocks = block_tables[seqs_t, :num_blocks].reshape(-1).long()
+    slots = torch.arange(num_blocks * block_size, device=device)
+    is_visible = slots[None, :] < torch.tensor(seq_lens, device=device)[:, None]
+    return DecodeGroup(seqs_t, max_seq_len, blocks, is_visible[:, None, None, :])
 
 
 def paged_attention_torch(
@@ -138,6 +159,7 @@ def paged_attention_torch(
         return out
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    block_size = k_cache.shape[1]
     starts: list[int] = []
     if max_query_len > 1 or decode_groups is None:
         starts = cu_seqlens_q.tolist()
@@ -145,22 +167,27 @@ def paged_attention_torch(
     if decode_groups is None:
         decodes = [s for s, n in enumerate(q_lens) if n == 1]
         block_row_bytes = 2 * k_cache[0].numel() * 4  # keys and values of one block, in fp32
-        decode_groups = plan_decode_groups(decodes, [int(n) for n in seq_lens[decodes].tolist()], k_cache.shape[1],
-                                           block_row_bytes, q.device) if decodes else []
+        decode_groups = plan_decode_groups(decodes, seq_lens[decodes].tolist(), block_tables, block_size,
+                                           block_row_bytes) if decodes else []
     for group in decode_groups:
         # In a decode-only step token row s is sequence s; otherwise sequence s's token sits at its offset.
         rows = group.seqs if max_query_len == 1 else cu_seqlens_q[:-1][group.seqs].long()
-        o = _attend(q[rows].unsqueeze(1), k_cache, v_cache, block_tables[group.seqs], seq_lens[group.seqs] - 1,
-                    scale, group.max_seq_len, workspace)
+        o = _attend(q[rows].unsqueeze(1), k_cache, v_cache, group.blocks, group.is_visible, scale, workspace)
         out[rows] = o.squeeze(1).to(out.dtype)
+    # Gather enough blocks for the longest context, which the hint bounds without a host read.
+    num_blocks = block_tables.shape[1] if max_seq_len is None else min(-(-max_seq_len // block_size),
+                                                                       block_tables.shape[1])
+    k_pos = torch.arange(num_blocks * block_size, device=q.device)
     for s, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
         start = starts[s]
-        # Query i of the chunk sits at position seq_len - q_len + i.
-        first_pos = seq_lens[s : s + 1] - q_len
-        o = _attend(q[start : start + q_len].unsqueeze(0), k_cache, v_cache, block_tables[s : s + 1],
-                    first_pos, scale, max_seq_len, workspace)
+        # Query i of the chunk sits at position seq_len - q_len + i and sees the keys up to it; that also
+        # hides the gathered slots past the context, as every query sits inside it.
+        q_pos = seq_lens[s] - q_len + torch.arange(q_len, device=q.device)
+        is_visible = (k_pos[None, :] <= q_pos[:, None])[None, None]
+        o = _attend(q[start : start + q_len].unsqueeze(0), k_cache, v_cache, block_tables[s, :num_blocks].long(),
+                    is_visible, scale, workspace)
         out[start : start + q_len] = o.squeeze(0).to(out.dtype)
     return out
 
@@ -181,36 +208,29 @@ def _attend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    first_pos: torch.Tensor,
+    blocks: torch.Tensor,
+    is_visible: torch.Tensor,
     scale: float,
-    max_seq_len: int | None,
     workspace: GatherWorkspace | None,
 ) -> torch.Tensor:
-    """Causal attention of `q` `[n, q_len, heads, d]` (query i at `first_pos + i`) over n paged contexts.
+    """Attention of `q` `[n, q_len, heads, d]` over n paged contexts of `blocks` (`n * blocks each`, flat).
 
-    Returns fp32 `[n, q_len, heads, d]`.
+    `is_visible` `[n, 1, q_len, context]`: which gathered slots each query
+    sees. Returns fp32 `[n, q_len, heads, d]`.
     """
     n, q_len, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    # Gather whole blocks: enough of them for the longest context, which the hint bounds without a host read.
-    num_blocks = block_tables.shape[1] if max_seq_len is None else min(-(-max_seq_len // block_size),
-                                                                       block_tables.shape[1])
-    blocks = block_tables[:, :num_blocks].reshape(-1).long()
-    context = num_blocks * block_size
+    context = is_visible.shape[-1]
     # [n, context, kv_heads, d] -> [n, kv_heads, context, d].
     keys = _gather(k_cache, blocks, "keys", workspace).view(n, context, num_kv_heads, head_dim).transpose(1, 2)
     values = _gather(v_cache, blocks, "values", workspace).view(n, context, num_kv_heads, head_dim).transpose(1, 2)
     # Rows of kv head h: (token i, head g of its group), token-major.
     rows = q.view(n, q_len, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
     rows = rows.reshape(n, num_kv_heads, q_len * group, head_dim).float()
-    # A key is visible to query i when it sits at or before the query's position; that also
-    # hides the gathered slots past the context, as every query sits inside it.
-    q_pos = first_pos[:, None] + torch.arange(q_len, device=q.device)
-    k_pos = torch.arange(context, device=q.device)
-    is_visible = k_pos[None, None, :] <= q_pos[:, :, None]
-    mask = is_visible[:, None, :, None, :].expand(n, 1, q_len, group, context).reshape(n, 1, q_len * group, context)
+    # One query token's mask serves every head of its group: broadcast when there is one token.
+    mask = is_visible if q_len == 1 else (
+        is_visible[:, :, :, None, :].expand(n, 1, q_len, group, context).reshape(n, 1, q_len * group, context))
     o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)
     return o.view(n, num_kv_heads, q_len, group, head_dim).permute(0, 2, 1, 3, 4).reshape(n, q_len, num_heads, head_dim)
 

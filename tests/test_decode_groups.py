@@ -20,8 +20,14 @@ BLOCK_SIZE = 16
 BLOCK_ROW_BYTES = 2 * BLOCK_SIZE * 4 * 32 * 4
 
 
+def _tables(seq_lens: list[int]) -> torch.Tensor:
+    """Block tables giving sequence s the blocks 1000 * s + 0, 1, ...: distinct, and easy to check."""
+    width = max(-(-n // BLOCK_SIZE) for n in seq_lens)
+    return torch.tensor([[1000 * s + b for b in range(width)] for s in range(len(seq_lens))], dtype=torch.int32)
+
+
 def _groups(seq_lens: list[int]) -> list[tuple[list[int], int]]:
-    groups = plan_decode_groups(list(range(len(seq_lens))), seq_lens, BLOCK_SIZE, BLOCK_ROW_BYTES)
+    groups = plan_decode_groups(list(range(len(seq_lens))), seq_lens, _tables(seq_lens), BLOCK_SIZE, BLOCK_ROW_BYTES)
     return [(sorted(g.seqs.tolist()), g.max_seq_len) for g in groups]
 
 
@@ -41,10 +47,17 @@ def test_similar_contexts_share_one_group() -> None:
 def test_every_sequence_lands_in_exactly_one_group() -> None:
     seq_ids = [3, 9, 4, 12, 0, 7, 5, 11, 2]
     lens = [1, 16, 17, 600, 33, 250, 251, 1000, 64]
-    groups = plan_decode_groups(seq_ids, lens, BLOCK_SIZE, BLOCK_ROW_BYTES)
+    tables = _tables([1] * 13 + [1000])
+    groups = plan_decode_groups(seq_ids, lens, tables, BLOCK_SIZE, BLOCK_ROW_BYTES)
     assert sorted(s for g in groups for s in g.seqs.tolist()) == sorted(seq_ids)
     for g in groups:
-        assert g.max_seq_len == max(lens[seq_ids.index(s)] for s in g.seqs.tolist())
+        members = g.seqs.tolist()
+        assert g.max_seq_len == max(lens[seq_ids.index(s)] for s in members)
+        num_blocks = -(-g.max_seq_len // BLOCK_SIZE)
+        # Each member's own blocks, padded to the group's longest, and a mask over exactly its context.
+        assert g.blocks.tolist() == [1000 * s + b for s in members for b in range(num_blocks)]
+        assert g.is_visible.shape == (len(members), 1, 1, num_blocks * BLOCK_SIZE)
+        assert g.is_visible.sum(-1).flatten().tolist() == [lens[seq_ids.index(s)] for s in members]
     assert len(groups) == 4  # 1000, 600, 250-251, and the short ones
 
 
@@ -56,7 +69,8 @@ def test_grouped_decodes_match_reference_with_and_without_hints(num_heads: int, 
                        dtype=torch.float32, device=CPU, seed=num_heads)
     expected = paged_attention_reference(*batch.args())
     decodes = [s for s, (q_len, _) in enumerate(cases) if q_len == 1]
-    groups = plan_decode_groups(decodes, [cases[s][1] for s in decodes], BLOCK_SIZE, 2 * BLOCK_SIZE * num_kv_heads * 32 * 4)
+    groups = plan_decode_groups(decodes, [cases[s][1] for s in decodes], batch.block_tables, BLOCK_SIZE,
+                                2 * BLOCK_SIZE * num_kv_heads * 32 * 4)
     assert len(groups) >= 2
     workspace = GatherWorkspace()
     planned = paged_attention_torch(*batch.args(), max_query_len=12, max_seq_len=530, decode_groups=groups,
@@ -71,7 +85,8 @@ def test_decode_only_step_with_groups_matches_reference() -> None:
     cases = [(1, n) for n in (530, 41, 17, 1, 499, 64, 40, 530)]
     batch = make_batch(cases, num_heads=8, num_kv_heads=4, head_dim=32, block_size=BLOCK_SIZE,
                        dtype=torch.float32, device=CPU, seed=11)
-    groups = plan_decode_groups(list(range(len(cases))), [c for _, c in cases], BLOCK_SIZE, BLOCK_ROW_BYTES)
+    groups = plan_decode_groups(list(range(len(cases))), [c for _, c in cases], batch.block_tables, BLOCK_SIZE,
+                                BLOCK_ROW_BYTES)
     out = paged_attention_torch(*batch.args(), max_query_len=1, max_seq_len=530, decode_groups=groups,
                                 workspace=GatherWorkspace())
     assert_close(out, paged_attention_reference(*batch.args()), torch.float32)

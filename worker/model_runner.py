@@ -127,17 +127,18 @@ class ModelRunner:
         def to_device(t: torch.Tensor) -> torch.Tensor:
             return t.to(self.device, non_blocking=True)
 
+        block_tables = to_device(meta.block_tables)
         metadata = PagedAttentionMetadata(
             backend=self.backend,
             k_caches=self.k_caches,
             v_caches=self.v_caches,
             slot_mapping=to_device(meta.slot_mapping),
-            block_tables=to_device(meta.block_tables),
+            block_tables=block_tables,
             cu_seqlens_q=to_device(meta.cu_seqlens_q),
             seq_lens=to_device(meta.seq_lens),
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
-            backend_hints=self._backend_hints(batch),
+            backend_hints=self._backend_hints(batch, block_tables),
         )
         output = self.model(
             input_ids=to_device(meta.input_ids).unsqueeze(0),
@@ -149,15 +150,15 @@ class ModelRunner:
         )
         return output.logits[0].float()
 
-    def _backend_hints(self, batch: list[StepSeq]) -> dict[str, Any]:
+    def _backend_hints(self, batch: list[StepSeq], block_tables: torch.Tensor) -> dict[str, Any]:
         """The torch backend's decode groups, planned once per step rather than once per layer."""
         if self.backend.name != "torch":
             return {}
         decodes = [i for i, seq in enumerate(batch) if len(seq.token_ids) == 1]
         # Keys and values of one block in fp32, the precision the backend attends in.
         block_row_bytes = 2 * self.block_size * self.num_kv_heads * self.head_dim * 4
-        groups = plan_decode_groups(decodes, [batch[i].start_pos + 1 for i in decodes], self.block_size,
-                                    block_row_bytes, self.device) if decodes else []
+        groups = plan_decode_groups(decodes, [batch[i].start_pos + 1 for i in decodes], block_tables,
+                                    self.block_size, block_row_bytes) if decodes else []
         return {"decode_groups": groups, "workspace": self._workspace}
 
 
