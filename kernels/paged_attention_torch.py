@@ -143,12 +143,14 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """Batched paged attention; the keyword arguments are host hints that change no result.
 
-    `max_query_len` / `max_seq_len` spare host reads; `decode_groups` (every
-    sequence with one new token, grouped, as `plan_decode_groups` returns)
-    spares planning them here, per layer, from host copies of the lengths;
-    `workspace` keeps the gathered keys and values in buffers reused from
-    call to call. A decode-only step given its groups reads nothing back to
-    the host; a step with prefill chunks reads its query offsets once.
+    `max_query_len` spares a host read; `max_seq_len` is taken for the
+    backends' common signature (groups and chunks know their own lengths).
+    `decode_groups` (every sequence with one new token, grouped, as
+    `plan_decode_groups` returns) spares planning them here, per layer, from
+    host copies of the lengths; `workspace` keeps the gathered keys and
+    values in buffers reused from call to call. A decode-only step given its
+    groups reads nothing back to the host; a step with prefill chunks reads
+    its query offsets and context lengths once.
     """
     assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (q.shape, k_cache.shape)
     assert q.shape[1] % k_cache.shape[2] == 0, (q.shape, k_cache.shape)
@@ -174,17 +176,17 @@ def paged_attention_torch(
         rows = group.seqs if max_query_len == 1 else cu_seqlens_q[:-1][group.seqs].long()
         o = _attend(q[rows].unsqueeze(1), k_cache, v_cache, group.blocks, group.is_visible, scale, workspace)
         out[rows] = o.squeeze(1).to(out.dtype)
-    # Gather enough blocks for the longest context, which the hint bounds without a host read.
-    num_blocks = block_tables.shape[1] if max_seq_len is None else min(-(-max_seq_len // block_size),
-                                                                       block_tables.shape[1])
-    k_pos = torch.arange(num_blocks * block_size, device=q.device)
+    chunk_lens = seq_lens.tolist() if max_query_len > 1 else []
     for s, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
-        start = starts[s]
+        start, seq_len = starts[s], int(chunk_lens[s])
+        # Only this sequence's own blocks: a short prompt beside a long context gathers a few, not the longest's.
+        num_blocks = min(-(-seq_len // block_size), block_tables.shape[1])
         # Query i of the chunk sits at position seq_len - q_len + i and sees the keys up to it; that also
         # hides the gathered slots past the context, as every query sits inside it.
-        q_pos = seq_lens[s] - q_len + torch.arange(q_len, device=q.device)
+        k_pos = torch.arange(num_blocks * block_size, device=q.device)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         is_visible = (k_pos[None, :] <= q_pos[:, None])[None, None]
         o = _attend(q[start : start + q_len].unsqueeze(0), k_cache, v_cache, block_tables[s, :num_blocks].long(),
                     is_visible, scale, workspace)
