@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from worker.text_decoder import TextDecoder, text_decoder_for
+
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as decoding context for the first output tokens.
 NUM_CONTEXT_TOKENS = 6
@@ -23,9 +25,10 @@ class IncrementalDetokenizer:
         tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: list[int],
         skip_special_tokens: bool = True,
+        decoder: TextDecoder | None = None,
     ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        """``decoder``: the tokenizer's decoder chosen once (``text_decoder_for``) and shared by requests."""
+        self._decoder = decoder if decoder is not None else text_decoder_for(tokenizer, skip_special_tokens)
         self._ids: list[int] = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
         # _ids[prefix_offset:read_offset] is context already emitted; _ids[read_offset:] is pending.
         self._prefix_offset = 0
@@ -33,11 +36,17 @@ class IncrementalDetokenizer:
         # Characters of the pending tokens' text already emitted while a partial character waits.
         self._num_emitted_pending = 0
         self._pieces: list[str] = []
+        self._joined = ""
+        """``"".join(self._pieces)`` as of the last time ``text`` was read."""
+        self._num_joined = 0
 
     @property
     def text(self) -> str:
         """All output text emitted so far."""
-        return "".join(self._pieces)
+        if self._num_joined != len(self._pieces):
+            self._joined = "".join(self._pieces)
+            self._num_joined = len(self._pieces)
+        return self._joined
 
     def push(self, token_ids: list[int]) -> str:
         """Add output tokens; return the text that became stable (possibly empty)."""
@@ -51,8 +60,9 @@ class IncrementalDetokenizer:
     def _advance(self, is_final: bool) -> str:
         if self._read_offset == len(self._ids):
             return ""
-        prefix_len = len(self._decode(self._ids[self._prefix_offset : self._read_offset]))
-        full_text = self._decode(self._ids[self._prefix_offset :])
+        decode = self._decoder.decode
+        prefix_len = len(decode(self._ids[self._prefix_offset : self._read_offset]))
+        full_text = decode(self._ids[self._prefix_offset :])
         is_complete = is_final or not full_text.endswith(REPLACEMENT_CHAR)
         # Text before a trailing partial character is stable already.
         stable_end = len(full_text) if is_complete else len(full_text.rstrip(REPLACEMENT_CHAR))
@@ -67,14 +77,6 @@ class IncrementalDetokenizer:
         if new_text:
             self._pieces.append(new_text)
         return new_text
-
-    def _decode(self, ids: list[int]) -> str:
-        text = self._tokenizer.decode(
-            ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
-        )
-        # `decode` returns a list only for a batch of sequences; one flat list of ids gives one string.
-        assert isinstance(text, str), type(text)
-        return text
 
 
 def find_stop(text: str, stops: list[str], new_text_len: int) -> tuple[int, str] | None:

@@ -1,0 +1,116 @@
+"""Token ids to text: the tokenizer's own decode, or a byte table where that gives the same text.
+
+A byte-level tokenizer (GPT-2 style: every token stands for a fixed byte
+string and decoding is one lossy UTF-8 decode of the concatenated bytes)
+decodes a short window far faster by table lookup and ``bytes.decode`` than
+through the tokenizer's call stack. ``text_decoder_for`` picks the path once
+per tokenizer: the table is used only when the tokenizer's decoder is byte
+level and the table reproduces the tokenizer's own decode of every single id
+and of a seeded sample of random sequences; otherwise the tokenizer decodes.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Protocol
+
+from tokenizers import decoders
+from transformers import PreTrainedTokenizerBase
+
+# Random sequences checked against the tokenizer before its byte table is trusted.
+NUM_CHECK_SEQUENCES = 64
+CHECK_SEQUENCE_LEN = 12
+
+
+class TextDecoder(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class TokenizerDecoder:
+    """The general path: whatever the tokenizer's ``decode`` does."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+
+    def decode(self, ids: list[int]) -> str:
+        text = self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+        # `decode` returns a list only for a batch of sequences; one flat list of ids gives one string.
+        assert isinstance(text, str), type(text)
+        return text
+
+
+class ByteTableDecoder:
+    """Concatenates each id's bytes and decodes them as UTF-8, invalid bytes replaced."""
+
+    def __init__(self, table: list[bytes], fallback: TokenizerDecoder) -> None:
+        self._table = table
+        # Ids past the table (embedding rows with no token) are left to the tokenizer.
+        self._fallback = fallback
+
+    def decode(self, ids: list[int]) -> str:
+        table = self._table
+        try:
+            data = b"".join([table[i] for i in ids])
+        except IndexError:
+            return self._fallback.decode(ids)
+        return data.decode("utf-8", "replace")
+
+
+def text_decoder_for(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> TextDecoder:
+    general = TokenizerDecoder(tokenizer, skip_special_tokens)
+    table = _byte_table(tokenizer, skip_special_tokens)
+    if table is None:
+        return general
+    fast = ByteTableDecoder(table, general)
+    return fast if _agrees(fast, tokenizer, skip_special_tokens) else general
+
+
+def _byte_table(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> list[bytes] | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    char_to_byte = {char: byte for byte, char in enumerate(_byte_level_chars())}
+    special = set(tokenizer.all_special_ids) if skip_special_tokens else set()
+    table: list[bytes] = []
+    for i, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        if token is None or i in special:
+            table.append(b"")
+        elif all(c in char_to_byte for c in token):
+            table.append(bytes(char_to_byte[c] for c in token))
+        else:
+            # The byte-level decoder passes a token with characters outside its alphabet through as UTF-8.
+            table.append(token.encode())
+    return table
+
+
+def _agrees(fast: ByteTableDecoder, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> bool:
+    size = len(tokenizer)
+    rng = random.Random(0)
+    samples = [[i] for i in range(size)]
+    samples += [[rng.randrange(size) for _ in range(CHECK_SEQUENCE_LEN)] for _ in range(NUM_CHECK_SEQUENCES)]
+    expected = tokenizer.batch_decode(
+        samples, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
+    return all(fast.decode(ids) == text for ids, text in zip(samples, expected))
+
+
+def _byte_level_chars() -> list[str]:
+    """The byte-level alphabet: entry ``b`` is the printable character standing for byte ``b``.
+
+    Printable Latin-1 bytes stand for themselves; the rest are moved, in byte
+    order, to the code points from 256 up.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    kept = set(printable)
+    chars: list[str] = []
+    moved = 0
+    for byte in range(256):
+        if byte in kept:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + moved))
+            moved += 1
+    return chars
