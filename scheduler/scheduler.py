@@ -96,9 +96,15 @@ class ScheduledSeq:
     @property
     def token_ids(self) -> list[int]:
         """The tokens fed this step; padding repeats the last real token past the end."""
-        end = self.start_pos + self.num_new_tokens
-        known = self.seq.token_ids[self.start_pos:end]
-        return known + [self.seq.token_ids[-1]] * (self.num_new_tokens - len(known))
+        seq, start = self.seq, self.start_pos
+        end = start + self.num_new_tokens
+        # Slices of prompt and output, rather than of their concatenation: a decode step costs O(1), not O(length).
+        num_prompt = seq.num_prompt_tokens
+        known = seq.prompt_token_ids[start:end] if start < num_prompt else []
+        if end > num_prompt:
+            known += seq.output_token_ids[max(0, start - num_prompt) : end - num_prompt]
+        last = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
+        return known + [last] * (self.num_new_tokens - len(known))
 
 
 @dataclass

@@ -25,6 +25,7 @@ from worker.detokenizer import IncrementalDetokenizer
 from worker.model_runner import ModelRunner, StepSeq
 from worker.request_state import Completion, RequestOutput, RequestState
 from worker.sampler import SampleRequest, Sampler
+from worker.text_decoder import text_decoder_for
 
 __all__ = ["Completion", "Engine", "EngineConfig", "EngineStats", "RequestOutput"]
 
@@ -110,6 +111,8 @@ class Engine:
             kv_cache_memory_gb=kv_cache_memory_gb, attention_backend=attention_backend,
         )
         self.tokenizer = self.runner.tokenizer
+        # Chosen once here, not per request: the choice checks the tokenizer over its whole vocabulary.
+        self.text_decoder = text_decoder_for(self.tokenizer)
         if max_model_len is not None and max_model_len > self.runner.max_model_len:
             raise ValueError(
                 f"max_model_len: {max_model_len} exceeds the model's context length {self.runner.max_model_len}"
@@ -167,7 +170,7 @@ class Engine:
                 f"exceeds max_model_len {self.max_model_len}"
             )
         seq = Sequence(request_id, prompt_ids, params, priority=priority, output_token_ids=resumed)
-        state = RequestState(seq, IncrementalDetokenizer(self.tokenizer, prompt_ids), self.runner.eos_token_ids)
+        state = RequestState(seq, IncrementalDetokenizer(self.tokenizer, prompt_ids, decoder=self.text_decoder), self.runner.eos_token_ids)
         if resumed:
             state.detokenizer.push(resumed)
         if len(resumed) >= params.max_tokens:
@@ -232,7 +235,8 @@ class Engine:
                 )
                 for seq, state in zip(sampling, states)
             ]
-            sampled = self.sampler.sample(logits[rows], requests)
+            # Usually every row samples (all decodes): no gather of the rows then.
+            sampled = self.sampler.sample(logits if len(rows) == logits.shape[0] else logits[rows], requests)
         self.scheduler.advance(scheduled, {seq.request_id: t.token_id for seq, t in zip(sampling, sampled)})
         outputs = []
         for seq, state, token in zip(sampling, states, sampled):

@@ -106,41 +106,62 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampledToken]:
         assert logits.ndim == 2 and logits.shape[0] == len(requests), (logits.shape, len(requests))
-        logits = logits.float().clone()
-        for row, request in enumerate(requests):
-            if request.params.has_penalties:
-                apply_penalties(logits[row], request)
-            if request.suppress_token_ids:
-                logits[row, request.suppress_token_ids] = float("-inf")
-        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-        final = logits
-        greedy_rows = [i for i, r in enumerate(requests) if r.params.is_greedy]
+        logits = logits.float()
+        if any(r.params.has_penalties or r.suppress_token_ids for r in requests):
+            logits = logits.clone()  # the caller's logits stay as they were
+            for row, request in enumerate(requests):
+                if request.params.has_penalties:
+                    apply_penalties(logits[row], request)
+                if request.suppress_token_ids:
+                    logits[row, request.suppress_token_ids] = float("-inf")
+        wants_logprobs = any(r.params.logprobs is not None for r in requests)
         random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
-        if greedy_rows:
-            token_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
-        if random_rows:
+        if not random_rows:
+            # All greedy: one argmax over the batch and one transfer to the host.
+            token_ids = logits.argmax(dim=-1)
+            if not wants_logprobs:
+                return [SampledToken(token_id=t, logprob=None, top_logprobs=None) for t in token_ids.tolist()]
+            return self._package(logits, token_ids, requests)
+        all_random = len(random_rows) == len(requests)
+        filtered = self._filtered(logits if all_random else logits[random_rows], [requests[i] for i in random_rows])
+        noise = self._exponential_noise([requests[i] for i in random_rows], logits.shape[-1]).to(logits.device)
+        drawn = (filtered.softmax(dim=-1) / noise).argmax(dim=-1)
+        if all_random:
+            return self._package(filtered, drawn, requests, wants_logprobs)
+        greedy_rows = [i for i, r in enumerate(requests) if r.params.is_greedy]
+        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        token_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+        token_ids[random_rows] = drawn
+        final = logits
+        if wants_logprobs:
             final = logits.clone()
-            chosen = [requests[i].params for i in random_rows]
-            device = logits.device
-            temperature = torch.tensor([p.temperature for p in chosen], device=device).unsqueeze(-1)
-            filtered = logits[random_rows] / temperature
-            # top_p 1 keeps every token (transformers skips its top-p warper there too), so a step
-            # whose rows ask for no filter skips the sort over the vocabulary.
-            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in chosen):
-                filtered = filter_logits(
-                    filtered,
-                    top_k=torch.tensor([p.top_k for p in chosen], device=device),
-                    top_p=torch.tensor([p.top_p for p in chosen], device=device),
-                    min_p=torch.tensor([p.min_p for p in chosen], device=device),
-                )
             final[random_rows] = filtered
-            noise = self._exponential_noise([requests[i] for i in random_rows], logits.shape[-1]).to(device)
-            token_ids[random_rows] = (filtered.softmax(dim=-1) / noise).argmax(dim=-1)
-        return self._package(final, token_ids, requests)
+        return self._package(final, token_ids, requests, wants_logprobs)
+
+    @staticmethod
+    def _filtered(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+        """The sampled rows' logits over temperature, with their top-k/top-p/min-p cuts (a new tensor)."""
+        chosen = [r.params for r in requests]
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in chosen], device=device).unsqueeze(-1)
+        filtered = logits / temperature
+        # top_p 1 keeps every token (transformers skips its top-p warper there too), so a step
+        # whose rows ask for no filter skips the sort over the vocabulary.
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in chosen):
+            filtered = filter_logits(
+                filtered,
+                top_k=torch.tensor([p.top_k for p in chosen], device=device),
+                top_p=torch.tensor([p.top_p for p in chosen], device=device),
+                min_p=torch.tensor([p.min_p for p in chosen], device=device),
+            )
+        return filtered
 
     def _exponential_noise(self, requests: list[SampleRequest], vocab: int) -> torch.Tensor:
-        noise = torch.empty(len(requests), vocab)
         unseeded = [i for i, r in enumerate(requests) if r.params.seed is None]
+        if len(unseeded) == len(requests):
+            # The same draws from the Sampler's generator as filling these rows of a bigger tensor.
+            return torch.empty(len(requests), vocab).exponential_(generator=self._generator)
+        noise = torch.empty(len(requests), vocab)
         if unseeded:
             noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self._generator)
         for i, request in enumerate(requests):
@@ -149,8 +170,11 @@ class Sampler:
         return noise
 
     @staticmethod
-    def _package(final: torch.Tensor, token_ids: torch.Tensor, requests: list[SampleRequest]) -> list[SampledToken]:
+    def _package(final: torch.Tensor, token_ids: torch.Tensor, requests: list[SampleRequest],
+                 wants_logprobs: bool = True) -> list[SampledToken]:
         ids = token_ids.tolist()
+        if not wants_logprobs:
+            return [SampledToken(token_id=t, logprob=None, top_logprobs=None) for t in ids]
         wants = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         logprob_of: dict[int, float] = {}
         top_of: dict[int, dict[int, float]] = {}
