@@ -182,13 +182,18 @@ class Sampler:
             logprobs = final[wants].log_softmax(dim=-1)
             chosen = logprobs.gather(-1, token_ids[wants].unsqueeze(-1)).squeeze(-1).tolist()
             num_top = max(requests[i].params.logprobs or 0 for i in wants)
-            top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+            top_values: list[list[float]] = []
+            top_ids: list[list[int]] = []
+            if num_top:
+                # One transfer of the whole top-k to the host, not one per row.
+                values_t, ids_t = logprobs.topk(num_top, dim=-1)
+                top_values, top_ids = values_t.tolist(), ids_t.tolist()
             for j, i in enumerate(wants):
                 logprob_of[i] = chosen[j]
                 top: dict[int, float] = {}
                 n = requests[i].params.logprobs or 0
-                if n and top_values is not None and top_ids is not None:
-                    for value, token in zip(top_values[j, :n].tolist(), top_ids[j, :n].tolist()):
+                if n:
+                    for value, token in zip(top_values[j][:n], top_ids[j][:n]):
                         if value != float("-inf"):
                             top[token] = value
                 top_of[i] = top
