@@ -39,6 +39,7 @@ class Sequence:
     priority: int = 0
     """Lower runs first (used by the ``priority`` policy and to pick preemption victims)."""
     output_token_ids: list[int] = field(default_factory=list)
+    """Only ever appended to: engine outputs read their prefix of it instead of copying it."""
     arrival_order: int = -1
     """Set by the scheduler when the request is added; ties in every policy break on it."""
     arrival_time: float = 0.0

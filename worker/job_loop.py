@@ -207,7 +207,7 @@ class JobLoop:
             job.num_prompt_tokens = out.num_prompt_tokens
             job.num_cached_tokens = out.num_cached_tokens or 0
             new_ids = list(out.new_token_ids)
-            job.token_ids = list(out.token_ids)
+            job.token_ids = out.token_ids  # a fresh list each read
             # The engine's text only grows while a job runs (a possible stop string is held back), so the
             # event carries just what is new; the final record holds the whole text.
             delta_text = out.text[len(job.text):]

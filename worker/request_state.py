@@ -21,12 +21,16 @@ from worker.sampler import SampledToken
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request.
+
+    ``token_ids`` and ``logprobs`` are read from the request's own lists,
+    which only ever grow, up to their lengths at this step: a step costs no
+    copy of the whole output, and a reader on another thread still sees
+    exactly this step's prefix (each read returns a fresh list).
+    """
 
     request_id: str
     new_token_ids: list[int]
-    token_ids: list[int]
-    """Every output token so far (resumed ones included)."""
     text: str
     """All output text so far: stop strings trimmed, a possible partial stop string held back."""
     finished: bool
@@ -34,8 +38,20 @@ class RequestOutput:
     stop_reason: str | int | None
     num_prompt_tokens: int
     num_cached_tokens: int
-    logprobs: list[dict[str, Any]] | None
-    """Per sampled token ``{"token_id", "logprob", "top_logprobs": [{"token_id", "logprob"}]}``."""
+    all_token_ids: list[int] = field(repr=False)
+    num_token_ids: int
+    all_logprobs: list[dict[str, Any]] | None = field(repr=False)
+    num_logprobs: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every output token so far (resumed ones included)."""
+        return self.all_token_ids[: self.num_token_ids]
+
+    @property
+    def logprobs(self) -> list[dict[str, Any]] | None:
+        """Per sampled token ``{"token_id", "logprob", "top_logprobs": [{"token_id", "logprob"}]}``."""
+        return self.all_logprobs[: self.num_logprobs] if self.all_logprobs is not None else None
 
 
 @dataclass
@@ -127,14 +143,16 @@ class RequestState:
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new,
-            token_ids=list(seq.output_token_ids),
             text=self.text,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
             stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            all_token_ids=seq.output_token_ids,
+            num_token_ids=len(seq.output_token_ids),
+            all_logprobs=self.logprobs,
+            num_logprobs=len(self.logprobs) if self.logprobs is not None else 0,
         )
 
 
