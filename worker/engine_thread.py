@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -164,9 +163,6 @@ class EngineThread:
                 deliver(tick)
             except RuntimeError:
                 return  # the event loop closed under us: the worker is gone
-            # Yield the GIL: the event loop, just woken by this tick, takes it now instead of after a
-            # whole switch interval of waiting on this thread (which slowed every Redis round trip).
-            time.sleep(0)
             if tick.num_unfinished and not tick.outputs and tick.stats.last_step_num_seqs == 0:
                 # The engine holds its work back (dynamic batching window): do not spin; a new add wakes us.
                 with self._cond:
