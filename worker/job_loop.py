@@ -1,11 +1,11 @@
 """The bridge between jobs and the engine.
 
-The engine is not thread-safe and its steps are long, so it lives on its own
-thread (``worker.engine_thread``), which steps it back to back while it has
-work. The event loop keeps Redis I/O and lease renewal going meanwhile; it
-queues the requests to add and abort, and handles each step's ``Tick`` in
-order: token events and due checkpoints go out in one script call, then
-finished jobs are committed.
+The engine is not thread-safe and its steps are long, so every engine call
+runs on one dedicated thread. The event loop keeps Redis I/O and lease
+renewal going meanwhile; it hands each tick the requests to add and abort,
+and gets back the outputs of one step. After each step: token events and due
+checkpoints go out in one pipeline, then finished jobs are committed; the next
+step already runs on the engine thread meanwhile.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,25 +23,20 @@ from redis.exceptions import RedisError
 
 from scheduler.job import JobSpec, JobStatus, WebhookEvent, job_view
 from scheduler.keys import Keys
-from scheduler.lanes import LANE_RANK
-from scheduler.log_format import job_context
 from scheduler.redis_replies import read_hash
-from scheduler.telemetry import span_of_traceparent
+from scheduler.tasks import raise_if_cancelled
+from scheduler.lanes import LANE_RANK
 from scheduler.webhooks import OutputThrottle, delivery_fields, running_view
 from worker.config import WorkerConfig
-from worker.engine_thread import EngineAdd, EngineFailed, EngineThread, Tick
+from scheduler.log_format import job_context
+from scheduler.telemetry import span_of_traceparent
 from worker.metrics import JobTrace, WorkerMetrics
 from worker.results import EntryRef, Outcome, ResultStore, pack
-from worker.step_writes import (
-    CHECKPOINT_CANCEL_FLAGGED,
-    CHECKPOINT_NOT_OURS,
-    StepWriter,
-    StepWrites,
-)
+from worker.step_writes import CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NOT_OURS, StepWriter, StepWrites
 
 log = logging.getLogger(__name__)
 
-ABORT_WAIT_S = 5.0
+IDLE_STEP_SLEEP_S = 0.002
 
 LANE_PRIORITY_STRIDE = 1_000_000
 """Engine priority = lane rank * stride + job priority, so the lane always dominates."""
@@ -76,6 +72,17 @@ class RunningJob:
         return self.resumed_logprobs + self.engine_logprobs
 
 
+@dataclass
+class Tick:
+    """What one engine-thread call did."""
+
+    rejected: dict[str, str]
+    outputs: list[Any]
+    num_unfinished: int
+    stats: Any
+    """The engine's ``EngineStats`` after the step."""
+
+
 class JobLoop:
     def __init__(self, engine: Any, store: ResultStore, client: aioredis.Redis, keys: Keys,
                  config: WorkerConfig, metrics: WorkerMetrics | None = None) -> None:
@@ -90,9 +97,12 @@ class JobLoop:
         self.stats: Any = None
         self.num_finished = 0
         self._reserved = 0
-        self.engine_thread = EngineThread(engine, max_wait_s=config.max_wait_ms / 1000)
+        self._adds: list[tuple[RunningJob, int]] = []
+        self._aborts: list[str] = []
+        self._work = asyncio.Event()
         self.slot_freed = asyncio.Event()
         self._commits: set[asyncio.Task[None]] = set()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._on_finished: list[Callable[[str, JobStatus], None]] = []
 
     # --- capacity ----------------------------------------------------------------
@@ -123,7 +133,7 @@ class JobLoop:
     def start(self, spec: JobSpec, entry: EntryRef, checkpoint: list[int],
               record: dict[bytes, bytes] | None = None,
               checkpoint_logprobs: list[dict[str, Any]] | None = None) -> None:
-        """Queue a job for the engine; it is added at the start of the engine's next step."""
+        """Queue a job for the engine; it is added at the start of the next tick."""
         assert spec.id not in self.jobs
         job = RunningJob(spec=spec, entry=entry, resumed_from=len(checkpoint), token_ids=list(checkpoint),
                          checkpointed=len(checkpoint), record=record or {})
@@ -135,9 +145,8 @@ class JobLoop:
         job.trace = self.metrics.job_started(spec, enqueued_s, resumed_from=len(checkpoint))
         self.jobs[spec.id] = job
         priority = LANE_RANK[spec.lane] * LANE_PRIORITY_STRIDE + spec.priority
-        if job.trace is not None:
-            job.trace.admitted(time.time())
-        self.engine_thread.add(EngineAdd(spec.id, spec, priority, list(job.token_ids)), room_left=self.free > 0)
+        self._adds.append((job, priority))
+        self._work.set()
 
     def cancel(self, job_id: str) -> bool:
         """Stop a job we run at the next step and commit it as cancelled."""
@@ -159,35 +168,76 @@ class JobLoop:
 
     def _abort(self, job_id: str) -> None:
         del self.jobs[job_id]
-        self.engine_thread.abort(job_id)
+        self._aborts.append(job_id)
+        self._work.set()
         self.slot_freed.set()
 
-    # --- engine ticks --------------------------------------------------------------------
+    # --- engine thread ------------------------------------------------------------------
+
+    def _tick(self, adds: list[tuple[str, JobSpec, int, list[int]]], aborts: list[str], do_step: bool) -> Tick:
+        rejected: dict[str, str] = {}
+        for request_id in aborts:
+            self.engine.abort_request(request_id)
+        for request_id, spec, priority, resume in adds:
+            try:
+                self.engine.add_request(
+                    request_id, spec.prompt if spec.prompt is not None else spec.prompt_token_ids, spec.params,
+                    messages=spec.messages, priority=priority, resume_token_ids=resume or None,
+                )
+            except ValueError as e:
+                rejected[request_id] = str(e)
+        outputs = self.engine.step() if do_step and self.engine.has_unfinished_requests() else []
+        return Tick(rejected, outputs, self.engine.num_unfinished_requests(), self.engine.stats())
 
     async def run(self) -> None:
-        """Start the engine thread and handle its ticks, in order, until cancelled at shutdown.
+        """Step the engine while it has work; wait for work otherwise. Cancelled at shutdown.
 
-        The engine runs ahead of this handling by a few steps at most. A job's token events,
-        checkpoints and final commit keep their order because ticks are handled one at a time. A
-        checkpoint reply saying "drop" or "cancel" aborts the job a few steps later than the step it
-        was written for; the outputs of those steps are ignored, as the job is no longer ours.
+        Step N+1 runs on the engine thread while step N's events are written, so the engine never
+        idles for a Redis round trip. Step N's handling always ends before step N+1's begins: events
+        stay in order per job and finished jobs are committed after their last token events. A
+        checkpoint reply saying "drop" or "cancel" therefore aborts the job one step later; that step's
+        output for it is ignored, as the job is no longer ours.
         """
         loop = asyncio.get_running_loop()
-        ticks: asyncio.Queue[Tick | EngineFailed] = asyncio.Queue()
-        self.engine_thread.start(lambda item: loop.call_soon_threadsafe(ticks.put_nowait, item))
+        num_unfinished = 0
+        handling: asyncio.Task[None] | None = None
         try:
             while True:
-                tick = await ticks.get()
-                if isinstance(tick, EngineFailed):
-                    raise tick
+                raise_if_cancelled()
+                if num_unfinished == 0 and not self._adds and not self._aborts:
+                    if handling is not None:
+                        # The last step's handling may still queue aborts; settle it before going idle.
+                        pending, handling = handling, None
+                        await pending
+                        continue
+                    self._work.clear()
+                    await self._work.wait()
+                    # Admission window: an idle engine waits briefly so jobs arriving together start together.
+                    if self.config.max_wait_ms > 0 and self.free > 0:
+                        await asyncio.sleep(self.config.max_wait_ms / 1000)
+                adds = [(job.spec.id, job.spec, priority, job.token_ids) for job, priority in self._adds]
+                for job, _ in self._adds:
+                    if job.trace is not None:
+                        job.trace.admitted(time.time())
+                self._adds, aborts, self._aborts = [], self._aborts, []
+                step = loop.run_in_executor(self._executor, self._tick, adds, aborts, True)
+                if handling is not None:
+                    pending, handling = handling, None
+                    await pending
+                tick = await step
+                num_unfinished = tick.num_unfinished
                 self.stats = tick.stats
                 self.metrics.record_step(tick.stats)
-                await self._handle(tick)
-                self.engine_thread.handled()
+                handling = loop.create_task(self._handle(tick), name="step events")
+                if num_unfinished and not tick.outputs and tick.stats.last_step_num_seqs == 0:
+                    await asyncio.sleep(IDLE_STEP_SLEEP_S)  # the engine holds work back (dynamic batching window)
         finally:
-            self.engine_thread.stop()
-            # Off the loop: the thread ends after its current step.
-            await asyncio.shield(asyncio.to_thread(self.engine_thread.join))
+            # Only a step's handling not yet awaited is left here (cancelled in the idle sleep).
+            if handling is not None:
+                handling.cancel()
+                [result] = await asyncio.gather(handling, return_exceptions=True)
+                if isinstance(result, Exception):
+                    log.error("handling the last engine step failed", exc_info=result)
 
     async def _handle(self, tick: Tick) -> None:
         for job_id, message in tick.rejected.items():
@@ -319,17 +369,12 @@ class JobLoop:
             self._abort(job.spec.id)
         if len(pipe):
             await pipe.execute()
-        # Ticks still on their way find these jobs gone from ``jobs``; the engine must drop them too, as
-        # a worker restarted in this process may resume them on this very engine.
-        if not await asyncio.to_thread(self.engine_thread.wait_applied, ABORT_WAIT_S):
-            log.warning("the engine did not take the hand-back aborts within %.0f s", ABORT_WAIT_S)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._tick, [], self._aborts, False)
+        self._aborts = []
         return refs
 
     def close(self) -> None:
-        """Stop the engine thread if ``run`` has not (it never started, or was not awaited)."""
-        self.engine_thread.stop()
-        if not self.engine_thread.join(timeout_s=5.0):
-            log.error("the engine thread did not stop within 5 s")
+        self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def view(self, job_id: str) -> dict[str, Any]:
         return job_view(await read_hash(self.client, self.keys.job(job_id)))
