@@ -98,7 +98,11 @@ def enqueue(client: redis.Redis, job_id: str, lane: str, max_tokens: int, reply_
 
 
 def records(client: redis.Redis, ids: list[str]) -> dict[str, dict[bytes, bytes]]:
-    return {job_id: client.hgetall(KEYS.job(job_id)) for job_id in ids}
+    """Every record in one round trip, so a snapshot is never tens of milliseconds old."""
+    pipe = client.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hgetall(KEYS.job(job_id))
+    return dict(zip(ids, pipe.execute()))
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, workers: list[WorkerProcess]) -> None:
@@ -178,21 +182,24 @@ def test_three_workers_share_150_jobs_and_a_killed_one_loses_nothing(
     client = redis.Redis.from_url(redis_server.url)
     ids = [f"share-{n:03d}" for n in range(150)]
     replies_stream = "scale-out:share:replies"
+    # Long enough that the backlog lasts seconds, not a fraction of one, so w0 is mid-run when it is killed.
+    num_tokens = 32
     for job_id in ids:
-        enqueue(client, job_id, "standard", max_tokens=8, reply_to=replies_stream)
+        enqueue(client, job_id, "standard", max_tokens=num_tokens, reply_to=replies_stream)
     victim = workers[0]
     assert victim.proc.poll() is None, "this test kills w0, so it runs last"
 
-    def victims(status: bytes) -> list[str]:
-        return [i for i, r in records(client, ids).items()
-                if r.get(b"status") == status and r.get(b"worker") == victim.name.encode()]
+    def victims() -> Counter[bytes | None]:
+        return Counter(r.get(b"status") for r in records(client, ids).values()
+                       if r.get(b"worker") == victim.name.encode())
 
     # Kill it mid-run: after it finished a few jobs, at a moment it holds some (between two jobs it may hold none).
-    wait_until(lambda: len(victims(b"succeeded")) >= 3 and bool(victims(b"running")), 60,
+    wait_until(lambda: (held := victims())[b"succeeded"] >= 3 and held[b"running"] > 0, 60,
                f"{victim.name} to finish 3 jobs and hold more", workers)
     victim.proc.send_signal(signal.SIGKILL)  # no drain, no hand-back: a crash
     victim.proc.wait(timeout=10)
-    running = victims(b"running")
+    running = [i for i, r in records(client, ids).items()
+               if r.get(b"status") == b"running" and r.get(b"worker") == victim.name.encode()]
     assert running, "the killed worker should have held jobs mid-run"
 
     wait_until(lambda: count_finished(client, ids) == len(ids), 90, "all 150 jobs to finish", workers)
@@ -201,7 +208,7 @@ def test_three_workers_share_150_jobs_and_a_killed_one_loses_nothing(
 
     views = {job_id: job_view(record) for job_id, record in final.items()}
     assert Counter(v["status"] for v in views.values()) == {"succeeded": 150}
-    assert all(len(v["output"]["token_ids"]) == 8 for v in views.values())
+    assert all(len(v["output"]["token_ids"]) == num_tokens for v in views.values())
     by_worker = Counter(v["worker"] for v in views.values())
     assert set(by_worker) == {"w0", "w1", "w2"} and min(by_worker.values()) >= 3, by_worker
     # Exactly one result per job: each job committed once, however many workers touched it.
