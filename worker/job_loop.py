@@ -361,14 +361,13 @@ class JobLoop:
 
     async def checkpoint_all(self) -> list[EntryRef]:
         """Write every running job's tokens, abort them in the engine, and return their entries."""
-        pipe = self.client.pipeline(transaction=False)
+        writes = StepWrites()
         refs = []
         for job in list(self.jobs.values()):
-            await self.store.add_checkpoint(pipe, job.spec.id, job.token_ids, job.first_token_at, job.logprobs)
+            writes.checkpoint(job.spec.id, job.token_ids, job.first_token_at, job.logprobs)
             refs.append(job.entry)
             self._abort(job.spec.id)
-        if len(pipe):
-            await pipe.execute()
+        await self.step_writer.write(writes)
         await asyncio.get_running_loop().run_in_executor(self._executor, self._tick, [], self._aborts, False)
         self._aborts = []
         return refs

@@ -56,17 +56,6 @@ end
 return {'run', st, tostring(fresh), tostring(attempts), redis.call('HGET', KEYS[1], 'checkpoint') or '', record}
 """
 
-# KEYS: job, cancel flag. ARGV: worker, checkpoint, first_token_at|''. -> 1 stored, 0 not ours, 2 cancel flagged
-_CHECKPOINT = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'running' or redis.call('HGET', KEYS[1], 'worker') ~= ARGV[1] then
-  return 0
-end
-redis.call('HSET', KEYS[1], 'checkpoint', ARGV[2])
-if ARGV[3] ~= '' then redis.call('HSETNX', KEYS[1], 'first_token_at', ARGV[3]) end
-if redis.call('EXISTS', KEYS[2]) == 1 then return 2 end
-return 1
-"""
-
 # KEYS: job, lane stream, reply stream, webhook stream, dead stream.
 # ARGV: status, group, entry id|'', channel, final message, reply result|'', reply maxlen, ttl_s,
 #       dead maxlen, n webhook fields, n dead fields, '1' to write only a record that does not exist yet|'',
@@ -181,7 +170,6 @@ class ResultStore:
         self.reply_maxlen = reply_maxlen
         self.dead_maxlen = dead_maxlen
         self._admit = client.register_script(_ADMIT)
-        self._checkpoint = client.register_script(_CHECKPOINT)
         self._commit = client.register_script(_COMMIT)
 
     async def admit(self, spec: J.JobSpec, entry: EntryRef, created_at: float, now: float) -> Admission:
@@ -198,16 +186,6 @@ class ResultStore:
         return Admission("run", previous, is_first_start=_s(reply[2]) == "1", attempts=int(reply[3]),
                          checkpoint=checkpoint, checkpoint_logprobs=checkpoint_logprobs,
                          record=dict(zip(flat[::2], flat[1::2])))
-
-    async def add_checkpoint(self, pipe: aioredis.client.Pipeline, job_id: str, token_ids: list[int],
-                       first_token_at: float | None, logprobs: list[dict[str, Any]] | None = None) -> None:
-        """Queue a checkpoint write on `pipe`; its reply is 1 stored, 0 lost ownership, 2 cancel flagged."""
-        await self._checkpoint(
-            keys=[self.keys.job(job_id), self.keys.cancel(job_id)],
-            args=[self.worker, pack_checkpoint(token_ids, logprobs),
-                  "" if first_token_at is None else repr(first_token_at)],
-            client=pipe,
-        )
 
     async def commit(self, outcome: Outcome) -> bool:
         """Write the outcome if the job is not terminal yet; True when this call decided the job."""

@@ -8,8 +8,9 @@ commands (encoding each, parsing each reply) slows every step down. One
 EVALSHA carrying the whole step costs about what one command costs.
 
 The script runs the writes in the order given: a job's token events stay in
-order, and each checkpoint is stored only while the job is still ours (the
-same rule as ``worker.results``' checkpoint script).
+order, and each checkpoint is stored only while the job is still ours
+(running, held by this worker). The shutdown hand-back writes its final
+checkpoints through the same script.
 """
 
 from __future__ import annotations
