@@ -24,6 +24,7 @@ from gateway.embedded_redis import free_port
 from gateway.flags import config_from_args, env_names
 from gateway.up import UpConfig
 from scheduler.keys import Keys
+from child_env import child_pythonpath
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,7 +111,7 @@ def test_up_then_submit_wait_prints_a_completion(tiny_model: Callable[..., str],
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = child_pythonpath(REPO)
     log_path = tmp_path / "up.log"
     with open(log_path, "w") as log:
         up = subprocess.Popen(

@@ -17,6 +17,7 @@ from scheduler.job import JobSpec
 from scheduler.lanes import LANES
 from scheduler.params import SamplingParams
 from worker_harness import KEYS, wait_terminal, xadd_job
+from child_env import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +26,7 @@ def start_worker(redis_url: str, model: str, name: str, log_path: Path) -> subpr
     args = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", redis_url, "--model", model,
             "--worker-name", name, "--metrics-port", "0", "--max-num-seqs", "8", "--lease-s", "2",
             "--checkpoint-tokens", "4", "--checkpoint-interval-s", "0.2", "--max-wait-ms", "5"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT)}
     with open(log_path, "ab") as log:
         return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 

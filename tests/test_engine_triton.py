@@ -1,4 +1,4 @@
-"""Greedy exactness with the Triton attention backend, under the interpreter on CPU.
+"""Greedy exactness with the Triton attention backend: compiled on a CUDA GPU, else under the interpreter on CPU.
 
 A handful of requests through the whole engine — a long prompt prefilled in
 chunks, prompts sharing a cached prefix — must give transformers' greedy tokens.
@@ -14,10 +14,13 @@ from transformers import AutoModelForCausalLM
 from test_engine_exact import BLOCK_SIZE, GREEDY, MAX_NEW_TOKENS, assert_same, make_prompts
 from worker import Engine
 
+# The interpreter runs the kernels on CPU tensors; with a GPU they are compiled, and need CUDA tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def test_triton_backend_is_token_exact_with_chunked_prefill_and_prefix_hits(tiny_model: Callable[..., str]) -> None:
     path = tiny_model("llama")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE)
     model.eval()
     model.generation_config.eos_token_id = None
     prompts = make_prompts(model.config.vocab_size)
@@ -26,14 +29,14 @@ def test_triton_backend_is_token_exact_with_chunked_prefill_and_prefix_hits(tiny
     expected = []
     with torch.inference_mode():
         for prompt in chosen:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=DEVICE)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
             expected.append(out[0, len(prompt):].tolist())
 
     budget = 2 * BLOCK_SIZE
     assert len(chosen[0]) > budget, "the long prompt must be chunked"
     engine = Engine(model=path, block_size=BLOCK_SIZE, num_blocks=64, max_num_seqs=2,
-                    max_num_batched_tokens=budget, attention_backend="triton")
+                    max_num_batched_tokens=budget, attention_backend="triton", device=DEVICE)
     assert engine.runner.backend.name == "triton"
     results = engine.generate(chosen, GREEDY)
     assert_same(expected, [r.token_ids for r in results])

@@ -29,6 +29,7 @@ import redis
 from gateway.embedded_redis import EmbeddedRedis, free_port
 from scheduler.job import job_view
 from scheduler.keys import CONSUMER_GROUP, Keys
+from child_env import child_pythonpath
 
 REPO = Path(__file__).resolve().parent.parent
 KEYS = Keys()
@@ -57,7 +58,7 @@ def _is_ready(port: int) -> bool:
 @contextmanager
 def worker_processes(redis_url: str, model: str, tmp_path: Path, count: int, **flags: object) -> Iterator[list[WorkerProcess]]:
     """Start `count` workers, wait for every `/readyz`, and stop them (SIGTERM, then SIGKILL) at the end."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"}
     workers: list[WorkerProcess] = []
     try:

@@ -23,6 +23,7 @@ from scheduler.keys import Keys
 from scheduler.webhooks import delivery_fields
 from telemetry_support import in_memory_telemetry, value
 from webhook_receiver import Answer, Receiver
+from child_env import child_pythonpath
 
 KEYS = Keys("whmetrics")
 
@@ -75,7 +76,7 @@ async def test_standalone_dispatcher_serves_metrics_and_health(redis_url: str, t
     port = free_port()
     receiver = await Receiver(secret).start()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CARPOOL_", "OTEL_"))}
-    env.update(PYTHONPATH=str(REPO), CARPOOL_WEBHOOK_SECRET=secret, CARPOOL_WEBHOOK_ALLOW="127.0.0.1",
+    env.update(PYTHONPATH=child_pythonpath(REPO), CARPOOL_WEBHOOK_SECRET=secret, CARPOOL_WEBHOOK_ALLOW="127.0.0.1",
                CARPOOL_WEBHOOK_POLL_S="0.02", CARPOOL_KEY_PREFIX=KEYS.prefix)
     stderr_path = tmp_path / "webhooks.log"
     client = aioredis.Redis.from_url(redis_url)

@@ -12,6 +12,7 @@ import torch
 from gateway.flags import config_from_args
 from worker.cli import build_parser
 from worker.config import WorkerConfig
+from child_env import child_pythonpath
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,7 +45,7 @@ def threads_after_generate(model: str, *flags: str) -> int:
         "code = cli.main(sys.argv[1:], env={})\n"
         "print('threads', torch.get_num_threads(), code)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(
         [sys.executable, "-c", code, "generate", "hello", "--max-tokens", "2", "--model", model, *flags],
         capture_output=True, text=True, env=env, timeout=120, cwd=REPO,

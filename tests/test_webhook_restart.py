@@ -16,6 +16,7 @@ from gateway.webhooks.signing import generate_secret
 from scheduler.keys import Keys
 from scheduler.webhooks import delivery_fields
 from webhook_receiver import Answer, Receiver
+from child_env import child_pythonpath
 
 KEYS = Keys("whrestart")
 REPO = Path(__file__).resolve().parent.parent
@@ -27,7 +28,7 @@ def start_dispatcher(redis_url: str, secret: str, log_path: Path) -> subprocess.
         "--webhook-allow", "127.0.0.1", "--webhook-retry-schedule-s", "2", "--webhook-jitter", "0",
         "--webhook-poll-s", "0.05", "--webhook-timeout-s", "2",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CARPOOL_WEBHOOK_SECRET": secret}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "CARPOOL_WEBHOOK_SECRET": secret}
     with open(log_path, "ab") as log:
         return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
