@@ -40,6 +40,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=int(default("seed", str(base.seed))))
     p.add_argument("--threads", type=int, default=int(default("threads", str(base.threads))),
                    help="torch CPU threads for every system, worker included (default 1: steady numbers on a shared CPU)")
+    p.add_argument("--device", default=default("device", base.device),
+                   help="cpu, cuda or cuda:N, for every system, worker included (default: cpu)")
+    p.add_argument("--dtype", default=default("dtype", None), choices=["float32", "float16", "bfloat16"],
+                   help="model dtype for every system (default: the checkpoint's)")
     p.add_argument("--skewed-requests", type=int, default=None, help=f"default {base.skewed_requests}")
     p.add_argument("--sharegpt-requests", type=int, default=None, help=f"default {base.sharegpt_requests}")
     p.add_argument("--online-modes", default=None,
@@ -50,7 +54,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    config = BenchConfig(max_num_seqs=args.max_num_seqs, seed=args.seed, threads=args.threads)
+    config = BenchConfig(max_num_seqs=args.max_num_seqs, seed=args.seed, threads=args.threads,
+                         device=args.device, dtype=args.dtype)
     if args.quick:
         config = config.quick()
     config = replace(config, peers=not args.no_peers)

@@ -30,6 +30,10 @@ class BenchConfig:
     max_wait_ms: float = 50.0
     threads: int = 1
     """torch CPU threads for every system (the engine, the peers, the worker process)."""
+    device: str = "cpu"
+    """Where every system runs: cpu, cuda or cuda:N (the engine, the peers, the worker process)."""
+    dtype: str | None = None
+    """Model dtype for every system (float32, float16, bfloat16); None is the checkpoint's."""
     modes: tuple[str, ...] = field(default=BATCHING_MODES)
 
     def __post_init__(self) -> None:
@@ -44,6 +48,10 @@ class BenchConfig:
                 raise ValueError(f"modes: unknown batching mode {mode!r}; modes are {', '.join(BATCHING_MODES)}")
         if "continuous" not in self.modes:
             raise ValueError("modes: continuous is the baseline the others are compared with")
+        if self.dtype not in (None, "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype: must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device: must be cpu, cuda or cuda:N, got {self.device!r}")
         if not self.online_rate_fractions or any(f <= 0 for f in self.online_rate_fractions):
             raise ValueError("online_rate_fractions: must be positive")
 

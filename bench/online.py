@@ -42,8 +42,11 @@ class OnlineStack:
     """Redis + gateway + one worker for one batching mode; an async context manager."""
 
     def __init__(self, model: str, batching: str, max_num_seqs: int, max_wait_ms: float = 20.0,
-                 child_env: Mapping[str, str] | None = None, read_block_ms: int = 20) -> None:
+                 child_env: Mapping[str, str] | None = None, read_block_ms: int = 20, device: str = "cpu",
+                 dtype: str | None = None) -> None:
         self.model = model
+        self.device = device
+        self.dtype = dtype
         self.child_env = dict(child_env) if child_env is not None else None
         self.read_block_ms = read_block_ms
         self.batching = batching
@@ -76,7 +79,8 @@ class OnlineStack:
                 "--batching", self.batching, "--max-num-seqs", str(self.max_num_seqs),
                 "--max-wait-ms", str(self.max_wait_ms), "--metrics-host", "127.0.0.1",
                 "--metrics-port", str(self.metrics_port), "--log-level", "WARNING",
-                "--read-block-ms", str(self.read_block_ms), "--shutdown-grace-s", "5",
+                "--read-block-ms", str(self.read_block_ms), "--shutdown-grace-s", "5", "--device", self.device,
+                *(["--dtype", self.dtype] if self.dtype else []),
                 stdout=asyncio.subprocess.DEVNULL, stderr=self._log_file, env=self.child_env,
             )
             await self._wait_ready()

@@ -36,10 +36,13 @@ class _StepClock:
         return scores
 
 
-def load_hf_model(model_path: str) -> tuple[CausalLM, PreTrainedTokenizerBase]:
+def load_hf_model(model_path: str, device: str = "cpu",
+                  dtype: str | None = None) -> tuple[CausalLM, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype or "float32"))
+    # transformers types `to` through a wrapper that mypy reads as taking the model, not a device.
+    model = model.to(torch.device(device))  # type: ignore[arg-type]
     model.eval()
     return model, AutoTokenizer.from_pretrained(model_path)
 
@@ -66,8 +69,8 @@ def run_hf_generate(model: CausalLM, pad_id: int, workload: Workload, batch_size
         clock = _StepClock()
         # transformers types generate's self as a Protocol with settable `device` and `dtype`, which
         # PreTrainedModel's read-only properties do not satisfy.
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,  # type: ignore[misc]
-                       min_new_tokens=longest, do_sample=False, pad_token_id=pad_id,
+        model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),  # type: ignore[misc]
+                       max_new_tokens=longest, min_new_tokens=longest, do_sample=False, pad_token_id=pad_id,
                        logits_processor=LogitsProcessorList([clock]))
         times = [t - start for t in clock.times]
         for i in group:
@@ -92,7 +95,8 @@ def run_hf_generate_batch(model: CausalLM, workload: Workload, batch_size: int,
 
     config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=model.config.pad_token_id)
     # Sized explicitly: the automatic sizing reads free GPU memory.
-    cb_config = ContinuousBatchingConfig(max_batch_tokens=2048, num_blocks=128, max_requests_per_batch=batch_size)
+    cb_config = ContinuousBatchingConfig(max_batch_tokens=2048, num_blocks=max(128, 24 * batch_size),
+                                         max_requests_per_batch=batch_size)
     requests = workload.requests
     timings = [RequestTiming(lane=r.lane, arrival_s=0.0) for r in requests]
     with model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb_config,

@@ -112,8 +112,10 @@ def run_suite(config: BenchConfig, model: str, progress: Progress, env: Mapping[
     def tick(phase: str) -> Callable[[int], None]:
         return lambda n: progress(phase, n)
 
+    placement: dict[str, Any] = {"device": config.device, "dtype": config.dtype}
+
     for mode in config.modes:
-        engine = make_engine(model, mode, config.max_num_seqs, max_wait_ms=config.max_wait_ms)
+        engine = make_engine(model, mode, config.max_num_seqs, max_wait_ms=config.max_wait_ms, **placement)
         for workload in (w.skewed, w.sharegpt):
             report.runs.append(run_offline(engine, workload, mode, tick(f"offline {workload.name} {mode}")))
         del engine
@@ -123,11 +125,11 @@ def run_suite(config: BenchConfig, model: str, progress: Progress, env: Mapping[
         _run_peers(config, model, w, report, tick)
 
     for system, caching in (("continuous, prefix cache", True), ("continuous, no prefix cache", False)):
-        engine = make_engine(model, "continuous", config.max_num_seqs, enable_prefix_caching=caching)
+        engine = make_engine(model, "continuous", config.max_num_seqs, enable_prefix_caching=caching, **placement)
         report.runs.append(_run_one_at_a_time(engine, w.shared_prefix, system, tick(f"shared-prefix {system}")))
         del engine
 
-    engine = make_engine(model, "continuous", config.max_num_seqs, policy="priority")
+    engine = make_engine(model, "continuous", config.max_num_seqs, policy="priority", **placement)
     for workload in (w.mixed_alone, w.mixed_with_batch):
         report.runs.append(run_offline(engine, workload, "continuous, priority", tick(f"{workload.name}")))
     del engine
@@ -147,7 +149,7 @@ def _run_peers(config: BenchConfig, model: str, w: Workloads, report: BenchRepor
                tick: Callable[[str], Callable[[int], None]]) -> None:
     from bench.peers import load_hf_model, run_hf_generate, run_hf_generate_batch
 
-    hf_model, tokenizer = load_hf_model(model)
+    hf_model, tokenizer = load_hf_model(model, config.device, config.dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     # Warm-up: one short padded batch through each path.
     warm = skewed(2, seed=config.seed + 99, output_scale=0.02)
@@ -181,7 +183,8 @@ async def _run_online_sweeps(config: BenchConfig, model: str, workload: Workload
     capacity_rps: float | None = None
     fractions = sorted(config.online_rate_fractions, key=lambda f: not math.isinf(f))
     for mode in sorted(config.online_modes, key=lambda m: m != "continuous"):
-        async with OnlineStack(model, mode, config.max_num_seqs, config.max_wait_ms, child_env) as stack:
+        async with OnlineStack(model, mode, config.max_num_seqs, config.max_wait_ms, child_env,
+                               device=config.device, dtype=config.dtype) as stack:
             # Warm-up through the whole path before timing anything.
             await run_online(stack, Workload("warm-up", workload.requests[:2]), "warm-up")
             for fraction in fractions:

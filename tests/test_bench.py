@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.checks import step_count_ceiling
+from bench.cli import build_parser, config_from_args
 from bench.config import BenchConfig
 from bench.records import percentile
 from bench.suite import build_workloads
@@ -59,6 +60,17 @@ def test_step_count_ceiling_counts_padded_groups() -> None:
     assert 2.25 <= many["ratio"] <= 2.5  # 500 / 212.5 = 2.35 in expectation; this draw gives 2.45
 
 
+def test_device_and_dtype_flags_are_checked() -> None:
+    parser = build_parser({})
+    config = config_from_args(parser.parse_args(["--device", "cuda:1", "--dtype", "bfloat16"]))
+    assert (config.device, config.dtype) == ("cuda:1", "bfloat16")
+    assert config_from_args(parser.parse_args([])).device == "cpu"
+    with pytest.raises(ValueError, match="device"):
+        BenchConfig(device="tpu")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "float64"])
+
+
 def test_percentile_interpolates() -> None:
     assert percentile([], 50) is None
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
@@ -68,9 +80,12 @@ def test_percentile_interpolates() -> None:
 @pytest.mark.timeout(180)
 def test_quick_bench_writes_a_complete_report(tmp_path: Path, tiny_model: Callable[..., str]) -> None:
     out = tmp_path / "report"
-    assert carpool_main(["bench", "--quick", "--no-progress", "--output", str(out), "--model", tiny_model()]) == 0
+    # --device and --dtype reach every system, the online worker child included.
+    assert carpool_main(["bench", "--quick", "--no-progress", "--output", str(out), "--model", tiny_model(),
+                         "--device", "cpu", "--dtype", "float32"]) == 0
 
     document = json.loads((out / "results.json").read_text())
+    assert (document["config"]["device"], document["config"]["dtype"]) == ("cpu", "float32")
     assert document["machine"]["cpu"] and document["machine"]["num_cpus"] >= 1
     config = BenchConfig().quick()
     planned = build_workloads(config)
