@@ -14,12 +14,14 @@ import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from gateway.flags import add_config_flags, config_from_args
 from scheduler.log_format import configure_logging
 from scheduler.params import SamplingParams
 from scheduler.telemetry import Telemetry, TelemetryConfig, telemetry_config_from_env
 from worker.config import WorkerConfig
+from worker.engine_process import EngineProcess, EngineStartError
 from worker.torch_threads import apply_torch_threads
 
 log = logging.getLogger("worker")
@@ -73,17 +75,35 @@ def generate(config: WorkerConfig, prompt: str, params: SamplingParams) -> int:
     return 0
 
 
+async def start_engine(config: WorkerConfig) -> Any:
+    """The engine in its own process (``engine_process``) or in this one; raises ``EngineStartError``."""
+    model = config.model or "(built-in tiny model)"
+    if config.engine_process:
+        log.info("loading model %s on %s in an engine process", model, config.device)
+        return await EngineProcess.start(config.engine_kwargs(), config.torch_threads, config.device)
+    from worker.engine import Engine
+
+    threads = apply_torch_threads(config.torch_threads, config.device)
+    log.info("loading model %s on %s (%d torch threads)", model, config.device, threads)
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: Engine(**config.engine_kwargs()))
+    except Exception as e:
+        raise EngineStartError(f"{type(e).__name__}: {e}") from e
+
+
 async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None = None) -> int:
     """Run until SIGTERM/SIGINT (or a failed background task), then shut down in two phases."""
     import redis.asyncio as aioredis
 
-    from worker.engine import Engine
     from worker.service import WorkerService
 
+    try:
+        engine = await start_engine(config)
+    except EngineStartError as e:
+        log.error("cannot start the engine: %s", e)
+        print(f"carpool worker: cannot start the engine: {e}", file=sys.stderr)
+        return 1
     loop = asyncio.get_running_loop()
-    threads = apply_torch_threads(config.torch_threads, config.device)
-    log.info("loading model %s on %s (%d torch threads)", config.model or "(built-in tiny model)", config.device, threads)
-    engine = await loop.run_in_executor(None, lambda: Engine(**config.engine_kwargs()))
     client = aioredis.Redis.from_url(config.redis_url)
     telemetry = Telemetry(telemetry_config or TelemetryConfig(service_name="carpool-worker"))
     service = WorkerService(config, engine, client, telemetry)

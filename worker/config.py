@@ -49,6 +49,10 @@ class WorkerConfig:
     torch_threads: int = field(default=0, metadata=_help(
         "torch intra-op threads of this process; 0: one on CPU (fastest for small models on shared cores), torch's default on CUDA"))
 
+    engine_process: bool = field(default=True, metadata=_help(
+        "run the engine in a child process, so its steps never wait for the GIL of the worker's Redis I/O; "
+        "off: on a thread of the worker process"))
+
     # --- service ------------------------------------------------------------------
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata=_help("Redis server holding the lanes"))
     key_prefix: str = field(default=DEFAULT_PREFIX, metadata=_help("prefix of every Redis key"))

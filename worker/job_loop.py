@@ -1,11 +1,12 @@
 """The bridge between jobs and the engine.
 
-The engine is not thread-safe and its steps are long, so every engine call
-runs on one dedicated thread. The event loop keeps Redis I/O and lease
-renewal going meanwhile; it hands each tick the requests to add and abort,
-and gets back the outputs of one step. After each step: token events and due
-checkpoints go out in one pipeline, then finished jobs are committed; the next
-step already runs on the engine thread meanwhile.
+The engine's steps are long, so they run off the event loop: in a child
+process (``worker.engine_process``) or on one dedicated thread
+(``worker.engine_tick.EngineThread``). The event loop keeps Redis I/O and
+lease renewal going meanwhile; it hands each tick the requests to add and
+abort, and gets back the outputs of one step. After each step: token events
+and due checkpoints go out in one pipeline, then finished jobs are committed;
+the next step already runs in the engine meanwhile.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from scheduler.tasks import raise_if_cancelled
 from scheduler.lanes import LANE_RANK
 from scheduler.webhooks import OutputThrottle, delivery_fields, running_view
 from worker.config import WorkerConfig
+from worker.engine_tick import EngineFailed, EngineRunner, Tick
 from scheduler.log_format import job_context
 from scheduler.telemetry import span_of_traceparent
 from worker.metrics import JobTrace, WorkerMetrics
@@ -72,22 +73,11 @@ class RunningJob:
         return self.resumed_logprobs + self.engine_logprobs
 
 
-@dataclass
-class Tick:
-    """What one engine-thread call did."""
-
-    rejected: dict[str, str]
-    outputs: list[Any]
-    num_unfinished: int
-    stats: Any
-    """The engine's ``EngineStats`` after the step."""
-
-
 class JobLoop:
-    def __init__(self, engine: Any, store: ResultStore, client: aioredis.Redis, keys: Keys,
+    def __init__(self, runner: EngineRunner, store: ResultStore, client: aioredis.Redis, keys: Keys,
                  config: WorkerConfig, metrics: WorkerMetrics | None = None) -> None:
-        self.engine = engine
-        self.metrics = metrics or WorkerMetrics(max_num_seqs=getattr(engine, "max_num_seqs", config.capacity))
+        self.runner = runner
+        self.metrics = metrics or WorkerMetrics(max_num_seqs=runner.max_num_seqs)
         self.store = store
         self.client = client
         self.keys = keys
@@ -102,7 +92,6 @@ class JobLoop:
         self._work = asyncio.Event()
         self.slot_freed = asyncio.Event()
         self._commits: set[asyncio.Task[None]] = set()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._on_finished: list[Callable[[str, JobStatus], None]] = []
 
     # --- capacity ----------------------------------------------------------------
@@ -172,27 +161,12 @@ class JobLoop:
         self._work.set()
         self.slot_freed.set()
 
-    # --- engine thread ------------------------------------------------------------------
-
-    def _tick(self, adds: list[tuple[str, JobSpec, int, list[int]]], aborts: list[str], do_step: bool) -> Tick:
-        rejected: dict[str, str] = {}
-        for request_id in aborts:
-            self.engine.abort_request(request_id)
-        for request_id, spec, priority, resume in adds:
-            try:
-                self.engine.add_request(
-                    request_id, spec.prompt if spec.prompt is not None else spec.prompt_token_ids, spec.params,
-                    messages=spec.messages, priority=priority, resume_token_ids=resume or None,
-                )
-            except ValueError as e:
-                rejected[request_id] = str(e)
-        outputs = self.engine.step() if do_step and self.engine.has_unfinished_requests() else []
-        return Tick(rejected, outputs, self.engine.num_unfinished_requests(), self.engine.stats())
+    # --- engine ----------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Step the engine while it has work; wait for work otherwise. Cancelled at shutdown.
 
-        Step N+1 runs on the engine thread while step N's events are written, so the engine never
+        Step N+1 runs in the engine while step N's events are written, so the engine never
         idles for a Redis round trip. Step N's handling always ends before step N+1's begins: events
         stay in order per job and finished jobs are committed after their last token events. A
         checkpoint reply saying "drop" or "cancel" therefore aborts the job one step later; that step's
@@ -201,6 +175,7 @@ class JobLoop:
         loop = asyncio.get_running_loop()
         num_unfinished = 0
         handling: asyncio.Task[None] | None = None
+        step: asyncio.Future[Tick] | None = None
         try:
             while True:
                 raise_if_cancelled()
@@ -220,11 +195,12 @@ class JobLoop:
                     if job.trace is not None:
                         job.trace.admitted(time.time())
                 self._adds, aborts, self._aborts = [], self._aborts, []
-                step = loop.run_in_executor(self._executor, self._tick, adds, aborts, True)
+                step = self.runner.tick(adds, aborts, True)
                 if handling is not None:
                     pending, handling = handling, None
                     await pending
-                tick = await step
+                awaited, step = step, None
+                tick = await awaited
                 num_unfinished = tick.num_unfinished
                 self.stats = tick.stats
                 self.metrics.record_step(tick.stats)
@@ -232,6 +208,9 @@ class JobLoop:
                 if num_unfinished and not tick.outputs and tick.stats.last_step_num_seqs == 0:
                     await asyncio.sleep(IDLE_STEP_SLEEP_S)  # the engine holds work back (dynamic batching window)
         finally:
+            if step is not None and not step.cancel() and not step.cancelled() and step.exception() is not None:
+                # Cancelling a tick only stops the wait for it; one that already failed is reported here.
+                log.error("the last engine tick failed", exc_info=step.exception())
             # Only a step's handling not yet awaited is left here (cancelled in the idle sleep).
             if handling is not None:
                 handling.cancel()
@@ -368,12 +347,16 @@ class JobLoop:
             refs.append(job.entry)
             self._abort(job.spec.id)
         await self.step_writer.write(writes)
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._tick, [], self._aborts, False)
-        self._aborts = []
+        aborts, self._aborts = self._aborts, []
+        try:
+            await self.runner.tick([], aborts, False)
+        except EngineFailed as e:
+            # A dead engine runs nothing: the checkpoints are written, so the jobs are handed back all the same.
+            log.error("aborting the handed-back jobs in the engine failed: %s", e)
         return refs
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+    async def aclose(self) -> None:
+        await self.runner.aclose()
 
     async def view(self, job_id: str) -> dict[str, Any]:
         return job_view(await read_hash(self.client, self.keys.job(job_id)))

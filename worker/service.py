@@ -31,6 +31,7 @@ from scheduler.tasks import raise_if_cancelled
 from scheduler.webhooks import delivery_fields
 from worker.config import WorkerConfig
 from worker.consumer import Entry, LaneConsumer
+from worker.engine_tick import as_runner
 from worker.job_loop import JobLoop
 from worker.metrics import METRICS_KEY, WorkerMetrics, metrics_handler
 from worker.results import Admission, Outcome, ResultStore, pack
@@ -47,8 +48,10 @@ RESERVE_POLL_S = 0.02
 class WorkerService:
     def __init__(self, config: WorkerConfig, engine: Any, client: aioredis.Redis,
                  telemetry: Telemetry | None = None) -> None:
+        """``engine``: an ``EngineProcess`` (or other ``EngineRunner``), or an in-process ``Engine`` run on a thread."""
         self.config = config
         self.engine = engine
+        self.runner = as_runner(engine)
         self.client = client
         self.keys = Keys(config.key_prefix)
         self.store = ResultStore(client, self.keys, worker=config.worker_name, result_ttl_s=config.result_ttl_s,
@@ -57,9 +60,9 @@ class WorkerService:
                                      lease_ms=config.lease_ms, read_block_ms=config.read_block_ms,
                                      max_deliveries=config.max_deliveries)
         # ``telemetry`` (built by the CLI from the OTEL_* variables) stays the caller's to shut down.
-        self.metrics = WorkerMetrics(telemetry, max_num_seqs=getattr(engine, "max_num_seqs", config.capacity))
+        self.metrics = WorkerMetrics(telemetry, max_num_seqs=self.runner.max_num_seqs)
         self._lane_of = {self.keys.lane(lane): lane.value for lane in Lane}
-        self.loop = JobLoop(engine, self.store, client, self.keys, config, self.metrics)
+        self.loop = JobLoop(self.runner, self.store, client, self.keys, config, self.metrics)
         self.is_ready = False
         self.is_draining = False
         self.stopped = asyncio.Event()
@@ -114,7 +117,7 @@ class WorkerService:
         await self.client.hdel(self.keys.workers, self.config.worker_name)
         if self._http is not None:
             await self._http.cleanup()
-        self.loop.close()
+        await self.loop.aclose()
         if self.metrics.streams is not None:
             await self.metrics.streams.aclose()
         self.metrics.close()

@@ -1,0 +1,142 @@
+"""The engine in its own process: same tokens as in-process, failures reach the worker, no child outlives its worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from scheduler.job import JobSpec
+from scheduler.params import SamplingParams
+from child_env import child_pythonpath
+from worker.engine_process import EngineProcess, EngineStartError
+from worker.engine_tick import EngineFailed
+from worker_harness import KEYS, running_worker, wait_terminal, xadd_job
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        out += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    return out
+
+
+def _is_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def test_ticks_match_the_in_process_engine_and_a_failing_tick_reports_its_traceback(tiny_model):
+    from worker.engine import Engine
+
+    model = tiny_model()
+    prompts = ["the engine process", "runs its own steps", "in order"]
+    expected = [c.token_ids for c in Engine(model=model, max_num_seqs=4).generate(prompts, GREEDY)]
+    engine = await EngineProcess.start({"model": model, "max_num_seqs": 4}, 1, "cpu")
+    try:
+        assert engine.max_num_seqs == 4
+        adds = [(f"r{i}", JobSpec(id=f"r{i}", prompt=p, params=GREEDY), 0, []) for i, p in enumerate(prompts)]
+        tokens: dict[str, list[int]] = {}
+        tick = await engine.tick(adds, [], True)
+        while True:
+            tokens.update({out.request_id: out.token_ids for out in tick.outputs})
+            if tick.num_unfinished == 0:
+                break
+            tick = await engine.tick([], [], True)
+        assert [tokens[f"r{i}"] for i in range(3)] == expected
+        assert tick.stats.num_running == 0 and tick.stats.num_steps >= 8
+        # Nothing in a reply may need torch to unpickle: the worker process never imports it.
+        assert {type(out).__module__ for out in tick.outputs} == {"worker.engine_tick"}
+        assert type(tick.stats).__module__ == "types"
+
+        with pytest.raises(EngineFailed) as failed:
+            await engine.tick([("bad", None, 0, [])], [], True)  # type: ignore[list-item]
+        assert "AttributeError" in str(failed.value) and "Traceback" in str(failed.value)
+        after = await engine.tick([], [], True)  # the child survives a failed tick
+        assert after.num_unfinished == 0
+    finally:
+        await engine.aclose()
+    assert engine.process.exitcode == 0
+
+
+async def test_a_killed_engine_process_fails_the_worker_and_its_jobs_finish_elsewhere(redis_url, tiny_model):
+    from worker.engine import Engine
+
+    model = tiny_model()
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    specs = [JobSpec(id=f"ep-{i}", prompt=f"engine process job {i}", params=params) for i in range(4)]
+    client = aioredis.Redis.from_url(redis_url)
+    engine = await EngineProcess.start({"model": model, "max_num_seqs": 4}, 1, "cpu")
+    async with running_worker(redis_url, engine, lease_s=1.0, checkpoint_tokens=4) as service:
+        for spec in specs:
+            await xadd_job(client, spec)
+        deadline = time.monotonic() + 60
+        while not any(len(job.token_ids) >= 4 for job in service.loop.jobs.values()):
+            assert time.monotonic() < deadline, "no job got going"
+            await asyncio.sleep(0.01)
+        os.kill(engine.pid, signal.SIGKILL)
+        await asyncio.wait_for(service.stopped.wait(), 10)
+        assert service.has_failed
+        statuses = [await client.hget(KEYS.job(s.id), "status") for s in specs]
+        assert b"succeeded" not in statuses
+    assert engine.process.exitcode == -signal.SIGKILL
+    rescuer = Engine(model=model, max_num_seqs=4)
+    async with running_worker(redis_url, rescuer, lease_s=1.0):
+        views = await wait_terminal(client, [s.id for s in specs], timeout_s=60)
+    assert {v["status"] for v in views.values()} == {"succeeded"}
+    assert all(len(v["output"]["token_ids"]) == 48 for v in views.values())
+    await client.aclose()
+
+
+def _worker(redis_url: str, model: str, name: str) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", redis_url, "--model", model,
+            "--worker-name", name, "--metrics-port", "0", "--max-num-seqs", "4"]
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT)}
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+async def test_a_sigkilled_worker_leaves_no_engine_process_behind(redis_url, tiny_model):
+    client = aioredis.Redis.from_url(redis_url)
+    worker = _worker(redis_url, tiny_model(), "short-lived")
+    try:
+        deadline = time.monotonic() + 90
+        while not await client.hexists(KEYS.workers, "short-lived"):
+            assert worker.poll() is None, worker.stderr.read().decode() if worker.stderr else ""
+            assert time.monotonic() < deadline, "the worker never got ready"
+            await asyncio.sleep(0.05)
+        children = _children(worker.pid)  # the engine, and multiprocessing's resource tracker
+        assert any(b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes() for c in children)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        deadline = time.monotonic() + 5
+        while not all(_is_gone(c) for c in children):
+            assert time.monotonic() < deadline, f"child processes {children} outlived their worker"
+            await asyncio.sleep(0.05)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        await client.aclose()
+
+
+async def test_a_bad_model_path_fails_startup_with_a_clear_error(redis_url, tmp_path):
+    missing = tmp_path / "no-such-model"
+    worker = _worker(redis_url, str(missing), "doomed")
+    _, stderr = await asyncio.get_running_loop().run_in_executor(None, lambda: worker.communicate(timeout=90))
+    assert worker.returncode == 1
+    assert "cannot start the engine" in stderr.decode() and str(missing) in stderr.decode()
+    with pytest.raises(EngineStartError, match="no-such-model"):
+        await EngineProcess.start({"model": str(missing)}, 1, "cpu")

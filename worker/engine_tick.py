@@ -1,0 +1,101 @@
+"""One engine tick and the two ways the job loop runs it: on a thread of this process, or in a child.
+
+A tick aborts, adds, then (maybe) steps the engine, and reports what
+happened. The job loop drives either runner through ``EngineRunner``; the
+in-process one here runs ticks on one dedicated thread (the engine is not
+thread-safe), the child-process one is ``worker.engine_process``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from scheduler.job import JobSpec
+
+Add = tuple[str, JobSpec, int, list[int]]
+"""A request to add: request id, its job, engine priority, tokens to resume from."""
+
+
+@dataclass
+class StepOutput:
+    """What the job loop reads of a ``RequestOutput``, in a module free of torch (for the engine process's parent)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[str, Any]] | None
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class Tick:
+    """What one engine tick did."""
+
+    rejected: dict[str, str]
+    outputs: list[Any]
+    """The step's ``RequestOutput``s (``StepOutput``s from an engine process)."""
+    num_unfinished: int
+    stats: Any
+    """The engine's ``EngineStats`` after the step (its fields in a ``SimpleNamespace`` from an engine process)."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine cannot tick any more: its process died, or a step raised (the message holds its traceback)."""
+
+
+class EngineRunner(Protocol):
+    max_num_seqs: int
+
+    def tick(self, adds: list[Add], aborts: list[str], do_step: bool) -> asyncio.Future[Tick]:
+        """Hand the tick to the engine at once (not at the caller's next await); the future holds its result.
+
+        Ticks run one at a time in the order given, also when a caller stops waiting for one.
+        """
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+def as_runner(engine: Any) -> EngineRunner:
+    """A runner as is; an in-process ``Engine`` wrapped to tick on its own thread."""
+    return engine if hasattr(engine, "tick") else EngineThread(engine)
+
+
+def run_tick(engine: Any, adds: list[Add], aborts: list[str], do_step: bool) -> Tick:
+    rejected: dict[str, str] = {}
+    for request_id in aborts:
+        engine.abort_request(request_id)
+    for request_id, spec, priority, resume in adds:
+        try:
+            engine.add_request(
+                request_id, spec.prompt if spec.prompt is not None else spec.prompt_token_ids, spec.params,
+                messages=spec.messages, priority=priority, resume_token_ids=resume or None,
+            )
+        except ValueError as e:
+            rejected[request_id] = str(e)
+    outputs = engine.step() if do_step and engine.has_unfinished_requests() else []
+    return Tick(rejected, outputs, engine.num_unfinished_requests(), engine.stats())
+
+
+class EngineThread:
+    """An in-process engine, ticked on one dedicated thread; the event loop stays free meanwhile."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.max_num_seqs: int = engine.max_num_seqs
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    def tick(self, adds: list[Add], aborts: list[str], do_step: bool) -> asyncio.Future[Tick]:
+        return asyncio.get_running_loop().run_in_executor(self._executor, run_tick, self.engine, adds, aborts, do_step)
+
+    async def aclose(self) -> None:
+        # A tick still running finishes on its thread; waiting for it must not block the event loop.
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
