@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
-from bench.config import BATCHING_MODES, BenchConfig
+from bench.config import BATCHING_MODES, MODEL_DTYPES, BenchConfig
 
 
 _Default = TypeVar("_Default", str, None)
@@ -42,7 +42,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                    help="torch CPU threads for every system, worker included (default 1: steady numbers on a shared CPU)")
     p.add_argument("--device", default=default("device", base.device),
                    help="cpu, cuda or cuda:N, for every system, worker included (default: cpu)")
-    p.add_argument("--dtype", default=default("dtype", None), choices=["float32", "float16", "bfloat16"],
+    p.add_argument("--dtype", default=default("dtype", None), choices=MODEL_DTYPES,
                    help="model dtype for every system (default: the checkpoint's)")
     p.add_argument("--skewed-requests", type=int, default=None, help=f"default {base.skewed_requests}")
     p.add_argument("--sharegpt-requests", type=int, default=None, help=f"default {base.sharegpt_requests}")

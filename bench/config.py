@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 BATCHING_MODES = ("static", "dynamic", "continuous")
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,8 @@ class BenchConfig:
                 raise ValueError(f"modes: unknown batching mode {mode!r}; modes are {', '.join(BATCHING_MODES)}")
         if "continuous" not in self.modes:
             raise ValueError("modes: continuous is the baseline the others are compared with")
-        if self.dtype not in (None, "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype: must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device: must be cpu, cuda or cuda:N, got {self.device!r}")
         if not self.online_rate_fractions or any(f <= 0 for f in self.online_rate_fractions):

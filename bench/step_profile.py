@@ -17,6 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.config import MODEL_DTYPES
 from scheduler.params import SamplingParams
 
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
@@ -50,7 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=MODEL_DTYPES)
     parser.add_argument("--batches", default="8,32")
     args = parser.parse_args()
     if not torch.cuda.is_available():
