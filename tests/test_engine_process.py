@@ -62,6 +62,18 @@ async def test_ticks_match_the_in_process_engine_and_a_failing_tick_reports_its_
         assert {type(out).__module__ for out in tick.outputs} == {"worker.engine_tick"}
         assert type(tick.stats).__module__ == "types"
 
+        # Ticks asked for ahead of their replies run in order; a request far larger than the socket's buffers
+        # goes out while replies come back.
+        again = [(f"p{i}", JobSpec(id=f"p{i}", prompt=p, params=GREEDY), 0, []) for i, p in enumerate(prompts)]
+        huge = ("huge", JobSpec(id="huge", prompt_token_ids=[7] * 1_000_000, params=GREEDY), 0, [])
+        ahead = [engine.tick(again, [], True)] + [engine.tick([huge] if i == 3 else [], [], True) for i in range(12)]
+        ticks = await asyncio.gather(*ahead)
+        steps = [t.stats.num_steps for t in ticks]
+        assert steps[:8] == list(range(steps[0], steps[0] + 8)) and set(steps[8:]) == {steps[7]}  # then idle
+        piped = {out.request_id: out.token_ids for t in ticks for out in t.outputs}
+        assert [piped[f"p{i}"] for i in range(3)] == expected
+        assert "huge" in ticks[4].rejected and "huge" not in piped
+
         with pytest.raises(EngineFailed) as failed:
             await engine.tick([("bad", None, 0, [])], [], True)  # type: ignore[list-item]
         assert "AttributeError" in str(failed.value) and "Traceback" in str(failed.value)

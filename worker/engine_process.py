@@ -3,14 +3,21 @@
 On one thread, the engine's step and the event loop's Redis I/O, leases,
 metrics and token events take turns holding the GIL: a worker then uses one
 core however many it has. Here the child builds the engine and serves ticks
-over a pipe; per tick the parent only pickles the request and unpickles the
-reply.
+over a socket pair; per tick the parent only pickles the request and
+unpickles the reply.
+
+Ticks are pipelined: the parent may send the next tick before the reply to
+the last one has arrived, so the child starts its next step the moment it
+has sent a reply. The parent's side of the socket is an asyncio transport:
+its writes are buffered and never block the event loop, and replies are
+read while a large request is still going out, so a large request and a
+large reply cannot wait on each other.
 
 The child is started with ``spawn`` (forking a process that loaded torch is
-unsafe). It exits when told to, when the pipe reaches EOF (its parent died),
-or, on Linux, by SIGKILL the moment its parent dies. It ignores SIGINT and
-SIGTERM: a Ctrl-C to the process group must not kill the engine while the
-parent still drains through it.
+unsafe). It exits when told to, when the socket reaches EOF (its parent
+died), or, on Linux, by SIGKILL the moment its parent dies. It ignores
+SIGINT and SIGTERM: a Ctrl-C to the process group must not kill the engine
+while the parent still drains through it.
 """
 
 from __future__ import annotations
@@ -21,11 +28,13 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
+import socket
+import struct
 import sys
 import traceback
 from collections import deque
-from multiprocessing.connection import Connection
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,31 +43,64 @@ from worker.engine_tick import Add, EngineFailed, StepOutput, Tick, run_tick
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
-"""How long a stopping child may take to finish its tick and exit before it is killed."""
-START_POLL_S = 0.5
+"""How long a stopping child may take to finish its ticks and exit before it is killed."""
 PR_SET_PDEATHSIG = 1
+FRAME_HEADER = struct.Struct("!Q")
+"""Each message on the socket: its pickle's length, then the pickle."""
 
 
 class EngineStartError(RuntimeError):
     """The child could not build the engine (bad model path, bad setting); the message says why."""
 
 
+def frame(message: Any) -> bytes:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return FRAME_HEADER.pack(len(data)) + data
+
+
+class _Channel(asyncio.Protocol):
+    """The parent's end of the socket: cuts the byte stream into messages and hands each to ``on_message``."""
+
+    def __init__(self, on_message: Any, on_lost: Any) -> None:
+        self.on_message = on_message
+        self.on_lost = on_lost
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while len(self._buffer) >= FRAME_HEADER.size:
+            (size,) = FRAME_HEADER.unpack_from(self._buffer)
+            end = FRAME_HEADER.size + size
+            if len(self._buffer) < end:
+                return
+            message = pickle.loads(self._buffer[FRAME_HEADER.size:end])
+            del self._buffer[:end]
+            self.on_message(message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.on_lost(exc)
+
+
 class EngineProcess:
     """The parent's handle on an engine child: ``tick`` round trips, ``aclose`` stops it.
 
-    The event loop's own thread writes requests and reads replies (a reader on the pipe): no thread
-    hand-off sits between a reply and the next request, so the engine idles as little as possible.
-    One request at a time is in the pipe; later ones wait here, in order.
+    Requests go out as soon as they are asked for; the child answers them one at a time, in order.
     """
 
-    def __init__(self, process: Any, conn: Connection, max_num_seqs: int) -> None:
+    def __init__(self, process: Any, max_num_seqs: int = 0) -> None:
         self.process = process
         self.max_num_seqs = max_num_seqs
-        self._conn = conn
-        self._waiting: deque[tuple[Any, asyncio.Future[Tick] | None]] = deque()
-        """Requests not yet answered, oldest first (the first one is in the pipe); None: the stop message."""
+        self._channel: _Channel | None = None
+        self._ready: asyncio.Future[int] | None = None
+        self._waiting: deque[asyncio.Future[Tick] | None] = deque()
+        """Requests sent and not yet answered, oldest first; None: the stop message."""
         self._failure: EngineFailed | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
 
     @property
     def pid(self) -> int:
@@ -67,115 +109,106 @@ class EngineProcess:
     @classmethod
     async def start(cls, engine_kwargs: dict[str, Any], torch_threads: int, device: str) -> EngineProcess:
         """Spawn the child and wait until its engine is built; raises ``EngineStartError`` if it cannot be."""
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
         context = multiprocessing.get_context("spawn")
-        conn, child_conn = context.Pipe(duplex=True)
         process = context.Process(target=serve_engine, name="carpool-engine", daemon=True,
-                                  args=(child_conn, engine_kwargs, torch_threads, device, os.getpid()))
+                                  args=(theirs, engine_kwargs, torch_threads, device, os.getpid()))
         # Started from the event loop's thread, the main one: Linux sends the death signal when the thread
         # that started the child ends, so a short-lived thread must not start it.
-        process.start()
-        child_conn.close()  # only the child holds its end now: its death is EOF here
         try:
-            ready = await asyncio.get_running_loop().run_in_executor(None, _wait_ready, process, conn)
-        except BaseException:
+            process.start()
+        finally:
+            theirs.close()  # only the child holds its end now: its death is EOF here
+        engine = cls(process)
+        engine._ready = loop.create_future()
+        try:
+            _, channel = await loop.create_unix_connection(lambda: _Channel(engine._on_message, engine._on_lost),
+                                                           sock=ours)
+            engine._channel = channel
+            engine.max_num_seqs = await engine._ready
+        except BaseException as e:
             process.kill()
-            process.join(STOP_TIMEOUT_S)
-            conn.close()
+            await loop.run_in_executor(None, process.join, STOP_TIMEOUT_S)
+            if engine._channel is None:
+                ours.close()
+            engine._close_channel()
+            if isinstance(e, EOFError):
+                raise EngineStartError(
+                    f"the engine process exited with code {process.exitcode} before it was ready") from None
             raise
-        return cls(process, conn, ready)
+        return engine
 
     def tick(self, adds: list[Add], aborts: list[str], do_step: bool) -> asyncio.Future[Tick]:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Tick] = loop.create_future()
+        future: asyncio.Future[Tick] = asyncio.get_running_loop().create_future()
         if self._failure is not None:
             future.set_exception(self._failure)
             return future
-        if self._loop is None:
-            self._loop = loop
-            loop.add_reader(self._conn.fileno(), self._on_reply)
-        self._waiting.append(((adds, aborts, do_step), future))
-        if len(self._waiting) == 1:
-            self._send_next()
+        if self._stopping:
+            future.set_exception(EngineFailed(f"the engine process (pid {self.pid}) is stopping"))
+            return future
+        self._waiting.append(future)
+        self._send((adds, aborts, do_step))
         return future
 
-    def _send_next(self) -> None:
-        if not self._waiting:
-            return
-        request, _ = self._waiting[0]
-        try:
-            self._conn.send(request)
-        except OSError as e:
-            self._fail(e)
+    def _send(self, message: Any) -> None:
+        assert self._channel is not None and self._channel.transport is not None
+        self._channel.transport.write(frame(message))  # buffered: never blocks the event loop
 
-    def _on_reply(self) -> None:
-        try:
-            kind, payload = self._conn.recv()
-        except (EOFError, OSError) as e:
-            if self._waiting and self._waiting[0][1] is None:
-                self._stop_reading()  # the child exits as asked
+    def _on_message(self, message: tuple[str, Any]) -> None:
+        kind, payload = message
+        if self._ready is not None and not self._ready.done():
+            if kind == "ready":
+                self._ready.set_result(int(payload))
             else:
-                self._fail(e)
+                self._ready.set_exception(EngineStartError(payload))
             return
-        request, future = self._waiting.popleft()
-        if future is not None and not future.done():
-            if kind == "error":
-                future.set_exception(EngineFailed(f"the engine raised in its process (pid {self.pid}):\n{payload}"))
-            else:
-                assert kind == "tick" and isinstance(payload, Tick), kind
-                future.set_result(payload)
-        self._send_next()
+        future = self._waiting.popleft()
+        if future is None or future.done():
+            return
+        if kind == "error":
+            future.set_exception(EngineFailed(f"the engine raised in its process (pid {self.pid}):\n{payload}"))
+        else:
+            assert kind == "tick" and isinstance(payload, Tick), kind
+            future.set_result(payload)
 
-    def _fail(self, cause: BaseException) -> None:
-        """The child is gone: every waiting tick fails, and so does every later one."""
-        self.process.join(0.5)  # for its exit code; a closed pipe means it is exiting
+    def _on_lost(self, exc: Exception | None) -> None:
+        """EOF or a socket error: the child is gone (or exiting as asked)."""
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(EOFError("the engine process closed its socket before it was ready"))
+            return
+        if self._waiting and self._waiting[0] is None:
+            return  # every tick asked for is answered: the child exits as asked
+        self.process.join(0.5)  # for its exit code; a closed socket means it is exiting
         failure = EngineFailed(f"the engine process (pid {self.pid}) exited with code {self.process.exitcode}")
-        failure.__cause__ = cause
+        failure.__cause__ = exc
         self._failure = failure
-        self._stop_reading()
         while self._waiting:
-            _, future = self._waiting.popleft()
+            future = self._waiting.popleft()
             if future is not None and not future.done():
                 future.set_exception(failure)
 
-    def _stop_reading(self) -> None:
-        if self._loop is not None:
-            self._loop.remove_reader(self._conn.fileno())
-            self._loop = None
+    def _close_channel(self) -> None:
+        if self._channel is not None and self._channel.transport is not None:
+            self._channel.transport.close()
 
     async def aclose(self) -> None:
         """Stop the child after the ticks already asked for; kill it if it takes longer than ``STOP_TIMEOUT_S``."""
         loop = asyncio.get_running_loop()
-        if self._failure is None and not self._conn.closed:
-            # The stop message (None) queues behind ticks in flight instead of interleaving with them.
-            self._waiting.append((None, None))
-            if len(self._waiting) == 1:
-                self._send_next()
+        if self._failure is None and not self._stopping:
+            self._stopping = True
+            self._waiting.append(None)  # after the ticks in flight, not between them
+            self._send(None)
         await loop.run_in_executor(None, self.process.join, STOP_TIMEOUT_S)
         if self.process.is_alive():
             log.warning("the engine process (pid %d) did not stop in %.0fs; killing it", self.pid, STOP_TIMEOUT_S)
             self.process.kill()
             await loop.run_in_executor(None, self.process.join, STOP_TIMEOUT_S)
-        self._stop_reading()
+        self._close_channel()
         self._waiting.clear()
-        self._conn.close()
 
 
-def _wait_ready(process: Any, conn: Connection) -> int:
-    while not conn.poll(START_POLL_S):
-        if not process.is_alive():
-            raise EngineStartError(f"the engine process exited with code {process.exitcode} before it was ready")
-    try:
-        kind, payload = conn.recv()
-    except EOFError as e:
-        process.join(1.0)
-        raise EngineStartError(f"the engine process exited with code {process.exitcode} before it was ready") from e
-    if kind == "error":
-        raise EngineStartError(payload)
-    assert kind == "ready", kind
-    return int(payload)
-
-
-def serve_engine(conn: Connection, engine_kwargs: dict[str, Any], torch_threads: int, device: str,
+def serve_engine(sock: socket.socket, engine_kwargs: dict[str, Any], torch_threads: int, device: str,
                  parent_pid: int) -> None:
     """The child's body: build the engine, report ready (or why not), then answer ticks until told to stop."""
     _die_with_parent(parent_pid)
@@ -183,30 +216,47 @@ def serve_engine(conn: Connection, engine_kwargs: dict[str, Any], torch_threads:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from worker.torch_threads import apply_torch_threads
 
-    try:
-        apply_torch_threads(torch_threads, device)
-        from worker.engine import Engine
+    with sock:
+        try:
+            apply_torch_threads(torch_threads, device)
+            from worker.engine import Engine
 
-        engine = Engine(**engine_kwargs)
-    except Exception as e:
-        conn.send(("error", f"{type(e).__name__}: {e}"))
-        return
-    conn.send(("ready", engine.max_num_seqs))
-    while True:
-        try:
-            request = conn.recv()
-        except (EOFError, OSError):
-            return  # the parent is gone
-        if request is None:
+            engine = Engine(**engine_kwargs)
+        except Exception as e:
+            sock.sendall(frame(("error", f"{type(e).__name__}: {e}")))
             return
-        try:
-            reply: tuple[str, Any] = ("tick", _portable(run_tick(engine, *request)))
-        except Exception:
-            reply = ("error", traceback.format_exc())
-        try:
-            conn.send(reply)
-        except OSError:
-            return
+        sock.sendall(frame(("ready", engine.max_num_seqs)))
+        while True:
+            try:
+                request = _receive(sock)
+            except (EOFError, OSError):
+                return  # the parent is gone
+            if request is None:
+                return
+            try:
+                reply: tuple[str, Any] = ("tick", _portable(run_tick(engine, *request)))
+            except Exception:
+                reply = ("error", traceback.format_exc())
+            try:
+                sock.sendall(frame(reply))
+            except OSError:
+                return
+
+
+def _receive(sock: socket.socket) -> Any:
+    (size,) = FRAME_HEADER.unpack(_read_exactly(sock, FRAME_HEADER.size))
+    return pickle.loads(_read_exactly(sock, size))
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytearray:
+    data = bytearray(size)
+    view = memoryview(data)
+    while view:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise EOFError("the engine's parent closed the socket")
+        view = view[n:]
+    return data
 
 
 def _portable(tick: Tick) -> Tick:
@@ -218,7 +268,7 @@ def _portable(tick: Tick) -> Tick:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Best effort: have Linux SIGKILL this process when its parent dies, even before the pipe is read."""
+    """Best effort: have Linux SIGKILL this process when its parent dies, even before the socket is read."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

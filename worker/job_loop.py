@@ -6,7 +6,8 @@ process (``worker.engine_process``) or on one dedicated thread
 lease renewal going meanwhile; it hands each tick the requests to add and
 abort, and gets back the outputs of one step. After each step: token events
 and due checkpoints go out in one pipeline, then finished jobs are committed;
-the next step already runs in the engine meanwhile.
+the next step already runs in the engine meanwhile, and the one after it is
+already asked for.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +40,8 @@ from worker.step_writes import CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NOT_OURS, S
 log = logging.getLogger(__name__)
 
 IDLE_STEP_SLEEP_S = 0.002
+TICKS_IN_FLIGHT = 2
+"""Ticks handed to the engine before the oldest one's reply is read (see ``JobLoop.run``)."""
 
 LANE_PRIORITY_STRIDE = 1_000_000
 """Engine priority = lane rank * stride + job priority, so the lane always dominates."""
@@ -166,20 +170,22 @@ class JobLoop:
     async def run(self) -> None:
         """Step the engine while it has work; wait for work otherwise. Cancelled at shutdown.
 
-        Step N+1 runs in the engine while step N's events are written, so the engine never
-        idles for a Redis round trip. Step N's handling always ends before step N+1's begins: events
-        stay in order per job and finished jobs are committed after their last token events. A
-        checkpoint reply saying "drop" or "cancel" therefore aborts the job one step later; that step's
-        output for it is ignored, as the job is no longer ours.
+        ``TICKS_IN_FLIGHT`` ticks are handed to the engine ahead of their replies, so it starts
+        step N+1 as soon as step N is done, without waiting for this loop to read step N. Step N's
+        events are written while step N+1 runs. Step N's handling always ends before step N+1's
+        begins: events stay in order per job and finished jobs are committed after their last token
+        events. What a step's handling decides (new jobs in freed slots, a checkpoint reply saying
+        "drop" or "cancel") reaches the engine with the tick after the one already in flight; the
+        output of a job that is no longer ours is ignored.
         """
         loop = asyncio.get_running_loop()
         num_unfinished = 0
         handling: asyncio.Task[None] | None = None
-        step: asyncio.Future[Tick] | None = None
+        in_flight: deque[asyncio.Future[Tick]] = deque()
         try:
             while True:
                 raise_if_cancelled()
-                if num_unfinished == 0 and not self._adds and not self._aborts:
+                if not in_flight and num_unfinished == 0 and not self._adds and not self._aborts:
                     if handling is not None:
                         # The last step's handling may still queue aborts; settle it before going idle.
                         pending, handling = handling, None
@@ -190,17 +196,14 @@ class JobLoop:
                     # Admission window: an idle engine waits briefly so jobs arriving together start together.
                     if self.config.max_wait_ms > 0 and self.free > 0:
                         await asyncio.sleep(self.config.max_wait_ms / 1000)
-                adds = [(job.spec.id, job.spec, priority, job.token_ids) for job, priority in self._adds]
-                for job, _ in self._adds:
-                    if job.trace is not None:
-                        job.trace.admitted(time.time())
-                self._adds, aborts, self._aborts = [], self._aborts, []
-                step = self.runner.tick(adds, aborts, True)
+                while len(in_flight) < TICKS_IN_FLIGHT and (
+                        not in_flight or num_unfinished or self._adds or self._aborts):
+                    in_flight.append(self._send_tick())
                 if handling is not None:
                     pending, handling = handling, None
                     await pending
-                awaited, step = step, None
-                tick = await awaited
+                tick = await in_flight[0]
+                in_flight.popleft()
                 num_unfinished = tick.num_unfinished
                 self.stats = tick.stats
                 self.metrics.record_step(tick.stats)
@@ -208,15 +211,26 @@ class JobLoop:
                 if num_unfinished and not tick.outputs and tick.stats.last_step_num_seqs == 0:
                     await asyncio.sleep(IDLE_STEP_SLEEP_S)  # the engine holds work back (dynamic batching window)
         finally:
-            if step is not None and not step.cancel() and not step.cancelled() and step.exception() is not None:
-                # Cancelling a tick only stops the wait for it; one that already failed is reported here.
-                log.error("the last engine tick failed", exc_info=step.exception())
+            for future in in_flight:
+                if not future.cancel() and not future.cancelled() and future.exception() is not None:
+                    # Cancelling a tick only stops the wait for it; one that already failed is reported here.
+                    log.error("an engine tick failed", exc_info=future.exception())
             # Only a step's handling not yet awaited is left here (cancelled in the idle sleep).
             if handling is not None:
                 handling.cancel()
                 [result] = await asyncio.gather(handling, return_exceptions=True)
                 if isinstance(result, Exception):
                     log.error("handling the last engine step failed", exc_info=result)
+
+    def _send_tick(self) -> asyncio.Future[Tick]:
+        """Hand the engine the jobs queued since the last tick, the aborts, and one step."""
+        adds = [(job.spec.id, job.spec, priority, job.token_ids) for job, priority in self._adds]
+        now = time.time()
+        for job, _ in self._adds:
+            if job.trace is not None:
+                job.trace.admitted(now)
+        self._adds, aborts, self._aborts = [], self._aborts, []
+        return self.runner.tick(adds, aborts, True)
 
     async def _handle(self, tick: Tick) -> None:
         for job_id, message in tick.rejected.items():
