@@ -10,8 +10,8 @@ import redis.asyncio as aioredis
 from scheduler.job import JobSpec
 from scheduler.lanes import DEFAULT_LANE_WEIGHTS, Lane
 from scheduler.params import SamplingParams
-from worker.consumer import LaneShares
-from worker_harness import running_worker, wait_terminal, xadd_job
+from worker.consumer import LaneConsumer, LaneShares
+from worker_harness import KEYS, running_worker, wait_terminal, xadd_job
 
 
 def test_lane_shares_follow_the_weights_and_interleave():
@@ -21,6 +21,28 @@ def test_lane_shares_follow_the_weights_and_interleave():
     gaps = [i for i, lane in enumerate(picks) if lane is Lane.BATCH]
     assert max(b - a for a, b in zip(gaps, gaps[1:])) == 12  # smooth: batch gets a turn every 12 picks
     assert LaneShares(DEFAULT_LANE_WEIGHTS).split(12) == {Lane.INTERACTIVE: 8, Lane.STANDARD: 3, Lane.BATCH: 1}
+
+
+async def test_a_read_takes_the_weighted_shares_and_a_short_lane_passes_its_slots_on(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    consumer = LaneConsumer(client, KEYS, "reader", DEFAULT_LANE_WEIGHTS, lease_ms=60_000, read_block_ms=10,
+                            max_deliveries=5)
+    await consumer.ensure_groups()
+    for lane, n in ((Lane.INTERACTIVE, 2), (Lane.STANDARD, 20), (Lane.BATCH, 20)):
+        for i in range(n):
+            await client.xadd(KEYS.lane(lane), {"job": f"{lane.value}-{i}".encode()})
+    # Shares of 12: interactive 8 (only 2 there), standard 3, batch 1; interactive's 6 go to standard, the next lane.
+    got = await consumer.read(12)
+    by_lane = {lane: [e.fields[b"job"].decode() for e in got if e.lane is lane] for lane in Lane}
+    assert by_lane == {Lane.INTERACTIVE: ["interactive-0", "interactive-1"],
+                       Lane.STANDARD: [f"standard-{i}" for i in range(9)], Lane.BATCH: ["batch-0"]}
+    # Never more than asked for, and nothing read twice.
+    assert len(await consumer.read(5)) == 5
+    rest = await consumer.read(100)
+    assert len(rest) == 42 - 12 - 5
+    assert len({e.ref for e in got + rest}) == len(got) + len(rest)
+    assert await consumer.read(4) == []  # every lane empty: a short blocking read, then nothing
+    await client.aclose()
 
 
 async def test_interactive_jobs_overtake_a_batch_backlog(redis_url, tiny_model):

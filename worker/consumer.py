@@ -97,16 +97,26 @@ class LaneConsumer:
 
     async def read(self, free: int) -> list[Entry]:
         """At most `free` new entries: the slots are shared by weight, interactive read first,
-        and a lane that comes up short passes its slots on. Blocks briefly when all are empty."""
+        and a lane that comes up short passes its slots on. Blocks briefly when all are empty.
+
+        The weighted reads share one round trip; a lane that returned less than its share is empty
+        and is not asked again."""
         if free <= 0:
             return []
         shares = self.shares.split(free)
+        asked = [lane for lane in LANES if shares[lane]]
+        pipe = self.client.pipeline(transaction=False)
+        for lane in asked:
+            pipe.xreadgroup(CONSUMER_GROUP, self.name, {self.keys.lane(lane): ">"}, count=shares[lane])
         got: list[Entry] = []
+        empty: set[Lane] = set()
+        for lane, reply in zip(asked, await pipe.execute()):
+            entries = self._entries(reply)
+            if len(entries) < shares[lane]:
+                empty.add(lane)
+            got += entries
         for lane in LANES:
-            if shares[lane]:
-                got += await self._read_lane(lane, shares[lane])
-        for lane in LANES:
-            if len(got) < free:
+            if len(got) < free and lane not in empty:
                 got += await self._read_lane(lane, free - len(got))
         if got:
             return got
