@@ -83,6 +83,7 @@ def write_report(report: BenchReport, output_dir: Path) -> dict[str, Path]:
         "duration_s": round(report.duration_s, 2),
         "checks": report.checks,
         "peer_errors": report.peer_errors,
+        "repeats": report.repeats,
         "runs": report.summaries(),
         "plots": [p.name for p in plots],
     }

@@ -16,7 +16,7 @@ from typing import Any
 from bench.config import BenchConfig
 from bench.offline import make_engine, run_offline
 from bench.online import OnlineStack, run_online
-from bench.records import RunResult, summarize
+from bench.records import RunResult, saturated_tokens_per_s, summarize
 from bench.workloads import Workload, mixed_lanes, poisson_arrivals, shared_prefix, sharegpt_like, skewed
 
 Progress = Callable[[str, int], None]
@@ -30,6 +30,9 @@ class BenchReport:
     runs: list[RunResult] = field(default_factory=list)
     checks: list[dict[str, Any]] = field(default_factory=list)
     peer_errors: dict[str, str] = field(default_factory=dict)
+    repeats: dict[str, list[dict[str, float | None]]] = field(default_factory=dict)
+    """Each throughput claim's two sides measured again (``BenchConfig.check_repeats``): "skewed" pairs of
+    saturated static / continuous tokens/s, "online" pairs of offline / online-at-saturation tokens/s."""
     duration_s: float = 0.0
 
     def summaries(self) -> list[dict[str, Any]]:
@@ -56,7 +59,7 @@ def build_workloads(config: BenchConfig) -> Workloads:
     scale = config.output_scale
     return Workloads(
         skewed=skewed(config.skewed_requests, seed=config.seed, output_scale=scale),
-        sharegpt=sharegpt_like(config.sharegpt_requests, seed=config.seed, max_output_len=max(4, round(256 * scale))),
+        sharegpt=_sharegpt(config, config.seed),
         shared_prefix=shared_prefix(config.shared_prefix_requests, prefix_len=config.shared_prefix_len,
                                     max_tokens=4, seed=config.seed),
         mixed_alone=mixed_lanes(config.mixed_interactive, config.mixed_batch, config.mixed_interactive_rate,
@@ -66,6 +69,10 @@ def build_workloads(config: BenchConfig) -> Workloads:
     )
 
 
+def _sharegpt(config: BenchConfig, seed: int) -> Workload:
+    return sharegpt_like(config.sharegpt_requests, seed=seed, max_output_len=max(4, round(256 * config.output_scale)))
+
+
 def planned_output_tokens(config: BenchConfig, w: Workloads) -> int:
     """Output tokens the whole run will produce, for the progress bar."""
     offline = len(config.modes) * (w.skewed.num_output_tokens + w.sharegpt.num_output_tokens)
@@ -73,7 +80,9 @@ def planned_output_tokens(config: BenchConfig, w: Workloads) -> int:
     prefix = 2 * w.shared_prefix.num_output_tokens
     mixed = w.mixed_alone.num_output_tokens + w.mixed_with_batch.num_output_tokens
     online = len(config.online_modes) * len(config.online_rate_fractions) * w.sharegpt.num_output_tokens
-    return offline + peers + prefix + mixed + online
+    # Repeats: skewed on static and continuous; sharegpt-like offline and online (other seeds: about as long).
+    repeats = (config.check_repeats - 1) * 2 * (w.skewed.num_output_tokens + w.sharegpt.num_output_tokens)
+    return offline + peers + prefix + mixed + online + repeats
 
 
 def describe_machine() -> dict[str, Any]:
@@ -120,6 +129,9 @@ def run_suite(config: BenchConfig, model: str, progress: Progress, env: Mapping[
             report.runs.append(run_offline(engine, workload, mode, tick(f"offline {workload.name} {mode}")))
         del engine
         gc.collect()
+    if "static" in config.modes:
+        for _ in range(1, config.check_repeats):
+            report.repeats.setdefault("skewed", []).append(_skewed_pair(config, model, w.skewed, tick))
 
     if config.peers:
         _run_peers(config, model, w, report, tick)
@@ -164,6 +176,19 @@ def _run_peers(config: BenchConfig, model: str, w: Workloads, report: BenchRepor
         report.peer_errors["hf-generate-batch"] = f"{type(e).__name__}: {e}"
 
 
+def _skewed_pair(config: BenchConfig, model: str, workload: Workload,
+                 tick: Callable[[str], Callable[[int], None]]) -> dict[str, float | None]:
+    """Static then continuous on ``workload`` again, each on a fresh engine (no prefix cache from the first run)."""
+    pair: dict[str, float | None] = {}
+    for mode in ("static", "continuous"):
+        engine = make_engine(model, mode, config.max_num_seqs, max_wait_ms=config.max_wait_ms, device=config.device,
+                             dtype=config.dtype)
+        pair[mode] = saturated_tokens_per_s(run_offline(engine, workload, mode, tick(f"repeat skewed {mode}")))
+        del engine
+        gc.collect()
+    return pair
+
+
 def _run_one_at_a_time(engine: Any, workload: Workload, system: str, on_token: Callable[[int], None]) -> RunResult:
     """Each request alone, so TTFT is the prefill itself with no queueing behind the others."""
     runs = [run_offline(engine, Workload(workload.name, [r]), system, on_token) for r in workload.requests]
@@ -202,3 +227,23 @@ async def _run_online_sweeps(config: BenchConfig, model: str, workload: Workload
                 if capacity_rps is None and mode == "continuous" and math.isinf(rate):
                     capacity_rps = summarize(run)["requests_per_s"]
                 report.runs.append(run)
+            if mode == "continuous" and any(math.isinf(f) for f in fractions):
+                for k in range(1, config.check_repeats):
+                    pair = await _online_pair(config, model, stack, _sharegpt(config, config.seed + k), tick)
+                    report.repeats.setdefault("online", []).append(pair)
+
+
+async def _online_pair(config: BenchConfig, model: str, stack: OnlineStack, workload: Workload,
+                       tick: Callable[[str], Callable[[int], None]]) -> dict[str, float | None]:
+    """Offline (a fresh engine, on a thread) then online at saturation, back to back, on one new workload."""
+    def offline() -> float:
+        engine = make_engine(model, "continuous", config.max_num_seqs, max_wait_ms=config.max_wait_ms,
+                             device=config.device, dtype=config.dtype)
+        run = run_offline(engine, workload, "continuous", tick(f"repeat {workload.name} offline"))
+        return float(summarize(run)["output_tokens_per_s"])
+
+    offline_tps = await asyncio.to_thread(offline)
+    gc.collect()
+    online = await run_online(stack, poisson_arrivals(workload, math.inf), "saturation",
+                              tick(f"repeat {workload.name} online"))
+    return {"offline": offline_tps, "online": summarize(online)["output_tokens_per_s"]}

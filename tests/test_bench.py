@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -123,6 +124,10 @@ def test_quick_bench_writes_a_complete_report(tmp_path: Path, tiny_model: Callab
         "skewed", "online at saturation / offline output tokens/s (continuous, sharegpt-like)", "shared-prefix",
         "mixed-lanes"]
     assert all(c["measured"] is not None for c in document["checks"])
+    # The throughput claims are medians over repeated pairs, each pair measured back to back.
+    for check in document["checks"][:2]:
+        assert len(check["pair_ratios"]) == config.check_repeats == 2
+        assert check["measured"] == round(statistics.median(check["pair_ratios"]), 3)
     for name in document["plots"]:
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000
