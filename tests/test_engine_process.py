@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -39,24 +40,44 @@ def _is_gone(pid: int) -> bool:
     return False
 
 
+def _accumulate(ticks: list[Any]) -> dict[str, dict[str, Any]]:
+    """Each request's output, put together from the steps' additions (replies carry only those)."""
+    out: dict[str, dict[str, Any]] = {}
+    for tick in ticks:
+        for step in tick.outputs:
+            acc = out.setdefault(step.request_id, {"token_ids": [], "text": "", "logprobs": []})
+            acc["token_ids"] += step.new_token_ids
+            acc["text"] += step.new_text
+            acc["logprobs"] += step.new_logprobs or []
+    return out
+
+
 async def test_ticks_match_the_in_process_engine_and_a_failing_tick_reports_its_traceback(tiny_model):
     from worker.engine import Engine
 
     model = tiny_model()
     prompts = ["the engine process", "runs its own steps", "in order"]
-    expected = [c.token_ids for c in Engine(model=model, max_num_seqs=4).generate(prompts, GREEDY)]
+    with_logprobs = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    completions = Engine(model=model, max_num_seqs=4).generate(prompts, with_logprobs)
+    expected = [c.token_ids for c in completions]
     engine = await EngineProcess.start({"model": model, "max_num_seqs": 4}, 1, "cpu")
     try:
         assert engine.max_num_seqs == 4
-        adds = [(f"r{i}", JobSpec(id=f"r{i}", prompt=p, params=GREEDY), 0, []) for i, p in enumerate(prompts)]
-        tokens: dict[str, list[int]] = {}
-        tick = await engine.tick(adds, [], True)
-        while True:
-            tokens.update({out.request_id: out.token_ids for out in tick.outputs})
-            if tick.num_unfinished == 0:
-                break
-            tick = await engine.tick([], [], True)
-        assert [tokens[f"r{i}"] for i in range(3)] == expected
+        adds = [(f"r{i}", JobSpec(id=f"r{i}", prompt=p, params=with_logprobs), 0, []) for i, p in enumerate(prompts)]
+        ticks = [await engine.tick(adds, [], True)]
+        while ticks[-1].num_unfinished:
+            ticks.append(await engine.tick([], [], True))
+        tick = ticks[-1]
+        outputs = _accumulate(ticks)
+        for i, completion in enumerate(completions):
+            got = outputs[f"r{i}"]
+            assert got["token_ids"] == completion.token_ids and got["text"] == completion.text
+            assert completion.logprobs is not None and len(got["logprobs"]) == len(completion.logprobs) == 8
+            for mine, theirs in zip(got["logprobs"], completion.logprobs):
+                assert mine["token_id"] == theirs["token_id"]
+                assert mine["logprob"] == pytest.approx(theirs["logprob"], abs=1e-4)
+        # A reply carries only the step's additions: never more tokens than the step made.
+        assert all(len(out.new_token_ids) <= 1 for t in ticks for out in t.outputs)
         assert tick.stats.num_running == 0 and tick.stats.num_steps >= 8
         # Nothing in a reply may need torch to unpickle: the worker process never imports it.
         assert {type(out).__module__ for out in tick.outputs} == {"worker.engine_tick"}
@@ -70,8 +91,8 @@ async def test_ticks_match_the_in_process_engine_and_a_failing_tick_reports_its_
         ticks = await asyncio.gather(*ahead)
         steps = [t.stats.num_steps for t in ticks]
         assert steps[:8] == list(range(steps[0], steps[0] + 8)) and set(steps[8:]) == {steps[7]}  # then idle
-        piped = {out.request_id: out.token_ids for t in ticks for out in t.outputs}
-        assert [piped[f"p{i}"] for i in range(3)] == expected
+        piped = _accumulate(ticks)
+        assert [piped[f"p{i}"]["token_ids"] for i in range(3)] == expected
         assert "huge" in ticks[4].rejected and "huge" not in piped
 
         with pytest.raises(EngineFailed) as failed:

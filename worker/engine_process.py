@@ -262,7 +262,7 @@ def _read_exactly(sock: socket.socket, size: int) -> bytearray:
 def _portable(tick: Tick) -> Tick:
     """The tick with torch-free outputs and stats: unpickling engine classes would import torch into the
     parent, on its event loop's thread, for seconds (long enough to lose leases)."""
-    outputs = [StepOutput(out.request_id, out.new_token_ids, out.token_ids, out.text, out.logprobs, out.finished,
+    outputs = [StepOutput(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
                           out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens) for out in tick.outputs]
     return Tick(tick.rejected, outputs, tick.num_unfinished, SimpleNamespace(**dataclasses.asdict(tick.stats)))
 

@@ -21,13 +21,15 @@ Add = tuple[str, JobSpec, int, list[int]]
 
 @dataclass
 class StepOutput:
-    """What the job loop reads of a ``RequestOutput``, in a module free of torch (for the engine process's parent)."""
+    """What the job loop reads of a ``RequestOutput``, in a module free of torch (for the engine process's parent).
+
+    Only what the step added: the job loop keeps the rest, so a reply's size does not grow with the output.
+    """
 
     request_id: str
     new_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[str, Any]] | None
+    new_text: str
+    new_logprobs: list[dict[str, Any]] | None
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int

@@ -249,14 +249,16 @@ class JobLoop:
                 continue  # aborted while the step ran
             job.num_prompt_tokens = out.num_prompt_tokens
             job.num_cached_tokens = out.num_cached_tokens or 0
+            # Outputs carry only what the step added (a reply's size must not grow with the output); the
+            # lists here are extended in place, and every reader packs them at once.
             new_ids = list(out.new_token_ids)
-            job.token_ids = out.token_ids  # a fresh list each read
+            job.token_ids += new_ids
             # The engine's text only grows while a job runs (a possible stop string is held back), so the
             # event carries just what is new; the final record holds the whole text.
-            delta_text = out.text[len(job.text):]
-            job.text = out.text
-            if out.logprobs is not None:
-                job.engine_logprobs = out.logprobs
+            delta_text = out.new_text
+            job.text += delta_text
+            if out.new_logprobs is not None:
+                job.engine_logprobs += out.new_logprobs
             if new_ids:
                 if job.first_token_at is None:
                     job.first_token_at = now

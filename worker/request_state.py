@@ -33,6 +33,8 @@ class RequestOutput:
     new_token_ids: list[int]
     text: str
     """All output text so far: stop strings trimmed, a possible partial stop string held back."""
+    new_text: str
+    """What ``text`` gained since the request's last output (the text only ever grows)."""
     finished: bool
     finish_reason: str | None
     stop_reason: str | int | None
@@ -52,6 +54,13 @@ class RequestOutput:
     def logprobs(self) -> list[dict[str, Any]] | None:
         """Per sampled token ``{"token_id", "logprob", "top_logprobs": [{"token_id", "logprob"}]}``."""
         return self.all_logprobs[: self.num_logprobs] if self.all_logprobs is not None else None
+
+    @property
+    def new_logprobs(self) -> list[dict[str, Any]] | None:
+        """The logprobs of ``new_token_ids`` (each sampled token has one)."""
+        if self.all_logprobs is None:
+            return None
+        return self.all_logprobs[self.num_logprobs - len(self.new_token_ids): self.num_logprobs]
 
 
 @dataclass
@@ -83,6 +92,8 @@ class RequestState:
     final_text: str | None = None
     """Set once a stop string cut the text; later text is never shown."""
     new_token_ids: list[int] = field(default_factory=list)
+    text_reported: int = 0
+    """Length of the text in the last output."""
 
     def __post_init__(self) -> None:
         if self.seq.params.logprobs is not None:
@@ -140,10 +151,13 @@ class RequestState:
         """The output for this step; clears the new tokens."""
         seq = self.seq
         new, self.new_token_ids = self.new_token_ids, []
+        text = self.text
+        new_text, self.text_reported = text[self.text_reported:], len(text)
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new,
-            text=self.text,
+            text=text,
+            new_text=new_text,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
             stop_reason=seq.stop_reason,
