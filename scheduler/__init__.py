@@ -4,7 +4,9 @@ Imports no torch."""
 
 from scheduler.block_manager import BlockManager, CachedPrefix
 from scheduler.params import SamplingParams
-from scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import SchedulerConfig
+from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = [

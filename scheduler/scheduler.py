@@ -37,88 +37,11 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from scheduler.block_manager import BlockManager, CachedPrefix
+from scheduler.scheduler_config import SchedulerConfig
+from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
-
-BATCHING_MODES = ("continuous", "dynamic", "static")
-POLICIES = ("fcfs", "priority", "sjf")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    batching: str = "continuous"
-    policy: str = "fcfs"
-    max_wait_ms: float = 20.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if self.batching not in BATCHING_MODES:
-            raise ValueError(f"batching: must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if not self.max_wait_ms >= 0:
-            raise ValueError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms!r}")
-
-
-@dataclass
-class ScheduledSeq:
-    """``seq`` computes its tokens at positions ``start_pos .. start_pos + num_new_tokens - 1``."""
-
-    seq: Sequence
-    num_new_tokens: int
-    start_pos: int = field(init=False)
-    is_sampling: bool = field(init=False)
-    """This step completes the sequence's known tokens, so a next token is sampled.
-
-    Fixed when scheduled: ``advance`` appends that token, after which the
-    sequence has a new uncomputed token again.
-    """
-
-    def __post_init__(self) -> None:
-        self.start_pos = self.seq.num_computed_tokens
-        self.is_sampling = (
-            not self.seq.is_padding and self.start_pos + self.num_new_tokens >= self.seq.num_tokens
-        )
-
-    @property
-    def needs_logits(self) -> bool:
-        # Padding still pays for its logits: that is the cost being measured.
-        return self.is_sampling or self.seq.is_padding
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens fed this step; padding repeats the last real token past the end."""
-        seq, start = self.seq, self.start_pos
-        end = start + self.num_new_tokens
-        # Slices of prompt and output, rather than of their concatenation: a decode step costs O(1), not O(length).
-        num_prompt = seq.num_prompt_tokens
-        known = seq.prompt_token_ids[start:end] if start < num_prompt else []
-        if end > num_prompt:
-            known += seq.output_token_ids[max(0, start - num_prompt) : end - num_prompt]
-        last = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
-        return known + [last] * (self.num_new_tokens - len(known))
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
