@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections.abc
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from typing_extensions import TypeIs
@@ -24,7 +23,9 @@ from scheduler.scheduler_config import SchedulerConfig
 from scheduler.scheduler_output import SchedulerOutput
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from worker.detokenizer import IncrementalDetokenizer
+from worker.engine_records import EngineConfig, EngineStats
 from worker.model_runner import ModelRunner, StepSeq
+from worker.prompt_input import check_token_ids, prompt_token_ids
 from worker.request_state import Completion, RequestOutput, RequestState
 from worker.sampler import SampleRequest, Sampler
 from worker.text_decoder import text_decoder_for
@@ -33,52 +34,6 @@ __all__ = ["Completion", "Engine", "EngineConfig", "EngineStats", "RequestOutput
 
 # How long generate() sleeps when a step had nothing to run (dynamic batching gathering a group).
 IDLE_SLEEP_S = 0.001
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine's settings as given; derived sizes live on the engine itself."""
-
-    model: str
-    device: str = "cpu"
-    block_size: int = 16
-    num_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    batching: str = "continuous"
-    policy: str = "fcfs"
-    attention_backend: str | None = None
-    max_wait_ms: float = 20.0
-    dtype: str | None = None
-    kv_cache_memory_gb: float | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self) -> None:
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks: must be positive, got {self.num_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_kv_blocks: int
-    num_kv_blocks_used: int
-    kv_usage: float
-    """Share of KV blocks in use, 0..1 (evictable cached blocks count as free)."""
-    num_preemptions: int
-    """Every preemption by recompute, for lack of KV blocks or for priority."""
-    num_priority_preemptions: int
-    """Preemptions made only to admit a more urgent waiting request (``priority`` policy)."""
-    prefix_cache_query_tokens: int
-    prefix_cache_hit_tokens: int
-    num_steps: int
-    last_step_num_tokens: int
-    last_step_num_seqs: int
-    last_step_s: float
 
 
 class Engine:
@@ -163,9 +118,9 @@ class Engine:
         # belongs to that request, so it must not reach the caller as this one's.
         self._pending = [o for o in self._pending if o.request_id != request_id]
         params = params if params is not None else SamplingParams()
-        prompt_ids = self._prompt_token_ids(prompt, messages)
+        prompt_ids = prompt_token_ids(self.tokenizer, self.runner.vocab_size, prompt, messages)
         resumed = list(resume_token_ids or [])
-        self._check_token_ids("resume_token_ids", resumed)
+        check_token_ids("resume_token_ids", resumed, self.runner.vocab_size)
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
@@ -312,46 +267,6 @@ class Engine:
             )
             for rid in ids
         ]
-
-    # ---- input checks ---------------------------------------------------
-
-    def _prompt_token_ids(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None) -> list[int]:
-        if (prompt is None) == (messages is None):
-            raise ValueError("prompt: give exactly one of prompt or messages")
-        if messages is not None:
-            ids = self._apply_chat_template(messages)
-        elif isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt)["input_ids"])
-        elif isinstance(prompt, list):
-            ids = list(prompt)
-            self._check_token_ids("prompt", ids)
-        else:
-            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        return ids
-
-    def _apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages: must be a non-empty list of {role, content} maps")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                    or not isinstance(message.get("content"), str):
-                raise ValueError(f"messages[{i}]: must be a map with string role and content")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: the model's tokenizer has no chat template")
-        try:
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # template errors come in many types (jinja, KeyError, ...)
-            raise ValueError(f"messages: the chat template failed: {e}") from e
-        # The template writes the special tokens itself.
-        return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
-
-    def _check_token_ids(self, name: str, ids: list[int]) -> None:
-        vocab = self.runner.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"{name}: token id {t!r} is outside the vocabulary (0..{vocab - 1})")
 
 
 def _is_token_ids(prompts: list[int] | list[str] | list[list[int]]) -> TypeIs[list[int]]:
