@@ -17,24 +17,25 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from scheduler.job import JobSpec, JobStatus, WebhookEvent, job_view
+from scheduler.job import JobSpec, JobStatus, WebhookEvent
+from scheduler.job_record import job_view
 from scheduler.keys import Keys
 from scheduler.redis_replies import read_hash
 from scheduler.tasks import raise_if_cancelled
 from scheduler.lanes import LANE_RANK
 from scheduler.webhooks import OutputThrottle, delivery_fields, running_view
+from worker.commit_tasks import CommitTasks
 from worker.config import WorkerConfig
 from worker.engine_tick import EngineFailed, EngineRunner, Tick
 from scheduler.log_format import job_context
-from scheduler.telemetry import span_of_traceparent
-from worker.metrics import JobTrace, WorkerMetrics
+from worker.metrics import WorkerMetrics
 from worker.results import EntryRef, Outcome, ResultStore, pack
+from worker.running_job import RunningJob, outcome_of
 from worker.step_writes import CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NOT_OURS, StepWriter, StepWrites
 
 log = logging.getLogger(__name__)
@@ -45,36 +46,6 @@ TICKS_IN_FLIGHT = 2
 
 LANE_PRIORITY_STRIDE = 1_000_000
 """Engine priority = lane rank * stride + job priority, so the lane always dominates."""
-
-
-@dataclass
-class RunningJob:
-    spec: JobSpec
-    entry: EntryRef
-    resumed_from: int
-    token_ids: list[int]
-    text: str = ""
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    first_token_at: float | None = None
-    last_token_mono: float | None = None
-    """Monotonic time this worker last saw new tokens of the job (inter-token latency)."""
-    checkpointed: int = 0
-    checkpoint_at: float = field(default_factory=time.monotonic)
-    throttle: OutputThrottle | None = None
-    trace: JobTrace | None = None
-    record: dict[bytes, bytes] = field(default_factory=dict)
-    """The job record as admitted: the base of ``output`` webhook data."""
-    resumed_logprobs: list[dict[str, Any]] = field(default_factory=list)
-    """Logprobs of the checkpoint's tokens: the engine reports only those of tokens it generated here."""
-    engine_logprobs: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def logprobs(self) -> list[dict[str, Any]] | None:
-        """Every output token's logprobs, when the job asked for them."""
-        if self.spec.params.logprobs is None:
-            return None
-        return self.resumed_logprobs + self.engine_logprobs
 
 
 class JobLoop:
@@ -89,13 +60,12 @@ class JobLoop:
         self.step_writer = StepWriter(client, keys, store.worker)
         self.jobs: dict[str, RunningJob] = {}
         self.stats: Any = None
-        self.num_finished = 0
         self._reserved = 0
         self._adds: list[tuple[RunningJob, int]] = []
         self._aborts: list[str] = []
         self._work = asyncio.Event()
         self.slot_freed = asyncio.Event()
-        self._commits: set[asyncio.Task[None]] = set()
+        self.commits = CommitTasks(store, self.metrics)
         self._on_finished: list[Callable[[str, JobStatus], None]] = []
 
     # --- capacity ----------------------------------------------------------------
@@ -147,7 +117,7 @@ class JobLoop:
         if job is None:
             return False
         self._abort(job_id)
-        self._spawn_commit(self._outcome(job, JobStatus.CANCELLED, error={
+        self.commits.spawn(outcome_of(job, JobStatus.CANCELLED, error={
             "type": "cancelled", "message": "cancelled while running"}))
         return True
 
@@ -237,7 +207,7 @@ class JobLoop:
             job = self.jobs.pop(job_id, None)
             if job is not None:
                 self.slot_freed.set()
-                self._spawn_commit(self._outcome(job, JobStatus.FAILED, error={
+                self.commits.spawn(outcome_of(job, JobStatus.FAILED, error={
                     "type": "invalid_request", "message": message}))
         now, mono = time.time(), time.monotonic()
         writes = StepWrites()
@@ -302,7 +272,7 @@ class JobLoop:
             output: dict[str, Any] = {"text": job.text, "token_ids": job.token_ids, "finish_reason": out.finish_reason}
             if job.spec.params.logprobs is not None:
                 output["logprobs"] = job.logprobs
-            self._spawn_commit(self._outcome(job, JobStatus.SUCCEEDED, output=output))
+            self.commits.spawn(outcome_of(job, JobStatus.SUCCEEDED, output=output))
 
     def _checkpoint_due(self, job: RunningJob, mono: float) -> bool:
         if job.first_token_at is not None and job.checkpointed == 0 and job.token_ids:
@@ -313,44 +283,12 @@ class JobLoop:
 
     # --- outcomes -----------------------------------------------------------------------
 
-    def _outcome(self, job: RunningJob, status: JobStatus, *, output: dict[str, Any] | None = None,
-                 error: dict[str, str] | None = None) -> Outcome:
-        usage = {"prompt_tokens": job.num_prompt_tokens, "completion_tokens": len(job.token_ids),
-                 "cached_tokens": job.num_cached_tokens}
-        return Outcome(job_id=job.spec.id, status=status, entry=job.entry, reply_to=job.spec.reply_to,
-                       webhook=job.spec.webhook, output=output, usage=usage, error=error,
-                       first_token_at=job.first_token_at, resumed_from=job.resumed_from, trace=job.trace,
-                       traceparent=job.spec.traceparent)
-
     def commit_now(self, outcome: Outcome) -> None:
         """Commit an outcome decided outside the engine (expired, invalid, dead-lettered)."""
-        self._spawn_commit(outcome)
-
-    def _spawn_commit(self, outcome: Outcome) -> None:
-        task = asyncio.get_running_loop().create_task(self._commit(outcome), name=f"commit {outcome.job_id}")
-        self._commits.add(task)
-        task.add_done_callback(self._reap)
-
-    async def _commit(self, outcome: Outcome) -> None:
-        # Shielded: once decided, a shutdown must not cut the commit in half.
-        span = outcome.trace.span if outcome.trace is not None else span_of_traceparent(outcome.traceparent)
-        with job_context(outcome.job_id, span):
-            with self.metrics.publish_span(outcome.trace):
-                won = await asyncio.shield(self.store.commit(outcome))
-            self.num_finished += 1
-            if outcome.trace is not None:
-                self.metrics.job_committed(outcome, won)
-            log.info("job %s: %s%s", outcome.job_id, outcome.status.value, "" if won else " (already decided elsewhere)")
-
-    def _reap(self, task: asyncio.Task[None]) -> None:
-        self._commits.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # The entry stays pending: after the lease it is redelivered and the job committed then.
-            log.error("commit failed; the job will be redelivered", exc_info=task.exception())
+        self.commits.spawn(outcome)
 
     async def wait_commits(self) -> None:
-        while self._commits:
-            await asyncio.gather(*list(self._commits), return_exceptions=True)
+        await self.commits.wait()
 
     # --- shutdown -------------------------------------------------------------------------
 
