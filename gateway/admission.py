@@ -18,19 +18,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gateway.config import GatewayConfig
-from scheduler.job import (
-    F_CREATED_AT,
-    F_ID,
-    F_LANE,
-    F_PRIORITY,
-    F_SPEC,
-    F_STATUS,
-    F_STREAM_ENTRY,
-    JobSpec,
-    JobStatus,
-    JobValidationError,
-    new_job_id,
-)
+from scheduler.job import JobSpec, JobStatus, JobValidationError, new_job_id
+from scheduler.job_record import F_CREATED_AT, F_ID, F_LANE, F_PRIORITY, F_SPEC, F_STATUS, F_STREAM_ENTRY
 from scheduler.keys import CONSUMER_GROUP, DEFAULT_LANE_MAXLEN, Keys
 from scheduler.lanes import Lane
 from scheduler.redis_replies import as_bytes, as_optional_bytes

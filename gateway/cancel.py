@@ -18,7 +18,8 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 
-from scheduler.job import F_ERROR, F_FINISHED_AT, F_SPEC, F_STATUS, JobSpec, JobStatus, WebhookEvent, job_view
+from scheduler.job import JobSpec, JobStatus, WebhookEvent
+from scheduler.job_record import F_ERROR, F_FINISHED_AT, F_SPEC, F_STATUS, job_view
 from scheduler.keys import DEFAULT_REPLY_MAXLEN, Keys
 from scheduler.redis_replies import read_hash
 from scheduler.webhooks import delivery_fields, should_send

@@ -27,7 +27,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from scheduler.job import F_STATUS, TERMINAL_STATUSES, job_view
+from scheduler.job import TERMINAL_STATUSES
+from scheduler.job_record import F_STATUS, job_view
 from scheduler.keys import Keys
 from scheduler.redis_replies import read_hash
 from scheduler.tasks import cancel_and_reap, raise_if_cancelled

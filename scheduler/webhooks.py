@@ -22,15 +22,8 @@ from typing import Any
 import msgpack
 from redis.typing import EncodableT, FieldT
 
-from scheduler.job import (
-    F_FIRST_TOKEN_AT,
-    F_OUTPUT,
-    F_RESUMED_FROM,
-    F_STATUS,
-    JobStatus,
-    WebhookEvent,
-    job_view,
-)
+from scheduler.job import JobStatus, WebhookEvent
+from scheduler.job_record import F_FIRST_TOKEN_AT, F_OUTPUT, F_RESUMED_FROM, F_STATUS, job_view
 
 DEFAULT_OUTPUT_INTERVAL_S = 0.5
 """Least time between two ``output`` callbacks of one job (at most 2 a second)."""

@@ -10,7 +10,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from scheduler.job import TERMINAL_STATUSES, JobSpec, job_view
+from scheduler.job import TERMINAL_STATUSES, JobSpec
+from scheduler.job_record import job_view
 from scheduler.keys import Keys
 
 KEYS = Keys()

@@ -23,8 +23,9 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from scheduler import job as J
-from scheduler.job import JobStatus, WebhookEvent, WebhookSpec, job_view
+from scheduler import job_record as J
+from scheduler.job import JobSpec, JobStatus, WebhookEvent, WebhookSpec
+from scheduler.job_record import job_view
 from scheduler.keys import CONSUMER_GROUP, Keys
 from scheduler.redis_replies import read_hash
 from scheduler.webhooks import delivery_fields
@@ -172,7 +173,7 @@ class ResultStore:
         self._admit = client.register_script(_ADMIT)
         self._commit = client.register_script(_COMMIT)
 
-    async def admit(self, spec: J.JobSpec, entry: EntryRef, created_at: float, now: float) -> Admission:
+    async def admit(self, spec: JobSpec, entry: EntryRef, created_at: float, now: float) -> Admission:
         reply = await self._admit(
             keys=[self.keys.job(spec.id), self.keys.cancel(spec.id)],
             args=[self.worker, repr(now), spec.pack(), spec.lane.value, spec.priority, repr(created_at), str(entry),
