@@ -17,7 +17,7 @@ from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.metrics import CONTENT_TYPE
 from gateway.results import final_event, is_terminal, wait_for_terminal
-from scheduler.job import job_view
+from scheduler.job_record import job_view
 from scheduler.lanes import LANES
 from scheduler.redis_replies import read_hash
 

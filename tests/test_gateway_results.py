@@ -17,7 +17,7 @@ from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
-from scheduler.job import job_view
+from scheduler.job_record import job_view
 from scheduler.keys import Keys
 
 KEYS = Keys()

@@ -27,7 +27,7 @@ import pytest
 import redis
 
 from gateway.embedded_redis import EmbeddedRedis, free_port
-from scheduler.job import job_view
+from scheduler.job_record import job_view
 from scheduler.keys import CONSUMER_GROUP, Keys
 from child_env import child_pythonpath
 

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher
 from gateway.webhooks.signing import generate_secret
-from scheduler.job import job_view
+from scheduler.job_record import job_view
 from scheduler.keys import Keys
 from scheduler.webhooks import delivery_fields
 from webhook_receiver import Answer, Receiver

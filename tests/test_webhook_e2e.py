@@ -18,7 +18,7 @@ from gateway.config import GatewayConfig
 from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.safety import is_public
-from scheduler.job import job_view
+from scheduler.job_record import job_view
 from scheduler.keys import Keys
 from webhook_receiver import Answer, Receiver
 from worker_harness import running_worker

@@ -22,7 +22,8 @@ from aiohttp import web
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from scheduler.job import JobSpec, JobStatus, JobValidationError, WebhookEvent, job_view
+from scheduler.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
+from scheduler.job_record import job_view
 from scheduler.keys import Keys
 from scheduler.lanes import Lane
 from scheduler.log_format import job_context
