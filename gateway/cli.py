@@ -1,7 +1,7 @@
 """The `carpool` command: one verb per process kind.
 
 `up`, `gateway` and `submit` live here; `worker` and `generate` belong to
-`worker.cli` and `webhooks` to `gateway.webhooks.dispatcher`, imported only
+`worker.cli` and `webhooks` to `gateway.webhooks.cli`, imported only
 when those verbs run, so the gateway never loads torch. Configuration is read
 once, here: flags first, then `CARPOOL_<FLAG>` variables, then defaults.
 """
@@ -56,7 +56,7 @@ def _delegate(verb: str) -> Callable[[list[str], Mapping[str, str]], int]:
         from worker.cli import main as worker_main
 
         return lambda rest, env: worker_main([verb, *rest], env)
-    from gateway.webhooks.dispatcher import main as webhooks_main
+    from gateway.webhooks.cli import main as webhooks_main
 
     return lambda rest, env: webhooks_main(rest)
 

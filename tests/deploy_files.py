@@ -132,7 +132,7 @@ def parse_verb(verb: str, env: Mapping[str, str]) -> argparse.Namespace:
         args = worker_parser(env).parse_args(["worker"])
         config_from_args(WorkerConfig, args)
     elif verb == "webhooks":
-        from gateway.webhooks.dispatcher import parse_args
+        from gateway.webhooks.cli import parse_args
 
         args = parse_args([], env)
         config_from_args(WebhookConfig, args)

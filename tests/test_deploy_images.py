@@ -126,7 +126,7 @@ def _requirement_closure(names: set[str]) -> set[str]:
 
 def test_gateway_processes_load_only_what_the_gateway_image_installs() -> None:
     code = (
-        "import sys, gateway.cli as cli, gateway.webhooks.dispatcher, gateway.app\n"
+        "import sys, gateway.cli as cli, gateway.webhooks.cli, gateway.app\n"
         "cli.build_parser({})\n"
         "print('\\n'.join(sorted(sys.modules)))\n"
     )

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def start_dispatcher(redis_url: str, secret: str, log_path: Path) -> subprocess.Popen[bytes]:
     args = [
-        sys.executable, "-m", "gateway.webhooks.dispatcher", "--redis-url", redis_url, "--key-prefix", KEYS.prefix,
+        sys.executable, "-m", "gateway.webhooks.cli", "--redis-url", redis_url, "--key-prefix", KEYS.prefix,
         "--webhook-allow", "127.0.0.1", "--webhook-retry-schedule-s", "2", "--webhook-jitter", "0",
         "--webhook-poll-s", "0.05", "--webhook-timeout-s", "2",
     ]

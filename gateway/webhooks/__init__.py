@@ -1,7 +1,8 @@
 """Signed webhook callbacks: URL safety rules, Standard Webhooks signing and the delivery dispatcher.
 
-The dispatcher lives in `gateway.webhooks.dispatcher` (imported on demand, so
-``python -m gateway.webhooks.dispatcher`` runs cleanly).
+The dispatcher lives in `gateway.webhooks.dispatcher` and its command in
+`gateway.webhooks.cli` (imported on demand, so ``python -m gateway.webhooks.cli``
+runs cleanly).
 """
 
 from gateway.webhooks.safety import Allowlist, WebhookUrlError, check_webhook_url, check_webhook_url_async

@@ -1,0 +1,123 @@
+"""``carpool webhooks``: flags, the serve loop around one ``WebhookDispatcher``, and the entry point.
+
+Run it with ``carpool webhooks`` or ``python -m gateway.webhooks.cli``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from gateway.webhooks.config import WebhookConfig
+from gateway.webhooks.dispatcher import WebhookDispatcher
+from gateway.webhooks.metrics import WebhookMetrics, dispatcher_http_app
+from gateway.webhooks.signing import generate_secret
+from scheduler.keys import DEFAULT_PREFIX, Keys
+from scheduler.tasks import cancel_and_reap
+from scheduler.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_METRICS_PORT = 9465
+"""Next to the worker's 9464, so one host can run both."""
+
+
+def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespace:
+    from gateway.flags import add_config_flags
+
+    parser = argparse.ArgumentParser(
+        prog="carpool webhooks", description="Send signed webhook callbacks queued in Redis, with retries."
+    )
+    parser.add_argument("--redis-url", default=env.get("CARPOOL_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                        help="Redis server holding the webhook queue [env CARPOOL_REDIS_URL]")
+    parser.add_argument("--key-prefix", default=env.get("CARPOOL_KEY_PREFIX", DEFAULT_PREFIX),
+                        help="prefix of every Redis key [env CARPOOL_KEY_PREFIX]")
+    parser.add_argument("--generate-secret", action="store_true", help="print a new whsec_ signing secret and exit")
+    parser.add_argument("--log-level", default=env.get("CARPOOL_LOG_LEVEL", "INFO"), help="[env CARPOOL_LOG_LEVEL]")
+    parser.add_argument("--metrics-host", default=env.get("CARPOOL_METRICS_HOST", "0.0.0.0"),
+                        help="address of the /metrics and /healthz server [env CARPOOL_METRICS_HOST]")
+    parser.add_argument("--metrics-port", type=int, default=int(env.get("CARPOOL_METRICS_PORT", DEFAULT_METRICS_PORT)),
+                        help=f"port of /metrics and /healthz; 0 turns the server off (default {DEFAULT_METRICS_PORT}) "
+                             "[env CARPOOL_METRICS_PORT]")
+    add_config_flags(parser, WebhookConfig, env)
+    return parser.parse_args(list(argv))
+
+
+async def serve(redis_url: str, keys: Keys, config: WebhookConfig, telemetry: Telemetry | None = None, *,
+                metrics_host: str = "0.0.0.0", metrics_port: int = 0) -> None:
+    """Run one dispatcher until SIGTERM or SIGINT, then shut it down in two phases.
+
+    With ``telemetry``, attempts are counted and traced there; with a ``metrics_port`` too, they are
+    served on ``/metrics`` beside a ``/healthz`` that fails once the delivery loop has stopped.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    client = aioredis.Redis.from_url(redis_url)
+    metrics = WebhookMetrics(telemetry) if telemetry is not None else None
+    http: web.AppRunner | None = None
+    try:
+        async with WebhookDispatcher(client, keys, config, observer=metrics) as dispatcher:
+            assert dispatcher.task is not None
+            task = dispatcher.task
+            if metrics is not None and metrics_port:
+                http = web.AppRunner(dispatcher_http_app(metrics, lambda: not task.done()))
+                await http.setup()
+                await web.TCPSite(http, metrics_host, metrics_port).start()
+                log.info("webhook dispatcher metrics on http://%s:%d/metrics", metrics_host, metrics_port)
+            log.info("webhook dispatcher %s running on %s", dispatcher.name, redis_url)
+            waiter = asyncio.create_task(stop.wait())
+            await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+            await cancel_and_reap(waiter)
+    finally:
+        if http is not None:
+            await http.cleanup()
+        await client.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv, os.environ)
+    if args.generate_secret:
+        print(generate_secret())
+        return 0
+    from gateway.flags import config_from_args
+    from scheduler.log_format import configure_logging
+    from scheduler.telemetry import telemetry_config_from_env
+
+    try:
+        config = config_from_args(WebhookConfig, args)
+    except ValueError as e:
+        print(f"carpool webhooks: {e}", file=sys.stderr)
+        return 2
+    if config.webhook_secret is None:
+        print("carpool webhooks: --webhook-secret (or CARPOOL_WEBHOOK_SECRET) is required", file=sys.stderr)
+        return 2
+    if not 0 <= args.metrics_port <= 65535:
+        print(f"carpool webhooks: --metrics-port: must be a TCP port or 0, got {args.metrics_port}", file=sys.stderr)
+        return 2
+    try:
+        telemetry_config = telemetry_config_from_env(os.environ, service_name="carpool-webhooks")
+    except ValueError as e:
+        print(f"carpool webhooks: {e}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level.upper(), service=telemetry_config.service_name)
+    telemetry = Telemetry(telemetry_config)
+    try:
+        asyncio.run(serve(args.redis_url, Keys(args.key_prefix), config, telemetry,
+                          metrics_host=args.metrics_host, metrics_port=args.metrics_port))
+    finally:
+        telemetry.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
