@@ -46,9 +46,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                    help="model dtype for every system (default: the checkpoint's)")
     p.add_argument("--skewed-requests", type=int, default=None, help=f"default {base.skewed_requests}")
     p.add_argument("--sharegpt-requests", type=int, default=None, help=f"default {base.sharegpt_requests}")
-    p.add_argument("--check-repeats", type=int, default=None,
-                   help=f"measure each throughput claim's two sides this many times, back to back; the claim is "
-                        f"the median (default {base.check_repeats}; --quick: 2)")
+    p.add_argument("--skewed-pairs", type=int, default=None,
+                   help=f"measure the skewed claim's two sides this many times, back to back; the claim is the "
+                        f"median (default {base.skewed_pairs}; --quick: 2)")
+    p.add_argument("--online-pairs", type=int, default=None,
+                   help=f"the same for the online claim (default {base.online_pairs}; --quick: 2)")
     p.add_argument("--online-modes", default=None,
                    help=f"comma-separated batching modes swept online (default: {','.join(BATCHING_MODES)})")
     p.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
@@ -66,8 +68,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         config = replace(config, skewed_requests=args.skewed_requests)
     if args.sharegpt_requests is not None:
         config = replace(config, sharegpt_requests=args.sharegpt_requests)
-    if args.check_repeats is not None:
-        config = replace(config, check_repeats=args.check_repeats)
+    for name in ("skewed_pairs", "online_pairs"):
+        if getattr(args, name) is not None:
+            config = replace(config, **{name: getattr(args, name)})
     if args.online_modes:
         config = replace(config, online_modes=tuple(m.strip() for m in args.online_modes.split(",") if m.strip()))
     return config

@@ -31,7 +31,7 @@ class BenchReport:
     checks: list[dict[str, Any]] = field(default_factory=list)
     peer_errors: dict[str, str] = field(default_factory=dict)
     repeats: dict[str, list[dict[str, float | None]]] = field(default_factory=dict)
-    """Each throughput claim's two sides measured again (``BenchConfig.check_repeats``): "skewed" pairs of
+    """Each throughput claim's two sides measured again (``BenchConfig.skewed_pairs``, ``online_pairs``): "skewed" pairs of
     saturated static / continuous tokens/s, "online" pairs of offline / online-at-saturation tokens/s."""
     duration_s: float = 0.0
 
@@ -81,7 +81,8 @@ def planned_output_tokens(config: BenchConfig, w: Workloads) -> int:
     mixed = w.mixed_alone.num_output_tokens + w.mixed_with_batch.num_output_tokens
     online = len(config.online_modes) * len(config.online_rate_fractions) * w.sharegpt.num_output_tokens
     # Repeats: skewed on static and continuous; sharegpt-like offline and online (other seeds: about as long).
-    repeats = (config.check_repeats - 1) * 2 * (w.skewed.num_output_tokens + w.sharegpt.num_output_tokens)
+    repeats = 2 * ((config.skewed_pairs - 1) * w.skewed.num_output_tokens
+                   + (config.online_pairs - 1) * w.sharegpt.num_output_tokens)
     return offline + peers + prefix + mixed + online + repeats
 
 
@@ -130,7 +131,7 @@ def run_suite(config: BenchConfig, model: str, progress: Progress, env: Mapping[
         del engine
         gc.collect()
     if "static" in config.modes:
-        for _ in range(1, config.check_repeats):
+        for _ in range(1, config.skewed_pairs):
             report.repeats.setdefault("skewed", []).append(_skewed_pair(config, model, w.skewed, tick))
 
     if config.peers:
@@ -228,7 +229,7 @@ async def _run_online_sweeps(config: BenchConfig, model: str, workload: Workload
                     capacity_rps = summarize(run)["requests_per_s"]
                 report.runs.append(run)
             if mode == "continuous" and any(math.isinf(f) for f in fractions):
-                for k in range(1, config.check_repeats):
+                for k in range(1, config.online_pairs):
                     pair = await _online_pair(config, model, stack, _sharegpt(config, config.seed + k), tick)
                     report.repeats.setdefault("online", []).append(pair)
 

@@ -125,8 +125,8 @@ def test_quick_bench_writes_a_complete_report(tmp_path: Path, tiny_model: Callab
         "mixed-lanes"]
     assert all(c["measured"] is not None for c in document["checks"])
     # The throughput claims are medians over repeated pairs, each pair measured back to back.
-    for check in document["checks"][:2]:
-        assert len(check["pair_ratios"]) == config.check_repeats == 2
+    for check, pairs in zip(document["checks"][:2], (config.skewed_pairs, config.online_pairs)):
+        assert len(check["pair_ratios"]) == pairs == 2
         assert check["measured"] == round(statistics.median(check["pair_ratios"]), 3)
     for name in document["plots"]:
         data = (out / name).read_bytes()
