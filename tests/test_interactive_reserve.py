@@ -93,7 +93,9 @@ async def test_an_idle_worker_gets_the_interactive_job_before_a_busy_workers_res
     from worker.engine import Engine
 
     model = tiny_model()
-    batch_params = SamplingParams(max_tokens=BATCH_TOKENS, temperature=0.0, ignore_eos=True)
+    # Long enough to hold every busy slot until the chats are done: a busy worker whose batch job ends has a
+    # free slot, and then rightly takes a chat.
+    batch_params = SamplingParams(max_tokens=6 * BATCH_TOKENS, temperature=0.0, ignore_eos=True)
     quick = SamplingParams(max_tokens=INTERACTIVE_TOKENS, temperature=0.0, ignore_eos=True)
     batch = [JobSpec(id=f"batch-{i}", prompt=f"batch job {i}", params=batch_params, lane=Lane.BATCH)
              for i in range(SLOTS)]
@@ -109,10 +111,13 @@ async def test_an_idle_worker_gets_the_interactive_job_before_a_busy_workers_res
             await asyncio.sleep(0.02)
         async with running_worker(redis_url, Engine(model=model, max_num_seqs=SLOTS, policy="priority"),
                                   worker_name="idle"):
-            await asyncio.sleep(0.3)  # the idle worker is blocked on the lanes now
             for spec in chats:
+                # The claim is about an idle worker blocked on the lanes: give it time to get back to its
+                # blocking read (after the last chat's commit) before the entry arrives.
+                await asyncio.sleep(0.3)
                 await xadd_job(client, spec)
                 chat_views = await wait_terminal(client, [spec.id], timeout_s=30)
+                assert busy.loop.free == 0, "a batch job ended during the chats: the busy worker was not busy"
                 assert chat_views[spec.id]["worker"] == "idle", chat_views[spec.id]
             assert busy_engine.stats().num_priority_preemptions == 0
             views = await wait_terminal(client, [s.id for s in batch], timeout_s=120)
