@@ -122,10 +122,8 @@ def run_suite(config: BenchConfig, model: str, progress: Progress, env: Mapping[
     def tick(phase: str) -> Callable[[int], None]:
         return lambda n: progress(phase, n)
 
-    placement: dict[str, Any] = {"device": config.device, "dtype": config.dtype}
-
     for mode in config.modes:
-        engine = make_engine(model, mode, config.max_num_seqs, max_wait_ms=config.max_wait_ms, **placement)
+        engine = _engine(config, model, mode, max_wait_ms=config.max_wait_ms)
         for workload in (w.skewed, w.sharegpt):
             report.runs.append(run_offline(engine, workload, mode, tick(f"offline {workload.name} {mode}")))
         del engine
@@ -138,11 +136,11 @@ def run_suite(config: BenchConfig, model: str, progress: Progress, env: Mapping[
         _run_peers(config, model, w, report, tick)
 
     for system, caching in (("continuous, prefix cache", True), ("continuous, no prefix cache", False)):
-        engine = make_engine(model, "continuous", config.max_num_seqs, enable_prefix_caching=caching, **placement)
+        engine = _engine(config, model, "continuous", enable_prefix_caching=caching)
         report.runs.append(_run_one_at_a_time(engine, w.shared_prefix, system, tick(f"shared-prefix {system}")))
         del engine
 
-    engine = make_engine(model, "continuous", config.max_num_seqs, policy="priority", **placement)
+    engine = _engine(config, model, "continuous", policy="priority")
     for workload in (w.mixed_alone, w.mixed_with_batch):
         report.runs.append(run_offline(engine, workload, "continuous, priority", tick(f"{workload.name}")))
     del engine
@@ -156,6 +154,12 @@ def run_suite(config: BenchConfig, model: str, progress: Progress, env: Mapping[
 
     report.checks = evaluate_checks(report, w, config)
     return report
+
+
+def _engine(config: BenchConfig, model: str, batching: str, **engine_kwargs: Any) -> Any:
+    """A warmed-up engine with the run's slots, device and dtype."""
+    return make_engine(model, batching, config.max_num_seqs, device=config.device, dtype=config.dtype,
+                       **engine_kwargs)
 
 
 def _run_peers(config: BenchConfig, model: str, w: Workloads, report: BenchReport,
@@ -182,8 +186,7 @@ def _skewed_pair(config: BenchConfig, model: str, workload: Workload,
     """Static then continuous on ``workload`` again, each on a fresh engine (no prefix cache from the first run)."""
     pair: dict[str, float | None] = {}
     for mode in ("static", "continuous"):
-        engine = make_engine(model, mode, config.max_num_seqs, max_wait_ms=config.max_wait_ms, device=config.device,
-                             dtype=config.dtype)
+        engine = _engine(config, model, mode, max_wait_ms=config.max_wait_ms)
         pair[mode] = saturated_tokens_per_s(run_offline(engine, workload, mode, tick(f"repeat skewed {mode}")))
         del engine
         gc.collect()
@@ -238,8 +241,7 @@ async def _online_pair(config: BenchConfig, model: str, stack: OnlineStack, work
                        tick: Callable[[str], Callable[[int], None]]) -> dict[str, float | None]:
     """Offline (a fresh engine, on a thread) then online at saturation, back to back, on one new workload."""
     def offline() -> float:
-        engine = make_engine(model, "continuous", config.max_num_seqs, max_wait_ms=config.max_wait_ms,
-                             device=config.device, dtype=config.dtype)
+        engine = _engine(config, model, "continuous", max_wait_ms=config.max_wait_ms)
         run = run_offline(engine, workload, "continuous", tick(f"repeat {workload.name} offline"))
         return float(summarize(run)["output_tokens_per_s"])
 
