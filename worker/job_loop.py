@@ -225,8 +225,7 @@ class JobLoop:
             job.token_ids += new_ids
             # The engine's text only grows while a job runs (a possible stop string is held back), so the
             # event carries just what is new; the final record holds the whole text.
-            delta_text = out.new_text
-            job.text += delta_text
+            job.text += out.new_text
             if out.new_logprobs is not None:
                 job.engine_logprobs += out.new_logprobs
             if new_ids:
@@ -236,7 +235,7 @@ class JobLoop:
                 self.metrics.tokens_emitted(job.spec.lane.value, gap_s, len(new_ids))
                 job.last_token_mono = mono
                 writes.publish(self.keys.events(job.spec.id), pack({
-                    "type": "token", "id": job.spec.id, "text": delta_text, "token_ids": new_ids,
+                    "type": "token", "id": job.spec.id, "text": out.new_text, "token_ids": new_ids,
                     "index": len(job.token_ids) - len(new_ids)}))
                 if job.throttle is not None and not out.finished and job.throttle.should_emit(mono):
                     partial = running_view(job.record, job.text, job.token_ids,
