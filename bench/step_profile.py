@@ -43,24 +43,24 @@ class StepProfile:
 def _merged_length_us(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of [start, end) intervals."""
     total = 0.0
-    current_start, current_end = None, None
+    current: tuple[float, float] | None = None
     for start, end in sorted(intervals):
-        if current_end is None or start > current_end:
-            if current_end is not None:
-                total += current_end - current_start
-            current_start, current_end = start, end
-        else:
-            current_end = max(current_end, end)
-    if current_end is not None:
-        total += current_end - current_start
+        if current is not None and start <= current[1]:
+            current = (current[0], max(current[1], end))
+            continue
+        if current is not None:
+            total += current[1] - current[0]
+        current = (start, end)
+    if current is not None:
+        total += current[1] - current[0]
     return total
 
 
 def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, timed_steps: int = 100) -> StepProfile:
     from worker import Engine
 
-    engine = Engine(model=model, device=device, dtype=dtype, max_num_seqs=batch,
-                    **({"cuda_graphs": mode == "graphs"} if _engine_takes_cuda_graphs() else {}))
+    engine = Engine(model=model, device=device, dtype=dtype, max_num_seqs=batch, cuda_graphs=mode == "graphs")
+    assert mode == "eager" or engine.runner.graph_sizes, "CUDA graphs were asked for but not recorded (see the log)"
     for i in range(batch):
         engine.add_request(f"r{i}", [65 + i % 20] * 32, SamplingParams(max_tokens=400, ignore_eos=True))
     for _ in range(30):  # past the prefills, into steady decoding
@@ -91,14 +91,6 @@ def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, ti
     )
 
 
-def _engine_takes_cuda_graphs() -> bool:
-    import inspect
-
-    from worker import Engine
-
-    return "cuda_graphs" in inspect.signature(Engine.__init__).parameters
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory")
@@ -111,9 +103,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench.step_profile profiles GPU steps and needs a CUDA device; none is available here.")
     modes = [m for m in args.modes.split(",") if m]
-    if "graphs" in modes and not _engine_takes_cuda_graphs():
-        print("this engine has no CUDA-graph mode; profiling eager only")
-        modes = [m for m in modes if m != "graphs"]
+    if unknown := set(modes) - set(MODES):
+        sys.exit(f"--modes: unknown {sorted(unknown)}; modes are {', '.join(MODES)}")
     print(f"device: {torch.cuda.get_device_name()}; model {args.model}, {args.dtype}\n")
     rows = []
     for mode in modes:

@@ -15,7 +15,7 @@ import torch
 
 from kernels.kv_store import store_kv
 from kernels.paged_attention import paged_attention
-from kernels.paged_attention_torch import paged_attention_torch, store_kv_torch
+from kernels.paged_attention_torch import paged_attention_torch, store_kv_torch, store_kv_torch_padded
 
 StoreKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 Attention = Callable[..., torch.Tensor]
@@ -28,6 +28,9 @@ class AttentionBackend:
     name: str
     store_kv: StoreKV
     attention: Attention
+    store_kv_padded: StoreKV
+    """The store a recorded (graph) decode step uses: real rows first, then padding rows (slot -1) that must
+    leave the cache as it was, and no host reads."""
 
 
 BACKEND_NAMES = ("torch", "triton")
@@ -35,9 +38,10 @@ BACKEND_NAMES = ("torch", "triton")
 
 def get_backend(name: str) -> AttentionBackend:
     if name == "torch":
-        return AttentionBackend("torch", store_kv_torch, paged_attention_torch)
+        return AttentionBackend("torch", store_kv_torch, paged_attention_torch, store_kv_torch_padded)
     if name == "triton":
-        return AttentionBackend("triton", store_kv, paged_attention)
+        # The Triton store masks slot -1 itself.
+        return AttentionBackend("triton", store_kv, paged_attention, store_kv)
     raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")
 
 

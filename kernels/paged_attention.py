@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from kernels.interpret import check_launchable, is_interpreted
-from kernels.split_kv import combine_splits, plan_kv_splits
+from kernels.split_kv import MIN_TOKENS_PER_SPLIT, combine_splits, num_multiprocessors, plan_kv_splits
+from kernels.workspace import Workspace
 
 _LOG2E = 1.4426950408889634
 
@@ -35,7 +36,7 @@ def _paged_attention_kernel(
     part_out_ptr,
     part_ml_ptr,
     scale_log2,
-    kv_split_len,
+    kv_split_min_len,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -99,11 +100,18 @@ def _paged_attention_kernel(
         q = q.to(tl.float32)
 
     # Causality bounds the sweep by the tile's last query position; a tile past
-    # the sequence's tokens sweeps nothing. A split takes its own slice of that range.
+    # the sequence's tokens sweeps nothing.
     last_tok = tl.minimum((q_tile * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
     kv_end = tl.where(q_tile * BLOCK_M < q_len * GROUP, seq_len - q_len + last_tok + 1, 0)
-    kv_lo = split * kv_split_len
-    kv_hi = tl.minimum(kv_end, kv_lo + kv_split_len)
+    # How many slices this sequence's context is cut into is decided here, from its
+    # own length, never on the host: a launch recorded once (a CUDA graph) stays
+    # right at any context. Only decoding sequences (one query token) split; the
+    # grid's split axis is the most any sequence may use.
+    num_splits = tl.where(q_len == 1, tl.minimum(tl.maximum(seq_len // kv_split_min_len, 1), NUM_SPLITS), 1)
+    split_len = tl.cdiv(tl.cdiv(tl.maximum(kv_end, 1), num_splits), BLOCK_N) * BLOCK_N
+    kv_lo = split * split_len
+    # A program whose split this sequence does not use sweeps nothing and writes nothing.
+    kv_hi = tl.where(split < num_splits, tl.minimum(kv_end, kv_lo + split_len), kv_lo)
 
     # Online softmax state in fp32 (log2 domain): running max, running sum, output.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -149,23 +157,26 @@ def _paged_attention_kernel(
         m_i = m_new
 
     is_out = is_row[:, None] & is_d[None, :]
-    if NUM_SPLITS == 1:
-        # Normalise and write the output rows.
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_rows = (q_start + offs_tok).to(tl.int64) * stride_ot + offs_head * stride_oh
-        tl.store(
-            out_ptr + o_rows[:, None] + offs_d[None, :] * stride_od,
-            o.to(out_ptr.dtype.element_ty),
-            mask=is_out,
-        )
-    else:
-        # Leave the unnormalised partial result with its (max, sum) for the combine step.
+    # An unsplit sequence normalises and writes its output rows here. Masks are
+    # whole tiles (a vector per row), as the interpreter rejects a scalar beside a tile.
+    splits_per_row = offs_m * 0 + num_splits
+    is_direct = ((splits_per_row == 1) & (offs_m * 0 + split == 0))[:, None]
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_rows = (q_start + offs_tok).to(tl.int64) * stride_ot + offs_head * stride_oh
+    tl.store(
+        out_ptr + o_rows[:, None] + offs_d[None, :] * stride_od,
+        o.to(out_ptr.dtype.element_ty),
+        mask=is_out & is_direct,
+    )
+    if NUM_SPLITS > 1:
+        # A split sequence leaves each slice's unnormalised result with its (max, sum) for the combine step.
+        is_part = is_row & (split < splits_per_row) & (splits_per_row > 1)
         tok = (q_start + offs_tok).to(tl.int64)
         p_rows = split * stride_ps + tok * stride_pt + offs_head * stride_ph
-        tl.store(part_out_ptr + p_rows[:, None] + offs_d[None, :], acc, mask=is_out)
+        tl.store(part_out_ptr + p_rows[:, None] + offs_d[None, :], acc, mask=is_out & is_part[:, None])
         ml_rows = split * stride_mls + tok * stride_mlt + offs_head * stride_mlh
-        tl.store(part_ml_ptr + ml_rows, m_i, mask=is_row)
-        tl.store(part_ml_ptr + ml_rows + 1, l_i, mask=is_row)
+        tl.store(part_ml_ptr + ml_rows, m_i, mask=is_part)
+        tl.store(part_ml_ptr + ml_rows + 1, l_i, mask=is_part)
 
 
 def _query_tile_rows(rows_per_seq: int, head_dim: int, is_fp32: bool) -> int:
@@ -187,11 +198,18 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
+    kv_split_min_len: int = MIN_TOKENS_PER_SPLIT,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; same contract as `paged_attention_reference`.
 
-    `max_query_len` / `max_seq_len` size the grid; pass them when known on the
-    host to spare a device sync. `num_kv_splits` forces the split-KV path.
+    Checks its arguments, then launches as `launch_paged_attention` does.
+    `max_query_len` sizes the grid; pass it when known on the host to spare a
+    device sync. `max_seq_len` is accepted for the backends' common signature
+    and changes nothing: no launch setting depends on a context length.
+    `num_kv_splits` sets the most slices a decoding context may be cut into
+    (default: planned from the grid's size and the GPU's multiprocessors);
+    each sequence takes one slice per `kv_split_min_len` tokens, up to that.
     """
     assert q.dim() == 3 and k_cache.dim() == 4, (q.shape, k_cache.shape)
     assert k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
@@ -208,6 +226,7 @@ def paged_attention(
         assert meta.dtype in (torch.int32, torch.int64), meta.dtype
     # The head_dim axis is addressed with a stride, but contiguous rows keep loads coalesced.
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert kv_split_min_len > 0, kv_split_min_len
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
@@ -216,30 +235,62 @@ def paged_attention(
     check_launchable(q.device, _paged_attention_kernel)
     if num_tokens == 0 or num_seqs == 0:
         return out
-
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if num_kv_splits is None:
+        num_kv_splits = plan_kv_splits(num_multiprocessors(q.device), num_seqs * num_kv_heads)
+    launch_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out,
+                           max_query_len=max_query_len, num_kv_splits=num_kv_splits,
+                           kv_split_min_len=kv_split_min_len, workspace=workspace)
+    return out
+
+
+def launch_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    max_query_len: int,
+    num_kv_splits: int,
+    kv_split_min_len: int = MIN_TOKENS_PER_SPLIT,
+    workspace: Workspace | None = None,
+) -> None:
+    """The launch alone, for callers that checked their layouts once (a model runner at start-up).
+
+    Reads nothing from the device and decides nothing from a context length,
+    so it can be recorded in a CUDA graph and replayed at any context: the
+    grid depends only on the shapes, `max_query_len` and `num_kv_splits`.
+    With a `workspace` the split buffers come from it (reserve them before a
+    capture); without one they are allocated per call.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     # fp32 and wide heads use smaller tiles to stay within shared memory.
     is_fp32 = q.dtype == torch.float32
     block_m = _query_tile_rows(max_query_len * group, head_dim, is_fp32)
     block_n = 32 if head_dim > 128 or is_fp32 else 64
     num_q_tiles = triton.cdiv(max_query_len * group, block_m)
-    if num_kv_splits is None:
-        num_kv_splits = plan_kv_splits(q.device, num_seqs * num_kv_heads * num_q_tiles, max_seq_len, seq_lens)
-    # Without a split the slice length only has to cover every context.
-    max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
-    kv_split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_kv_splits), block_n) * block_n
-    if num_kv_splits == 1:
-        kv_split_len = 2**31 - 1 - block_n
-
-    part_out = part_ml = out  # placeholders: the single-split kernel never touches them
+    # Splits serve decoding sequences only, and a decode step has one query tile per sequence.
+    if num_q_tiles > 1:
+        num_kv_splits = 1
+    part_out = part_ml = out  # placeholders: a single-split launch never touches them
     if num_kv_splits > 1:
-        part_out = torch.empty((num_kv_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((num_kv_splits, num_tokens, num_heads, 2), dtype=torch.float32, device=q.device)
+        part_shape = (num_kv_splits, num_tokens, num_heads)
+        if workspace is None:
+            part_out = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
+            part_ml = torch.empty((*part_shape, 2), dtype=torch.float32, device=q.device)
+        else:
+            part_out = workspace.take("split_out", (*part_shape, head_dim), torch.float32, q.device)
+            part_ml = workspace.take("split_ml", (*part_shape, 2), torch.float32, q.device)
     # The numpy interpreter gets bf16 `tl.dot` wrong, so there bf16 tiles are multiplied in fp32.
     dot_in_fp32 = q.dtype == torch.bfloat16 and is_interpreted(_paged_attention_kernel)
-    grid = (num_seqs, num_q_tiles * num_kv_splits, num_kv_heads)
+    grid = (seq_lens.shape[0], num_q_tiles * num_kv_splits, num_kv_heads)
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -251,7 +302,7 @@ def paged_attention(
         part_out,
         part_ml,
         scale * _LOG2E,
-        kv_split_len,
+        kv_split_min_len,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -270,8 +321,7 @@ def paged_attention(
         DOT_IN_FP32=dot_in_fp32,
     )
     if num_kv_splits > 1:
-        combine_splits(part_out, part_ml, out)
-    return out
+        combine_splits(part_out, part_ml, out, cu_seqlens_q, seq_lens, kv_split_min_len)
 
 
 def paged_attention_reference(

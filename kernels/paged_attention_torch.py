@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kernels.kv_store import store_kv_reference
+from kernels.workspace import Workspace
 
 # Python and launch cost of attending one more group, in bytes of fp32 keys and values gathered in the
 # same time: about 70 us against 430 KiB for a tiny model on one CPU core. On a skewed decode mix of 8
@@ -45,29 +46,6 @@ class DecodeGroup:
 
     Blocks and mask are the same for every layer, so they are built once per step.
     """
-
-
-@dataclass
-class GatherWorkspace:
-    """Buffers for the gathered keys and values, reused across layers and steps.
-
-    A fresh multi-megabyte tensor per layer is mapped anew by the allocator
-    each time, and touching it page-faults every 4 KiB page: at a 500-token
-    context that cost more than the attention itself. A runner owns one
-    workspace; it is not thread-safe.
-    """
-
-    _buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
-
-    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A tensor of `shape` over the named buffer (grown when too small); its contents are garbage."""
-        numel = math.prod(shape)
-        key = (name, dtype, device)
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(numel, dtype=dtype, device=device)
-            self._buffers[key] = buffer
-        return buffer[:numel].view(shape)
 
 
 def plan_decode_groups(seq_indices: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int,
@@ -138,7 +116,8 @@ def paged_attention_torch(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     decode_groups: list[DecodeGroup] | None = None,
-    workspace: GatherWorkspace | None = None,
+    workspace: Workspace | None = None,
+    is_graphed: bool = False,
     **_launch_hints: int | None,
 ) -> torch.Tensor:
     """Batched paged attention; the keyword arguments are host hints that change no result.
@@ -150,7 +129,10 @@ def paged_attention_torch(
     host copies of the lengths; `workspace` keeps the gathered keys and
     values in buffers reused from call to call. A decode-only step given its
     groups reads nothing back to the host; a step with prefill chunks reads
-    its query offsets and context lengths once.
+    its query offsets and context lengths once. `is_graphed` marks a
+    decode-only step recorded once and replayed: every sequence then attends
+    over the block table's whole width, masked by its length on the device,
+    so nothing is planned from host lengths.
     """
     assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (q.shape, k_cache.shape)
     assert q.shape[1] % k_cache.shape[2] == 0, (q.shape, k_cache.shape)
@@ -159,9 +141,18 @@ def paged_attention_torch(
     num_seqs = seq_lens.shape[0]
     if q.shape[0] == 0 or num_seqs == 0:
         return out
+    q = q.contiguous()  # rows are regrouped by views below
+    block_size = k_cache.shape[1]
+    if is_graphed:
+        # Decode only: token row s is sequence s. Rows of length 0 (padding) see nothing and stay finite.
+        width = block_tables.shape[1]
+        slots = torch.arange(width * block_size, device=q.device)
+        is_visible = (slots[None, :] < seq_lens[:, None])[:, None, None, :]
+        o = _attend(q.unsqueeze(1), k_cache, v_cache, block_tables.reshape(-1).long(), is_visible, scale, workspace)
+        out.copy_(torch.nan_to_num(o.squeeze(1), nan=0.0).to(out.dtype))
+        return out
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    block_size = k_cache.shape[1]
     starts: list[int] = []
     if max_query_len > 1 or decode_groups is None:
         starts = cu_seqlens_q.tolist()
@@ -194,7 +185,7 @@ def paged_attention_torch(
     return out
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, name: str, workspace: GatherWorkspace | None) -> torch.Tensor:
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, name: str, workspace: Workspace | None) -> torch.Tensor:
     """`cache[blocks]` in fp32, `[len(blocks), block_size, kv_heads, d]`."""
     # index_select copies whole blocks at memcpy speed, where advanced indexing goes element by element.
     if workspace is None:
@@ -213,7 +204,7 @@ def _attend(
     blocks: torch.Tensor,
     is_visible: torch.Tensor,
     scale: float,
-    workspace: GatherWorkspace | None,
+    workspace: Workspace | None,
 ) -> torch.Tensor:
     """Attention of `q` `[n, q_len, heads, d]` over n paged contexts of `blocks` (`n * blocks each`, flat).
 
@@ -255,3 +246,24 @@ def store_kv_torch(
     slots = slot_mapping.long()
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def store_kv_torch_padded(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The store of a replayed decode step: reads nothing on the host, so it can be recorded once.
+
+    Its rows are real sequences first, then padding (slot -1), and row 0 is
+    always real. Padding rows write row 0's key and value to row 0's slot
+    again: the same bytes, so the cache ends as if they wrote nothing.
+    """
+    slots = slot_mapping.long()
+    is_real = slots >= 0
+    slots = torch.where(is_real, slots, slots[:1])
+    rows = is_real[:, None, None]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, torch.where(rows, key, key[:1]).to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, torch.where(rows, value, value[:1]).to(v_cache.dtype))

@@ -8,10 +8,10 @@ import torch
 from kernels.paged_attention import paged_attention_reference
 from kernels.paged_attention_torch import (
     GROUP_OVERHEAD_BYTES,
-    GatherWorkspace,
     paged_attention_torch,
     plan_decode_groups,
 )
+from kernels.workspace import Workspace
 from tests.kernel_batches import assert_close, make_batch
 
 CPU = torch.device("cpu")
@@ -72,7 +72,7 @@ def test_grouped_decodes_match_reference_with_and_without_hints(num_heads: int, 
     groups = plan_decode_groups(decodes, [cases[s][1] for s in decodes], batch.block_tables, BLOCK_SIZE,
                                 2 * BLOCK_SIZE * num_kv_heads * 32 * 4)
     assert len(groups) >= 2
-    workspace = GatherWorkspace()
+    workspace = Workspace()
     planned = paged_attention_torch(*batch.args(), max_query_len=12, max_seq_len=530, decode_groups=groups,
                                     workspace=workspace)
     assert_close(planned, expected, torch.float32)
@@ -88,12 +88,12 @@ def test_decode_only_step_with_groups_matches_reference() -> None:
     groups = plan_decode_groups(list(range(len(cases))), [c for _, c in cases], batch.block_tables, BLOCK_SIZE,
                                 BLOCK_ROW_BYTES)
     out = paged_attention_torch(*batch.args(), max_query_len=1, max_seq_len=530, decode_groups=groups,
-                                workspace=GatherWorkspace())
+                                workspace=Workspace())
     assert_close(out, paged_attention_reference(*batch.args()), torch.float32)
 
 
 def test_workspace_reuses_its_buffer_and_grows_when_needed() -> None:
-    workspace = GatherWorkspace()
+    workspace = Workspace()
     a = workspace.take("keys", (4, 16, 2, 8), torch.float32, CPU)
     b = workspace.take("keys", (2, 16, 2, 8), torch.float32, CPU)
     assert a.data_ptr() == b.data_ptr() and b.shape == (2, 16, 2, 8)
@@ -110,6 +110,6 @@ def test_half_precision_cache_through_the_workspace(dtype: torch.dtype) -> None:
     cases = [(1, 300), (1, 20), (5, 18), (1, 21)]
     batch = make_batch(cases, num_heads=4, num_kv_heads=2, head_dim=64, block_size=BLOCK_SIZE, dtype=dtype,
                        device=CPU, seed=3)
-    out = paged_attention_torch(*batch.args(), workspace=GatherWorkspace())
+    out = paged_attention_torch(*batch.args(), workspace=Workspace())
     assert out.dtype == dtype
     assert_close(out, paged_attention_reference(*batch.args()), dtype)

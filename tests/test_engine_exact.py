@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from scheduler import SamplingParams
 from worker import Engine
+from worker.graph_runner import ReplayCapture
 
 ARCHS = ["llama", "qwen2", "mistral"]
 NUM_REQUESTS = 32
@@ -131,3 +132,27 @@ def test_static_and_dynamic_batching_give_the_same_tokens(
     path, prompts, expected = reference
     engine, actual = run_engine(path, prompts, batching=batching, max_num_seqs=8, max_wait_ms=1.0)
     assert_same(expected, actual)
+
+
+@pytest.mark.parametrize("attention_backend", ["torch", "triton"])
+def test_replayed_decode_steps_give_the_same_tokens(
+    reference: tuple[str, list[list[int]], list[list[int]]], attention_backend: str
+) -> None:
+    """Decode steps recorded once per padded batch size and replayed, as CUDA graphs are, with preemptions.
+
+    The CPU capture backend runs each replay again with the arguments it was
+    recorded with and fails on any host read, so a replay that read a value
+    it should have taken from the step buffers would fail or give other tokens.
+    """
+    path, prompts, expected = reference
+    if attention_backend == "triton":
+        prompts, expected = prompts[:6], expected[:6]  # the interpreter is slow
+    engine = Engine(model=path, block_size=BLOCK_SIZE, num_blocks=20, max_num_seqs=12,
+                    attention_backend=attention_backend)
+    assert engine.runner.capture_decode_graphs(ReplayCapture())
+    assert engine.runner.graph_sizes == [1, 2, 4, 8, 12]
+    results = engine.generate(prompts, GREEDY)
+    assert_same(expected, [r.token_ids for r in results])
+    assert engine.runner.num_replayed_steps > 0
+    if attention_backend == "torch":
+        assert engine.stats().num_preemptions > 0

@@ -18,8 +18,13 @@ import pytest  # noqa: E402
 from kernels import get_backend  # noqa: E402
 from kernels.interpret import check_launchable  # noqa: E402
 from kernels.kv_store import store_kv, store_kv_reference  # noqa: E402
-from kernels.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
+from kernels.paged_attention import (  # noqa: E402
+    launch_paged_attention,
+    paged_attention,
+    paged_attention_reference,
+)
 from kernels.paged_attention_torch import paged_attention_torch  # noqa: E402
+from kernels.workspace import Workspace  # noqa: E402
 from tests.kernel_batches import MIXED_CASES, assert_close, make_batch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,7 +93,8 @@ def test_split_kv_matches_single_pass(num_kv_splits: int) -> None:
     cases = [(1, 200), (1, 5), (2, 129)]
     batch = make_batch(cases, num_heads=4, num_kv_heads=2, head_dim=64, block_size=32,
                        dtype=torch.float16, device=DEVICE, seed=num_kv_splits)
-    split = paged_attention(*batch.args(), num_kv_splits=num_kv_splits)
+    # One slice per 16 tokens, up to num_kv_splits: every decoding sequence here splits but the shortest.
+    split = paged_attention(*batch.args(), num_kv_splits=num_kv_splits, kv_split_min_len=16)
     assert_close(split, paged_attention(*batch.args(), num_kv_splits=1), torch.float16)
     assert_close(split, paged_attention_reference(*batch.args()), torch.float16)
 
@@ -175,3 +181,32 @@ def test_cpu_tensors_without_interpreter_get_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         check_launchable(torch.device("cpu"), compiled_kernel)
     check_launchable(torch.device("cuda"), compiled_kernel)
+
+
+def test_launch_settings_fixed_at_a_short_context_hold_past_2k() -> None:
+    """What a CUDA graph does: one launch's settings and buffers, recorded at short contexts, replayed at long ones.
+
+    The launch reads no length on the host: each sequence's split count and
+    slice come from its length on the device, so the same call is right when
+    the contexts grow past 2k (a slice length frozen at capture would stop
+    attending to the keys beyond it).
+    """
+    long_cases = [(1, 2100), (1, 2600), (1, 3000)]
+    batch = make_batch(long_cases, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                       dtype=torch.float16, device=DEVICE, seed=21)
+    workspace = Workspace()
+    out = torch.full_like(batch.q, float("nan"))
+    seq_lens = torch.tensor([40, 100, 7], dtype=torch.int32, device=DEVICE)
+
+    def launch() -> None:
+        # The same Python arguments every time, as a replay would have them.
+        launch_paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.cu_seqlens_q,
+                               seq_lens, batch.scale, out, max_query_len=1, num_kv_splits=4, workspace=workspace)
+
+    launch()
+    short = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.cu_seqlens_q, seq_lens, batch.scale)
+    assert_close(out, paged_attention_reference(*short), torch.float16)
+    seq_lens.copy_(batch.seq_lens)  # the contexts grow in place; nothing else changes
+    out.fill_(float("nan"))
+    launch()
+    assert_close(out, paged_attention_reference(*batch.args()), torch.float16)

@@ -31,7 +31,7 @@ class PagedSequence:
         start = self.num_computed
         new = self.token_ids[start : start + num_tokens]
         self.num_computed += len(new)
-        return StepSeq(new, start, self.block_table, need_logits=self.num_computed == len(self.token_ids))
+        return StepSeq(new, start, self.block_table, needs_logits=self.num_computed == len(self.token_ids))
 
 
 def _shuffled_tables(num_blocks: int, sizes: list[int], seed: int) -> list[list[int]]:
@@ -66,7 +66,7 @@ def _run_mixed_schedule(runner: ModelRunner, reference: torch.nn.Module, seed: i
     num_checked = 0
     for plan in steps:
         batch = [seq.chunk(n) for seq, n in plan]
-        asking = [next(s for s in seqs if s.block_table is step.block_table) for step in batch if step.need_logits]
+        asking = [next(s for s in seqs if s.block_table is step.block_table) for step in batch if step.needs_logits]
         logits = runner.execute(batch)
         assert logits.dtype == torch.float32
         assert logits.shape == (len(asking), runner.vocab_size)
@@ -93,10 +93,10 @@ def test_two_runners_in_one_process_are_independent(tiny_model) -> None:
     second = ModelRunner(qwen_path, block_size=8, num_blocks=4)
     prompt = [72, 101, 108, 108, 111]
     # Same block ids in both: each must use its own cache.
-    first.execute([StepSeq(prompt, 0, [3, 1], need_logits=True)])
-    second.execute([StepSeq(prompt[::-1], 0, [3], need_logits=True)])
-    out_first = first.execute([StepSeq([33], 5, [3, 1], need_logits=True)])[0]
-    out_second = second.execute([StepSeq([33], 5, [3], need_logits=True)])[0]
+    first.execute([StepSeq(prompt, 0, [3, 1], needs_logits=True)])
+    second.execute([StepSeq(prompt[::-1], 0, [3], needs_logits=True)])
+    out_first = first.execute([StepSeq([33], 5, [3, 1], needs_logits=True)])[0]
+    out_second = second.execute([StepSeq([33], 5, [3], needs_logits=True)])[0]
     llama = AutoModelForCausalLM.from_pretrained(llama_path, local_files_only=True)
     qwen = AutoModelForCausalLM.from_pretrained(qwen_path, local_files_only=True)
     torch.testing.assert_close(out_first, _reference_last_logits(llama, prompt + [33]), atol=ATOL, rtol=0)
@@ -138,7 +138,7 @@ def test_bf16_runner_stays_close_to_fp32(tiny_model) -> None:
     runner = ModelRunner(path, dtype="bfloat16", num_blocks=4)
     assert runner.dtype == torch.bfloat16 and runner.k_caches[0].dtype == torch.bfloat16
     prompt = list(b"paged attention")
-    logits = runner.execute([StepSeq(prompt, 0, [2], need_logits=True)])[0]
+    logits = runner.execute([StepSeq(prompt, 0, [2], needs_logits=True)])[0]
     reference = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     expected = _reference_last_logits(reference, prompt)
     assert (logits - expected).abs().max().item() < 0.25 * expected.abs().max().item()
@@ -156,8 +156,8 @@ def test_triton_backend_matches_torch_backend(tiny_model) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (9, 5)]
     tables = [[7, 2, 11], [0, 15]]
-    prefill = [StepSeq(p, 0, t, need_logits=True) for p, t in zip(prompts, tables)]
-    decode = [StepSeq([42], len(p), t, need_logits=True) for p, t in zip(prompts, tables)]
+    prefill = [StepSeq(p, 0, t, needs_logits=True) for p, t in zip(prompts, tables)]
+    decode = [StepSeq([42], len(p), t, needs_logits=True) for p, t in zip(prompts, tables)]
     for batch in (prefill, decode):
         expected, got = (runner.execute(batch) for runner in runners)
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)

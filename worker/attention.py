@@ -42,9 +42,12 @@ class PagedAttentionMetadata:
     """Most new tokens of one sequence, known on the host: spares a device read per layer."""
     max_seq_len: int
     """Longest context, known on the host."""
+    is_graphed: bool = False
+    """A decode step recorded once and replayed: padding rows follow the real ones, and nothing may be read on
+    the host or planned from host lengths."""
     backend_hints: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments for this backend's attention only (the torch backend's decode groups and
-    gather workspace), passed as they are."""
+    gather workspace, the Triton kernel's most splits and split buffers), passed as they are."""
 
 
 def paged_attention_forward(
@@ -72,13 +75,15 @@ def paged_attention_forward(
     assert isinstance(layer_idx, int), "transformers' attention modules carry their layer index"
     k_cache = metadata.k_caches[layer_idx]
     v_cache = metadata.v_caches[layer_idx]
-    q = query[0].transpose(0, 1).contiguous()
-    k = key[0].transpose(0, 1).contiguous()
-    v = value[0].transpose(0, 1).contiguous()
+    # Views, not copies: the kernels take strides, and each row's head_dim stays contiguous.
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
     assert k.shape[1:] == k_cache.shape[2:], (k.shape, k_cache.shape)
-    metadata.backend.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+    store_kv = metadata.backend.store_kv_padded if metadata.is_graphed else metadata.backend.store_kv
+    store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     metadata.backend.attention(
         q,
         k_cache,

@@ -46,6 +46,8 @@ class WorkerConfig:
     kv_cache_memory_gb: float | None = field(default=None, metadata=_help("memory budget of the KV cache in GiB"))
     max_model_len: int | None = field(default=None, metadata=_help("longest prompt + output; default: the model's"))
     enable_prefix_caching: bool = field(default=True, metadata=_help("reuse KV blocks of shared prompt prefixes"))
+    cuda_graphs: bool | None = field(default=None, metadata=_help(
+        "replay decode steps as CUDA graphs recorded at start-up; default: on for CUDA with the Triton backend"))
     torch_threads: int = field(default=0, metadata=_help(
         "torch intra-op threads of this process; 0: one on CPU (fastest for small models on shared cores), torch's default on CUDA"))
 
@@ -152,4 +154,5 @@ class WorkerConfig:
             "kv_cache_memory_gb": self.kv_cache_memory_gb,
             "max_model_len": self.max_model_len,
             "enable_prefix_caching": self.enable_prefix_caching,
+            "cuda_graphs": self.cuda_graphs,
         }

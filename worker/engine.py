@@ -53,6 +53,7 @@ class Engine:
         kv_cache_memory_gb: float | None = None,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        cuda_graphs: bool | None = None,
     ) -> None:
         if model is None:
             from worker.default_model import default_model_path
@@ -61,11 +62,12 @@ class Engine:
         self.config = EngineConfig(
             str(model), device, block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
             batching, policy, attention_backend, max_wait_ms, dtype, kv_cache_memory_gb,
-            max_model_len, enable_prefix_caching,
+            max_model_len, enable_prefix_caching, cuda_graphs,
         )
         self.runner = ModelRunner(
             str(model), device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory_gb=kv_cache_memory_gb, attention_backend=attention_backend,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs,
         )
         self.tokenizer = self.runner.tokenizer
         # Chosen once here, not per request: the choice checks the tokenizer over its whole vocabulary.
@@ -145,6 +147,7 @@ class Engine:
         """Cancel a request; its final output (finish_reason "abort") comes with the next step."""
         seq = self.scheduler.abort(request_id)
         state = self._requests.pop(request_id, None)
+        self.runner.release(request_id)
         if seq is None or state is None:
             return False
         state.detokenizer.flush()
@@ -171,8 +174,10 @@ class Engine:
         return outputs
 
     def _run(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        for seq in scheduled.preempted:
+            self.runner.release(seq.request_id)
         batch = [
-            StepSeq(s.token_ids, s.start_pos, list(s.seq.block_table), s.needs_logits)
+            StepSeq(s.token_ids, s.start_pos, s.seq.block_table, s.needs_logits, s.seq.request_id)
             for s in scheduled.scheduled
         ]
         logits = self.runner.execute(batch)
@@ -201,6 +206,7 @@ class Engine:
             if decision is not None:
                 self.scheduler.finish(seq, decision.reason, decision.stop_reason)
                 del self._requests[seq.request_id]
+                self.runner.release(seq.request_id)
             outputs.append(state.take_output())
         return outputs
 

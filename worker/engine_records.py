@@ -23,6 +23,8 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    cuda_graphs: bool | None = None
+    """Replay decode steps as CUDA graphs; None: on for CUDA with the Triton backend."""
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -1,23 +1,38 @@
 """All tensor work of a step: a transformers model over a paged KV cache.
 
 `ModelRunner.execute` takes the sequences of one step (each a run of new
-tokens plus its block table), packs their tokens into one flattened row,
-runs one forward with paged attention and returns the logits of the last
-token of each sequence that asked for them.
+tokens plus its block table), stages them into persistent device buffers
+(`worker.step_inputs`), runs one forward with paged attention and returns
+the logits of the last token of each sequence that asked for them. On CUDA,
+decode steps replay CUDA graphs recorded at start-up (`worker.graph_runner`).
 """
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
+import logging
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from kernels import get_backend
-from kernels.paged_attention_torch import GatherWorkspace, plan_decode_groups
+from kernels.paged_attention_torch import plan_decode_groups
+from kernels.split_kv import MAX_SPLITS, num_multiprocessors, plan_kv_splits
+from kernels.workspace import Workspace
 from worker.attention import METADATA_KWARG, PagedAttentionMetadata, register_paged_attention
+from worker.graph_runner import (
+    HOST_BRANCHING_ROPE,
+    CaptureBackend,
+    CudaGraphCapture,
+    DecodeGraphs,
+    graph_batch_sizes,
+    rope_type,
+)
+from worker.step_inputs import StepInputs, StepSeq, StepShape
+
+__all__ = ["ModelRunner", "StepSeq"]
+
+log = logging.getLogger(__name__)
 
 GIB = 1024**3
 # CPU default cache budget, allocated (zeroed) up front.
@@ -39,16 +54,6 @@ _DTYPES = {
 }
 
 
-@dataclass
-class StepSeq:
-    """One sequence's share of a step: tokens at positions `start_pos ..` get their KV computed."""
-
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    need_logits: bool
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -59,7 +64,11 @@ class ModelRunner:
         num_blocks: int | None = None,
         kv_cache_memory_gb: float | None = None,
         attention_backend: str | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        cuda_graphs: bool | None = None,
     ) -> None:
+        """`cuda_graphs` records decode steps as CUDA graphs (None: on for CUDA with the Triton backend)."""
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         self.device = torch.device(device)
@@ -95,7 +104,56 @@ class ModelRunner:
         # Zeroed, not empty: a kernel that masks unused slots must never meet NaN garbage.
         self.k_caches = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_caches = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self._workspace = GatherWorkspace()
+        self._workspace = Workspace()
+        self.num_heads: int = config.num_attention_heads
+        self._num_multiprocessors = num_multiprocessors(self.device)
+        max_blocks_per_seq = min(-(-self.max_model_len // block_size), self.num_blocks)
+        self.inputs = StepInputs(max_num_seqs, max(max_num_batched_tokens, max_num_seqs), max_blocks_per_seq,
+                                 block_size, self.device)
+        self._graphs: DecodeGraphs | None = None
+        self.num_replayed_steps = 0
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and self.backend.name == "triton"
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, got {self.device}")
+            self.capture_decode_graphs(CudaGraphCapture())
+
+    def capture_decode_graphs(self, backend: CaptureBackend) -> bool:
+        """Record decode steps at every padded batch size; False (and a log line) when this model cannot be.
+
+        A model whose RoPE branches on host values runs eager; so does any
+        model whose recording fails, rather than the worker.
+        """
+        kind = rope_type(self.model.config)
+        if kind in HOST_BRANCHING_ROPE:
+            log.warning("decode steps run eager: %s RoPE reads positions on the host, which a graph cannot replay",
+                        kind)
+            return False
+        if self.backend.name == "triton":
+            # Split buffers for the most splits any recorded size plans, before any recording needs them.
+            self._workspace.reserve("split_out", (MAX_SPLITS, self.inputs.max_num_seqs, self.num_heads,
+                                                  self.head_dim), torch.float32, self.device)
+            self._workspace.reserve("split_ml", (MAX_SPLITS, self.inputs.max_num_seqs, self.num_heads, 2),
+                                    torch.float32, self.device)
+        sizes = graph_batch_sizes(self.inputs.max_num_seqs)
+        try:
+            self._graphs = DecodeGraphs(self._decode_forward, sizes, backend)
+        except Exception:
+            log.exception("recording decode graphs failed; decode steps run eager")
+            self._graphs = None
+            return False
+        log.info("decode steps replay recorded graphs at batch sizes %s", sizes)
+        return True
+
+    @property
+    def graph_sizes(self) -> list[int]:
+        """The batch sizes decode steps replay at; empty when every step runs eager."""
+        return self._graphs.sizes if self._graphs is not None else []
+
+    def release(self, key: str) -> None:
+        """A sequence left the batch: its block-table row is free again."""
+        self.inputs.release(key)
 
     @property
     def block_bytes(self) -> int:
@@ -120,97 +178,94 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[StepSeq]) -> torch.Tensor:
-        """One forward over every sequence's new tokens; float32 logits `[num need_logits, vocab]`."""
+        """One forward over every sequence's new tokens; float32 logits `[num needs_logits, vocab]`.
+
+        The logits of a replayed step live in the graph's own buffer: read them before the next step.
+        """
         assert batch, "a step runs at least one sequence"
-        meta = _step_layout(batch, self.block_size, self.max_model_len)
+        graphs = self._graphs
+        if graphs is not None and all(len(seq.token_ids) == 1 and seq.needs_logits for seq in batch):
+            padded = graphs.padded_size(len(batch))
+            if padded is not None:
+                self.inputs.prepare(batch, pad_to=padded, gather_table=False)
+                self.num_replayed_steps += 1
+                return graphs.replay(padded)[: len(batch)]
+        shape = self.inputs.prepare(batch)
+        return self._forward(shape, batch)
 
-        def to_device(t: torch.Tensor) -> torch.Tensor:
-            return t.to(self.device, non_blocking=True)
-
-        block_tables = to_device(meta.block_tables)
+    def _forward(self, shape: StepShape, batch: list[StepSeq]) -> torch.Tensor:
+        inputs = self.inputs
+        block_tables = inputs.step_table[: shape.num_seqs]
         metadata = PagedAttentionMetadata(
             backend=self.backend,
             k_caches=self.k_caches,
             v_caches=self.v_caches,
-            slot_mapping=to_device(meta.slot_mapping),
+            slot_mapping=inputs.view("slot_mapping", shape.num_tokens),
             block_tables=block_tables,
-            cu_seqlens_q=to_device(meta.cu_seqlens_q),
-            seq_lens=to_device(meta.seq_lens),
-            max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len,
-            backend_hints=self._backend_hints(batch, block_tables),
+            cu_seqlens_q=inputs.view("cu_seqlens_q", shape.num_seqs + 1),
+            seq_lens=inputs.view("seq_lens", shape.num_seqs),
+            max_query_len=shape.max_query_len,
+            max_seq_len=shape.max_seq_len,
+            backend_hints=self._backend_hints(batch, block_tables, shape),
         )
+        # A tensor of row indices: lm_head runs only on the rows sampled from (0 keeps every row).
+        keep: int | torch.Tensor = 0 if shape.num_logits == shape.num_tokens else inputs.view(
+            "logit_rows", shape.num_logits)
         output = self.model(
-            input_ids=to_device(meta.input_ids).unsqueeze(0),
-            position_ids=to_device(meta.positions).unsqueeze(0),
+            input_ids=inputs.view("input_ids", shape.num_tokens).unsqueeze(0),
+            position_ids=inputs.view("positions", shape.num_tokens).unsqueeze(0),
             use_cache=False,
-            # A tensor of row indices: lm_head runs only on the rows we sample from.
-            logits_to_keep=to_device(meta.logit_rows),
+            logits_to_keep=keep,
             **{METADATA_KWARG: metadata},
         )
         return output.logits[0].float()
 
-    def _backend_hints(self, batch: list[StepSeq], block_tables: torch.Tensor) -> dict[str, Any]:
-        """The torch backend's decode groups, planned once per step rather than once per layer."""
+    def _decode_forward(self, num_seqs: int) -> torch.Tensor:
+        """The recorded decode step over the first `num_seqs` rows of the buffers: reads nothing on the host."""
+        inputs = self.inputs
+        inputs.gather_table(num_seqs)
+        hints: dict[str, Any] = {"workspace": self._workspace}
+        if self.backend.name == "triton":
+            hints["num_kv_splits"] = self._num_kv_splits(num_seqs)
+        elif self.backend.name == "torch":
+            hints["is_graphed"] = True
+        metadata = PagedAttentionMetadata(
+            backend=self.backend,
+            k_caches=self.k_caches,
+            v_caches=self.v_caches,
+            slot_mapping=inputs.view("slot_mapping", num_seqs),
+            block_tables=inputs.step_table[:num_seqs],
+            cu_seqlens_q=inputs.view("cu_seqlens_q", num_seqs + 1),
+            seq_lens=inputs.view("seq_lens", num_seqs),
+            max_query_len=1,
+            max_seq_len=inputs.max_blocks_per_seq * self.block_size,
+            is_graphed=True,
+            backend_hints=hints,
+        )
+        output = self.model(
+            input_ids=inputs.view("input_ids", num_seqs).unsqueeze(0),
+            position_ids=inputs.view("positions", num_seqs).unsqueeze(0),
+            use_cache=False,
+            **{METADATA_KWARG: metadata},
+        )
+        return output.logits[0].float()
+
+    def _num_kv_splits(self, num_seqs: int) -> int:
+        return plan_kv_splits(self._num_multiprocessors, num_seqs * self.num_kv_heads)
+
+    def _backend_hints(self, batch: list[StepSeq], block_tables: torch.Tensor, shape: StepShape) -> dict[str, Any]:
+        """Per-step settings the backend would otherwise derive per layer."""
+        if self.backend.name == "triton":
+            return {"num_kv_splits": self._num_kv_splits(shape.num_seqs), "workspace": self._workspace}
         if self.backend.name != "torch":
             return {}
+        # The torch backend's decode groups, planned once per step rather than once per layer.
         decodes = [i for i, seq in enumerate(batch) if len(seq.token_ids) == 1]
         # Keys and values of one block in fp32, the precision the backend attends in.
         block_row_bytes = 2 * self.block_size * self.num_kv_heads * self.head_dim * 4
         groups = plan_decode_groups(decodes, [batch[i].start_pos + 1 for i in decodes], block_tables,
                                     self.block_size, block_row_bytes) if decodes else []
         return {"decode_groups": groups, "workspace": self._workspace}
-
-
-@dataclass
-class _StepLayout:
-    """A step's inputs and attention metadata, built on the CPU."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    seq_lens: torch.Tensor
-    logit_rows: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
-
-
-def _step_layout(batch: list[StepSeq], block_size: int, max_model_len: int) -> _StepLayout:
-    """Per-sequence Python, per-token tensor ops: a long prefill chunk costs no Python loop."""
-    q_lens = [len(seq.token_ids) for seq in batch]
-    seq_lens = [seq.start_pos + n for seq, n in zip(batch, q_lens)]
-    max_blocks = max(len(seq.block_table) for seq in batch)
-    for seq, n, end in zip(batch, q_lens, seq_lens):
-        assert n > 0, "every scheduled sequence brings at least one token"
-        assert end <= len(seq.block_table) * block_size, "block table too short for the scheduled tokens"
-        assert end <= max_model_len, "sequence longer than the model's context"
-    cu_seqlens = list(itertools.accumulate(q_lens, initial=0))
-    num_tokens = cu_seqlens[-1]
-    block_tables = torch.tensor(
-        [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch], dtype=torch.int32
-    )
-    q_lens_t = torch.tensor(q_lens)
-    starts = torch.tensor([seq.start_pos for seq in batch])
-    # Token t of sequence s sits at start_pos[s] + (t - cu_seqlens[s]).
-    seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), q_lens_t, output_size=num_tokens)
-    offsets = starts - torch.tensor(cu_seqlens[:-1])
-    positions = torch.arange(num_tokens) + offsets[seq_of_token]
-    slot_mapping = block_tables[seq_of_token, positions // block_size].long() * block_size + positions % block_size
-    # Each sequence's last new token is the one its next token is sampled from.
-    logit_rows = [cu_seqlens[i + 1] - 1 for i, seq in enumerate(batch) if seq.need_logits]
-    return _StepLayout(
-        input_ids=torch.tensor(list(itertools.chain.from_iterable(seq.token_ids for seq in batch)), dtype=torch.long),
-        positions=positions,
-        slot_mapping=slot_mapping,
-        block_tables=block_tables,
-        cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        logit_rows=torch.tensor(logit_rows, dtype=torch.long),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-    )
 
 
 def _resolve_dtype(dtype: str | None) -> torch.dtype | str:

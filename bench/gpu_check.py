@@ -1,0 +1,113 @@
+"""The GPU check: one command that builds, checks and times the engine on a CUDA GPU.
+
+    python -m bench.gpu_check [--model /tmp/m1b] [--output gpu-check] [--quick]
+
+1. the kernel and engine tests, compiled for the GPU (`pytest` on the Triton kernel files, the graph
+   runner and the Triton engine's greedy exactness);
+2. decode steps replayed as CUDA graphs against eager steps: greedy tokens of one batch of prompts
+   of 100 to ~8k tokens, 200 new tokens each, on the 1B model;
+3. `bench.step_profile` at batch 1, 8, 32 and 128, eager and graphed;
+4. continuous batching on `skewed` at 32 slots (`bench.skewed_gpu`), eager and graphed.
+
+The 1B model (`bench.gpu.make_1b_model`) is built first if `--model` does not exist. Prints one
+table per part, and writes them to OUTPUT/gpu_check.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KERNEL_TESTS = ["tests/test_kernels.py", "tests/test_kernels_paged_decode.py", "tests/test_kernels_torch.py",
+                "tests/test_engine_triton.py", "tests/test_graph_runner.py"]
+IDENTITY_PROMPT_LENS = [100, 400, 1000, 2000, 3000, 4500, 6000, 7900]
+IDENTITY_NEW_TOKENS = 200
+
+
+def run_tests() -> str:
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
+                            capture_output=True, text=True)
+    last = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
+    if result.returncode != 0:
+        print(result.stdout[-6000:], result.stderr[-3000:])
+    return f"| compiled kernel and engine tests | {last} | {time.perf_counter() - started:.0f} s |"
+
+
+def graph_identity(model: str, dtype: str) -> str:
+    from scheduler.params import SamplingParams
+    from worker.engine import Engine
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in IDENTITY_PROMPT_LENS]
+    params = SamplingParams(max_tokens=IDENTITY_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for graphs in (False, True):
+        engine = Engine(model=model, device="cuda", dtype=dtype, max_num_seqs=len(prompts), cuda_graphs=graphs,
+                        max_model_len=8192)
+        assert engine.runner.graph_sizes or not graphs, "graphs were asked for but not recorded"
+        tokens[graphs] = [c.token_ids for c in engine.generate(prompts, params)]
+        replayed = engine.runner.num_replayed_steps
+        del engine
+    same = sum(a == b for a, b in zip(tokens[False], tokens[True]))
+    first_diffs = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                   for a, b in zip(tokens[False], tokens[True])]
+    detail = ", ".join(f"{n}: {'same' if d is None else f'differs at {d}'}" for n, d in zip(IDENTITY_PROMPT_LENS, first_diffs))
+    return (f"| graph vs eager greedy, {len(prompts)} prompts × {IDENTITY_NEW_TOKENS} tokens | {same}/{len(prompts)} "
+            f"identical ({replayed} replayed steps) | {detail} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="/tmp/m1b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--output", default="gpu-check")
+    parser.add_argument("--skip-tests", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench.gpu_check needs a CUDA GPU; none is available here.")
+    if not (Path(args.model) / "config.json").exists():
+        from bench.gpu.make_1b_model import main as make_model
+
+        sys.argv = ["make_1b_model", args.model]
+        make_model()
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; model {args.model}, {args.dtype}", "",
+             "| check | result | detail |", "|---|---|---|"]
+    if not args.skip_tests:
+        lines.append(run_tests())
+        print(lines[-1], flush=True)
+    lines.append(graph_identity(args.model, args.dtype))
+    print(lines[-1], flush=True)
+
+    from bench.skewed_gpu import skewed_tokens_per_s
+    from bench.step_profile import profile_batch
+
+    lines += ["", "| mode | batch | step wall ms | GPU kernel ms | GPU busy | kernels/step | launches/step |",
+              "|---|---|---|---|---|---|---|"]
+    for mode in ("eager", "graphs"):
+        for batch in (1, 8, 32, 128):
+            r = profile_batch(args.model, "cuda", args.dtype, batch, mode)
+            lines.append(f"| {mode} | {batch} | {r.step_ms:.2f} | {r.kernel_ms:.2f} | {100 * r.busy_share:.0f} % "
+                         f"| {r.num_kernels:.0f} | {r.num_launches:.0f} |")
+            print(lines[-1], flush=True)
+            torch.cuda.empty_cache()
+    lines += ["", "| skewed, 32 slots, 64 requests | output tokens | output tok/s |", "|---|---|---|"]
+    for mode in ("eager", "graphs"):
+        rate, num_tokens = skewed_tokens_per_s(args.model, 32, 64, "cuda", args.dtype, cuda_graphs=mode == "graphs")
+        lines.append(f"| {mode} | {num_tokens} | {rate:,.0f} |")
+        print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

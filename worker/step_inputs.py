@@ -1,0 +1,215 @@
+"""A step's inputs in persistent device buffers, filled through one pinned staging buffer.
+
+Every tensor the forward reads (token ids, positions, cache slots, context
+lengths, query offsets, logit rows, the block table) lives at a fixed
+address for the runner's whole life, so a CUDA graph recorded over them
+replays correctly, and a step allocates no tensors to feed the model. The
+host fills one pinned int64 buffer and one copy moves it to the device.
+
+The block table is fixed-width (`max_blocks_per_seq`) and kept on the
+device: each running sequence owns a row, and a step sends only the
+entries that changed since that row was last sent (usually none, one when
+a sequence enters a new block), then gathers the step's rows in batch order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepSeq:
+    """One sequence's share of a step: tokens at positions `start_pos ..` get their KV computed.
+
+    `block_table` is read, never changed. `key` names the sequence across
+    steps (its request id) so its device row is reused; `None` sends the
+    whole table for this step only.
+    """
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    needs_logits: bool
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A step's sizes, known on the host without reading the device."""
+
+    num_seqs: int
+    num_tokens: int
+    num_logits: int
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence brings one token and samples from it: the steps a graph can replay."""
+        return self.num_tokens == self.num_seqs == self.num_logits
+
+
+@dataclass
+class _Row:
+    index: int
+    table: list[int]
+    """The sequence's own block-table list; a new list (re-admission) means a new table."""
+    num_sent: int
+    last_step: int
+
+
+class StepInputs:
+    def __init__(self, max_num_seqs: int, max_num_tokens: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device) -> None:
+        assert max_num_seqs > 0 and max_num_tokens > 0 and max_blocks_per_seq > 0
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.device = device
+        seqs, tokens = max_num_seqs, max_num_tokens
+        # Fixed offsets in one int64 buffer; the block-table changes come last, as (row, column, block)
+        # triples, so a step copies only as many of them as it has.
+        sizes = {"input_ids": tokens, "positions": tokens, "slot_mapping": tokens, "seq_lens": seqs,
+                 "cu_seqlens_q": seqs + 1, "logit_rows": seqs, "rows": seqs}
+        self._offsets = dict(zip(sizes, itertools.accumulate(sizes.values(), initial=0)))
+        self._changes_at = sum(sizes.values())
+        total = self._changes_at + 3 * seqs * max_blocks_per_seq
+        self._host = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._staged = self._host.numpy()
+        self._device = torch.zeros(total, dtype=torch.int64, device=device)
+        self.table = torch.zeros((seqs, max_blocks_per_seq), dtype=torch.int64, device=device)
+        """Every row's blocks, kept across steps."""
+        self.step_table = torch.zeros((seqs, max_blocks_per_seq), dtype=torch.int64, device=device)
+        """This step's rows of `table`, in batch order."""
+        self._rows: dict[str, _Row] = {}
+        self._free_rows = list(range(seqs - 1, -1, -1))
+        self._num_steps = 0
+
+    def view(self, name: str, n: int) -> torch.Tensor:
+        """The first `n` entries of a device input: the same storage every step."""
+        start = self._offsets[name]
+        return self._device[start : start + n]
+
+    def release(self, key: str) -> None:
+        """The sequence left the batch (finished, aborted, preempted): its row is free again."""
+        row = self._rows.pop(key, None)
+        if row is not None:
+            self._free_rows.append(row.index)
+
+    def prepare(self, batch: list[StepSeq], pad_to: int | None = None, gather_table: bool = True) -> StepShape:
+        """Stage the batch, copy it to the device, apply its table changes; `gather_table` fills `step_table`.
+
+        `pad_to` pads a decode step to that many rows for a recorded graph,
+        which gathers the table itself, inside the graph.
+        """
+        assert batch, "a step runs at least one sequence"
+        assert len(batch) <= self.max_num_seqs, (len(batch), self.max_num_seqs)
+        self._num_steps += 1
+        staged, at, block_size = self._staged, self._offsets, self.block_size
+        q_lens = [len(seq.token_ids) for seq in batch]
+        num_tokens = sum(q_lens)
+        assert num_tokens <= self.max_num_tokens, (num_tokens, self.max_num_tokens)
+        num_seqs = len(batch)
+        cu_seqlens = list(itertools.accumulate(q_lens, initial=0))
+        seq_lens = [seq.start_pos + n for seq, n in zip(batch, q_lens)]
+        for seq, end in zip(batch, seq_lens):
+            assert end <= len(seq.block_table) * block_size, "block table too short for the scheduled tokens"
+            assert end <= self.max_blocks_per_seq * block_size, "sequence longer than the block table's width"
+        logit_rows = [cu_seqlens[i + 1] - 1 for i, seq in enumerate(batch) if seq.needs_logits]
+        if num_tokens == num_seqs:
+            # Decode: one token each, no per-token arrays to build.
+            staged[at["input_ids"] : at["input_ids"] + num_tokens] = [seq.token_ids[0] for seq in batch]
+            staged[at["positions"] : at["positions"] + num_tokens] = [seq.start_pos for seq in batch]
+            staged[at["slot_mapping"] : at["slot_mapping"] + num_tokens] = [
+                seq.block_table[seq.start_pos // block_size] * block_size + seq.start_pos % block_size
+                for seq in batch
+            ]
+        else:
+            staged[at["input_ids"] : at["input_ids"] + num_tokens] = list(
+                itertools.chain.from_iterable(seq.token_ids for seq in batch))
+            offset = 0
+            for seq, n in zip(batch, q_lens):
+                positions = np.arange(seq.start_pos, seq.start_pos + n)
+                blocks = np.asarray(seq.block_table, dtype=np.int64)[positions // block_size]
+                staged[at["positions"] + offset : at["positions"] + offset + n] = positions
+                staged[at["slot_mapping"] + offset : at["slot_mapping"] + offset + n] = (
+                    blocks * block_size + positions % block_size)
+                offset += n
+        staged[at["seq_lens"] : at["seq_lens"] + num_seqs] = seq_lens
+        staged[at["cu_seqlens_q"] : at["cu_seqlens_q"] + num_seqs + 1] = cu_seqlens
+        if logit_rows:
+            staged[at["logit_rows"] : at["logit_rows"] + len(logit_rows)] = logit_rows
+        rows, num_changes = self._stage_rows(batch)
+        staged[at["rows"] : at["rows"] + num_seqs] = rows
+        if pad_to is not None:
+            assert num_tokens == num_seqs <= pad_to <= self.max_num_seqs, (num_tokens, num_seqs, pad_to)
+            self._stage_padding(num_seqs, pad_to)
+        end = self._changes_at + 3 * num_changes
+        self._device[:end].copy_(self._host[:end], non_blocking=True)
+        if num_changes:
+            changes = self._device[self._changes_at : end].view(num_changes, 3)
+            self.table.index_put_((changes[:, 0], changes[:, 1]), changes[:, 2])
+        if gather_table:
+            self.gather_table(num_seqs)
+        return StepShape(num_seqs=num_seqs, num_tokens=num_tokens, num_logits=len(logit_rows),
+                         max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+
+    def gather_table(self, num_seqs: int) -> None:
+        """`step_table[i] = table[rows[i]]` for the step's sequences, on the device."""
+        torch.index_select(self.table, 0, self.view("rows", num_seqs), out=self.step_table[:num_seqs])
+
+    def _stage_padding(self, num_seqs: int, padded: int) -> None:
+        """Padding rows write to no cache slot (-1), attend to nothing (length 0) and read row 0 of the table;
+        their logits are ignored."""
+        staged, at = self._staged, self._offsets
+        for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 0), ("rows", 0)):
+            staged[at[name] + num_seqs : at[name] + padded] = value
+        staged[at["cu_seqlens_q"] + num_seqs + 1 : at["cu_seqlens_q"] + padded + 1] = np.arange(
+            num_seqs + 1, padded + 1)
+
+    def _stage_rows(self, batch: list[StepSeq]) -> tuple[list[int], int]:
+        """Each sequence's row, and the table changes staged for the device; returns (rows, number of changes)."""
+        staged, base = self._staged, self._changes_at
+        in_batch = {seq.key for seq in batch if seq.key is not None}
+        rows: list[int] = []
+        transient: list[_Row] = []
+        num_changes = 0
+        for seq in batch:
+            row = self._rows.get(seq.key) if seq.key is not None else None
+            if row is None or row.table is not seq.block_table or len(seq.block_table) < row.num_sent:
+                if row is None:
+                    row = _Row(self._take_row(in_batch), seq.block_table, 0, self._num_steps)
+                    if seq.key is None:
+                        transient.append(row)
+                    else:
+                        self._rows[seq.key] = row
+                row.table, row.num_sent = seq.block_table, 0
+            new = seq.block_table[row.num_sent :]
+            if new:
+                n = len(new)
+                triples = staged[base + 3 * num_changes : base + 3 * (num_changes + n)].reshape(n, 3)
+                triples[:, 0] = row.index
+                triples[:, 1] = np.arange(row.num_sent, row.num_sent + n)
+                triples[:, 2] = new
+                num_changes += n
+                row.num_sent = len(seq.block_table)
+            row.last_step = self._num_steps
+            rows.append(row.index)
+        # A sequence without a key has its row for this step only.
+        self._free_rows.extend(row.index for row in transient)
+        return rows, num_changes
+
+    def _take_row(self, in_batch: set[str]) -> int:
+        if not self._free_rows:
+            # Rows of sequences that left without a release: the least recently used one not in this step.
+            stale = min((r for k, r in self._rows.items() if k not in in_batch), key=lambda r: r.last_step,
+                        default=None)
+            assert stale is not None, "more sequences in a step than rows"
+            key = next(k for k, r in self._rows.items() if r is stale)
+            self.release(key)
+        return self._free_rows.pop()
