@@ -1,6 +1,9 @@
-"""Where a decode step's time goes on a CUDA GPU: host wall time against GPU kernel time.
+"""Where a decode step's time goes: host wall time against GPU kernel time.
 
     python -m bench.step_profile --model PATH [--dtype bfloat16] [--batches 1,8,32,128] [--modes eager,graphs]
+    python -m bench.step_profile --device cpu --model PATH --dtype float32 --model-impls carpool,transformers
+
+On CPU it reports the wall time only (graphs are CUDA's), for each model implementation asked for.
 
 For each mode and batch size, fills the engine with that many decoding requests, times 100
 steps (wall clock; each step ends with its sampled tokens on the host), then profiles 20 more.
@@ -31,6 +34,7 @@ MODES = ("eager", "graphs")
 @dataclass(frozen=True)
 class StepProfile:
     mode: str
+    model_impl: str
     batch: int
     step_ms: float
     kernel_ms: float
@@ -56,20 +60,29 @@ def _merged_length_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, timed_steps: int = 100) -> StepProfile:
+def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, timed_steps: int = 100,
+                  model_impl: str = "auto") -> StepProfile:
     from worker import Engine
 
-    engine = Engine(model=model, device=device, dtype=dtype, max_num_seqs=batch, cuda_graphs=mode == "graphs")
+    is_cuda = device.startswith("cuda")
+    engine = Engine(model=model, device=device, dtype=dtype, max_num_seqs=batch, cuda_graphs=mode == "graphs",
+                    model_impl=model_impl)
     assert mode == "eager" or engine.runner.graph_sizes, "CUDA graphs were asked for but not recorded (see the log)"
     for i in range(batch):
         engine.add_request(f"r{i}", [65 + i % 20] * 32, SamplingParams(max_tokens=400, ignore_eos=True))
     for _ in range(30):  # past the prefills, into steady decoding
         engine.step()
-    torch.cuda.synchronize()
+    impl = engine.runner.model_choice.impl.value
+    if is_cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(timed_steps):
         engine.step()
     step_ms = 1e3 * (time.perf_counter() - start) / timed_steps
+    if not is_cuda:
+        return StepProfile(mode=mode, model_impl=impl, batch=batch, step_ms=step_ms, kernel_ms=float("nan"),
+                           busy_share=float("nan"), num_kernels=float("nan"), num_launches=float("nan"),
+                           top_kernels="")
     profiled_steps = 20
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         torch.cuda.synchronize()
@@ -85,7 +98,7 @@ def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, ti
     launches = sum(1 for e in prof.events() if e.name in LAUNCH_EVENTS)
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=8)
     return StepProfile(
-        mode=mode, batch=batch, step_ms=step_ms, kernel_ms=kernel_us / profiled_steps / 1e3,
+        mode=mode, model_impl=impl, batch=batch, step_ms=step_ms, kernel_ms=kernel_us / profiled_steps / 1e3,
         busy_share=busy_us / profiled_wall_us, num_kernels=len(kernels) / profiled_steps,
         num_launches=launches / profiled_steps, top_kernels=table,
     )
@@ -97,27 +110,38 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=MODEL_DTYPES)
     parser.add_argument("--batches", default="1,8,32,128")
-    parser.add_argument("--modes", default=",".join(MODES), help="eager, graphs (decode steps replayed as CUDA graphs)")
+    parser.add_argument("--modes", default=None,
+                        help="eager, graphs (decode steps replayed as CUDA graphs); default: both on CUDA, eager on CPU")
+    parser.add_argument("--model-impls", default="auto", help="comma-separated: auto, carpool, transformers")
+    parser.add_argument("--timed-steps", type=int, default=100)
     parser.add_argument("--tables", action="store_true", help="also print each run's top kernels")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench.step_profile profiles GPU steps and needs a CUDA device; none is available here.")
-    modes = [m for m in args.modes.split(",") if m]
+    is_cuda = args.device.startswith("cuda")
+    if is_cuda and not torch.cuda.is_available():
+        sys.exit("bench.step_profile --device cuda needs a CUDA device; none is available here (try --device cpu).")
+    modes = [m for m in (args.modes or (",".join(MODES) if is_cuda else "eager")).split(",") if m]
     if unknown := set(modes) - set(MODES):
         sys.exit(f"--modes: unknown {sorted(unknown)}; modes are {', '.join(MODES)}")
-    print(f"device: {torch.cuda.get_device_name()}; model {args.model}, {args.dtype}\n")
+    if not is_cuda and modes != ["eager"]:
+        sys.exit("--modes: CUDA graphs need --device cuda")
+    if not is_cuda:
+        torch.set_num_threads(1)
+    name = torch.cuda.get_device_name() if is_cuda else "CPU, 1 torch thread"
+    print(f"device: {name}; model {args.model}, {args.dtype}\n")
     rows = []
-    for mode in modes:
-        for batch in (int(b) for b in args.batches.split(",")):
-            result = profile_batch(args.model, args.device, args.dtype, batch, mode)
-            rows.append(result)
-            if args.tables:
-                print(f"## {mode}, batch {batch}\n{result.top_kernels}")
-            torch.cuda.empty_cache()
-    print("| mode | batch | step wall ms | GPU kernel ms | GPU busy | kernels/step | launches/step |")
-    print("|---|---|---|---|---|---|---|")
+    for impl in args.model_impls.split(","):
+        for mode in modes:
+            for batch in (int(b) for b in args.batches.split(",")):
+                result = profile_batch(args.model, args.device, args.dtype, batch, mode, args.timed_steps, impl)
+                rows.append(result)
+                if args.tables and result.top_kernels:
+                    print(f"## {impl}, {mode}, batch {batch}\n{result.top_kernels}")
+                if is_cuda:
+                    torch.cuda.empty_cache()
+    print("| model | mode | batch | step wall ms | GPU kernel ms | GPU busy | kernels/step | launches/step |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.mode} | {r.batch} | {r.step_ms:.2f} | {r.kernel_ms:.2f} | {100 * r.busy_share:.0f} % "
+        print(f"| {r.model_impl} | {r.mode} | {r.batch} | {r.step_ms:.2f} | {r.kernel_ms:.2f} | {100 * r.busy_share:.0f} % "
               f"| {r.num_kernels:.0f} | {r.num_launches:.0f} |")
 
 

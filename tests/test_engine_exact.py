@@ -18,7 +18,8 @@ from scheduler import SamplingParams
 from worker import Engine
 from worker.graph_runner import ReplayCapture
 
-ARCHS = ["llama", "qwen2", "mistral"]
+# qwen3 and the Llama family run carpool's own models; phi, outside it, runs through transformers.
+ARCHS = ["llama", "qwen2", "mistral", "qwen3", "phi"]
 NUM_REQUESTS = 32
 MAX_NEW_TOKENS = 10
 BLOCK_SIZE = 8

@@ -73,16 +73,24 @@ def paged_attention_forward(
     assert query.shape[0] == 1, "the runner flattens every sequence into one batch row"
     layer_idx = module.layer_idx
     assert isinstance(layer_idx, int), "transformers' attention modules carry their layer index"
-    k_cache = metadata.k_caches[layer_idx]
-    v_cache = metadata.v_caches[layer_idx]
     # Views, not copies: the kernels take strides, and each row's head_dim stays contiguous.
     q = query[0].transpose(0, 1)
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = paged_attention(layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1), metadata, scale)
+    return out.unsqueeze(0), None
+
+
+def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    metadata: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+    """Store this step's keys and values of layer `layer_idx`, then attend; `[tokens, heads, head_dim]` in and out.
+
+    q, k and v may be strided views (their head_dim contiguous).
+    """
+    k_cache = metadata.k_caches[layer_idx]
+    v_cache = metadata.v_caches[layer_idx]
     assert k.shape[1:] == k_cache.shape[2:], (k.shape, k_cache.shape)
     store_kv = metadata.backend.store_kv_padded if metadata.is_graphed else metadata.backend.store_kv
     store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     metadata.backend.attention(
         q,
@@ -97,7 +105,7 @@ def paged_attention_forward(
         max_seq_len=metadata.max_seq_len,
         **metadata.backend_hints,
     )
-    return out.unsqueeze(0), None
+    return out
 
 
 def register_paged_attention() -> str:

@@ -18,6 +18,8 @@ from scheduler.lanes import DEFAULT_LANE_WEIGHTS, Lane
 
 BATCHING_MODES = ("continuous", "dynamic", "static")
 POLICIES = ("fcfs", "priority")
+# The engine's model implementations (worker.models.ModelImpl; named here so this module imports no torch).
+MODEL_IMPLS = ("auto", "carpool", "transformers")
 
 
 def default_worker_name() -> str:
@@ -48,6 +50,9 @@ class WorkerConfig:
     enable_prefix_caching: bool = field(default=True, metadata=_help("reuse KV blocks of shared prompt prefixes"))
     cuda_graphs: bool | None = field(default=None, metadata=_help(
         "replay decode steps as CUDA graphs recorded at start-up; default: on for CUDA with the Triton backend"))
+    model_impl: str = field(default="auto", metadata=_help(
+        "auto, carpool or transformers: carpool's own fused model for the Llama family (Llama, Mistral, Qwen2, "
+        "Qwen3), transformers' for everything else; auto picks by the checkpoint's architecture"))
     torch_threads: int = field(default=0, metadata=_help(
         "torch intra-op threads of this process; 0: one on CPU (fastest for small models on shared cores), torch's default on CUDA"))
 
@@ -90,6 +95,8 @@ class WorkerConfig:
             raise ValueError(f"batching: must be one of {BATCHING_MODES}, got {self.batching!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl: must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_deliveries", "checkpoint_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -155,4 +162,5 @@ class WorkerConfig:
             "max_model_len": self.max_model_len,
             "enable_prefix_caching": self.enable_prefix_caching,
             "cuda_graphs": self.cuda_graphs,
+            "model_impl": self.model_impl,
         }

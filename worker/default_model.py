@@ -22,8 +22,10 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
+    PhiConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 DEFAULT_MODEL_NAME = "carpool-tiny-llama-v1"
@@ -55,6 +57,9 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "llama": LlamaConfig,
     "qwen2": Qwen2Config,
     "mistral": MistralConfig,
+    "qwen3": Qwen3Config,
+    # Outside the Llama family: runs through transformers (partial RoPE, LayerNorm, GELU).
+    "phi": PhiConfig,
 }
 
 # Big enough that the logits of a random model are spread out: with the usual

@@ -25,6 +25,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool | None = None
     """Replay decode steps as CUDA graphs; None: on for CUDA with the Triton backend."""
+    model_impl: str = "auto"
+    """carpool's own model (the Llama family), transformers', or the first that fits (auto)."""
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -13,13 +13,13 @@ import logging
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from kernels import get_backend
 from kernels.paged_attention_torch import plan_decode_groups
 from kernels.split_kv import MAX_SPLITS, num_multiprocessors, plan_kv_splits
 from kernels.workspace import Workspace
-from worker.attention import METADATA_KWARG, PagedAttentionMetadata, register_paged_attention
+from worker.attention import PagedAttentionMetadata
 from worker.graph_runner import (
     HOST_BRANCHING_ROPE,
     CaptureBackend,
@@ -28,6 +28,7 @@ from worker.graph_runner import (
     graph_batch_sizes,
     rope_type,
 )
+from worker.models import CausalLM, choose_model_impl, load_causal_lm
 from worker.step_inputs import StepInputs, StepSeq, StepShape
 
 __all__ = ["ModelRunner", "StepSeq"]
@@ -67,33 +68,33 @@ class ModelRunner:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         cuda_graphs: bool | None = None,
+        model_impl: str = "auto",
     ) -> None:
-        """`cuda_graphs` records decode steps as CUDA graphs (None: on for CUDA with the Triton backend)."""
+        """`cuda_graphs` records decode steps as CUDA graphs (None: on for CUDA with the Triton backend);
+        `model_impl` picks carpool's own model (`carpool`, the Llama family), transformers' (`transformers`),
+        or the first by the checkpoint's architecture (`auto`)."""
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         self.device = torch.device(device)
         self.block_size = block_size
         self.backend = get_backend(attention_backend or ("triton" if self.device.type == "cuda" else "torch"))
-        attn_implementation = register_paged_attention()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-            self.model = AutoModelForCausalLM.from_pretrained(
-                model_path,
-                local_files_only=True,
-                dtype=_resolve_dtype(dtype),
-                attn_implementation=attn_implementation,
-            )
+            config = AutoConfig.from_pretrained(model_path, local_files_only=True)
         except OSError as e:
             raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
-        # transformers declares PreTrainedModel.to through functools.wraps, and typeshed's `_Wrapped` binds no
-        # `self`, so mypy takes the device for the model.
-        self.model.to(self.device).eval()  # type: ignore[arg-type]
-        self.model.requires_grad_(False)
-        config = self.model.config
-        self.dtype: torch.dtype = self.model.dtype
+        self.dtype: torch.dtype = _model_dtype(config, dtype)
         self.vocab_size: int = config.vocab_size
         self.max_model_len: int = _max_model_len(config)
-        self.eos_token_ids: set[int] = _eos_token_ids(self.model)
+        self.model_choice = choose_model_impl(config, model_impl)
+        log.info("model %s: %s implementation (%s)", model_path, self.model_choice.impl.value, self.model_choice.reason)
+        try:
+            self.model: CausalLM = load_causal_lm(model_path, config, self.model_choice.impl, self.dtype, self.device,
+                                                  self.max_model_len)
+        except OSError as e:
+            raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
+        self.config = config
+        self.eos_token_ids: set[int] = _eos_token_ids(model_path, config)
         self.num_layers: int = config.num_hidden_layers
         self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -125,7 +126,7 @@ class ModelRunner:
         A model whose RoPE branches on host values runs eager; so does any
         model whose recording fails, rather than the worker.
         """
-        kind = rope_type(self.model.config)
+        kind = rope_type(self.config)
         if kind in HOST_BRANCHING_ROPE:
             log.warning("decode steps run eager: %s RoPE reads positions on the host, which a graph cannot replay",
                         kind)
@@ -208,17 +209,11 @@ class ModelRunner:
             max_seq_len=shape.max_seq_len,
             backend_hints=self._backend_hints(batch, block_tables, shape),
         )
-        # A tensor of row indices: lm_head runs only on the rows sampled from (0 keeps every row).
-        keep: int | torch.Tensor = 0 if shape.num_logits == shape.num_tokens else inputs.view(
-            "logit_rows", shape.num_logits)
-        output = self.model(
-            input_ids=inputs.view("input_ids", shape.num_tokens).unsqueeze(0),
-            position_ids=inputs.view("positions", shape.num_tokens).unsqueeze(0),
-            use_cache=False,
-            logits_to_keep=keep,
-            **{METADATA_KWARG: metadata},
-        )
-        return output.logits[0].float()
+        # Only the rows sampled from go through lm_head (all of them: None).
+        logit_rows = None if shape.num_logits == shape.num_tokens else inputs.view("logit_rows", shape.num_logits)
+        logits = self.model(inputs.view("input_ids", shape.num_tokens), inputs.view("positions", shape.num_tokens),
+                            metadata, logit_rows)
+        return logits.float()
 
     def _decode_forward(self, num_seqs: int) -> torch.Tensor:
         """The recorded decode step over the first `num_seqs` rows of the buffers: reads nothing on the host."""
@@ -242,13 +237,8 @@ class ModelRunner:
             is_graphed=True,
             backend_hints=hints,
         )
-        output = self.model(
-            input_ids=inputs.view("input_ids", num_seqs).unsqueeze(0),
-            position_ids=inputs.view("positions", num_seqs).unsqueeze(0),
-            use_cache=False,
-            **{METADATA_KWARG: metadata},
-        )
-        return output.logits[0].float()
+        logits = self.model(inputs.view("input_ids", num_seqs), inputs.view("positions", num_seqs), metadata, None)
+        return logits.float()
 
     def _num_kv_splits(self, num_seqs: int) -> int:
         return plan_kv_splits(self._num_multiprocessors, num_seqs * self.num_kv_heads)
@@ -268,9 +258,13 @@ class ModelRunner:
         return {"decode_groups": groups, "workspace": self._workspace}
 
 
-def _resolve_dtype(dtype: str | None) -> torch.dtype | str:
+def _model_dtype(config: PretrainedConfig, dtype: str | None) -> torch.dtype:
+    """The dtype asked for, or the checkpoint's (`auto` or None), as transformers reads it; fp32 when unset."""
     if dtype is None or dtype == "auto":
-        return "auto"
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(stored, torch.dtype):
+            return stored
+        return _DTYPES.get(str(stored).removeprefix("torch."), torch.float32) if stored else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: unknown dtype {dtype!r}, expected one of {sorted(_DTYPES)} or 'auto'")
     return _DTYPES[dtype]
@@ -278,6 +272,10 @@ def _resolve_dtype(dtype: str | None) -> torch.dtype | str:
 
 def _max_model_len(config: PretrainedConfig) -> int:
     max_len = int(config.max_position_embeddings)
+    if rope_type(config) == "dynamic":
+        # Dynamic NTK scaling exists to stretch the trained context by its factor.
+        params = getattr(config, "rope_parameters", None) or {}
+        max_len = int(max_len * float(params.get("factor", 1.0)))
     window = getattr(config, "sliding_window", None)
     # The kernels attend to the whole context; within the window that equals sliding-window attention.
     if window and getattr(config, "use_sliding_window", True):
@@ -285,9 +283,13 @@ def _max_model_len(config: PretrainedConfig) -> int:
     return max_len
 
 
-def _eos_token_ids(model: torch.nn.Module) -> set[int]:
+def _eos_token_ids(model_path: str, config: PretrainedConfig) -> set[int]:
     ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
+    try:
+        generation_config: GenerationConfig | None = GenerationConfig.from_pretrained(model_path, local_files_only=True)
+    except OSError:
+        generation_config = None
+    for source in (generation_config, config):
         value = getattr(source, "eos_token_id", None) if source is not None else None
         if isinstance(value, int):
             ids.add(value)
