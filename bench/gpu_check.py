@@ -6,7 +6,8 @@
    runner and the Triton engine's greedy exactness);
 2. decode steps replayed as CUDA graphs against eager steps: greedy tokens of one batch of prompts
    of 100 to ~8k tokens, 200 new tokens each, on the 1B model;
-3. `bench.step_profile` at batch 1, 8, 32 and 128, eager and graphed;
+3. `bench.step_profile` at batch 1, 8, 32 and 128, eager and graphed, carpool's own model (and the
+   transformers path at batch 32, eager and graphed, for comparison);
 4. continuous batching on `skewed` at 32 slots (`bench.skewed_gpu`), eager and graphed.
 
 The 1B model (`bench.gpu.make_1b_model`) is built first if `--model` does not exist. Prints one
@@ -23,7 +24,8 @@ import time
 from pathlib import Path
 
 KERNEL_TESTS = ["tests/test_kernels.py", "tests/test_kernels_paged_decode.py", "tests/test_kernels_torch.py",
-                "tests/test_engine_triton.py", "tests/test_graph_runner.py"]
+                "tests/test_kernels_model.py", "tests/test_engine_triton.py", "tests/test_graph_runner.py",
+                "tests/test_own_models.py"]
 IDENTITY_PROMPT_LENS = [100, 400, 1000, 2000, 3000, 4500, 6000, 7900]
 IDENTITY_NEW_TOKENS = 200
 
@@ -90,15 +92,16 @@ def main() -> None:
     from bench.skewed_gpu import skewed_tokens_per_s
     from bench.step_profile import profile_batch
 
-    lines += ["", "| mode | batch | step wall ms | GPU kernel ms | GPU busy | kernels/step | launches/step |",
-              "|---|---|---|---|---|---|---|"]
-    for mode in ("eager", "graphs"):
-        for batch in (1, 8, 32, 128):
-            r = profile_batch(args.model, "cuda", args.dtype, batch, mode)
-            lines.append(f"| {mode} | {batch} | {r.step_ms:.2f} | {r.kernel_ms:.2f} | {100 * r.busy_share:.0f} % "
-                         f"| {r.num_kernels:.0f} | {r.num_launches:.0f} |")
-            print(lines[-1], flush=True)
-            torch.cuda.empty_cache()
+    lines += ["", "| model | mode | batch | step wall ms | GPU kernel ms | GPU busy | kernels/step | launches/step |",
+              "|---|---|---|---|---|---|---|---|"]
+    runs = [(impl, mode, batch) for impl, batches in (("carpool", (1, 8, 32, 128)), ("transformers", (32,)))
+            for mode in ("eager", "graphs") for batch in batches]
+    for impl, mode, batch in runs:
+        r = profile_batch(args.model, "cuda", args.dtype, batch, mode, model_impl=impl)
+        lines.append(f"| {r.model_impl} | {mode} | {batch} | {r.step_ms:.2f} | {r.kernel_ms:.2f} | "
+                     f"{100 * r.busy_share:.0f} % | {r.num_kernels:.0f} | {r.num_launches:.0f} |")
+        print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
     lines += ["", "| skewed, 32 slots, 64 requests | output tokens | output tok/s |", "|---|---|---|"]
     for mode in ("eager", "graphs"):
         rate, num_tokens = skewed_tokens_per_s(args.model, 32, 64, "cuda", args.dtype, cuda_graphs=mode == "graphs")

@@ -149,3 +149,25 @@ def test_transformers_path_still_matches_for_the_family(tiny_model: Any, tmp_pat
     expected = _transformers_greedy(path, prompts)
     engine = Engine(model=path, block_size=8, num_blocks=64, max_num_seqs=4, model_impl="transformers")
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == expected
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-qk-norm"])
+def test_fused_kernels_give_the_same_logits_and_tokens(tmp_path_factory: pytest.TempPathFactory, variant: str) -> None:
+    """The CUDA path's kernels (fused add + RMSNorm, SiLU-and-multiply, RoPE with the KV write), run here under
+    Triton's interpreter, against transformers."""
+    path = _checkpoint(tmp_path_factory, variant)
+    kernels = ModelRunner(path, block_size=8, num_blocks=16, model_impl="carpool", model_kernels=True)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = [random.Random(5).randrange(262) for _ in range(13)]
+    expected_tokens = _transformers_greedy(path, [tokens])[0]
+    with torch.inference_mode():
+        expected = reference(torch.tensor([tokens])).logits[0, -1].float()
+    table = [6, 2, 11]
+    logits = kernels.execute([StepSeq(tokens, 0, table, True, "a")])[0]
+    torch.testing.assert_close(logits, expected, atol=LOGIT_TOLERANCES[torch.float32] * expected.abs().max().item(),
+                               rtol=0)
+    generated = [int(logits.argmax())]
+    while len(generated) < MAX_NEW_TOKENS:
+        position = len(tokens) + len(generated) - 1
+        generated.append(int(kernels.execute([StepSeq([generated[-1]], position, table, True, "a")])[0].argmax()))
+    assert generated == expected_tokens

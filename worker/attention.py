@@ -91,11 +91,16 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
     assert k.shape[1:] == k_cache.shape[2:], (k.shape, k_cache.shape)
     store_kv = metadata.backend.store_kv_padded if metadata.is_graphed else metadata.backend.store_kv
     store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+    return attend_cached(layer_idx, q, metadata, scale)
+
+
+def attend_cached(layer_idx: int, q: torch.Tensor, metadata: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of `q` over layer `layer_idx`'s cache, whose keys and values of this step are already written."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     metadata.backend.attention(
         q,
-        k_cache,
-        v_cache,
+        metadata.k_caches[layer_idx],
+        metadata.v_caches[layer_idx],
         metadata.block_tables,
         metadata.cu_seqlens_q,
         metadata.seq_lens,

@@ -69,10 +69,12 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         cuda_graphs: bool | None = None,
         model_impl: str = "auto",
+        model_kernels: bool | None = None,
     ) -> None:
         """`cuda_graphs` records decode steps as CUDA graphs (None: on for CUDA with the Triton backend);
         `model_impl` picks carpool's own model (`carpool`, the Llama family), transformers' (`transformers`),
-        or the first by the checkpoint's architecture (`auto`)."""
+        or the first by the checkpoint's architecture (`auto`); `model_kernels` has carpool's models use their
+        fused Triton kernels (default: on CUDA; on CPU only under TRITON_INTERPRET=1, for tests)."""
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         self.device = torch.device(device)
@@ -90,7 +92,7 @@ class ModelRunner:
         log.info("model %s: %s implementation (%s)", model_path, self.model_choice.impl.value, self.model_choice.reason)
         try:
             self.model: CausalLM = load_causal_lm(model_path, config, self.model_choice.impl, self.dtype, self.device,
-                                                  self.max_model_len)
+                                                  self.max_model_len, model_kernels)
         except OSError as e:
             raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
         self.config = config

@@ -81,9 +81,10 @@ class TransformersModel:
 
 
 def load_causal_lm(path: str, config: PretrainedConfig, impl: ModelImpl, dtype: torch.dtype,
-                   device: torch.device, max_positions: int) -> CausalLM:
+                   device: torch.device, max_positions: int, use_kernels: bool | None = None) -> CausalLM:
+    """`use_kernels`: carpool's models use the fused Triton kernels (default: on CUDA)."""
     if impl is ModelImpl.CARPOOL:
-        return LlamaFamilyModel(config, read_safetensors(path), dtype, device, max_positions)
+        return LlamaFamilyModel(config, read_safetensors(path), dtype, device, max_positions, use_kernels)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
                                                  attn_implementation=register_paged_attention())
     # transformers declares PreTrainedModel.to through functools.wraps, and typeshed's `_Wrapped` binds no

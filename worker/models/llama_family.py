@@ -4,11 +4,13 @@ Built from a checkpoint directory's `config.json` (parsed by transformers)
 and its safetensors weights, with q/k/v fused into one matrix and gate/up
 into another at load time, so a layer is five matrix products: qkv, o,
 gate_up, down, and the step's one lm_head product over the sampled rows.
-Residual adds are fused into the RMSNorm that follows them. Attention goes
+Residual adds are fused into the RMSNorm that follows them, and on CUDA
+RoPE is applied by the kernel that writes the KV cache (`kernels/norm_act.py`,
+`kernels/rope_kv.py`; their torch references run on CPU). Attention goes
 through the same paged attention as the transformers path
-(`worker.attention.paged_attention`). The arithmetic follows transformers'
-modules step for step (fp32 RMSNorm, RoPE tables computed the same way), so
-greedy tokens match theirs.
+(`worker.attention`). The arithmetic follows transformers' modules step for
+step (fp32 RMSNorm, RoPE tables computed the same way, the same roundings),
+so greedy tokens match theirs.
 """
 
 from __future__ import annotations
@@ -22,31 +24,17 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import PretrainedConfig
 
-from worker.attention import PagedAttentionMetadata, paged_attention
+from kernels import norm_act
+from kernels.rope_kv import rope_store_kv
+from worker.attention import PagedAttentionMetadata, attend_cached, paged_attention
 from worker.models.rope import RotaryEmbedding, apply_rope
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalised in fp32, scaled in the input's dtype."""
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual): the residual add fused into the norm that follows it."""
-    total = residual + x
-    return rms_norm(total, weight, eps), total
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up for `[tokens, 2 * intermediate]` holding gate then up."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """transformers' RMSNorm over the last axis (Qwen3's per-head q/k norms)."""
+    return norm_act.add_rms_norm_reference(x, None, weight, eps)[0]
 
 
 @dataclass
@@ -67,7 +55,9 @@ class LlamaFamilyModel:
     """Callable as `model(input_ids [T], positions [T], metadata, logit_rows) -> logits [rows, vocab]`."""
 
     def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, max_positions: int) -> None:
+                 device: torch.device, max_positions: int, use_kernels: bool | None = None) -> None:
+        """`use_kernels`: the fused Triton kernels of `kernels/norm_act.py` and `kernels/rope_kv.py` (default:
+        on CUDA); otherwise their plain-torch references."""
         arch = (config.architectures or [""])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"model: carpool's models cover {sorted(ARCHITECTURES)}, not {arch!r}")
@@ -76,6 +66,9 @@ class LlamaFamilyModel:
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.use_kernels = device.type == "cuda" if use_kernels is None else use_kernels
+        self._add_rms_norm = norm_act.add_rms_norm if self.use_kernels else norm_act.add_rms_norm_reference
+        self._silu_and_mul = norm_act.silu_and_mul if self.use_kernels else norm_act.silu_and_mul_reference
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -127,17 +120,14 @@ class LlamaFamilyModel:
         cos, sin = self.rope(positions)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            if residual is None:
-                residual, x = hidden, rms_norm(hidden, layer.input_norm, self.eps)
-            else:
-                x, residual = add_rms_norm(hidden, residual, layer.input_norm, self.eps)
+            x, residual = self._add_rms_norm(hidden, residual, layer.input_norm, self.eps)
             x = self._attention(i, layer, x, cos, sin, metadata)
-            x, residual = add_rms_norm(x, residual, layer.post_norm, self.eps)
-            hidden = F.linear(silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            x, residual = self._add_rms_norm(x, residual, layer.post_norm, self.eps)
+            hidden = F.linear(self._silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
         assert residual is not None, "a model has at least one layer"
         if logit_rows is not None:
             hidden, residual = hidden.index_select(0, logit_rows), residual.index_select(0, logit_rows)
-        hidden, _ = add_rms_norm(hidden, residual, self.norm, self.eps)
+        hidden, _ = self._add_rms_norm(hidden, residual, self.norm, self.eps)
         return F.linear(hidden, self.lm_head)
 
     def _attention(self, index: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -150,8 +140,13 @@ class LlamaFamilyModel:
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:
             q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(index, q, k, v, metadata, self.scale)
+        if self.use_kernels:
+            # RoPE applied where the keys are written: one kernel for both rotations and the KV store.
+            q = rope_store_kv(q, k, v, cos, sin, metadata.k_caches[index], metadata.v_caches[index],
+                              metadata.slot_mapping)
+            out = attend_cached(index, q, metadata, self.scale)
+        else:
+            out = paged_attention(index, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, metadata, self.scale)
         return F.linear(out.view(num_tokens, q_size), layer.o, layer.o_bias)
 
 

@@ -16,6 +16,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kernels.rope_kv import apply_rope_reference as apply_rope
 from worker.graph_runner import rope_type
 
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
@@ -62,10 +63,3 @@ class RotaryEmbedding:
         # dynamic: each token's inverse frequencies for a context of its position + 1.
         inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](self.config, positions.device, seq_len=positions[:, None] + 1)
         return self._cos_sin(positions, inv_freq)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x` `[tokens, heads, head_dim]` rotated: x * cos + rotate_half(x) * sin, as transformers does."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
