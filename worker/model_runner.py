@@ -20,6 +20,7 @@ from kernels.paged_attention_torch import plan_decode_groups
 from kernels.split_kv import MAX_SPLITS, num_multiprocessors, plan_kv_splits
 from kernels.workspace import Workspace
 from worker.attention import PagedAttentionMetadata
+from worker.kernel_checks import check_paged_attention
 from worker.graph_runner import (
     HOST_BRANCHING_ROPE,
     CaptureBackend,
@@ -97,6 +98,15 @@ class ModelRunner:
             raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
         self.config = config
         self.eos_token_ids: set[int] = _eos_token_ids(model_path, config)
+        if self.backend.name == "triton" and self.device.type == "cuda":
+            failure = check_paged_attention(self.device, self.dtype, config.num_attention_heads,
+                                            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                                            getattr(config, "head_dim", None)
+                                            or config.hidden_size // config.num_attention_heads, block_size)
+            if failure is not None:
+                log.warning("the Triton attention kernels failed their start-up check (%s); attention runs on the "
+                            "torch backend", failure)
+                self.backend = get_backend("torch")
         self.num_layers: int = config.num_hidden_layers
         self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

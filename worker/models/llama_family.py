@@ -16,6 +16,7 @@ so greedy tokens match theirs.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,10 @@ from transformers import PretrainedConfig
 from kernels import norm_act
 from kernels.rope_kv import rope_store_kv
 from worker.attention import PagedAttentionMetadata, attend_cached, paged_attention
+from worker.kernel_checks import check_model_kernels
 from worker.models.rope import RotaryEmbedding, apply_rope
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
@@ -67,6 +71,16 @@ class LlamaFamilyModel:
         self.dtype = dtype
         self.device = device
         self.use_kernels = device.type == "cuda" if use_kernels is None else use_kernels
+        if self.use_kernels:
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            failure = check_model_kernels(device, dtype, config.hidden_size, config.intermediate_size,
+                                          config.num_attention_heads,
+                                          getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                                          head_dim)
+            if failure is not None:
+                log.warning("the fused model kernels failed their start-up check (%s); running their torch "
+                            "references instead", failure)
+                self.use_kernels = False
         self._add_rms_norm = norm_act.add_rms_norm if self.use_kernels else norm_act.add_rms_norm_reference
         self._silu_and_mul = norm_act.silu_and_mul if self.use_kernels else norm_act.silu_and_mul_reference
         self.num_heads: int = config.num_attention_heads

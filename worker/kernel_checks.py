@@ -1,0 +1,95 @@
+"""Start-up checks of the Triton kernels on the model's own shapes, against their torch references.
+
+A kernel that fails to compile for a GPU, or computes something else there,
+must not take the worker down or serve wrong tokens: the runner checks each
+kernel family once on a small batch of the model's shapes and dtype, and on
+a failure runs the plain-torch path instead, with a log line saying why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Relative to the reference's largest value: the kernels differ from their references by rounding only.
+_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    scale = float(want.float().abs().max()) or 1.0
+    return bool(torch.isfinite(got.float()).all()) and float((got.float() - want.float()).abs().max()) <= (
+        _TOLERANCE[dtype] * scale)
+
+
+def check_paged_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                          head_dim: int, block_size: int) -> str | None:
+    """None when the Triton attention and store give their references' results, else why not."""
+    from kernels.kv_store import store_kv, store_kv_reference
+    from kernels.paged_attention import paged_attention, paged_attention_reference
+
+    try:
+        gen = torch.Generator().manual_seed(0)
+        # Two decodes (one long enough to split) and a prefill chunk over shuffled blocks.
+        q_lens, seq_lens = [1, 1, 5], [3 * block_size + 1, 2100 + block_size // 2, 2 * block_size]
+        num_blocks = sum(-(-n // block_size) for n in seq_lens) + 1
+        width = max(-(-n // block_size) for n in seq_lens)
+        order = torch.randperm(num_blocks, generator=gen)
+        tables = torch.zeros((3, width), dtype=torch.int32)
+        used = 0
+        for s, n in enumerate(seq_lens):
+            count = -(-n // block_size)
+            tables[s, :count] = order[used:used + count]
+            used += count
+        cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        k_cache = torch.randn(cache_shape, generator=gen).to(dtype=dtype, device=device)
+        v_cache = torch.randn(cache_shape, generator=gen).to(dtype=dtype, device=device)
+        q = torch.randn((sum(q_lens), num_heads, head_dim), generator=gen).to(dtype=dtype, device=device)
+        cu = torch.tensor([0, 1, 2, 7], dtype=torch.int32, device=device)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        args = (q, k_cache, v_cache, tables.to(device), cu, lens, head_dim**-0.5)
+        if not _close(paged_attention(*args, num_kv_splits=4), paged_attention_reference(*args), dtype):
+            return "paged attention differs from its reference"
+        new_k = torch.randn((3, num_kv_heads, head_dim), generator=gen).to(dtype=dtype, device=device)
+        slots = torch.tensor([5, -1, 2 * block_size], device=device)
+        caches, expected = [k_cache.clone(), v_cache.clone()], [k_cache.clone(), v_cache.clone()]
+        store_kv(new_k, new_k, caches[0], caches[1], slots)
+        store_kv_reference(new_k, new_k, expected[0], expected[1], slots)
+        if not all(torch.equal(a, b) for a, b in zip(caches, expected)):
+            return "the KV store differs from its reference"
+    except Exception as e:  # a compile or launch failure on this GPU
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def check_model_kernels(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int, num_heads: int,
+                        num_kv_heads: int, head_dim: int) -> str | None:
+    """None when the fused norm, activation and RoPE-with-KV-write kernels give their references' results."""
+    from kernels.norm_act import add_rms_norm, add_rms_norm_reference, silu_and_mul, silu_and_mul_reference
+    from kernels.rope_kv import rope_store_kv, rope_store_kv_reference
+
+    try:
+        gen = torch.Generator().manual_seed(1)
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+        x, residual, weight = randn(3, hidden), randn(3, hidden), randn(hidden)
+        got, want = add_rms_norm(x, residual, weight, 1e-6), add_rms_norm_reference(x, residual, weight, 1e-6)
+        if not (_close(got[0], want[0], dtype) and _close(got[1], want[1], dtype)):
+            return "fused add + RMSNorm differs from its reference"
+        gate_up = randn(3, 2 * intermediate)
+        if not _close(silu_and_mul(gate_up), silu_and_mul_reference(gate_up), dtype):
+            return "SiLU-and-multiply differs from its reference"
+        q, k, v = randn(3, num_heads, head_dim), randn(3, num_kv_heads, head_dim), randn(3, num_kv_heads, head_dim)
+        angles = torch.randn(3, head_dim // 2, generator=gen).to(device)
+        cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+        sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+        slots = torch.tensor([1, -1, 6], device=device)
+        caches = [randn(2, 4, num_kv_heads, head_dim) for _ in range(2)]
+        expected = [c.clone() for c in caches]
+        got_q = rope_store_kv(q, k, v, cos, sin, caches[0], caches[1], slots)
+        want_q = rope_store_kv_reference(q, k, v, cos, sin, expected[0], expected[1], slots)
+        if not (_close(got_q, want_q, dtype) and all(_close(a, b, dtype) for a, b in zip(caches, expected))):
+            return "RoPE with the KV write differs from its reference"
+    except Exception as e:  # a compile or launch failure on this GPU
+        return f"{type(e).__name__}: {e}"
+    return None
