@@ -151,7 +151,8 @@ class ModelRunner:
                                     torch.float32, self.device)
         sizes = graph_batch_sizes(self.inputs.max_num_seqs)
         try:
-            self._graphs = DecodeGraphs(self._decode_forward, sizes, backend)
+            with torch.inference_mode():  # as the steps it replays run
+                self._graphs = DecodeGraphs(self._decode_forward, sizes, backend)
         except Exception:
             log.exception("recording decode graphs failed; decode steps run eager")
             self._graphs = None
