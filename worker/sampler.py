@@ -8,8 +8,8 @@ The draw is an exponential race: with `E_i ~ Exp(1)` i.i.d.,
 `argmax_i p_i / E_i` is distributed as `p`. The noise `E` is a hash of
 `(seed, position, token)` computed on the logits' device (worker/noise.py),
 so a seeded request's token is a pure function of `(seed, position, logits)`
-whatever the batch. An unseeded request gets a private seed, drawn from the
-Sampler's own generator when the request is first seen.
+whatever the batch. Unseeded rows draw their noise from the Sampler's own
+generator on the device in one pass (the hash takes about forty).
 
 All of it runs on the logits' device; the host learns the step's results by
 one copy at the end (`Sampler._fetch`), and waits only there.
@@ -17,7 +17,6 @@ one copy at the end (`Sampler._fetch`), and waits only there.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import torch
@@ -96,8 +95,13 @@ class Sampler:
     ) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        # Seeds the private noise seeds of unseeded requests; never the process-wide generators.
-        self._rows = SamplingRows(vocab_size, max_num_seqs, self.device, random.Random(seed))
+        self._rows = SamplingRows(vocab_size, max_num_seqs, self.device)
+        # The noise of unseeded rows; never the process-wide generators.
+        self._generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
         self._token_keys = token_keys(vocab_size, self.device)
         self._noise_rows_per_chunk = None if self.device.type == "cuda" else CPU_NOISE_CHUNK_ELEMENTS // vocab_size
         self._host = torch.empty(0, dtype=torch.float64)
@@ -164,7 +168,15 @@ class Sampler:
         if any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params):
             filtered = filter_logits(filtered, ints[:, TOP_K], floats[:, TOP_P], floats[:, MIN_P])
         # The exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is distributed as p.
-        noise = exponential_noise(ints[:, SEED], positions, self._token_keys, self._noise_rows_per_chunk)
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if len(seeded) == len(params):
+            noise = exponential_noise(ints[:, SEED], positions, self._token_keys, self._noise_rows_per_chunk)
+        else:
+            noise = torch.empty_like(filtered).exponential_(generator=self._generator)
+            if seeded:
+                index = to_device(seeded, torch.int64, self.device)
+                noise[index] = exponential_noise(ints[index, SEED], positions[index], self._token_keys,
+                                                 self._noise_rows_per_chunk)
         race = filtered.softmax(dim=-1).div_(noise)
         drawn = race.argmax(dim=-1)
         if not any(p.is_greedy for p in params):

@@ -13,7 +13,6 @@ used row goes, so a request that vanished without a release costs nothing.
 
 from __future__ import annotations
 
-import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from scheduler.params import MAX_SEED, SamplingParams
+from scheduler.params import SamplingParams
 
 # Columns of the float parameter rows.
 TEMPERATURE, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(6)
@@ -60,11 +59,9 @@ def to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch
 
 
 class SamplingRows:
-    def __init__(self, vocab_size: int, num_rows: int, device: torch.device, seeds: random.Random) -> None:
+    def __init__(self, vocab_size: int, num_rows: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self._seeds = seeds
-        """Draws the private seed of each unseeded request (the Sampler's seed decides them)."""
         self._rows: OrderedDict[str, _Row] = OrderedDict()
         """Least recently used first."""
         self._free: list[int] = []
@@ -135,9 +132,8 @@ class SamplingRows:
         for request in requests:
             p = request.params
             floats += [p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
-            # An unseeded request gets a private seed, so one noise function serves every row.
-            seed = p.seed if p.seed is not None else self._seeds.randint(0, MAX_SEED)
-            ints += [p.top_k, seed, int(p.has_penalties)]
+            # An unseeded request's noise comes from the Sampler's generator: its seed column is unused.
+            ints += [p.top_k, p.seed if p.seed is not None else 0, int(p.has_penalties)]
         index = to_device([self._rows[r.request_id].index for r in requests], torch.int64, self.device)
         self.floats.index_copy_(0, index, to_device(floats, torch.float32, self.device).view(-1, NUM_FLOATS))
         self.ints.index_copy_(0, index, to_device(ints, torch.int64, self.device).view(-1, NUM_INTS))
