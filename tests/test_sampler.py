@@ -8,25 +8,28 @@ import pytest
 import torch
 
 from scheduler.params import SamplingParams
-from worker.sampler import SampleRequest, Sampler, apply_penalties, filter_logits, seeded_generator
+from worker.noise import seeded_exponential_noise
+from worker.penalties import apply_penalties
+from worker.sampler import SampleRequest, Sampler, filter_logits
 
 VOCAB = 8
 
 
 def _request(
+    request_id: str = "r",
     prompt: list[int] | None = None,
     output: list[int] | None = None,
     position: int = 0,
     suppress: list[int] | None = None,
     **params: object,
 ) -> SampleRequest:
-    return SampleRequest(SamplingParams(**params), prompt or [], output or [], position, suppress or [])
+    return SampleRequest(request_id, SamplingParams(**params), prompt or [], output or [], position, suppress or [])
 
 
 def _draw_many(logits: torch.Tensor, num_draws: int, **params: object) -> set[int]:
-    sampler = Sampler(seed=0)
+    sampler = Sampler(logits.shape[-1], seed=0)
     rows = logits.expand(num_draws, -1)
-    return {t.token_id for t in sampler.sample(rows, [_request(**params) for _ in range(num_draws)])}
+    return {t.token_id for t in sampler.sample(rows, [_request(f"d{i}", **params) for i in range(num_draws)])}
 
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0, 1.5]])  # order: 6, 0, 7, 1, 2, 3, 4, 5
@@ -34,7 +37,7 @@ LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0, 1.5]])  # order: 6,
 
 def test_greedy_is_argmax_per_row() -> None:
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
-    tokens = Sampler(seed=1).sample(logits, [_request(temperature=0.0) for _ in range(5)])
+    tokens = Sampler(50, seed=1).sample(logits, [_request(f"g{i}", temperature=0.0) for i in range(5)])
     assert [t.token_id for t in tokens] == logits.argmax(dim=-1).tolist()
     assert all(t.logprob is None and t.top_logprobs is None for t in tokens)
 
@@ -66,7 +69,7 @@ def test_filters_keep_the_top_token_even_when_everything_else_is_cut() -> None:
 
 def test_suppressed_ids_are_never_drawn() -> None:
     assert 6 not in _draw_many(LOGITS, 200, temperature=1.0, suppress=[6])
-    greedy = Sampler().sample(LOGITS, [_request(temperature=0.0, suppress=[6, 0])])
+    greedy = Sampler(VOCAB).sample(LOGITS, [_request(temperature=0.0, suppress=[6, 0])])
     assert greedy[0].token_id == 7
 
 
@@ -86,7 +89,7 @@ def test_presence_and_frequency_penalties_follow_openai() -> None:
 def test_penalties_apply_inside_sample() -> None:
     logits = torch.tensor([[3.0, 2.5, 0.0]])
     # Without penalty token 0 wins; with repetition penalty 2 on it (3 -> 1.5), token 1 wins.
-    tokens = Sampler().sample(logits, [_request(output=[0], temperature=0.0, repetition_penalty=2.0)])
+    tokens = Sampler(3).sample(logits, [_request(output=[0], temperature=0.0, repetition_penalty=2.0)])
     assert tokens[0].token_id == 1
     assert logits.tolist() == [[3.0, 2.5, 0.0]]  # input untouched
 
@@ -94,53 +97,56 @@ def test_penalties_apply_inside_sample() -> None:
 def test_seeded_draw_depends_only_on_seed_position_and_logits() -> None:
     logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(9))
     target = _request(position=17, temperature=1.0, seed=1234)
-    alone = Sampler(seed=1).sample(logits, [target])[0].token_id
+    alone = Sampler(300, seed=1).sample(logits, [target])[0].token_id
     others = torch.randn(4, 300)
     batch = torch.cat([others[:2], logits, others[2:]])
     crowd = [
-        _request(temperature=0.7),
-        _request(temperature=1.0, seed=5, position=17),
+        _request("a", temperature=0.7),
+        _request("b", temperature=1.0, seed=5, position=17),
         target,
-        _request(temperature=0.0),
-        _request(temperature=1.3, top_k=10),
+        _request("c", temperature=0.0),
+        _request("d", temperature=1.3, top_k=10),
     ]
-    in_batch = Sampler(seed=2).sample(batch, crowd)[2].token_id
+    in_batch = Sampler(300, seed=2).sample(batch, crowd)[2].token_id
     assert alone == in_batch
     # Different positions with the same seed give different draws (not a constant).
-    draws = {Sampler().sample(logits, [_request(position=p, temperature=1.0, seed=1234)])[0].token_id for p in range(30)}
+    sampler = Sampler(300)
+    draws = {sampler.sample(logits, [_request(position=p, temperature=1.0, seed=1234)])[0].token_id for p in range(30)}
     assert len(draws) > 5
 
 
 def test_unfiltered_rows_race_over_the_whole_tempered_distribution() -> None:
     """Rows asking for no top-k/top-p/min-p skip the filter and draw argmax(softmax(l / T) / E)."""
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
-    requests = [_request(position=p, temperature=0.8, seed=40 + p) for p in range(6)]
-    drawn = [t.token_id for t in Sampler().sample(logits, requests)]
+    requests = [_request(f"r{p}", position=p, temperature=0.8, seed=40 + p) for p in range(6)]
+    drawn = [t.token_id for t in Sampler(300).sample(logits, requests)]
     expected = []
     for row, request in enumerate(requests):
-        noise = torch.empty(300).exponential_(generator=seeded_generator(40 + row, request.position))
+        noise = seeded_exponential_noise(40 + row, request.position, 300)
         expected.append(int(((logits[row] / 0.8).softmax(dim=-1) / noise).argmax()))
     assert drawn == expected
 
 
 def test_unseeded_draws_follow_the_sampler_seed_and_not_the_global_rng() -> None:
     logits = torch.zeros(20, 1000)
-    requests = [_request(temperature=1.0) for _ in range(20)]
+    requests = [_request(f"u{i}", temperature=1.0) for i in range(20)]
     torch.manual_seed(0)
-    first = [t.token_id for t in Sampler(seed=7).sample(logits, requests)]
+    first = [t.token_id for t in Sampler(1000, seed=7).sample(logits, requests)]
     torch.manual_seed(99)
-    second = [t.token_id for t in Sampler(seed=7).sample(logits, requests)]
+    second = [t.token_id for t in Sampler(1000, seed=7).sample(logits, requests)]
     assert first == second
+    other = [t.token_id for t in Sampler(1000, seed=8).sample(logits, requests)]
+    assert other != first
     state = torch.get_rng_state()
-    Sampler(seed=8).sample(logits, requests)
+    Sampler(1000, seed=8).sample(logits, requests)
     assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_logprobs_are_log_softmax_of_the_final_distribution() -> None:
     logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(4))
-    tokens = Sampler().sample(
+    tokens = Sampler(40).sample(
         logits,
-        [_request(temperature=0.0, logprobs=3), _request(temperature=0.5, top_k=2, logprobs=4, seed=3)],
+        [_request("g", temperature=0.0, logprobs=3), _request("s", temperature=0.5, top_k=2, logprobs=4, seed=3)],
     )
     greedy_lp = logits[0].log_softmax(-1)
     assert tokens[0].logprob == pytest.approx(greedy_lp.max().item(), abs=1e-6)
@@ -158,7 +164,7 @@ def test_logprobs_are_log_softmax_of_the_final_distribution() -> None:
 
 
 def test_logprobs_zero_gives_only_the_sampled_token() -> None:
-    token = Sampler().sample(LOGITS, [_request(temperature=0.0, logprobs=0)])[0]
+    token = Sampler(VOCAB).sample(LOGITS, [_request(temperature=0.0, logprobs=0)])[0]
     assert token.token_id == 6
     assert token.logprob == pytest.approx(LOGITS[0].log_softmax(-1)[6].item())
     assert token.top_logprobs == {}
@@ -174,6 +180,6 @@ def test_temperature_sharpens_the_distribution() -> None:
 
 
 def _draw_list(logits: torch.Tensor, num_draws: int, **params: object) -> list[int]:
-    sampler = Sampler(seed=11)
+    sampler = Sampler(logits.shape[-1], seed=11)
     rows = logits.expand(num_draws, -1)
-    return [t.token_id for t in sampler.sample(rows, [_request(**params) for _ in range(num_draws)])]
+    return [t.token_id for t in sampler.sample(rows, [_request(f"d{i}", **params) for i in range(num_draws)])]

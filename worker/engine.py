@@ -95,7 +95,7 @@ class Engine:
             ),
             self.block_manager,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.runner.vocab_size, max_num_seqs, device)
         self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []
         """Outputs decided outside a step (aborts, already-complete resumes), sent with the next one."""
@@ -150,6 +150,7 @@ class Engine:
         seq = self.scheduler.abort(request_id)
         state = self._requests.pop(request_id, None)
         self.runner.release(request_id)
+        self.sampler.release(request_id)
         if seq is None or state is None:
             return False
         state.detokenizer.flush()
@@ -178,6 +179,7 @@ class Engine:
     def _run(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
         for seq in scheduled.preempted:
             self.runner.release(seq.request_id)
+            self.sampler.release(seq.request_id)
         batch = [
             StepSeq(s.token_ids, s.start_pos, s.seq.block_table, s.needs_logits, s.seq.request_id)
             for s in scheduled.scheduled
@@ -191,6 +193,7 @@ class Engine:
         if sampling:
             requests = [
                 SampleRequest(
+                    request_id=seq.request_id,
                     params=seq.params,
                     prompt_token_ids=seq.prompt_token_ids,
                     output_token_ids=seq.output_token_ids,
@@ -207,6 +210,7 @@ class Engine:
             decision = state.on_token(token)
             if decision is not None:
                 self.scheduler.finish(seq, decision.reason, decision.stop_reason)
+                self.sampler.release(seq.request_id)
                 del self._requests[seq.request_id]
                 self.runner.release(seq.request_id)
             outputs.append(state.take_output())

@@ -5,24 +5,37 @@ and frequency over output), suppression of the given ids, then either argmax
 (temperature 0) or temperature → top-k → top-p → min-p and one random draw.
 
 The draw is an exponential race: with `E_i ~ Exp(1)` i.i.d.,
-`argmax_i p_i / E_i` is distributed as `p`. For a request with a seed the
-noise comes from a generator seeded by `(seed, position)`, always on the CPU,
-so the token is a pure function of `(seed, position, logits)` whatever the
-batch or device. Unseeded rows draw from a generator the Sampler owns.
+`argmax_i p_i / E_i` is distributed as `p`. The noise `E` is a hash of
+`(seed, position, token)` computed on the logits' device (worker/noise.py),
+so a seeded request's token is a pure function of `(seed, position, logits)`
+whatever the batch. Unseeded rows draw their noise from the Sampler's own
+generator on the device in one pass (the hash takes about forty).
+
+All of it runs on the logits' device; the host learns the step's results by
+one copy at the end (`Sampler._fetch`), and waits only there.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 
 from scheduler.params import SamplingParams
+from worker.noise import exponential_noise, token_keys
+from worker.penalties import penalise_rows
+from worker.sampling_rows import (
+    FREQUENCY, IS_PENALISED, MIN_P, PRESENCE, REPETITION, SEED, TEMPERATURE, TOP_K, TOP_P, SamplingRows, to_device,
+)
+
+# Noise elements computed at once on a CPU: 4 MiB of int64, so the hash's passes stay in cache.
+CPU_NOISE_CHUNK_ELEMENTS = 1 << 19
 
 
 @dataclass
 class SampleRequest:
+    request_id: str
+    """Keys the request's device row; the same id must mean the same request until released."""
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -39,36 +52,6 @@ class SampledToken:
     """Log-probability of the token under the final distribution, when logprobs were asked for."""
     top_logprobs: dict[int, float] | None
     """The most likely alternatives under that distribution (tokens ruled out are left off)."""
-
-
-def seeded_generator(seed: int, position: int) -> torch.Generator:
-    """A CPU generator whose state depends only on (seed, position)."""
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(int.from_bytes(digest, "little"))
-    return generator
-
-
-def apply_penalties(logits: torch.Tensor, request: SampleRequest) -> None:
-    """Penalise one row of logits in place.
-
-    Repetition (transformers semantics): every token seen in prompt or output
-    has a positive logit divided by the penalty, a negative one multiplied.
-    Presence and frequency (OpenAI semantics): subtract
-    `presence * [count > 0] + frequency * count`, counting output tokens only.
-    """
-    params = request.params
-    if params.repetition_penalty != 1.0:
-        seen = sorted(set(request.prompt_token_ids) | set(request.output_token_ids))
-        if seen:
-            ids = torch.tensor(seen, dtype=torch.long, device=logits.device)
-            values = logits[ids]
-            penalty = params.repetition_penalty
-            logits[ids] = torch.where(values > 0, values / penalty, values * penalty)
-    if (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0) and request.output_token_ids:
-        output = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(output, minlength=logits.shape[-1]).to(logits.dtype)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def filter_logits(
@@ -97,107 +80,150 @@ def filter_logits(
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
-        self._generator = torch.Generator(device="cpu")
+    """Samples a step's tokens on the logits' device, with one copy of the results to the host.
+
+    Per-request parameters and penalty counts live in device rows (worker/sampling_rows.py), keyed
+    by request id: `release` a request's row when it finishes, aborts or is preempted.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_num_seqs: int = 64,
+        device: str | torch.device = "cpu",
+        seed: int | None = None,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._rows = SamplingRows(vocab_size, max_num_seqs, self.device)
+        # The noise of unseeded rows; never the process-wide generators.
+        self._generator = torch.Generator(device=self.device)
         if seed is None:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
+        self._token_keys = token_keys(vocab_size, self.device)
+        self._noise_rows_per_chunk = None if self.device.type == "cuda" else CPU_NOISE_CHUNK_ELEMENTS // vocab_size
+        self._host = torch.empty(0, dtype=torch.float64)
+        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+
+    def release(self, request_id: str) -> None:
+        """Free the request's row (no-op for an unknown id)."""
+        self._rows.release(request_id)
 
     def sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampledToken]:
-        assert logits.ndim == 2 and logits.shape[0] == len(requests), (logits.shape, len(requests))
+        assert logits.ndim == 2 and logits.shape == (len(requests), self.vocab_size), (logits.shape, len(requests))
+        params = [r.params for r in requests]
+        row_index = self._rows.assign(requests)
+        # Everything the step needs from the host in one transfer: rows, positions, suppressed (row, id) pairs.
+        suppress_rows = [i for i, r in enumerate(requests) for _ in r.suppress_token_ids]
+        suppress_ids = [t for r in requests for t in r.suppress_token_ids]
+        parts = [row_index, [r.position for r in requests], suppress_rows, suppress_ids]
+        step = to_device([v for part in parts for v in part], torch.int64, self.device)
+        rows, positions, suppress_rows_t, suppress_ids_t = step.split([len(p) for p in parts])
+        floats, ints = self._rows.floats[rows], self._rows.ints[rows]
+
         logits = logits.float()
-        if any(r.params.has_penalties or r.suppress_token_ids for r in requests):
-            logits = logits.clone()  # the caller's logits stay as they were
-            for row, request in enumerate(requests):
-                if request.params.has_penalties:
-                    apply_penalties(logits[row], request)
-                if request.suppress_token_ids:
-                    logits[row, request.suppress_token_ids] = float("-inf")
-        wants_logprobs = any(r.params.logprobs is not None for r in requests)
-        random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
-        if not random_rows:
-            # All greedy: one argmax over the batch and one transfer to the host.
-            token_ids = logits.argmax(dim=-1)
-            if not wants_logprobs:
-                return [SampledToken(token_id=t, logprob=None, top_logprobs=None) for t in token_ids.tolist()]
-            return self._package(logits, token_ids, requests)
-        all_random = len(random_rows) == len(requests)
-        filtered = self._filtered(logits if all_random else logits[random_rows], [requests[i] for i in random_rows])
-        noise = self._exponential_noise([requests[i] for i in random_rows], logits.shape[-1]).to(logits.device)
-        drawn = (filtered.softmax(dim=-1) / noise).argmax(dim=-1)
-        if all_random:
-            return self._package(filtered, drawn, requests, wants_logprobs)
-        greedy_rows = [i for i, r in enumerate(requests) if r.params.is_greedy]
-        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-        token_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
-        token_ids[random_rows] = drawn
-        final = logits
-        if wants_logprobs:
-            final = logits.clone()
-            final[random_rows] = filtered
-        return self._package(final, token_ids, requests, wants_logprobs)
-
-    @staticmethod
-    def _filtered(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
-        """The sampled rows' logits over temperature, with their top-k/top-p/min-p cuts (a new tensor)."""
-        chosen = [r.params for r in requests]
-        device = logits.device
-        temperature = torch.tensor([p.temperature for p in chosen], device=device).unsqueeze(-1)
-        filtered = logits / temperature
-        # top_p 1 keeps every token (transformers skips its top-p warper there too), so a step
-        # whose rows ask for no filter skips the sort over the vocabulary.
-        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in chosen):
-            filtered = filter_logits(
-                filtered,
-                top_k=torch.tensor([p.top_k for p in chosen], device=device),
-                top_p=torch.tensor([p.top_p for p in chosen], device=device),
-                min_p=torch.tensor([p.min_p for p in chosen], device=device),
+        has_penalties = any(p.has_penalties for p in params)
+        if has_penalties:
+            assert self._rows.prompt_seen is not None and self._rows.output_counts is not None
+            logits = penalise_rows(
+                logits, self._rows.prompt_seen[rows], self._rows.output_counts[rows],
+                floats[:, REPETITION:REPETITION + 1], floats[:, PRESENCE:PRESENCE + 1],
+                floats[:, FREQUENCY:FREQUENCY + 1],
             )
-        return filtered
+        if suppress_ids:
+            if not has_penalties:
+                logits = logits.clone()  # the caller's logits stay as they were
+            logits.index_put_((suppress_rows_t, suppress_ids_t), torch.full((), float("-inf"), device=self.device))
 
-    def _exponential_noise(self, requests: list[SampleRequest], vocab: int) -> torch.Tensor:
-        unseeded = [i for i, r in enumerate(requests) if r.params.seed is None]
-        if len(unseeded) == len(requests):
-            # The same draws from the Sampler's generator as filling these rows of a bigger tensor.
-            return torch.empty(len(requests), vocab).exponential_(generator=self._generator)
-        noise = torch.empty(len(requests), vocab)
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self._generator)
-        for i, request in enumerate(requests):
-            if request.params.seed is not None:
-                noise[i].exponential_(generator=seeded_generator(request.params.seed, request.position))
-        return noise
-
-    @staticmethod
-    def _package(final: torch.Tensor, token_ids: torch.Tensor, requests: list[SampleRequest],
-                 wants_logprobs: bool = True) -> list[SampledToken]:
-        ids = token_ids.tolist()
-        if not wants_logprobs:
+        if all(p.is_greedy for p in params):
+            final, token_ids = logits, logits.argmax(dim=-1)
+        else:
+            final, token_ids = self._draw(logits, params, floats, ints, positions)
+        if has_penalties:
+            self._rows.count_sampled(rows, token_ids, ints[:, IS_PENALISED])
+        num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        values = self._fetch(_packed(final, token_ids, num_top))
+        ids = [int(v) for v in values[: len(requests)]]
+        self._rows.note_sampled(requests, ids)
+        if num_top is None:
             return [SampledToken(token_id=t, logprob=None, top_logprobs=None) for t in ids]
-        wants = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-        logprob_of: dict[int, float] = {}
-        top_of: dict[int, dict[int, float]] = {}
-        if wants:
-            logprobs = final[wants].log_softmax(dim=-1)
-            chosen = logprobs.gather(-1, token_ids[wants].unsqueeze(-1)).squeeze(-1).tolist()
-            num_top = max(requests[i].params.logprobs or 0 for i in wants)
-            top_values: list[list[float]] = []
-            top_ids: list[list[int]] = []
-            if num_top:
-                # One transfer of the whole top-k to the host, not one per row.
-                values_t, ids_t = logprobs.topk(num_top, dim=-1)
-                top_values, top_ids = values_t.tolist(), ids_t.tolist()
-            for j, i in enumerate(wants):
-                logprob_of[i] = chosen[j]
-                top: dict[int, float] = {}
-                n = requests[i].params.logprobs or 0
-                if n:
-                    for value, token in zip(top_values[j][:n], top_ids[j][:n]):
-                        if value != float("-inf"):
-                            top[token] = value
-                top_of[i] = top
-        return [
-            SampledToken(token_id=ids[i], logprob=logprob_of.get(i), top_logprobs=top_of.get(i))
-            for i in range(len(requests))
-        ]
+        return _unpacked(values, ids, params, num_top)
+
+    def _draw(
+        self, logits: torch.Tensor, params: list[SamplingParams],
+        floats: torch.Tensor, ints: torch.Tensor, positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distribution each row samples from and its token: the race for sampled rows, argmax for greedy ones.
+
+        Greedy rows go through the same batched ops (tempered by 1, their draw then discarded), so a
+        mixed step has no per-subset gathers.
+        """
+        temperature = floats[:, TEMPERATURE:TEMPERATURE + 1]
+        is_greedy = temperature == 0.0
+        filtered = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature)
+        # top_p 1 keeps every token (transformers skips its top-p warper there too), so a step
+        # whose sampled rows ask for no filter skips the sort over the vocabulary.
+        if any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params):
+            filtered = filter_logits(filtered, ints[:, TOP_K], floats[:, TOP_P], floats[:, MIN_P])
+        # The exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is distributed as p.
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if len(seeded) == len(params):
+            noise = exponential_noise(ints[:, SEED], positions, self._token_keys, self._noise_rows_per_chunk)
+        else:
+            noise = torch.empty_like(filtered).exponential_(generator=self._generator)
+            if seeded:
+                index = to_device(seeded, torch.int64, self.device)
+                noise[index] = exponential_noise(ints[index, SEED], positions[index], self._token_keys,
+                                                 self._noise_rows_per_chunk)
+        race = filtered.softmax(dim=-1).div_(noise)
+        drawn = race.argmax(dim=-1)
+        if not any(p.is_greedy for p in params):
+            return filtered, drawn
+        return torch.where(is_greedy, logits, filtered), torch.where(is_greedy.squeeze(-1), logits.argmax(dim=-1), drawn)
+
+    def _fetch(self, packed: torch.Tensor) -> list[float]:
+        """The step's one device-to-host copy, and the wait for it."""
+        if self._copied is None:
+            return packed.tolist()
+        if self._host.numel() < packed.numel():
+            self._host = torch.empty(2 * packed.numel(), dtype=torch.float64, pin_memory=True)
+        # Reusing the buffer is safe: the last step read it after waiting for its copy.
+        host = self._host[: packed.numel()]
+        host.copy_(packed, non_blocking=True)
+        self._copied.record()
+        self._copied.synchronize()
+        return host.tolist()
+
+
+def _packed(final: torch.Tensor, token_ids: torch.Tensor, num_top: int | None) -> torch.Tensor:
+    """Token ids, then (when logprobs are asked for) each row's logprob and top values and ids, as float64.
+
+    Ids below 2^53 and float32 logprobs are exact in float64, so one tensor carries them all.
+    """
+    if num_top is None:
+        return token_ids.to(torch.float64)
+    logprobs = final.log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    parts = [token_ids.to(torch.float64), chosen.to(torch.float64)]
+    if num_top:
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        parts += [top_values.to(torch.float64).flatten(), top_ids.to(torch.float64).flatten()]
+    return torch.cat(parts)
+
+
+def _unpacked(values: list[float], ids: list[int], params: list[SamplingParams], num_top: int) -> list[SampledToken]:
+    n = len(ids)
+    chosen = values[n: 2 * n]
+    top_values, top_ids = values[2 * n: 2 * n + n * num_top], values[2 * n + n * num_top:]
+    tokens = []
+    for i, (token, p) in enumerate(zip(ids, params)):
+        if p.logprobs is None:
+            tokens.append(SampledToken(token_id=token, logprob=None, top_logprobs=None))
+            continue
+        row = range(i * num_top, i * num_top + p.logprobs)
+        # Tokens ruled out (-inf) are left off.
+        top = {int(top_ids[j]): top_values[j] for j in row if top_values[j] != float("-inf")}
+        tokens.append(SampledToken(token_id=token, logprob=chosen[i], top_logprobs=top))
+    return tokens
