@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from gateway import appkeys as K
 from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
+from gateway.errors import REDIS_UNAVAILABLE, error_response
 from gateway.metrics import CONTENT_TYPE
 from gateway.results import final_event, is_terminal, wait_for_terminal
 from scheduler.job_record import job_view
@@ -24,13 +25,6 @@ from scheduler.redis_replies import read_hash
 log = logging.getLogger(__name__)
 
 routes = web.RouteTableDef()
-
-
-def error_response(status: int, kind: str, message: str, field: str | None = None, **headers: str) -> web.Response:
-    body: dict[str, Any] = {"type": kind, "message": message}
-    if field is not None:
-        body["field"] = field
-    return web.json_response({"error": body}, status=status, headers=headers or None)
 
 
 @routes.post("/v1/jobs")
@@ -91,7 +85,7 @@ async def get_job(request: web.Request) -> web.Response:
 @routes.get("/v1/jobs/{id}/events")
 async def job_events(request: web.Request) -> web.StreamResponse:
     app = request.app
-    redis, keys, hub = app[K.REDIS], app[K.KEYS], app[K.HUB]
+    redis, keys = app[K.REDIS], app[K.KEYS]
     job_id = request.match_info["id"]
     if not await redis.exists(keys.job(job_id)):
         return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
@@ -101,28 +95,39 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     })
     app[K.METRICS].waiter_opened()
     try:
-        async with hub.subscribe(keys.events(job_id)) as sub:
-            record = await read_hash(redis, keys.job(job_id))
-            await response.prepare(request)
-            while record and not is_terminal(record):
-                try:
-                    event = await asyncio.wait_for(sub.queue.get(), heartbeat_s)
-                except TimeoutError:
-                    await response.write(b": keep-alive\n\n")
-                    # A final event lost to a dropped connection must not leave the stream open forever.
-                    record = await read_hash(redis, keys.job(job_id))
-                    continue
-                if event["type"] == "closed":
-                    return response
-                if event["type"] == "final":
-                    await _send(response, event)
-                    return response
-                await _send(response, event)
-            if record:
-                await _send(response, final_event(record))
+        await _stream_events(request, response, job_id, heartbeat_s)
+    except ConnectionResetError:
+        # The client went away mid-stream: an ordinary end of an event stream.
+        log.debug("event stream of job %s: client disconnected", job_id)
+    except REDIS_UNAVAILABLE as e:
+        if not response.prepared:
+            raise  # answered 503 by the error middleware
+        log.warning("event stream of job %s: ended early, Redis unavailable: %s", job_id, e)
     finally:
         app[K.METRICS].waiter_closed()
     return response
+
+
+async def _stream_events(request: web.Request, response: web.StreamResponse, job_id: str, heartbeat_s: float) -> None:
+    redis, keys, hub = request.app[K.REDIS], request.app[K.KEYS], request.app[K.HUB]
+    async with hub.subscribe(keys.events(job_id)) as sub:
+        record = await read_hash(redis, keys.job(job_id))
+        await response.prepare(request)
+        while record and not is_terminal(record):
+            try:
+                event = await asyncio.wait_for(sub.queue.get(), heartbeat_s)
+            except TimeoutError:
+                await response.write(b": keep-alive\n\n")
+                # A final event lost to a dropped connection must not leave the stream open forever.
+                record = await read_hash(redis, keys.job(job_id))
+                continue
+            if event["type"] == "closed":
+                return
+            await _send(response, event)
+            if event["type"] == "final":
+                return
+        if record:
+            await _send(response, final_event(record))
 
 
 async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
