@@ -1,9 +1,9 @@
 """Every error the gateway answers, in one JSON shape: ``{"error": {"type", "message", "field"?}}``.
 
 Handlers answer the errors they know (400, 404, 409, 429) with `error_response`;
-`error_middleware` turns the rest into the same shape at the edge: a Redis that is
-down, restarting or out of free connections (503 with ``Retry-After``), and, last,
-anything unexpected (500, logged).
+`error_middleware` turns the rest into the same shape at the edge: aiohttp's own
+404, 405 and 413, a Redis that is down, restarting or out of free connections
+(503 with ``Retry-After``), and, last, anything unexpected (500, logged).
 """
 
 from __future__ import annotations
@@ -27,6 +27,18 @@ REDIS_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, 
 
 ``OSError`` covers refused connections and ``TimeoutError`` (an ``OSError`` since Python 3.11)."""
 
+_TYPE_OF_STATUS = {
+    400: "invalid_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "payload_too_large",
+    429: "lane_full",
+}
+
+# Headers of aiohttp's own error responses worth keeping (405 names the methods it allows).
+_KEPT_HEADERS = ("Allow", "Retry-After")
+
 
 def error_response(status: int, kind: str, message: str, field: str | None = None, **headers: str) -> web.Response:
     body: dict[str, Any] = {"type": kind, "message": message}
@@ -47,8 +59,12 @@ def error_middleware(retry_after_s: int) -> Middleware:
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except web.HTTPException:
-            raise
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            headers = {name: e.headers[name] for name in _KEPT_HEADERS if name in e.headers}
+            kind = _TYPE_OF_STATUS.get(e.status, "server_error" if e.status >= 500 else "invalid_request")
+            return error_response(e.status, kind, e.reason if e.text is None else _plain(e.text), **headers)
         except REDIS_UNAVAILABLE as e:
             reason = str(e) or type(e).__name__
             if request.transport is None or request.transport.is_closing():
@@ -63,3 +79,7 @@ def error_middleware(retry_after_s: int) -> Middleware:
 
     return errors
 
+
+def _plain(text: str) -> str:
+    """aiohttp's error text ("404: Not Found", "Maximum request body size ... exceeded ...") as one line."""
+    return " ".join(text.split())

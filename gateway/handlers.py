@@ -32,9 +32,10 @@ async def post_job(request: web.Request) -> web.Response:
     metrics = request.app[K.METRICS]
     try:
         body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         metrics.job_rejected("invalid")
-        return error_response(400, "invalid_request", f"body is not valid JSON: {e}", field="body")
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        return error_response(400, "invalid_request", f"body is not valid JSON: {reason}", field="body")
     try:
         admitted = await request.app[K.ADMISSION].submit(body, request.headers.get("Idempotency-Key"))
     except InvalidJob as e:

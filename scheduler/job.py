@@ -20,6 +20,7 @@ import msgpack
 
 from scheduler.lanes import DEFAULT_LANE, Lane
 from scheduler.params import SamplingParams
+from scheduler.wire_values import first_bad_value
 
 SCHEMA_VERSION = 1
 MAX_ID_LEN = 128
@@ -95,6 +96,9 @@ class JobSpec:
         unknown = sorted(k for k in data if k not in known)
         if unknown:
             raise JobValidationError(unknown[0], "unknown field")
+        bad = first_bad_value(data)
+        if bad is not None:
+            raise JobValidationError(*bad)
         v = data.get("v", SCHEMA_VERSION)
         if v != SCHEMA_VERSION:
             raise JobValidationError("v", f"unsupported schema version {v!r}; this server speaks {SCHEMA_VERSION}")
