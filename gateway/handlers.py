@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -18,13 +19,15 @@ from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.errors import REDIS_UNAVAILABLE, error_response
 from gateway.metrics import CONTENT_TYPE
 from gateway.results import final_event, is_terminal, wait_for_terminal
-from scheduler.job_record import job_view
+from scheduler.job_record import job_view, json_default
 from scheduler.lanes import LANES
 from scheduler.redis_replies import read_hash
 
 log = logging.getLogger(__name__)
 
 routes = web.RouteTableDef()
+
+_dumps = functools.partial(json.dumps, default=json_default)
 
 
 @routes.post("/v1/jobs")
@@ -80,7 +83,7 @@ async def get_job(request: web.Request) -> web.Response:
         metrics.waiter_closed()
     if not record:
         return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
-    return web.json_response(job_view(record))
+    return web.json_response(job_view(record), dumps=_dumps)
 
 
 @routes.get("/v1/jobs/{id}/events")
@@ -132,7 +135,7 @@ async def _stream_events(request: web.Request, response: web.StreamResponse, job
 
 
 async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
-    data = json.dumps(event, separators=(",", ":"), default=str)
+    data = json.dumps(event, separators=(",", ":"), default=json_default)
     await response.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
 
 
@@ -146,7 +149,7 @@ async def delete_job(request: web.Request) -> web.Response:
     except AlreadyFinished as e:
         return error_response(409, "conflict", f"job {job_id!r} already {e.status}", field="id")
     request.app[K.METRICS].job_cancelled("queued" if outcome.is_cancelled_now else "running")
-    return web.json_response(outcome.view, status=202)
+    return web.json_response(outcome.view, status=202, dumps=_dumps)
 
 
 @routes.get("/healthz")

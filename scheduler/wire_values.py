@@ -22,7 +22,7 @@ MAX_INT = 2**64 - 1
 
 def first_bad_value(data: dict[str, object]) -> tuple[str, str] | None:
     """(field path, what is wrong) for the first value neither JSON nor msgpack can carry, else None."""
-    stack: list[tuple[str, object, int]] = [(_key_path("", key), value, 1) for key, value in reversed(data.items())]
+    stack: list[tuple[str, object, int]] = [(key_path("", key), value, 1) for key, value in reversed(data.items())]
     while stack:
         path, value, depth = stack.pop()
         if isinstance(value, str):
@@ -45,7 +45,7 @@ def first_bad_value(data: dict[str, object]) -> tuple[str, str] | None:
                         return path, f"map keys must be strings, got {type(key).__name__}"
                     if not _is_utf8(key):
                         return path, "map keys must be valid UTF-8 text (one holds a lone surrogate)"
-                    stack.append((_key_path(path, key), item, depth + 1))
+                    stack.append((key_path(path, key), item, depth + 1))
             else:
                 stack += [(f"{path}[{i}]", item, depth + 1) for i, item in reversed(list(enumerate(value)))]
         else:
@@ -62,7 +62,8 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def _key_path(path: str, key: str) -> str:
+def key_path(path: str, key: str) -> str:
+    """`path` extended by map key `key`: ``a.b``, or ``a['odd key']`` (ASCII-escaped) for keys that need it."""
     if key and _is_utf8(key) and key.isprintable() and not any(c in key for c in ".[]"):
         return f"{path}.{key}" if path else key
     return f"{path}[{ascii(key)}]"

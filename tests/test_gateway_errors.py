@@ -118,3 +118,15 @@ def test_redis_down_or_restarted_is_a_json_503_with_retry_after(tmp_path: Path) 
             assert "Traceback" not in gateway.log_text()
     finally:
         server.stop()
+
+
+async def test_a_record_holding_bytes_from_before_values_were_checked_still_reads(
+    client: TestClient, redis: aioredis.Redis
+) -> None:
+    import msgpack
+
+    spec = msgpack.packb({"id": "old", "prompt": "x", "metadata": {"blob": b"\x00ok"}}, use_bin_type=True)
+    await redis.hset(KEYS.job("old"), mapping={"id": "old", "status": "queued", "lane": "standard", "spec": spec})
+    resp = await client.get("/v1/jobs/old")
+    assert resp.status == 200
+    assert (await resp.json())["metadata"] == {"blob": "\x00ok"}
