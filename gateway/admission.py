@@ -129,6 +129,9 @@ class Admission:
         # span many bytes, so no byte count proves it too long: the worker judges those.
         if spec.params.max_tokens >= max_len:
             raise InvalidJob("params.max_tokens", f"must be below the model's context length of {max_len}")
+        reply_problem = self._keys.check_reply_to(spec.reply_to)
+        if reply_problem is not None:
+            raise InvalidJob("reply_to", reply_problem)
         if spec.webhook is not None and self._check_webhook is not None:
             try:
                 await self._check_webhook(spec.webhook.url)

@@ -99,6 +99,9 @@ class EntryAdmitter:
             return
         try:
             spec = JobSpec.unpack(raw)
+            reply_problem = self.keys.check_reply_to(spec.reply_to)
+            if reply_problem is not None:
+                raise JobValidationError("reply_to", reply_problem)
         except JobValidationError as e:
             job_id, traceparent = _recover_id(raw), _recover_traceparent(raw)
             reason = f"invalid job: {e}"
