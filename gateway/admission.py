@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from gateway.config import GatewayConfig
 from scheduler.job import JobSpec, JobStatus, JobValidationError, new_job_id
 from scheduler.job_record import F_CREATED_AT, F_ID, F_LANE, F_PRIORITY, F_SPEC, F_STATUS, F_STREAM_ENTRY
-from scheduler.keys import CONSUMER_GROUP, DEFAULT_LANE_MAXLEN, Keys
+from scheduler.keys import CONSUMER_GROUP, Keys
 from scheduler.lanes import Lane
 from scheduler.redis_replies import as_bytes, as_optional_bytes
 
@@ -36,30 +36,31 @@ EnqueueSpan = Callable[[JobSpec], AbstractContextManager[object]]
 # One atomic step, so no failure (a killed gateway, a lost connection) can leave an idempotency key
 # naming a job that was never enqueued: the key is claimed together with the record and lane entry.
 # KEYS: job record, lane stream, idempotency key (the job record again when the request has none).
-# ARGV: ttl_s, lane maxlen, '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id,
+# ARGV: ttl_s, '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id,
 #       packed spec, then the record's field/value pairs.
 # Returns {'claimed', id} when the idempotency key already names a job, {'exists', status} when a record
 # exists for this id (the key, if any, then names it), {'full'} when the lane refuses, {'enqueued', entry}.
 _ENQUEUE_LUA = """
-local has_key = ARGV[4] == '1'
+local has_key = ARGV[3] == '1'
 if has_key then
   local owner = redis.call('GET', KEYS[3])
   if owner then return {'claimed', owner} end
 end
 local status = redis.call('HGET', KEYS[1], '@status@')
 if status then
-  if has_key then redis.call('SET', KEYS[3], ARGV[5], 'EX', ARGV[1]) end
+  if has_key then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1]) end
   return {'exists', status}
 end
-if ARGV[3] == '1' then return {'full'} end
-local entry = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'job', ARGV[6])
+if ARGV[2] == '1' then return {'full'} end
+-- Never trimmed: an accepted job stays until a worker acknowledges and deletes it (the depth check bounds the lane).
+local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[5])
 local fields = {}
-for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
 fields[#fields + 1] = '@stream_entry@'
 fields[#fields + 1] = KEYS[2] .. ' ' .. entry
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
-if has_key then redis.call('SET', KEYS[3], ARGV[5], 'EX', ARGV[1]) end
+if has_key then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1]) end
 return {'enqueued', entry}
 """.replace("@status@", F_STATUS).replace("@stream_entry@", F_STREAM_ENTRY)
 
@@ -194,7 +195,7 @@ class Admission:
         with self._enqueue_span(spec):
             packed = spec.pack()
             args: list[str | bytes | int] = [
-                self._config.result_ttl_s, DEFAULT_LANE_MAXLEN, "1" if depth >= max_depth else "",
+                self._config.result_ttl_s, "1" if depth >= max_depth else "",
                 "1" if idem is not None else "", spec.id, packed, F_SPEC, packed,
             ]
             for name, value in record.items():

@@ -19,9 +19,6 @@ CONSUMER_GROUP = "carpool-workers"
 DEFAULT_RESULT_TTL_S = 24 * 3600
 """How long a finished job record (and its idempotency key) lives."""
 
-DEFAULT_LANE_MAXLEN = 100_000
-"""Approximate MAXLEN applied when XADDing to a lane; acknowledged entries are trimmed."""
-
 DEFAULT_DEAD_MAXLEN = 10_000
 """Approximate MAXLEN of the dead-letter streams."""
 
