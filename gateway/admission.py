@@ -4,8 +4,9 @@ Order of checks: the body must validate into a `JobSpec` (400 naming the
 field); its deadline must lie ahead and its token-id prompt must fit the
 model (400); a repeated `Idempotency-Key` or job id returns the job that
 already exists (nothing enqueued twice); a lane at its maximum depth refuses
-with 429. Only then is the record written and the lane entry added, in one
-atomic step.
+with 429. The idempotency key's claim, those checks' outcome, the record and the
+lane entry are one atomic script, so a crash anywhere leaves either all of
+them or none.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import redis.asyncio as aioredis
 from gateway.config import GatewayConfig
 from scheduler.job import JobSpec, JobStatus, JobValidationError, new_job_id
 from scheduler.job_record import F_CREATED_AT, F_ID, F_LANE, F_PRIORITY, F_SPEC, F_STATUS, F_STREAM_ENTRY
-from scheduler.keys import CONSUMER_GROUP, DEFAULT_LANE_MAXLEN, Keys
+from scheduler.keys import CONSUMER_GROUP, Keys
 from scheduler.lanes import Lane
 from scheduler.redis_replies import as_bytes, as_optional_bytes
 
@@ -32,28 +33,45 @@ WebhookCheck = Callable[[str], Awaitable[None]]
 EnqueueSpan = Callable[[JobSpec], AbstractContextManager[object]]
 """Wraps the enqueue in a trace span and sets the spec's ``traceparent`` before it is packed."""
 
-# Writes the record and adds the lane entry only if no record exists for this id, so a
-# reused id (or two racing submissions of it) enqueues the job exactly once.
-# KEYS: job record, lane stream. ARGV: ttl_s, maxlen, packed spec, then field/value pairs.
-# Returns {1, entry_id} when enqueued, {0, status} when the job already existed.
+# One atomic step, so no failure (a killed gateway, a lost connection) can leave an idempotency key
+# naming a job that was never enqueued: the key is claimed together with the record and lane entry.
+# KEYS: job record, lane stream, idempotency key (the job record again when the request has none).
+# ARGV: ttl_s, '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id,
+#       packed spec, then the record's field/value pairs.
+# Returns {'claimed', id} when the idempotency key already names a job, {'exists', status} when a record
+# exists for this id (the key, if any, then names it), {'full'} when the lane refuses, {'enqueued', entry}.
 _ENQUEUE_LUA = """
+local has_key = ARGV[3] == '1'
+if has_key then
+  local owner = redis.call('GET', KEYS[3])
+  if owner then return {'claimed', owner} end
+end
 local status = redis.call('HGET', KEYS[1], '@status@')
-if status then return {0, status} end
-local entry = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'job', ARGV[3])
+if status then
+  if has_key then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1]) end
+  return {'exists', status}
+end
+if ARGV[2] == '1' then return {'full'} end
+-- Never trimmed: an accepted job stays until a worker acknowledges and deletes it (the depth check bounds the lane).
+local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[5])
 local fields = {}
-for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
 fields[#fields + 1] = '@stream_entry@'
 fields[#fields + 1] = KEYS[2] .. ' ' .. entry
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
-return {1, entry}
+if has_key then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1]) end
+return {'enqueued', entry}
 """.replace("@status@", F_STATUS).replace("@stream_entry@", F_STREAM_ENTRY)
 
-# Forget an idempotency key only if it still points at the job this request tried to create.
+# Forget an idempotency key only if it still names the job whose record has gone.
 _RELEASE_IDEMPOTENCY_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+MAX_CLAIM_TRIES = 3
+"""Tries to admit past keys that name expired jobs before a request is told another one holds its key."""
 
 
 class InvalidJob(Exception):
@@ -112,6 +130,9 @@ class Admission:
         # span many bytes, so no byte count proves it too long: the worker judges those.
         if spec.params.max_tokens >= max_len:
             raise InvalidJob("params.max_tokens", f"must be below the model's context length of {max_len}")
+        reply_problem = self._keys.check_reply_to(spec.reply_to)
+        if reply_problem is not None:
+            raise InvalidJob("reply_to", reply_problem)
         if spec.webhook is not None and self._check_webhook is not None:
             try:
                 await self._check_webhook(spec.webhook.url)
@@ -121,26 +142,24 @@ class Admission:
 
     async def submit(self, body: object, idempotency_key: str | None) -> Admitted:
         spec = await self.validate(body)
-        if idempotency_key is None:
-            return await self._admit(spec)
-        if not idempotency_key or len(idempotency_key) > MAX_IDEMPOTENCY_KEY_LEN or not idempotency_key.isprintable():
+        if idempotency_key is not None and (
+            not idempotency_key or len(idempotency_key) > MAX_IDEMPOTENCY_KEY_LEN or not idempotency_key.isprintable()
+        ):
             raise InvalidJob("Idempotency-Key", f"must be 1..{MAX_IDEMPOTENCY_KEY_LEN} printable characters")
-        idem = self._keys.idempotency(idempotency_key)
-        is_claimed = await self._redis.set(idem, spec.id, nx=True, ex=self._config.result_ttl_s)
-        if not is_claimed:
-            raw = await self._redis.get(idem)
-            if raw is None:  # expired between SET and GET: nobody holds it now
-                return await self.submit(body, idempotency_key)
-            existing_id = as_bytes(raw).decode()
-            status = as_optional_bytes(await self._redis.hget(self._keys.job(existing_id), F_STATUS))
-            if status is None:
-                raise IdempotencyInFlight(existing_id)
-            return Admitted(existing_id, status.decode(), spec.lane.value, is_new=False)
-        try:
-            return await self._admit(spec)
-        except BaseException:
-            await self._release(keys=[idem], args=[spec.id])
-            raise
+        idem = None if idempotency_key is None else self._keys.idempotency(idempotency_key)
+        for _ in range(MAX_CLAIM_TRIES):
+            verdict, detail = await self._enqueue_once(spec, idem)
+            if verdict == "enqueued":
+                return Admitted(spec.id, JobStatus.QUEUED.value, spec.lane.value, is_new=True)
+            if verdict == "exists":
+                return Admitted(spec.id, detail, spec.lane.value, is_new=False)
+            assert verdict == "claimed" and idem is not None, verdict
+            status = as_optional_bytes(await self._redis.hget(self._keys.job(detail), F_STATUS))
+            if status is not None:
+                return Admitted(detail, status.decode(), spec.lane.value, is_new=False)
+            # The key outlived its job's record (deleted, or expired first): it names nothing, so let it go.
+            await self._release(keys=[idem], args=[detail])
+        raise IdempotencyInFlight(detail)
 
     async def lane_depth(self, lane: Lane) -> int:
         """Jobs in a lane that are waiting or running.
@@ -161,14 +180,10 @@ class Admission:
                 return int(group["lag"]) + int(group.get("pending", 0))
         return int(await self._redis.xlen(stream))
 
-    async def _admit(self, spec: JobSpec) -> Admitted:
-        existing = as_optional_bytes(await self._redis.hget(self._keys.job(spec.id), F_STATUS))
-        if existing is not None:
-            return Admitted(spec.id, existing.decode(), spec.lane.value, is_new=False)
+    async def _enqueue_once(self, spec: JobSpec, idem: str | None) -> tuple[str, str]:
+        """Run the enqueue script once: (verdict, detail) as it returns them; raises LaneFull."""
         max_depth = self._config.max_lane_depth[spec.lane.value]
         depth = await self.lane_depth(spec.lane)
-        if depth >= max_depth:
-            raise LaneFull(spec.lane, depth, max_depth)
         record = {
             F_ID: spec.id,
             F_STATUS: JobStatus.QUEUED.value,
@@ -176,11 +191,17 @@ class Admission:
             F_PRIORITY: str(spec.priority),
             F_CREATED_AT: repr(time.time()),
         }
+        job_key = self._keys.job(spec.id)
         with self._enqueue_span(spec):
-            args: list[str | bytes | int] = [self._config.result_ttl_s, DEFAULT_LANE_MAXLEN, spec.pack(), F_SPEC, spec.pack()]
+            packed = spec.pack()
+            args: list[str | bytes | int] = [
+                self._config.result_ttl_s, "1" if depth >= max_depth else "",
+                "1" if idem is not None else "", spec.id, packed, F_SPEC, packed,
+            ]
             for name, value in record.items():
                 args += [name, value]
-            is_new, detail = await self._enqueue(keys=[self._keys.job(spec.id), self._keys.lane(spec.lane)], args=args)
-        if not is_new:
-            return Admitted(spec.id, detail.decode(), spec.lane.value, is_new=False)
-        return Admitted(spec.id, JobStatus.QUEUED.value, spec.lane.value, is_new=True)
+            reply = await self._enqueue(keys=[job_key, self._keys.lane(spec.lane), idem or job_key], args=args)
+        verdict = as_bytes(reply[0]).decode()
+        if verdict == "full":
+            raise LaneFull(spec.lane, depth, max_depth)
+        return verdict, as_bytes(reply[1]).decode()

@@ -19,6 +19,7 @@ from gateway import appkeys as K
 from gateway.admission import Admission, WebhookCheck
 from gateway.cancel import Canceller
 from gateway.config import GatewayConfig
+from gateway.errors import error_middleware
 from gateway.handlers import routes
 from gateway.metrics import GatewayMetrics, telemetry_middleware
 from gateway.results import EventHub
@@ -33,7 +34,11 @@ log = logging.getLogger(__name__)
 
 def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.Application:
     """``telemetry`` (built by the CLI from the OTEL_* variables) stays the caller's to shut down."""
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[telemetry_middleware])
+    # The telemetry middleware is outermost, so it sees the status the error middleware answered.
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[telemetry_middleware, error_middleware(config.retry_after_s)],
+    )
     app[K.CONFIG] = config
     app[K.KEYS] = Keys(config.key_prefix)
     app[K.METRICS] = GatewayMetrics(telemetry)
@@ -50,7 +55,14 @@ def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.A
 
 
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
-    client = aioredis.Redis.from_url(app[K.CONFIG].redis_url, health_check_interval=30)
+    config = app[K.CONFIG]
+    # A bounded pool that makes a command wait for a free connection, up to the timeout (then the
+    # request is answered 503): a burst of requests queues instead of failing past the pool size.
+    pool = aioredis.BlockingConnectionPool.from_url(
+        config.redis_url, max_connections=config.redis_max_connections, timeout=config.redis_pool_timeout_s,
+        health_check_interval=30,
+    )
+    client = aioredis.Redis(connection_pool=pool)
     app[K.REDIS] = client
     yield
     await client.aclose()

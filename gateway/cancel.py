@@ -18,13 +18,14 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 
-from scheduler.job import JobSpec, JobStatus, WebhookEvent
+from scheduler.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
 from scheduler.job_record import F_ERROR, F_FINISHED_AT, F_SPEC, F_STATUS, job_view
 from scheduler.keys import DEFAULT_REPLY_MAXLEN, Keys
 from scheduler.redis_replies import read_hash
 from scheduler.webhooks import delivery_fields, should_send
 
 # Returns '+cancelled' or '+cancelling' when it acted, 'missing', or the status it found otherwise.
+# A reply key that exists with another type than stream gets no reply; its type is checked before any write.
 # KEYS: job record, cancel flag, reply stream, webhook stream.
 # ARGV: now, packed error, flag ttl_s, control channel, packed control message, events channel,
 #       packed final event, packed reply result|'', reply maxlen, then the webhook delivery's field pairs.
@@ -32,10 +33,14 @@ _CANCEL_LUA = """
 local status = redis.call('HGET', KEYS[1], '@status@')
 if not status then return 'missing' end
 if status == 'queued' then
+  local reply_type = redis.call('TYPE', KEYS[3])['ok']
+  local reply_is_stream = reply_type == 'none' or reply_type == 'stream'
   redis.call('HSET', KEYS[1], '@status@', 'cancelled', '@finished_at@', ARGV[1], '@error@', ARGV[2])
   redis.call('SET', KEYS[2], '1', 'EX', ARGV[3])
   redis.call('PUBLISH', ARGV[6], ARGV[7])
-  if ARGV[8] ~= '' then redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[9], '*', 'result', ARGV[8]) end
+  if ARGV[8] ~= '' and reply_is_stream then
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[9], '*', 'result', ARGV[8])
+  end
   if #ARGV > 9 then redis.call('XADD', KEYS[4], '*', unpack(ARGV, 10)) end
   return '+cancelled'
 end
@@ -101,19 +106,24 @@ class Canceller:
         cancelled.update({F_STATUS.encode(): JobStatus.CANCELLED.value.encode(), F_FINISHED_AT.encode(): now.encode(),
                           F_ERROR.encode(): error})
         view = job_view(cancelled)
-        spec = JobSpec.unpack(record[F_SPEC.encode()])
+        try:
+            spec: JobSpec | None = JobSpec.unpack(record[F_SPEC.encode()])
+        except (KeyError, JobValidationError):
+            spec = None  # a record without a readable spec (written before values were checked) still cancels
         webhook: list[Any] = []
-        if spec.webhook is not None and should_send(spec.webhook.events, WebhookEvent.COMPLETED):
+        if spec is not None and spec.webhook is not None and should_send(spec.webhook.events, WebhookEvent.COMPLETED):
             for k, v in delivery_fields(spec.id, WebhookEvent.COMPLETED, spec.webhook.url, view,
                                         traceparent=spec.traceparent).items():
                 webhook += [k, v]
         final = msgpack.packb({"type": "final", "id": job_id, "job": view})
+        # A reply key inside carpool's prefix (admitted before such names were refused) gets no reply.
+        reply_to = None if spec is None or self._keys.check_reply_to(spec.reply_to) else spec.reply_to
         outcome = (
             await self._cancel(
-                keys=[self._keys.job(job_id), self._keys.cancel(job_id), spec.reply_to or self._keys.dead,
+                keys=[self._keys.job(job_id), self._keys.cancel(job_id), reply_to or self._keys.dead,
                       self._keys.webhooks],
                 args=[now, error, self._flag_ttl_s, self._keys.control, control, self._keys.events(job_id), final,
-                      msgpack.packb(view) if spec.reply_to else "", self._reply_maxlen, *webhook],
+                      msgpack.packb(view) if reply_to else "", self._reply_maxlen, *webhook],
             )
         ).decode()
         return outcome, view

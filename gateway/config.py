@@ -27,10 +27,12 @@ class GatewayConfig:
         default_factory=lambda: dict(DEFAULT_MAX_LANE_DEPTH),
         metadata={"help": "jobs a lane may hold before submissions get 429, as lane=N,... (lanes not named keep their default)"},
     )
-    retry_after_s: int = field(default=2, metadata={"help": "Retry-After seconds sent with a 429 for a full lane"})
+    retry_after_s: int = field(default=2, metadata={"help": "Retry-After seconds sent with a 429 for a full lane and a 503 while Redis is unavailable"})
     max_model_len: int = field(default=4096, metadata={"help": "the model's context length; longer token-id prompts are refused at submission"})
     max_wait_s: float = field(default=60.0, metadata={"help": "longest ?wait= a GET may long-poll for"})
     sse_heartbeat_s: float = field(default=15.0, metadata={"help": "seconds between keep-alive comments on an idle event stream"})
+    redis_max_connections: int = field(default=100, metadata={"help": "Redis connections the gateway pools; a request waits for a free one"})
+    redis_pool_timeout_s: float = field(default=10.0, metadata={"help": "longest wait for a free pooled Redis connection before the request is answered 503"})
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "largest accepted request body"})
     shutdown_grace_s: float = field(default=5.0, metadata={"help": "seconds open requests get to finish at shutdown"})
     no_webhooks: bool = field(default=False, metadata={"help": "do not run the webhook dispatcher inside the gateway"})
@@ -53,9 +55,10 @@ class GatewayConfig:
                 raise ValueError(f"max_lane_depth: {lane} must be at least 1, got {depth}")
             depths[lane] = depth
         self.max_lane_depth = depths
-        for name in ("result_ttl_s", "reply_maxlen", "retry_after_s", "max_model_len", "max_body_bytes"):
+        for name in ("result_ttl_s", "reply_maxlen", "retry_after_s", "max_model_len", "max_body_bytes",
+                     "redis_max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        for name in ("max_wait_s", "sse_heartbeat_s", "shutdown_grace_s"):
+        for name in ("max_wait_s", "sse_heartbeat_s", "shutdown_grace_s", "redis_pool_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -15,9 +16,10 @@ from redis.exceptions import RedisError
 from gateway import appkeys as K
 from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
+from gateway.errors import REDIS_UNAVAILABLE, error_response
 from gateway.metrics import CONTENT_TYPE
 from gateway.results import final_event, is_terminal, wait_for_terminal
-from scheduler.job_record import job_view
+from scheduler.job_record import job_view, json_default
 from scheduler.lanes import LANES
 from scheduler.redis_replies import read_hash
 
@@ -25,12 +27,7 @@ log = logging.getLogger(__name__)
 
 routes = web.RouteTableDef()
 
-
-def error_response(status: int, kind: str, message: str, field: str | None = None, **headers: str) -> web.Response:
-    body: dict[str, Any] = {"type": kind, "message": message}
-    if field is not None:
-        body["field"] = field
-    return web.json_response({"error": body}, status=status, headers=headers or None)
+_dumps = functools.partial(json.dumps, default=json_default)
 
 
 @routes.post("/v1/jobs")
@@ -38,9 +35,10 @@ async def post_job(request: web.Request) -> web.Response:
     metrics = request.app[K.METRICS]
     try:
         body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         metrics.job_rejected("invalid")
-        return error_response(400, "invalid_request", f"body is not valid JSON: {e}", field="body")
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        return error_response(400, "invalid_request", f"body is not valid JSON: {reason}", field="body")
     try:
         admitted = await request.app[K.ADMISSION].submit(body, request.headers.get("Idempotency-Key"))
     except InvalidJob as e:
@@ -85,13 +83,13 @@ async def get_job(request: web.Request) -> web.Response:
         metrics.waiter_closed()
     if not record:
         return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
-    return web.json_response(job_view(record))
+    return web.json_response(job_view(record), dumps=_dumps)
 
 
 @routes.get("/v1/jobs/{id}/events")
 async def job_events(request: web.Request) -> web.StreamResponse:
     app = request.app
-    redis, keys, hub = app[K.REDIS], app[K.KEYS], app[K.HUB]
+    redis, keys = app[K.REDIS], app[K.KEYS]
     job_id = request.match_info["id"]
     if not await redis.exists(keys.job(job_id)):
         return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
@@ -101,32 +99,43 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     })
     app[K.METRICS].waiter_opened()
     try:
-        async with hub.subscribe(keys.events(job_id)) as sub:
-            record = await read_hash(redis, keys.job(job_id))
-            await response.prepare(request)
-            while record and not is_terminal(record):
-                try:
-                    event = await asyncio.wait_for(sub.queue.get(), heartbeat_s)
-                except TimeoutError:
-                    await response.write(b": keep-alive\n\n")
-                    # A final event lost to a dropped connection must not leave the stream open forever.
-                    record = await read_hash(redis, keys.job(job_id))
-                    continue
-                if event["type"] == "closed":
-                    return response
-                if event["type"] == "final":
-                    await _send(response, event)
-                    return response
-                await _send(response, event)
-            if record:
-                await _send(response, final_event(record))
+        await _stream_events(request, response, job_id, heartbeat_s)
+    except ConnectionResetError:
+        # The client went away mid-stream: an ordinary end of an event stream.
+        log.debug("event stream of job %s: client disconnected", job_id)
+    except REDIS_UNAVAILABLE as e:
+        if not response.prepared:
+            raise  # answered 503 by the error middleware
+        log.warning("event stream of job %s: ended early, Redis unavailable: %s", job_id, e)
     finally:
         app[K.METRICS].waiter_closed()
     return response
 
 
+async def _stream_events(request: web.Request, response: web.StreamResponse, job_id: str, heartbeat_s: float) -> None:
+    redis, keys, hub = request.app[K.REDIS], request.app[K.KEYS], request.app[K.HUB]
+    async with hub.subscribe(keys.events(job_id)) as sub:
+        record = await read_hash(redis, keys.job(job_id))
+        await response.prepare(request)
+        while record and not is_terminal(record):
+            try:
+                event = await asyncio.wait_for(sub.queue.get(), heartbeat_s)
+            except TimeoutError:
+                await response.write(b": keep-alive\n\n")
+                # A final event lost to a dropped connection must not leave the stream open forever.
+                record = await read_hash(redis, keys.job(job_id))
+                continue
+            if event["type"] == "closed":
+                return
+            await _send(response, event)
+            if event["type"] == "final":
+                return
+        if record:
+            await _send(response, final_event(record))
+
+
 async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
-    data = json.dumps(event, separators=(",", ":"), default=str)
+    data = json.dumps(event, separators=(",", ":"), default=json_default)
     await response.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
 
 
@@ -140,7 +149,7 @@ async def delete_job(request: web.Request) -> web.Response:
     except AlreadyFinished as e:
         return error_response(409, "conflict", f"job {job_id!r} already {e.status}", field="id")
     request.app[K.METRICS].job_cancelled("queued" if outcome.is_cancelled_now else "running")
-    return web.json_response(outcome.view, status=202)
+    return web.json_response(outcome.view, status=202, dumps=_dumps)
 
 
 @routes.get("/healthz")

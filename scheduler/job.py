@@ -20,6 +20,7 @@ import msgpack
 
 from scheduler.lanes import DEFAULT_LANE, Lane
 from scheduler.params import SamplingParams
+from scheduler.wire_values import first_bad_value, key_path
 
 SCHEMA_VERSION = 1
 MAX_ID_LEN = 128
@@ -94,7 +95,10 @@ class JobSpec:
         }
         unknown = sorted(k for k in data if k not in known)
         if unknown:
-            raise JobValidationError(unknown[0], "unknown field")
+            raise JobValidationError(key_path("", unknown[0]), "unknown field")
+        bad = first_bad_value(data)
+        if bad is not None:
+            raise JobValidationError(*bad)
         v = data.get("v", SCHEMA_VERSION)
         if v != SCHEMA_VERSION:
             raise JobValidationError("v", f"unsupported schema version {v!r}; this server speaks {SCHEMA_VERSION}")
@@ -185,6 +189,8 @@ class JobSpec:
                 data = json.loads(raw)
             except ValueError as e:
                 raise JobValidationError("job", f"not valid JSON: {e}") from e
+            except RecursionError as e:
+                raise JobValidationError("job", "not valid JSON: nested too deeply") from e
             return cls.from_wire(data)
         try:
             data = msgpack.unpackb(raw, raw=False, strict_map_key=False)

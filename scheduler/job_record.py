@@ -33,6 +33,13 @@ F_WEBHOOK_COUNT = "wh_count"
 WEBHOOK_ATTEMPT_PREFIX = "wh:"  # wh:<n> -> msgpack attempt record
 
 
+def json_default(value: object) -> object:
+    """``json.dumps`` default for views: a record written before message values were checked may hold bytes."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    raise TypeError(f"{type(value).__name__} is not JSON data")
+
+
 def _text(record: dict[bytes, bytes], name: str) -> str | None:
     raw = record.get(name.encode())
     return None if raw is None else raw.decode()

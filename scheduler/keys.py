@@ -19,9 +19,6 @@ CONSUMER_GROUP = "carpool-workers"
 DEFAULT_RESULT_TTL_S = 24 * 3600
 """How long a finished job record (and its idempotency key) lives."""
 
-DEFAULT_LANE_MAXLEN = 100_000
-"""Approximate MAXLEN applied when XADDing to a lane; acknowledged entries are trimmed."""
-
 DEFAULT_DEAD_MAXLEN = 10_000
 """Approximate MAXLEN of the dead-letter streams."""
 
@@ -34,6 +31,16 @@ class Keys:
     """Key names under one prefix. Build once from config and pass it down."""
 
     prefix: str = DEFAULT_PREFIX
+
+    def is_own(self, key: str) -> bool:
+        """Whether `key` lies inside this prefix, where only carpool writes (a ``reply_to`` may not name one)."""
+        return key == self.prefix or key.startswith(f"{self.prefix}:")
+
+    def check_reply_to(self, reply_to: str | None) -> str | None:
+        """Why `reply_to` may not be used (it names one of carpool's own keys), or None when it may."""
+        if reply_to is not None and self.is_own(reply_to):
+            return f"must not name a key under carpool's prefix {self.prefix!r} (use a stream of your own)"
+        return None
 
     def lane(self, lane: Lane | str) -> str:
         """Stream of queued jobs for one lane (field ``job`` = msgpack map)."""

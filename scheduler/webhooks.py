@@ -23,7 +23,7 @@ import msgpack
 from redis.typing import EncodableT, FieldT
 
 from scheduler.job import JobStatus, WebhookEvent
-from scheduler.job_record import F_FIRST_TOKEN_AT, F_OUTPUT, F_RESUMED_FROM, F_STATUS, job_view
+from scheduler.job_record import F_FIRST_TOKEN_AT, F_OUTPUT, F_RESUMED_FROM, F_STATUS, job_view, json_default
 
 DEFAULT_OUTPUT_INTERVAL_S = 0.5
 """Least time between two ``output`` callbacks of one job (at most 2 a second)."""
@@ -92,7 +92,7 @@ def iso_timestamp(unix_s: float) -> str:
 def build_payload(event: WebhookEvent | str, data: dict[str, Any], *, now: float) -> bytes:
     """The JSON body ``{type, timestamp, data}``; `data` is the job record as the HTTP API shows it."""
     body = {"type": WebhookEvent(event).value, "timestamp": iso_timestamp(now), "data": data}
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=json_default).encode()
 
 
 def running_view(

@@ -15,6 +15,8 @@ from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from scheduler.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
 from scheduler.job_record import job_view
@@ -29,6 +31,9 @@ from worker.metrics import WorkerMetrics
 from worker.results import Admission, Outcome, ResultStore, pack
 
 log = logging.getLogger(__name__)
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+"""A dropped or unreachable Redis: whatever was being written is retried later, never given up on."""
 
 
 class EntryAdmitter:
@@ -46,11 +51,40 @@ class EntryAdmitter:
     async def admit(self, entry: Entry) -> None:
         try:
             await self._admit_one(entry)
-        except Exception:
-            # Left pending and unrenewed: redelivered after the lease, counted against max_deliveries.
-            log.exception("admitting %s failed", entry.ref)
+        except Exception as e:
+            if entry.deliveries < self.config.max_deliveries or isinstance(e, REDIS_DOWN):
+                # Left pending and unrenewed: redelivered after the lease, counted against max_deliveries.
+                log.exception("admitting %s failed (delivery %d of at most %d)", entry.ref, entry.deliveries,
+                              self.config.max_deliveries)
+            else:
+                log.exception("admitting %s failed on its last delivery; dead-lettering it", entry.ref,
+                              extra={"entry": str(entry.ref), "dead_letter": "unadmittable"})
+                await self._dead_letter_unadmittable(entry, e)
         finally:
             self.loop.release(1)
+
+    async def _dead_letter_unadmittable(self, entry: Entry, error: Exception) -> None:
+        """The last resort for an entry whose admission keeps failing: fail its job if its id can be read,
+        and put the entry on the dead stream. Only the raw fields are copied, so no content can break it."""
+        reason = _safe_text(f"could not be admitted: {type(error).__name__}: {error}")
+        lane = self._lane_of.get(entry.ref.stream, "unknown")
+        self.metrics.dead_lettered(lane, "unadmittable")
+        raw = (entry.fields or {}).get(b"job")
+        job_id = None if raw is None else _recover_id(raw)
+        try:
+            if job_id is not None:
+                try:
+                    await self.store.commit(Outcome(job_id, JobStatus.FAILED, entry.ref, dead_reason=reason,
+                                                    dead_payload=raw,
+                                                    error={"type": "unadmittable", "message": reason}))
+                    return
+                except REDIS_DOWN:
+                    raise
+                except Exception:
+                    log.exception("job %s: its record cannot take the failure; dead-lettering the entry alone", job_id)
+            await self.store.dead_letter_entry(entry.ref, reason, entry.fields or {})
+        except REDIS_DOWN:
+            log.warning("dead-lettering %s failed with Redis unavailable; it will be redelivered", entry.ref)
 
     async def _admit_one(self, entry: Entry) -> None:
         ref = entry.ref
@@ -65,6 +99,9 @@ class EntryAdmitter:
             return
         try:
             spec = JobSpec.unpack(raw)
+            reply_problem = self.keys.check_reply_to(spec.reply_to)
+            if reply_problem is not None:
+                raise JobValidationError("reply_to", reply_problem)
         except JobValidationError as e:
             job_id, traceparent = _recover_id(raw), _recover_traceparent(raw)
             reason = f"invalid job: {e}"
@@ -172,3 +209,8 @@ def _recover_id(raw: bytes) -> str | None:
     if isinstance(job_id, str) and job_id and len(job_id) <= 128 and job_id.isprintable() and " " not in job_id:
         return job_id
     return None
+
+
+def _safe_text(text: str) -> str:
+    """`text` with anything UTF-8 cannot carry (a lone surrogate from the payload) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

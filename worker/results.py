@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,8 @@ from scheduler.job_record import job_view
 from scheduler.keys import CONSUMER_GROUP, Keys
 from scheduler.redis_replies import read_hash
 from scheduler.webhooks import delivery_fields
+
+log = logging.getLogger(__name__)
 
 _TERMINAL_LUA = "local function terminal(s) return s == 'succeeded' or s == 'failed' or s == 'cancelled' or s == 'expired' end\n"
 
@@ -61,8 +64,15 @@ return {'run', st, tostring(fresh), tostring(attempts), redis.call('HGET', KEYS[
 # ARGV: status, group, entry id|'', channel, final message, reply result|'', reply maxlen, ttl_s,
 #       dead maxlen, n webhook fields, n dead fields, '1' to write only a record that does not exist yet|'',
 #       then webhook pairs, dead pairs, record pairs.
+# Returns {won, the reply key's type when it is not a stream (no reply was added) | ''}. The type is
+# checked before any write, so a reply key of another type cannot fail the script half-way.
 _COMMIT = _TERMINAL_LUA + """
 local won = 0
+local reply_type = ''
+if ARGV[6] ~= '' then
+  local t = redis.call('TYPE', KEYS[3])['ok']
+  if t ~= 'none' and t ~= 'stream' then reply_type = t end
+end
 local nwh, ndead = tonumber(ARGV[10]), tonumber(ARGV[11])
 local i = 13
 local wh, dead, rec = {}, {}, {}
@@ -76,7 +86,9 @@ if may_write then
   redis.call('HSET', KEYS[1], 'status', ARGV[1], unpack(rec))
   if tonumber(ARGV[8]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[8]) end
   redis.call('PUBLISH', ARGV[4], ARGV[5])
-  if ARGV[6] ~= '' then redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'result', ARGV[6]) end
+  if ARGV[6] ~= '' and reply_type == '' then
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'result', ARGV[6])
+  end
   won = 1
 end
 if ARGV[3] ~= '' then
@@ -85,7 +97,7 @@ if ARGV[3] ~= '' then
 end
 if won == 1 and nwh > 0 then redis.call('XADD', KEYS[4], '*', unpack(wh)) end
 if ndead > 0 then redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', unpack(dead)) end
-return won
+return {won, reply_type}
 """
 
 
@@ -228,14 +240,19 @@ class ResultStore:
         for k, v in fields.items():
             record_pairs += [k, v]
         entry = outcome.entry
-        won = await self._commit(
-            keys=[job_key, entry.stream if entry else self.keys.dead, outcome.reply_to or self.keys.dead,
+        # Admission refuses reply streams inside carpool's prefix; one admitted before that gets no reply.
+        reply_to = None if self.keys.check_reply_to(outcome.reply_to) else outcome.reply_to
+        won, reply_type = await self._commit(
+            keys=[job_key, entry.stream if entry else self.keys.dead, reply_to or self.keys.dead,
                   self.keys.webhooks, self.keys.dead],
             args=[outcome.status.value, CONSUMER_GROUP, entry.entry_id if entry else "",
-                  self.keys.events(outcome.job_id), final, pack(view) if outcome.reply_to else "",
+                  self.keys.events(outcome.job_id), final, pack(view) if reply_to else "",
                   self.reply_maxlen, self.result_ttl_s, self.dead_maxlen, len(webhook) // 2, len(dead) // 2,
                   "1" if outcome.is_new_record_only else "", *webhook, *dead, *record_pairs],
         )
+        if reply_type:
+            log.warning("job %s: reply_to %r is a %s, not a stream: no reply was added", outcome.job_id,
+                        outcome.reply_to, _s(reply_type))
         return bool(won)
 
     async def dead_letter_entry(self, entry: EntryRef, reason: str, raw_fields: dict[bytes, bytes]) -> None:

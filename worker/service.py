@@ -17,14 +17,12 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 from aiohttp import web
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from scheduler.keys import Keys
 from scheduler.lanes import Lane
 from scheduler.telemetry import Telemetry
 from scheduler.tasks import raise_if_cancelled
-from worker.admission import EntryAdmitter
+from worker.admission import REDIS_DOWN, EntryAdmitter
 from worker.config import WorkerConfig
 from worker.consumer import Entry, LaneConsumer
 from worker.engine_tick import as_runner
@@ -34,8 +32,7 @@ from worker.results import ResultStore, pack
 
 log = logging.getLogger(__name__)
 
-# A dropped or unreachable Redis: the background loops wait and retry instead of stopping the worker.
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+# On REDIS_DOWN (a dropped or unreachable Redis) the background loops wait and retry instead of stopping the worker.
 REDIS_RETRY_S = 0.5
 RESERVE_POLL_S = 0.02
 """How often a worker with every slot busy looks for interactive entries for its reserve."""

@@ -1,0 +1,89 @@
+"""A TCP relay in front of a real redis-server that can fail like a crash: the one command got through, its reply never came back.
+
+`trip(pattern)` arms it: the first client chunk holding `pattern` is forwarded to
+Redis, then every connection is cut and new ones are refused (closed at once)
+until `restore()`. Redis itself keeps running and keeps what that command wrote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlsplit
+
+
+class RedisProxy:
+    def __init__(self, redis_url: str) -> None:
+        parts = urlsplit(redis_url)
+        self._upstream = (parts.hostname or "127.0.0.1", parts.port or 6379)
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pattern: bytes | None = None
+        self.is_down = False
+        self._is_muted = False
+        self.num_tripped = 0
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        port = self._server.sockets[0].getsockname()[1]
+        return f"redis://127.0.0.1:{port}/0"
+
+    async def start(self) -> RedisProxy:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return self
+
+    def trip(self, pattern: bytes) -> None:
+        self._pattern = pattern
+
+    def restore(self) -> None:
+        self.is_down = False
+        self._is_muted = False
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self._cut()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def _cut(self) -> None:
+        for writer in list(self._writers):
+            writer.close()
+        self._writers.clear()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.is_down:
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection(*self._upstream)
+        self._writers |= {writer, up_writer}
+        pipes = [asyncio.create_task(self._pipe(reader, up_writer, is_request=True)),
+                 asyncio.create_task(self._pipe(up_reader, writer, is_request=False))]
+        self._tasks.update(pipes)
+        await asyncio.gather(*pipes, return_exceptions=True)
+        self._tasks.difference_update(pipes)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, is_request: bool) -> None:
+        try:
+            while not self.is_down and (chunk := await reader.read(65536)):
+                is_trip = is_request and self._pattern is not None and self._pattern in chunk
+                if is_trip:
+                    self._pattern = None
+                    self.num_tripped += 1
+                    self._is_muted = True  # from now on no reply reaches a client
+                if self._is_muted and not is_request:
+                    continue
+                writer.write(chunk)
+                await writer.drain()
+                if is_trip:
+                    await asyncio.sleep(0.05)  # Redis runs the command; its reply is dropped with the cut
+                    self.is_down = True
+                    self._cut()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
