@@ -157,3 +157,55 @@ def test_replayed_decode_steps_give_the_same_tokens(
     assert engine.runner.num_replayed_steps > 0
     if attention_backend == "torch":
         assert engine.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("regime", ["preemption", "chunked prefill", "prefix hits", "static"])
+def test_async_scheduling_gives_the_same_tokens(
+    reference: tuple[str, list[list[int]], list[list[int]]], regime: str
+) -> None:
+    """The next step is scheduled and launched before this one's tokens are checked for stops."""
+    path, prompts, expected = reference
+    settings: dict[str, object] = {
+        "preemption": {"num_blocks": 20, "max_num_seqs": NUM_REQUESTS},
+        "chunked prefill": {"max_num_batched_tokens": 12},
+        "prefix hits": {"max_num_seqs": 4},
+        "static": {"batching": "static", "max_num_seqs": 8, "max_wait_ms": 1.0},
+    }[regime]
+    engine, actual = run_engine(path, prompts, async_scheduling=True, **settings)
+    assert engine.async_scheduling
+    assert_same(expected, actual)
+    if regime == "preemption":
+        assert engine.stats().num_preemptions > 0
+
+
+def test_async_scheduling_aborts_and_stops_cleanly(tiny_model: Callable[..., str]) -> None:
+    """A request aborted, or stopped by a stop token, while its next step is in flight gets no extra token."""
+    path = tiny_model("llama")
+    engine = Engine(model=path, block_size=BLOCK_SIZE, num_blocks=64, async_scheduling=True)
+    plain = Engine(model=path, block_size=BLOCK_SIZE, num_blocks=64, async_scheduling=False)
+    free = GREEDY
+    first = plain.generate([[5, 6, 7]], free)[0].token_ids
+    stop_at = first[3]
+    stopping = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, stop_token_ids=[stop_at])
+    engine.add_request("stops", [5, 6, 7], stopping)
+    engine.add_request("aborted", [9, 9, 9, 9], free)
+    engine.add_request("runs", [5, 6, 7], free)
+    outputs: dict[str, list[int]] = {}
+    finish: dict[str, str | None] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+        steps += 1
+        if steps == 3:
+            engine.abort_request("aborted")
+    assert outputs["stops"] == first[: first.index(stop_at) + 1]
+    assert finish["stops"] == "stop"
+    assert finish["aborted"] == "abort" and len(outputs["aborted"]) <= 2
+    assert outputs["runs"] == first and finish["runs"] == "length"
+    engine.step()  # the last launched step completes with nothing left to sample
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks

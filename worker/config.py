@@ -50,6 +50,9 @@ class WorkerConfig:
     enable_prefix_caching: bool = field(default=True, metadata=_help("reuse KV blocks of shared prompt prefixes"))
     cuda_graphs: bool | None = field(default=None, metadata=_help(
         "replay decode steps as CUDA graphs recorded at start-up; default: on for CUDA with the Triton backend"))
+    async_scheduling: bool | None = field(default=None, metadata=_help(
+        "schedule and launch the next engine step before turning this one's tokens into outputs (a finishing "
+        "request then computes one token more, dropped); default: on for CUDA"))
     model_impl: str = field(default="auto", metadata=_help(
         "auto, carpool or transformers: carpool's own fused model for the Llama family (Llama, Mistral, Qwen2, "
         "Qwen3), transformers' for everything else; auto picks by the checkpoint's architecture"))
@@ -163,4 +166,5 @@ class WorkerConfig:
             "enable_prefix_caching": self.enable_prefix_caching,
             "cuda_graphs": self.cuda_graphs,
             "model_impl": self.model_impl,
+            "async_scheduling": self.async_scheduling,
         }

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import collections.abc
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from typing_extensions import TypeIs
 
 from scheduler.block_manager import BlockManager
@@ -27,13 +29,21 @@ from worker.engine_records import EngineConfig, EngineStats
 from worker.model_runner import ModelRunner, StepSeq
 from worker.prompt_input import check_token_ids, prompt_token_ids
 from worker.request_state import Completion, RequestOutput, RequestState
-from worker.sampler import SampleRequest, Sampler
+from worker.sampler import SampledToken, SampleRequest, Sampler
 from worker.text_decoder import text_decoder_for
 
 __all__ = ["Completion", "Engine", "EngineConfig", "EngineStats", "RequestOutput"]
 
 # How long generate() sleeps when a step had nothing to run (dynamic batching gathering a group).
 IDLE_SLEEP_S = 0.001
+
+
+@dataclass
+class _InFlight:
+    """A step whose forward was launched and whose tokens are not sampled yet."""
+
+    scheduled: SchedulerOutput
+    logits: torch.Tensor
 
 
 class Engine:
@@ -55,6 +65,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         cuda_graphs: bool | None = None,
         model_impl: str = "auto",
+        async_scheduling: bool | None = None,
     ) -> None:
         if model is None:
             from worker.default_model import default_model_path
@@ -63,7 +74,7 @@ class Engine:
         self.config = EngineConfig(
             str(model), device, block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
             batching, policy, attention_backend, max_wait_ms, dtype, kv_cache_memory_gb,
-            max_model_len, enable_prefix_caching, cuda_graphs, model_impl,
+            max_model_len, enable_prefix_caching, cuda_graphs, model_impl, async_scheduling,
         )
         self.runner = ModelRunner(
             str(model), device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
@@ -96,6 +107,10 @@ class Engine:
             self.block_manager,
         )
         self.sampler = Sampler(self.runner.vocab_size, max_num_seqs, device)
+        # On CUDA the host prepares the next step while the device computes this one; on a CPU both are the
+        # same cores, so there it would only delay each step's outputs by one step.
+        self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling
+        self._in_flight: _InFlight | None = None
         self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []
         """Outputs decided outside a step (aborts, already-complete resumes), sent with the next one."""
@@ -164,19 +179,34 @@ class Engine:
         return len(self._requests)
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; one output per request that got a token or finished."""
+        """Run one iteration; one output per request that got a token or finished.
+
+        With `async_scheduling` the forward of the step scheduled here runs on
+        the device while the host turns the previous step's tokens into
+        outputs (detokenization, stop checks); a request that stops is then
+        computed one token further, and that token is dropped.
+        """
         start_s = time.perf_counter()
         outputs, self._pending = self._pending, []
-        scheduled = self.scheduler.schedule()
-        if not scheduled.is_empty:
-            outputs.extend(self._run(scheduled))
+        if self.async_scheduling:
+            done = self._complete(self._in_flight) if self._in_flight is not None else []
+            self._in_flight = None
+            scheduled = self.scheduler.schedule()
+            if not scheduled.is_empty:
+                self._in_flight = self._launch(scheduled)
+            outputs.extend(self._postprocess(done))
+        else:
+            scheduled = self.scheduler.schedule()
+            if not scheduled.is_empty:
+                outputs.extend(self._postprocess(self._complete(self._launch(scheduled))))
         self._num_steps += 1
         self._last_step = (
             scheduled.num_batched_tokens, len(scheduled.scheduled), time.perf_counter() - start_s
         )
         return outputs
 
-    def _run(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+    def _launch(self, scheduled: SchedulerOutput) -> _InFlight:
+        """Start the step's forward; on CUDA it runs on while the host goes on."""
         for seq in scheduled.preempted:
             self.runner.release(seq.request_id)
             self.sampler.release(seq.request_id)
@@ -184,12 +214,17 @@ class Engine:
             StepSeq(s.token_ids, s.start_pos, s.seq.block_table, s.needs_logits, s.seq.request_id)
             for s in scheduled.scheduled
         ]
-        logits = self.runner.execute(batch)
-        with_logits = [s for s in scheduled.scheduled if s.needs_logits]
-        rows = [i for i, s in enumerate(with_logits) if s.is_sampling]
+        return _InFlight(scheduled, self.runner.execute(batch))
+
+    def _complete(self, step: _InFlight) -> list[tuple[Sequence, RequestState, SampledToken]]:
+        """Sample the step's tokens and advance its sequences; those that finished or were aborted since it was
+        launched (only with async scheduling) are left out, their token dropped."""
+        scheduled = step.scheduled.scheduled
+        with_logits = [s for s in scheduled if s.needs_logits]
+        rows = [i for i, s in enumerate(with_logits) if s.is_sampling and not s.seq.is_finished]
         sampling = [with_logits[i].seq for i in rows]
         states = [self._requests[seq.request_id] for seq in sampling]
-        sampled = []
+        sampled: list[SampledToken] = []
         if sampling:
             requests = [
                 SampleRequest(
@@ -202,11 +237,20 @@ class Engine:
                 )
                 for seq, state in zip(sampling, states)
             ]
+            logits = step.logits
             # Usually every row samples (all decodes): no gather of the rows then.
             sampled = self.sampler.sample(logits if len(rows) == logits.shape[0] else logits[rows], requests)
-        self.scheduler.advance(scheduled, {seq.request_id: t.token_id for seq, t in zip(sampling, sampled)})
+        # A sequence finished since the launch is gone from the running set, unless it stays as a static
+        # group's padding, which still moves on.
+        live = [s for s in scheduled if not s.seq.is_finished or s.seq.is_padding]
+        self.scheduler.advance(SchedulerOutput(scheduled=live),
+                               {seq.request_id: t.token_id for seq, t in zip(sampling, sampled)})
+        return list(zip(sampling, states, sampled))
+
+    def _postprocess(self, done: list[tuple[Sequence, RequestState, SampledToken]]) -> list[RequestOutput]:
+        """Stop checks and detokenization of sampled tokens; finished requests leave the scheduler."""
         outputs = []
-        for seq, state, token in zip(sampling, states, sampled):
+        for seq, state, token in done:
             decision = state.on_token(token)
             if decision is not None:
                 self.scheduler.finish(seq, decision.reason, decision.stop_reason)

@@ -27,6 +27,8 @@ class EngineConfig:
     """Replay decode steps as CUDA graphs; None: on for CUDA with the Triton backend."""
     model_impl: str = "auto"
     """carpool's own model (the Llama family), transformers', or the first that fits (auto)."""
+    async_scheduling: bool | None = None
+    """Prepare the next step on the host while the device runs this one; None: on for CUDA."""
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.num_blocks < 1:
