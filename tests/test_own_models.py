@@ -156,14 +156,16 @@ def test_fused_kernels_give_the_same_logits_and_tokens(tmp_path_factory: pytest.
     """The CUDA path's kernels (fused add + RMSNorm, SiLU-and-multiply, RoPE with the KV write), run here under
     Triton's interpreter, against transformers."""
     path = _checkpoint(tmp_path_factory, variant)
-    kernels = ModelRunner(path, block_size=8, num_blocks=16, model_impl="carpool", model_kernels=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kernels = ModelRunner(path, device=device, block_size=8, num_blocks=16, model_impl="carpool", model_kernels=True)
+    assert kernels.model.use_kernels, "the kernels passed their start-up check"  # type: ignore[attr-defined]
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokens = [random.Random(5).randrange(262) for _ in range(13)]
     expected_tokens = _transformers_greedy(path, [tokens])[0]
     with torch.inference_mode():
         expected = reference(torch.tensor([tokens])).logits[0, -1].float()
     table = [6, 2, 11]
-    logits = kernels.execute([StepSeq(tokens, 0, table, True, "a")])[0]
+    logits = kernels.execute([StepSeq(tokens, 0, table, True, "a")])[0].cpu()
     torch.testing.assert_close(logits, expected, atol=LOGIT_TOLERANCES[torch.float32] * expected.abs().max().item(),
                                rtol=0)
     generated = [int(logits.argmax())]
