@@ -78,6 +78,8 @@ def generate(config: WorkerConfig, prompt: str, params: SamplingParams) -> int:
 async def start_engine(config: WorkerConfig) -> Any:
     """The engine in its own process (``engine_process``) or in this one; raises ``EngineStartError``."""
     model = config.model or "(built-in tiny model)"
+    if config.quantization is not None:
+        model += f" with {config.quantization} weights"
     if config.engine_process:
         log.info("loading model %s on %s in an engine process", model, config.device)
         return await EngineProcess.start(config.engine_kwargs(), config.torch_threads, config.device)

@@ -20,6 +20,8 @@ BATCHING_MODES = ("continuous", "dynamic", "static")
 POLICIES = ("fcfs", "priority")
 # The engine's model implementations (worker.models.ModelImpl; named here so this module imports no torch).
 MODEL_IMPLS = ("auto", "carpool", "transformers")
+# Weight quantizations (worker.models.quantization.Quantization).
+QUANTIZATIONS = ("int8", "fp8")
 
 
 def default_worker_name() -> str:
@@ -56,6 +58,10 @@ class WorkerConfig:
     model_impl: str = field(default="auto", metadata=_help(
         "auto, carpool or transformers: carpool's own fused model for the Llama family (Llama, Mistral, Qwen2, "
         "Qwen3), transformers' for everything else; auto picks by the checkpoint's architecture"))
+    quantization: str | None = field(default=None, metadata=_help(
+        "int8 or fp8: hold carpool's models' linear weights (qkv, o, gate_up, down) quantized per output channel, "
+        "from an ordinary checkpoint at load; the KV cache and lm_head stay in --dtype; fp8 on CUDA needs "
+        "compute capability 8.9+; default: unquantized"))
     torch_threads: int = field(default=0, metadata=_help(
         "torch intra-op threads of this process; 0: one on CPU (fastest for small models on shared cores), torch's default on CUDA"))
 
@@ -100,6 +106,8 @@ class WorkerConfig:
             raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_deliveries", "checkpoint_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -167,4 +175,5 @@ class WorkerConfig:
             "cuda_graphs": self.cuda_graphs,
             "model_impl": self.model_impl,
             "async_scheduling": self.async_scheduling,
+            "quantization": self.quantization,
         }

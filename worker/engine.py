@@ -66,6 +66,7 @@ class Engine:
         cuda_graphs: bool | None = None,
         model_impl: str = "auto",
         async_scheduling: bool | None = None,
+        quantization: str | None = None,
     ) -> None:
         if model is None:
             from worker.default_model import default_model_path
@@ -74,13 +75,13 @@ class Engine:
         self.config = EngineConfig(
             str(model), device, block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
             batching, policy, attention_backend, max_wait_ms, dtype, kv_cache_memory_gb,
-            max_model_len, enable_prefix_caching, cuda_graphs, model_impl, async_scheduling,
+            max_model_len, enable_prefix_caching, cuda_graphs, model_impl, async_scheduling, quantization,
         )
         self.runner = ModelRunner(
             str(model), device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory_gb=kv_cache_memory_gb, attention_backend=attention_backend,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs,
-            model_impl=model_impl,
+            model_impl=model_impl, quantization=quantization,
         )
         self.tokenizer = self.runner.tokenizer
         # Chosen once here, not per request: the choice checks the tokenizer over its whole vocabulary.

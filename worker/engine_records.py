@@ -29,6 +29,8 @@ class EngineConfig:
     """carpool's own model (the Llama family), transformers', or the first that fits (auto)."""
     async_scheduling: bool | None = None
     """Prepare the next step on the host while the device runs this one; None: on for CUDA."""
+    quantization: str | None = None
+    """int8 or fp8 linear weights of carpool's models, per output channel; None: unquantized."""
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -30,6 +30,7 @@ from worker.graph_runner import (
     rope_type,
 )
 from worker.models import CausalLM, choose_model_impl, load_causal_lm
+from worker.models.quantization import check_device_supports, parse_quantization
 from worker.step_inputs import StepInputs, StepSeq, StepShape
 
 __all__ = ["ModelRunner", "StepSeq"]
@@ -71,15 +72,19 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         model_impl: str = "auto",
         model_kernels: bool | None = None,
+        quantization: str | None = None,
     ) -> None:
         """`cuda_graphs` records decode steps as CUDA graphs (None: on for CUDA with the Triton backend);
         `model_impl` picks carpool's own model (`carpool`, the Llama family), transformers' (`transformers`),
         or the first by the checkpoint's architecture (`auto`); `model_kernels` has carpool's models use their
-        fused Triton kernels (default: on CUDA; on CPU only under TRITON_INTERPRET=1, for tests)."""
+        fused Triton kernels (default: on CUDA; on CPU only under TRITON_INTERPRET=1, for tests); `quantization`
+        (`int8`, `fp8`) holds carpool's models' linear weights quantized per output channel (None: in `dtype`)."""
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         self.device = torch.device(device)
         self.block_size = block_size
+        self.quantization = parse_quantization(quantization)
+        check_device_supports(self.quantization, self.device)
         self.backend = get_backend(attention_backend or ("triton" if self.device.type == "cuda" else "torch"))
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
@@ -90,10 +95,12 @@ class ModelRunner:
         self.vocab_size: int = config.vocab_size
         self.max_model_len: int = _max_model_len(config)
         self.model_choice = choose_model_impl(config, model_impl)
-        log.info("model %s: %s implementation (%s)", model_path, self.model_choice.impl.value, self.model_choice.reason)
+        weights = self.quantization.value if self.quantization else str(self.dtype).removeprefix("torch.")
+        log.info("model %s: %s implementation (%s), %s weights", model_path, self.model_choice.impl.value,
+                 self.model_choice.reason, weights)
         try:
             self.model: CausalLM = load_causal_lm(model_path, config, self.model_choice.impl, self.dtype, self.device,
-                                                  self.max_model_len, model_kernels)
+                                                  self.max_model_len, model_kernels, self.quantization)
         except OSError as e:
             raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
         self.config = config

@@ -3,6 +3,8 @@
 `load_causal_lm` picks the implementation by `config.architectures`
 (`auto`), or as forced (`carpool`, `transformers`), and returns a callable
 `model(input_ids [T], positions [T], metadata, logit_rows) -> logits`.
+Weight quantization (`worker.models.quantization`) covers carpool's own
+models only; the transformers path refuses it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from worker.attention import METADATA_KWARG, PagedAttentionMetadata, register_paged_attention
 from worker.graph_runner import rope_type
 from worker.models.llama_family import ARCHITECTURES, LlamaFamilyModel, read_safetensors
+from worker.models.quantization import Quantization
 from worker.models.rope import SUPPORTED_ROPE_TYPES
 
 
@@ -81,10 +84,16 @@ class TransformersModel:
 
 
 def load_causal_lm(path: str, config: PretrainedConfig, impl: ModelImpl, dtype: torch.dtype,
-                   device: torch.device, max_positions: int, use_kernels: bool | None = None) -> CausalLM:
-    """`use_kernels`: carpool's models use the fused Triton kernels (default: on CUDA)."""
+                   device: torch.device, max_positions: int, use_kernels: bool | None = None,
+                   quantization: Quantization | None = None) -> CausalLM:
+    """`use_kernels`: carpool's models use the fused Triton kernels (default: on CUDA); `quantization`: how their
+    linear weights are held (None: in `dtype`)."""
     if impl is ModelImpl.CARPOOL:
-        return LlamaFamilyModel(config, read_safetensors(path), dtype, device, max_positions, use_kernels)
+        return LlamaFamilyModel(config, read_safetensors(path), dtype, device, max_positions, use_kernels,
+                                quantization)
+    if quantization is not None:
+        raise ValueError(f"quantization: {quantization.value} weights cover carpool's own models (the Llama "
+                         f"family, --model-impl carpool); this model runs through transformers")
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
                                                  attn_implementation=register_paged_attention())
     # transformers declares PreTrainedModel.to through functools.wraps, and typeshed's `_Wrapped` binds no

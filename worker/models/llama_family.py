@@ -6,7 +6,10 @@ into another at load time, so a layer is five matrix products: qkv, o,
 gate_up, down, and the step's one lm_head product over the sampled rows.
 Residual adds are fused into the RMSNorm that follows them, and on CUDA
 RoPE is applied by the kernel that writes the KV cache (`kernels/norm_act.py`,
-`kernels/rope_kv.py`; their torch references run on CPU). Attention goes
+`kernels/rope_kv.py`; their torch references run on CPU). With a
+`quantization` the four layer matrices are held as int8 or fp8 with per-row
+scales (`worker.models.quantization`); embeddings, norms and lm_head stay in
+the model's dtype. Attention goes
 through the same paged attention as the transformers path
 (`worker.attention`). The arithmetic follows transformers' modules step for
 step (fp32 RMSNorm, RoPE tables computed the same way, the same roundings),
@@ -29,6 +32,7 @@ from kernels import norm_act
 from kernels.rope_kv import rope_store_kv
 from worker.attention import PagedAttentionMetadata, attend_cached, paged_attention
 from worker.kernel_checks import check_model_kernels
+from worker.models.quantization import LinearWeight, Quantization, linear, quantize_weight
 from worker.models.rope import RotaryEmbedding, apply_rope
 
 log = logging.getLogger(__name__)
@@ -43,12 +47,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @dataclass
 class _Layer:
-    qkv: torch.Tensor
+    qkv: LinearWeight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: LinearWeight
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: LinearWeight
+    down: LinearWeight
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
@@ -59,9 +63,11 @@ class LlamaFamilyModel:
     """Callable as `model(input_ids [T], positions [T], metadata, logit_rows) -> logits [rows, vocab]`."""
 
     def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, max_positions: int, use_kernels: bool | None = None) -> None:
+                 device: torch.device, max_positions: int, use_kernels: bool | None = None,
+                 quantization: Quantization | None = None) -> None:
         """`use_kernels`: the fused Triton kernels of `kernels/norm_act.py` and `kernels/rope_kv.py` (default:
-        on CUDA); otherwise their plain-torch references."""
+        on CUDA); otherwise their plain-torch references. `quantization`: how qkv, o, gate_up and down are
+        held (None: in `dtype`)."""
         arch = (config.architectures or [""])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"model: carpool's models cover {sorted(ARCHITECTURES)}, not {arch!r}")
@@ -70,6 +76,7 @@ class LlamaFamilyModel:
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.quantization = quantization
         self.use_kernels = device.type == "cuda" if use_kernels is None else use_kernels
         if self.use_kernels:
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -99,6 +106,15 @@ class LlamaFamilyModel:
         def fused(*names: str) -> torch.Tensor:
             return torch.cat([weights.pop(n) for n in names]).to(device=device, dtype=dtype)
 
+        def matrix(weight: torch.Tensor) -> LinearWeight:
+            # Quantized from the checkpoint's values, not from their rounding to `dtype`.
+            if quantization is None:
+                return weight.to(device=device, dtype=dtype)
+            return quantize_weight(weight.to(device=device), quantization, dtype)
+
+        def fused_matrix(*names: str) -> LinearWeight:
+            return matrix(torch.cat([weights.pop(n) for n in names]))
+
         self.embed = take("embed_tokens.weight")
         self.layers: list[_Layer] = []
         for i in range(config.num_hidden_layers):
@@ -106,12 +122,12 @@ class LlamaFamilyModel:
             attn, mlp = p + "self_attn.", p + "mlp."
             has_bias = attn + "q_proj.bias" in weights
             self.layers.append(_Layer(
-                qkv=fused(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                qkv=fused_matrix(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
                 qkv_bias=fused(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias") if has_bias else None,
-                o=take(attn + "o_proj.weight"),
+                o=matrix(weights.pop(attn + "o_proj.weight")),
                 o_bias=maybe(attn + "o_proj.bias"),
-                gate_up=fused(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
-                down=take(mlp + "down_proj.weight"),
+                gate_up=fused_matrix(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                down=matrix(weights.pop(mlp + "down_proj.weight")),
                 input_norm=take(p + "input_layernorm.weight"),
                 post_norm=take(p + "post_attention_layernorm.weight"),
                 q_norm=maybe(attn + "q_norm.weight"),
@@ -137,7 +153,7 @@ class LlamaFamilyModel:
             x, residual = self._add_rms_norm(hidden, residual, layer.input_norm, self.eps)
             x = self._attention(i, layer, x, cos, sin, metadata)
             x, residual = self._add_rms_norm(x, residual, layer.post_norm, self.eps)
-            hidden = F.linear(self._silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            hidden = linear(self._silu_and_mul(linear(x, layer.gate_up)), layer.down)
         assert residual is not None, "a model has at least one layer"
         if logit_rows is not None:
             hidden, residual = hidden.index_select(0, logit_rows), residual.index_select(0, logit_rows)
@@ -148,7 +164,7 @@ class LlamaFamilyModel:
                    metadata: PagedAttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = linear(x, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -161,7 +177,7 @@ class LlamaFamilyModel:
             out = attend_cached(index, q, metadata, self.scale)
         else:
             out = paged_attention(index, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, metadata, self.scale)
-        return F.linear(out.view(num_tokens, q_size), layer.o, layer.o_bias)
+        return linear(out.view(num_tokens, q_size), layer.o, layer.o_bias)
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,114 @@
+"""Weight-only quantization of carpool's linear layers: int8 or fp8 (e4m3) weights, one scale per output channel.
+
+A layer's weight is a `LinearWeight`: either a plain tensor or a
+`QuantizedWeight`, and `linear(x, weight, bias)` is `F.linear` for both, so
+the model's call sites read as before. Quantization is symmetric per output
+row: `scale = max|w_row| / QMAX`, `w ≈ data * scale`, with the scale held in
+the model's dtype and rounded to it before the row is quantized, so
+`dequantize()` gives exactly the weights the products use. Activations, the
+KV cache and the logits stay in the model's dtype.
+
+The product is `(x @ data^T) * scale`: the stored values are exact in bf16,
+fp16 and fp32, so the only roundings added are those of the scale multiply.
+On CPU with bf16/fp16 activations an int8 weight whose rows are a multiple
+of 16 long goes through `torch._weight_int8pack_mm` (a vectorized int8
+kernel); elsewhere the weight
+is widened to the activations' dtype for the matmul (its CPU fp32 kernel is
+a scalar loop, its CUDA one fp32-only and untiled). See docs/internals.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+
+
+class Quantization(str, Enum):
+    INT8 = "int8"
+    FP8 = "fp8"
+
+
+QUANTIZATIONS = tuple(q.value for q in Quantization)
+# The largest magnitude each storage type holds; a row's largest weight maps onto it.
+_STORAGE: dict[Quantization, tuple[torch.dtype, float]] = {
+    Quantization.INT8: (torch.int8, 127.0),
+    Quantization.FP8: (torch.float8_e4m3fn, 448.0),
+}
+# fp8 storage needs compute capability 8.9 (Ada) or later on CUDA.
+FP8_MIN_CAPABILITY = (8, 9)
+_INT8_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+# torch's CPU int8 kernel reads whole vectors along a row: a row length that is not a multiple of this gives
+# garbage or a crash (torch 2.13), so such matrices take the widening path.
+_INT8_KERNEL_ROW_MULTIPLE = 16
+
+
+def parse_quantization(name: str | None) -> Quantization | None:
+    if name is None:
+        return None
+    try:
+        return Quantization(name)
+    except ValueError:
+        raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)} or unset, got {name!r}") from None
+
+
+def check_device_supports(quantization: Quantization | None, device: torch.device,
+                          capability: tuple[int, int] | None = None) -> None:
+    """Refuse fp8 weights on a CUDA device older than Ada; `capability` defaults to the device's own."""
+    if quantization is not Quantization.FP8 or device.type != "cuda":
+        return
+    found = capability if capability is not None else torch.cuda.get_device_capability(device)
+    if tuple(found) < FP8_MIN_CAPABILITY:
+        raise ValueError(f"quantization: fp8 weights need a GPU with fp8 support (compute capability "
+                         f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or later); {device} has "
+                         f"{found[0]}.{found[1]}; use --quantization int8")
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A `[out, in]` weight as `data` (int8 or float8_e4m3fn) times the per-row `scales` `[out]`."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scales.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the products use, in `dtype` (the test reference)."""
+        return (self.data.to(torch.float32) * self.scales.to(torch.float32)[:, None]).to(dtype)
+
+
+LinearWeight = torch.Tensor | QuantizedWeight
+
+
+def quantize_weight(weight: torch.Tensor, quantization: Quantization, dtype: torch.dtype) -> QuantizedWeight:
+    """Per-output-row symmetric quantization of `weight` `[out, in]`, scales in `dtype`, on `weight`'s device."""
+    assert weight.dim() == 2, f"a linear weight is 2-D, got {tuple(weight.shape)}"
+    storage, qmax = _STORAGE[quantization]
+    rows = weight.to(torch.float32)
+    # A scale never rounds to zero in `dtype`: an all-zero row quantizes to zeros rather than NaN.
+    scales = (rows.abs().amax(dim=1) / qmax).clamp(min=torch.finfo(dtype).tiny).to(dtype)
+    scaled = (rows / scales.to(torch.float32)[:, None]).clamp(-qmax, qmax)
+    data = scaled.round().to(storage) if storage == torch.int8 else scaled.to(storage)
+    return QuantizedWeight(data.contiguous(), scales.contiguous())
+
+
+def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a plain or a quantized weight; the result is in `x`'s dtype."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    if (weight.data.dtype == torch.int8 and x.device.type == "cpu" and x.dtype in _INT8_KERNEL_DTYPES
+            and weight.shape[1] % _INT8_KERNEL_ROW_MULTIPLE == 0):
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch._weight_int8pack_mm(flat, weight.data, weight.scales).view(*x.shape[:-1], weight.shape[0])
+    else:
+        out = F.linear(x, weight.data.to(x.dtype)) * weight.scales
+    return out if bias is None else out + bias
