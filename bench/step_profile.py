@@ -2,6 +2,7 @@
 
     python -m bench.step_profile --model PATH [--dtype bfloat16] [--batches 1,8,32,128] [--modes eager,graphs]
     python -m bench.step_profile --device cpu --model PATH --dtype float32 --model-impls carpool,transformers
+    python -m bench.step_profile --device cpu --model PATH --dtype float32 --quantization int8
 
 On CPU it reports the wall time only (graphs are CUDA's), for each model implementation asked for.
 
@@ -61,12 +62,12 @@ def _merged_length_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, timed_steps: int = 100,
-                  model_impl: str = "auto") -> StepProfile:
+                  model_impl: str = "auto", quantization: str | None = None) -> StepProfile:
     from worker import Engine
 
     is_cuda = device.startswith("cuda")
     engine = Engine(model=model, device=device, dtype=dtype, max_num_seqs=batch, cuda_graphs=mode == "graphs",
-                    model_impl=model_impl)
+                    model_impl=model_impl, quantization=quantization)
     assert mode == "eager" or engine.runner.graph_sizes, "CUDA graphs were asked for but not recorded (see the log)"
     for i in range(batch):
         engine.add_request(f"r{i}", [65 + i % 20] * 32, SamplingParams(max_tokens=400, ignore_eos=True))
@@ -113,6 +114,7 @@ def main() -> None:
     parser.add_argument("--modes", default=None,
                         help="eager, graphs (decode steps replayed as CUDA graphs); default: both on CUDA, eager on CPU")
     parser.add_argument("--model-impls", default="auto", help="comma-separated: auto, carpool, transformers")
+    parser.add_argument("--quantization", default=None, choices=["int8", "fp8"], help="weights; default: unquantized")
     parser.add_argument("--timed-steps", type=int, default=100)
     parser.add_argument("--tables", action="store_true", help="also print each run's top kernels")
     args = parser.parse_args()
@@ -127,12 +129,14 @@ def main() -> None:
     if not is_cuda:
         torch.set_num_threads(1)
     name = torch.cuda.get_device_name() if is_cuda else "CPU, 1 torch thread"
-    print(f"device: {name}; model {args.model}, {args.dtype}\n")
+    weights = f", {args.quantization} weights" if args.quantization else ""
+    print(f"device: {name}; model {args.model}, {args.dtype}{weights}\n")
     rows = []
     for impl in args.model_impls.split(","):
         for mode in modes:
             for batch in (int(b) for b in args.batches.split(",")):
-                result = profile_batch(args.model, args.device, args.dtype, batch, mode, args.timed_steps, impl)
+                result = profile_batch(args.model, args.device, args.dtype, batch, mode, args.timed_steps, impl,
+                                       args.quantization)
                 rows.append(result)
                 if args.tables and result.top_kernels:
                     print(f"## {impl}, {mode}, batch {batch}\n{result.top_kernels}")
