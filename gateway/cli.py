@@ -48,6 +48,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     for verb, help_text in DELEGATED_VERBS.items():
         verbs.add_parser(verb, help=help_text, add_help=False)
     verbs.add_parser("bench", help="benchmark the batching modes and transformers peers; writes a report", add_help=False)
+    verbs.add_parser("redis-cli", help="the bundled redis-cli, connected to carpool up's Redis", add_help=False)
     return parser
 
 
@@ -66,6 +67,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     environ = os.environ if env is None else env
     if args_list and args_list[0] in DELEGATED_VERBS:
         return _delegate(args_list[0])(args_list[1:], environ)
+    if args_list and args_list[0] == "redis-cli":
+        from gateway.redis_cli import main as redis_cli_main
+
+        return redis_cli_main(args_list[1:], environ, default_data_dir(Path.home()))
     if args_list and args_list[0] == "bench":
         from bench.cli import main as bench_main
 

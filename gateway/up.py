@@ -21,7 +21,7 @@ from aiohttp import web
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
-from gateway.embedded_redis import EmbeddedRedis, free_port
+from gateway.embedded_redis import DEFAULT_REDIS_PORT, REDIS_URL_FILE, EmbeddedRedis, free_port, is_port_free
 from gateway.webhooks.config import WebhookConfig
 from scheduler.tasks import cancel_and_reap
 from scheduler.telemetry import Telemetry, TelemetryConfig
@@ -37,7 +37,8 @@ class UpConfig:
     model: str | None = field(default=None, metadata={"help": "local checkpoint directory; default: the built-in tiny Llama model"})
     device: str = field(default="cpu", metadata={"help": "worker device: cpu, cuda or cuda:N"})
     data_dir: str = field(default="", metadata={"help": "where the bundled Redis keeps its data (default: ~/.local/share/carpool)"})
-    redis_port: int = field(default=0, metadata={"help": "port of the bundled Redis (default: a free one)"})
+    redis_port: int = field(default=DEFAULT_REDIS_PORT, metadata={
+        "help": "port of the bundled Redis; 0: a free one (its URL is in DATA_DIR/redis.url either way)"})
     worker_metrics_port: int = field(default=0, metadata={"help": "port of the worker's /metrics /readyz (default: a free one)"})
     max_model_len: int = field(default=4096, metadata={"help": "the model's context length, for admission checks"})
     ready_timeout_s: float = field(default=600.0, metadata={"help": "how long the worker may take to load its model"})
@@ -62,10 +63,17 @@ def default_data_dir(home: Path) -> Path:
 def run_up(config: UpConfig, webhooks: WebhookConfig, data_dir: Path, telemetry_config: TelemetryConfig) -> int:
     redis: EmbeddedRedis | None = None
     redis_url = config.redis_url
+    url_file = data_dir / REDIS_URL_FILE
     if redis_url is None:
+        if config.redis_port and not is_port_free(config.redis_port):
+            print(f"carpool up: port {config.redis_port} is in use (another Redis?): stop it, or pass --redis-port 0 "
+                  "for a free port, or --redis-url to use that Redis", file=sys.stderr)
+            return 1
         redis = EmbeddedRedis(data_dir / "redis", port=config.redis_port or None).start()
         redis_url = redis.url
-        print(f"carpool: redis      {redis_url}  (data in {data_dir / 'redis'})", flush=True)
+        url_file.write_text(redis_url + "\n")
+        print(f"carpool: redis      {redis_url}  (data in {data_dir / 'redis'}; URL in {url_file}; "
+              "`carpool redis-cli` talks to it)", flush=True)
     try:
         telemetry = Telemetry(telemetry_config)
         try:
@@ -77,6 +85,7 @@ def run_up(config: UpConfig, webhooks: WebhookConfig, data_dir: Path, telemetry_
         return 1
     finally:
         if redis is not None:
+            url_file.unlink(missing_ok=True)
             redis.stop()
             print("carpool: redis stopped", flush=True)
 

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_every_verb_is_listed() -> None:
     parser = build_parser({})
     (verbs,) = [a for a in parser._actions if a.dest == "verb"]
-    assert set(verbs.choices) == {"up", "gateway", "submit", "bench", *DELEGATED_VERBS}
+    assert set(verbs.choices) == {"up", "gateway", "submit", "bench", "redis-cli", *DELEGATED_VERBS}
     assert set(DELEGATED_VERBS) == {"worker", "generate", "webhooks"}
 
 
@@ -116,7 +116,7 @@ def test_up_then_submit_wait_prints_a_completion(tiny_model: Callable[..., str],
     with open(log_path, "w") as log:
         up = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--model", model,
-             "--data-dir", str(tmp_path / "data"), "--worker-grace-s", "5", "--log-level", "info"],
+             "--data-dir", str(tmp_path / "data"), "--redis-port", "0", "--worker-grace-s", "5", "--log-level", "info"],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
         )
     try:
