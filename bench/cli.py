@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from bench.config import BATCHING_MODES, MODEL_DTYPES, BenchConfig
+from scheduler.checkpoint import check_local_checkpoint
 
 
 _Default = TypeVar("_Default", str, None)
@@ -84,6 +85,12 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         config = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    if args.model:
+        try:
+            check_local_checkpoint(args.model)
+        except ValueError as e:
+            print(f"carpool bench: {e}", file=sys.stderr)
+            return 2
     output = Path(args.output).expanduser()
     output.mkdir(parents=True, exist_ok=True)
     model = args.model or _default_model(args.quick, output)

@@ -19,6 +19,7 @@ from gateway.flags import add_config_flags, config_from_args
 from gateway.submit import add_submit_flags, run_submit
 from gateway.up import UpConfig, default_data_dir, run_up
 from gateway.webhooks.config import WebhookConfig
+from scheduler.checkpoint import OFFLINE_ENV
 
 DELEGATED_VERBS: dict[str, str] = {
     "worker": "run a GPU/CPU worker: consume the lanes, batch jobs, write results",
@@ -64,6 +65,8 @@ def _delegate(verb: str) -> Callable[[list[str], Mapping[str, str]], int]:
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
+    # carpool never downloads a model: transformers reads these at import, and child processes inherit them.
+    os.environ.update(OFFLINE_ENV)
     environ = os.environ if env is None else env
     if args_list and args_list[0] in DELEGATED_VERBS:
         return _delegate(args_list[0])(args_list[1:], environ)
@@ -86,6 +89,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         else:
             gateway = config_from_args(GatewayConfig, args, webhooks=webhooks)
     except ValueError as e:
+        if args.verb == "up":
+            print(f"carpool up: {e}", file=sys.stderr)
+            return 2
         parser.error(str(e))
     if args.verb == "up":
         data_dir = Path(up.data_dir).expanduser() if up.data_dir else default_data_dir(Path.home())

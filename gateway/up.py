@@ -23,6 +23,7 @@ from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.embedded_redis import DEFAULT_REDIS_PORT, REDIS_URL_FILE, EmbeddedRedis, free_port, is_port_free
 from gateway.webhooks.config import WebhookConfig
+from scheduler.checkpoint import check_local_checkpoint
 from scheduler.tasks import cancel_and_reap
 from scheduler.telemetry import Telemetry, TelemetryConfig
 
@@ -45,6 +46,8 @@ class UpConfig:
     worker_grace_s: float = field(default=30.0, metadata={"help": "on shutdown, how long the worker may take to hand back its jobs"})
 
     def __post_init__(self) -> None:
+        if self.model is not None:
+            check_local_checkpoint(self.model)
         for name in ("port", "redis_port", "worker_metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: must be a TCP port, got {getattr(self, name)}")

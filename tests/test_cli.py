@@ -52,10 +52,11 @@ def test_gateway_flags_fall_back_to_env_and_flags_win() -> None:
     assert "--webhooks" not in names
 
 
-def test_up_flags_and_defaults() -> None:
-    args = build_parser({"CARPOOL_DEVICE": "cuda"}).parse_args(["up", "--model", "/models/m", "--port", "8100"])
+def test_up_flags_and_defaults(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    args = build_parser({"CARPOOL_DEVICE": "cuda"}).parse_args(["up", "--model", str(tmp_path), "--port", "8100"])
     up = config_from_args(UpConfig, args)
-    assert (up.redis_url, up.model, up.device, up.port) == (None, "/models/m", "cuda", 8100)
+    assert (up.redis_url, up.model, up.device, up.port) == (None, str(tmp_path), "cuda", 8100)
 
 
 def test_bad_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.flags import add_config_flags, config_from_args
+from scheduler.checkpoint import OFFLINE_ENV
 from scheduler.log_format import configure_logging
 from scheduler.params import SamplingParams
 from scheduler.telemetry import Telemetry, TelemetryConfig, telemetry_config_from_env
@@ -48,10 +49,15 @@ def _service_fields() -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    os.environ.update(OFFLINE_ENV)  # before anything imports transformers; the engine process inherits it
     environ = os.environ if env is None else env
     args = build_parser(environ).parse_args(argv)
     if args.verb == "generate":
-        config = config_from_args(WorkerConfig, args, exclude=_service_fields())
+        try:
+            config = config_from_args(WorkerConfig, args, exclude=_service_fields())
+        except ValueError as e:
+            print(f"carpool generate: {e}", file=sys.stderr)
+            return 2
         return generate(config, args.prompt, SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed))
     try:

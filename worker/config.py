@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.checkpoint import check_local_checkpoint
 from scheduler.keys import DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S, DEFAULT_DEAD_MAXLEN
 from scheduler.lanes import DEFAULT_LANE_WEIGHTS, Lane
 
@@ -94,6 +95,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not self.worker_name:
             self.worker_name = default_worker_name()
+        if self.model is not None:
+            check_local_checkpoint(self.model)
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching: must be one of {BATCHING_MODES}, got {self.batching!r}")
         if self.policy not in POLICIES:
