@@ -17,7 +17,7 @@ from pathlib import Path
 from gateway.config import GatewayConfig
 from gateway.flags import add_config_flags, config_from_args
 from gateway.submit import add_submit_flags, run_submit
-from gateway.up import UpConfig, default_data_dir, run_up
+from gateway.up import UpConfig, WorkerChild, default_data_dir, run_up
 from gateway.webhooks.config import WebhookConfig
 from scheduler.checkpoint import OFFLINE_ENV
 
@@ -35,8 +35,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
     up = verbs.add_parser("up", help="start Redis (bundled unless --redis-url), the gateway and one worker")
     add_config_flags(up, UpConfig, env)
+    # `up` runs a worker, so it takes the worker's engine flags (worker.config imports no torch).
+    from worker.config import ENGINE_FLAGS, WorkerConfig
+
+    add_config_flags(up, WorkerConfig, env, exclude=set(WorkerConfig.__dataclass_fields__) - set(ENGINE_FLAGS))
     add_config_flags(up, WebhookConfig, env)
-    up.add_argument("--log-level", default=env.get("CARPOOL_LOG_LEVEL", "WARNING"), help="gateway log level [env CARPOOL_LOG_LEVEL]")
+    up.add_argument("--log-level", default=env.get("CARPOOL_LOG_LEVEL", "WARNING"),
+                    help="log level of the gateway and the worker (default: WARNING) [env CARPOOL_LOG_LEVEL]")
 
     gateway = verbs.add_parser("gateway", help="run the HTTP gateway")
     add_config_flags(gateway, GatewayConfig, env)
@@ -85,7 +90,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     try:
         webhooks = config_from_args(WebhookConfig, args)
         if args.verb == "up":
+            from worker.config import ENGINE_FLAGS, WorkerConfig
+
             up = config_from_args(UpConfig, args)
+            engine = config_from_args(WorkerConfig, args, exclude=set(WorkerConfig.__dataclass_fields__) - set(ENGINE_FLAGS))
         else:
             gateway = config_from_args(GatewayConfig, args, webhooks=webhooks)
     except ValueError as e:
@@ -101,7 +109,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         # The same JSON logs and OTEL_* telemetry as `carpool gateway`; the worker child reads OTEL_* itself.
         telemetry_config = telemetry_config_from_env(environ, service_name="carpool-gateway")
         configure_logging(args.log_level.upper(), service=telemetry_config.service_name)
-        return run_up(up, webhooks, data_dir, telemetry_config)
+        return run_up(up, WorkerChild(engine, ENGINE_FLAGS, args.log_level), webhooks, data_dir, telemetry_config)
     return run_gateway(gateway, args.log_level, environ)
 
 

@@ -15,17 +15,21 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
+from gateway.flags import config_argv
 from gateway.embedded_redis import DEFAULT_REDIS_PORT, REDIS_URL_FILE, EmbeddedRedis, free_port, is_port_free
 from gateway.webhooks.config import WebhookConfig
-from scheduler.checkpoint import check_local_checkpoint
 from scheduler.tasks import cancel_and_reap
 from scheduler.telemetry import Telemetry, TelemetryConfig
+
+if TYPE_CHECKING:
+    from worker.config import WorkerConfig
 
 READY_POLL_S = 0.25
 
@@ -35,19 +39,14 @@ class UpConfig:
     redis_url: str | None = field(default=None, metadata={"help": "use this Redis instead of starting the bundled one"})
     host: str = field(default="127.0.0.1", metadata={"help": "address the gateway listens on"})
     port: int = field(default=8000, metadata={"help": "port the gateway listens on"})
-    model: str | None = field(default=None, metadata={"help": "local checkpoint directory; default: the built-in tiny Llama model"})
-    device: str = field(default="cpu", metadata={"help": "worker device: cpu, cuda or cuda:N"})
     data_dir: str = field(default="", metadata={"help": "where the bundled Redis keeps its data (default: ~/.local/share/carpool)"})
     redis_port: int = field(default=DEFAULT_REDIS_PORT, metadata={
         "help": "port of the bundled Redis; 0: a free one (its URL is in DATA_DIR/redis.url either way)"})
     worker_metrics_port: int = field(default=0, metadata={"help": "port of the worker's /metrics /readyz (default: a free one)"})
-    max_model_len: int = field(default=4096, metadata={"help": "the model's context length, for admission checks"})
     ready_timeout_s: float = field(default=600.0, metadata={"help": "how long the worker may take to load its model"})
     worker_grace_s: float = field(default=30.0, metadata={"help": "on shutdown, how long the worker may take to hand back its jobs"})
 
     def __post_init__(self) -> None:
-        if self.model is not None:
-            check_local_checkpoint(self.model)
         for name in ("port", "redis_port", "worker_metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: must be a TCP port, got {getattr(self, name)}")
@@ -63,7 +62,24 @@ def default_data_dir(home: Path) -> Path:
     return home / ".local" / "share" / "carpool"
 
 
-def run_up(config: UpConfig, webhooks: WebhookConfig, data_dir: Path, telemetry_config: TelemetryConfig) -> int:
+@dataclass
+class WorkerChild:
+    """What `carpool up` hands its worker: the engine settings (`worker.config.ENGINE_FLAGS`) and the log level."""
+
+    engine: WorkerConfig
+    engine_flags: tuple[str, ...]
+    log_level: str
+
+    def argv(self, redis_url: str, metrics_port: int, grace_s: float) -> list[str]:
+        return [
+            sys.executable, "-m", "gateway.cli", "worker", "--redis-url", redis_url, "--log-level", self.log_level,
+            "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--shutdown-grace-s", str(grace_s),
+            *config_argv(self.engine, self.engine_flags),
+        ]
+
+
+def run_up(config: UpConfig, worker: WorkerChild, webhooks: WebhookConfig, data_dir: Path,
+           telemetry_config: TelemetryConfig) -> int:
     redis: EmbeddedRedis | None = None
     redis_url = config.redis_url
     url_file = data_dir / REDIS_URL_FILE
@@ -80,7 +96,7 @@ def run_up(config: UpConfig, webhooks: WebhookConfig, data_dir: Path, telemetry_
     try:
         telemetry = Telemetry(telemetry_config)
         try:
-            return asyncio.run(_run_stack(config, webhooks, redis_url, telemetry))
+            return asyncio.run(_run_stack(config, worker, webhooks, redis_url, telemetry))
         finally:
             telemetry.shutdown()
     except StackError as e:
@@ -93,14 +109,16 @@ def run_up(config: UpConfig, webhooks: WebhookConfig, data_dir: Path, telemetry_
             print("carpool: redis stopped", flush=True)
 
 
-async def _run_stack(config: UpConfig, webhooks: WebhookConfig, redis_url: str, telemetry: Telemetry) -> int:
+async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConfig, redis_url: str,
+                     telemetry: Telemetry) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
     gateway_config = GatewayConfig(
-        redis_url=redis_url, host=config.host, port=config.port, max_model_len=config.max_model_len, webhooks=webhooks,
+        redis_url=redis_url, host=config.host, port=config.port, max_model_len=child.engine.max_model_len,
+        webhooks=webhooks,
     )
     runner = web.AppRunner(init_app(gateway_config, telemetry), shutdown_timeout=gateway_config.shutdown_grace_s)
     await runner.setup()
@@ -113,15 +131,11 @@ async def _run_stack(config: UpConfig, webhooks: WebhookConfig, redis_url: str, 
     print(f"carpool: gateway    {base}", flush=True)
 
     metrics_port = config.worker_metrics_port or free_port()
-    worker_args = [
-        sys.executable, "-m", "gateway.cli", "worker", "--redis-url", redis_url, "--device", config.device,
-        "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--shutdown-grace-s", str(config.worker_grace_s),
-    ]
-    if config.model:
-        worker_args += ["--model", config.model]
     # Its own session, so a terminal's Ctrl-C reaches only us and the shutdown keeps its order.
-    worker = await asyncio.create_subprocess_exec(*worker_args, start_new_session=True)
-    print(f"carpool: worker     pid {worker.pid}, model {config.model or '(built-in tiny model)'} on {config.device}, "
+    worker = await asyncio.create_subprocess_exec(*child.argv(redis_url, metrics_port, config.worker_grace_s),
+                                                  start_new_session=True)
+    engine = child.engine
+    print(f"carpool: worker     pid {worker.pid}, model {engine.model or '(built-in tiny model)'} on {engine.device}, "
           f"metrics http://127.0.0.1:{metrics_port}/metrics", flush=True)
     exit_code = 0
     try:

@@ -203,12 +203,13 @@ class JobLoop:
         return self.runner.tick(adds, aborts, True)
 
     async def _handle(self, tick: Tick) -> None:
-        for job_id, message in tick.rejected.items():
+        for job_id, rejection in tick.rejected.items():
             job = self.jobs.pop(job_id, None)
             if job is not None:
                 self.slot_freed.set()
+                job.num_prompt_tokens = rejection.num_prompt_tokens
                 self.commits.spawn(outcome_of(job, JobStatus.FAILED, error={
-                    "type": "invalid_request", "message": message}))
+                    "type": "invalid_request", "message": rejection.message}))
         now, mono = time.time(), time.monotonic()
         writes = StepWrites()
         checkpointed: list[tuple[int, RunningJob]] = []
