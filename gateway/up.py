@@ -25,6 +25,7 @@ from gateway.config import GatewayConfig
 from gateway.flags import config_argv
 from gateway.embedded_redis import DEFAULT_REDIS_PORT, REDIS_URL_FILE, EmbeddedRedis, free_port, is_port_free
 from gateway.webhooks.config import WebhookConfig
+from scheduler.checkpoint import BUILTIN_MODEL_NOTICE
 from scheduler.tasks import cancel_and_reap
 from scheduler.telemetry import Telemetry, TelemetryConfig
 
@@ -137,6 +138,8 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
     engine = child.engine
     print(f"carpool: worker     pid {worker.pid}, model {engine.model or '(built-in tiny model)'} on {engine.device}, "
           f"metrics http://127.0.0.1:{metrics_port}/metrics", flush=True)
+    if engine.model is None:
+        print(f"carpool: note       {BUILTIN_MODEL_NOTICE}", flush=True)
     exit_code = 0
     try:
         is_ready = await _wait_ready(worker, f"http://127.0.0.1:{metrics_port}/readyz", config.ready_timeout_s, stop)

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+BUILTIN_MODEL_NOTICE = ("served by the built-in random-weight model: its text is meaningless bytes "
+                        "(give --model PATH for a real checkpoint)")
+"""The one line `up`, `submit` and `generate` print when no `--model` was given."""
+
 OFFLINE_ENV: dict[str, str] = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 """Set by the CLI before transformers is imported (it reads them at import) and inherited by its children."""
 

@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.flags import add_config_flags, config_from_args
-from scheduler.checkpoint import OFFLINE_ENV
+from gateway.submit import printable
+from scheduler.checkpoint import BUILTIN_MODEL_NOTICE, OFFLINE_ENV
 from scheduler.log_format import configure_logging
 from scheduler.params import SamplingParams
 from scheduler.telemetry import Telemetry, TelemetryConfig, telemetry_config_from_env
@@ -36,7 +37,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     gen = verbs.add_parser("generate", help="run the offline engine once on a prompt and print the text")
     gen.add_argument("prompt", help="prompt text")
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 is greedy (default, as for carpool submit; a job's own default is 1.0)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     add_config_flags(gen, WorkerConfig, env, exclude=_service_fields())
@@ -77,7 +79,9 @@ def generate(config: WorkerConfig, prompt: str, params: SamplingParams) -> int:
     apply_torch_threads(config.torch_threads, config.device)
     engine = Engine(**config.engine_kwargs())
     (completion,) = engine.generate([prompt], params)
-    print(completion.text)
+    if config.model is None:
+        print(f"carpool generate: {BUILTIN_MODEL_NOTICE}", file=sys.stderr)
+    print(printable(completion.text))
     return 0
 
 

@@ -237,7 +237,7 @@ class WorkerService:
             try:
                 await self.client.hset(self.keys.workers, self.config.worker_name, pack({
                     "time": time.time(), "running": len(self.loop.jobs), "capacity": self.config.capacity,
-                    "max_model_len": self.runner.max_model_len,
+                    "max_model_len": self.runner.max_model_len, "builtin_model": self.config.model is None,
                     "draining": self.is_draining}))
             except REDIS_DOWN as e:
                 await _redis_down("heartbeat", e)
