@@ -11,11 +11,13 @@ SIGTERM and `--worker-grace-s` to hand its jobs back, then Redis stops.
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
 import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -59,6 +61,38 @@ class StackError(RuntimeError):
     pass
 
 
+class DataDirLock:
+    """An exclusive lock on `DATA_DIR/up.lock`, held while a `carpool up` runs its Redis there.
+
+    Two Redis servers appending to one AOF corrupt it; the lock is the kernel's (`flock`), so it is gone
+    with its process however that process ends, and a stale file never blocks a new stack.
+    """
+
+    def __init__(self, file: IO[str]) -> None:
+        self._file = file
+
+    @classmethod
+    def acquire(cls, data_dir: Path) -> DataDirLock:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        path = data_dir / "up.lock"
+        file = open(path, "a+")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "?"
+            file.close()
+            raise StackError(f"another carpool up (pid {holder}) is running with its Redis data in {data_dir}; "
+                             "stop it, or give this one another --data-dir or --redis-url") from None
+        file.truncate(0)
+        file.write(f"{os.getpid()}\n")
+        file.flush()
+        return cls(file)
+
+    def release(self) -> None:
+        self._file.close()  # closing drops the flock
+
+
 def default_data_dir(home: Path) -> Path:
     return home / ".local" / "share" / "carpool"
 
@@ -84,7 +118,13 @@ def run_up(config: UpConfig, worker: WorkerChild, webhooks: WebhookConfig, data_
     redis: EmbeddedRedis | None = None
     redis_url = config.redis_url
     url_file = data_dir / REDIS_URL_FILE
+    lock: DataDirLock | None = None
     if redis_url is None:
+        try:
+            lock = DataDirLock.acquire(data_dir)
+        except StackError as e:
+            print(f"carpool up: {e}", file=sys.stderr)
+            return 1
         if config.redis_port and not is_port_free(config.redis_port):
             print(f"carpool up: port {config.redis_port} is in use (another Redis?): stop it, or pass --redis-port 0 "
                   "for a free port, or --redis-url to use that Redis", file=sys.stderr)
@@ -108,6 +148,8 @@ def run_up(config: UpConfig, worker: WorkerChild, webhooks: WebhookConfig, data_
             url_file.unlink(missing_ok=True)
             redis.stop()
             print("carpool: redis stopped", flush=True)
+        if lock is not None:
+            lock.release()
 
 
 async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConfig, redis_url: str,

@@ -67,3 +67,15 @@ def test_a_taken_redis_port_is_refused_at_once(stack: UpStack, tmp_path: Path) -
     assert second.returncode == 1
     assert f"port {stack.redis_port} is in use" in second.stderr
     assert "Traceback" not in second.stderr
+
+
+@pytest.mark.slow
+def test_a_second_up_on_the_same_data_dir_is_refused(stack: UpStack) -> None:
+    second = start_up(stack.data_dir.parent, "--redis-port", "0", wait=None)  # the same data dir, other ports
+    try:
+        code = second.proc.wait(timeout=60)
+    finally:
+        second.stop()
+    assert code == 1, second.log()
+    assert f"another carpool up (pid {stack.proc.pid}) is running with its Redis data in {stack.data_dir}" in second.log()
+    assert stack.proc.poll() is None  # the first one runs on

@@ -76,7 +76,8 @@ class WorkerConfig:
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata=_help("Redis server holding the lanes"))
     key_prefix: str = field(default=DEFAULT_PREFIX, metadata=_help("prefix of every Redis key"))
     worker_name: str = field(default="", metadata=_help("consumer name in the group; default: host-pid-random"))
-    metrics_host: str = field(default="0.0.0.0", metadata=_help("address of the /healthz /readyz /metrics server"))
+    metrics_host: str = field(default="127.0.0.1", metadata=_help(
+        "address of the /healthz /readyz /metrics server; loopback unless set (the container image sets 0.0.0.0)"))
     metrics_port: int = field(default=9464, metadata=_help("port of /healthz /readyz /metrics; 0 turns the server off"))
     max_inflight: int | None = field(default=None, metadata=_help("most jobs held at once; default: --max-num-seqs"))
     interactive_reserve: int | None = field(default=None, metadata=_help(
