@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
             up = config_from_args(UpConfig, args)
             engine = config_from_args(WorkerConfig, args, exclude=set(WorkerConfig.__dataclass_fields__) - set(ENGINE_FLAGS))
+            engine.check_model()
         else:
             gateway = config_from_args(GatewayConfig, args, webhooks=webhooks)
     except ValueError as e:

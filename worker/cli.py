@@ -57,6 +57,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     if args.verb == "generate":
         try:
             config = config_from_args(WorkerConfig, args, exclude=_service_fields())
+            config.check_model()
         except ValueError as e:
             print(f"carpool generate: {e}", file=sys.stderr)
             return 2
@@ -64,6 +65,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed))
     try:
         config = config_from_args(WorkerConfig, args)
+        config.check_model()
     except ValueError as e:
         print(f"carpool worker: {e}", file=sys.stderr)
         return 2

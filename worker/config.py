@@ -104,8 +104,6 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not self.worker_name:
             self.worker_name = default_worker_name()
-        if self.model is not None:
-            check_local_checkpoint(self.model)
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching: must be one of {BATCHING_MODES}, got {self.batching!r}")
         if self.policy not in POLICIES:
@@ -158,6 +156,15 @@ class WorkerConfig:
 
     def weight(self, lane: Lane) -> int:
         return self.lane_weights.get(lane.value, DEFAULT_LANE_WEIGHTS[lane])
+
+    def check_model(self) -> None:
+        """Raise ``ValueError`` unless ``model`` is unset or a local checkpoint directory.
+
+        Checked where a process is about to load it, not in ``__post_init__``: a container's
+        configuration names a path that exists only where the container runs.
+        """
+        if self.model is not None:
+            check_local_checkpoint(self.model)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``worker.engine.Engine``."""
