@@ -35,7 +35,7 @@ from worker.engine_tick import EngineFailed, EngineRunner, Tick
 from scheduler.log_format import job_context
 from worker.metrics import WorkerMetrics
 from worker.results import EntryRef, Outcome, ResultStore, pack
-from worker.running_job import RunningJob, outcome_of
+from worker.running_job import RunningJob, outcome_of, output_of
 from worker.step_writes import CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NOT_OURS, StepWriter, StepWrites
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,8 @@ class JobLoop:
         if job is None:
             return False
         self._abort(job_id)
-        self.commits.spawn(outcome_of(job, JobStatus.CANCELLED, error={
+        # The text and tokens produced until now stay on the record (the finish_reason of an aborted request).
+        self.commits.spawn(outcome_of(job, JobStatus.CANCELLED, output=output_of(job, "abort"), error={
             "type": "cancelled", "message": "cancelled while running"}))
         return True
 
@@ -269,10 +270,7 @@ class JobLoop:
             if self.jobs.pop(job.spec.id, None) is None:
                 continue
             self.slot_freed.set()
-            output: dict[str, Any] = {"text": job.text, "token_ids": job.token_ids, "finish_reason": out.finish_reason}
-            if job.spec.params.logprobs is not None:
-                output["logprobs"] = job.logprobs
-            self.commits.spawn(outcome_of(job, JobStatus.SUCCEEDED, output=output))
+            self.commits.spawn(outcome_of(job, JobStatus.SUCCEEDED, output=output_of(job, out.finish_reason)))
 
     def _checkpoint_due(self, job: RunningJob, mono: float) -> bool:
         if job.first_token_at is not None and job.checkpointed == 0 and job.token_ids:

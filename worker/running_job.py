@@ -42,6 +42,14 @@ class RunningJob:
         return self.resumed_logprobs + self.engine_logprobs
 
 
+def output_of(job: RunningJob, finish_reason: str) -> dict[str, Any]:
+    """The record's ``output``: everything produced so far, also for a job that ends before it is done."""
+    output: dict[str, Any] = {"text": job.text, "token_ids": job.token_ids, "finish_reason": finish_reason}
+    if job.spec.params.logprobs is not None:
+        output["logprobs"] = job.logprobs
+    return output
+
+
 def outcome_of(job: RunningJob, status: JobStatus, *, output: dict[str, Any] | None = None,
                error: dict[str, str] | None = None) -> Outcome:
     usage = {"prompt_tokens": job.num_prompt_tokens, "completion_tokens": len(job.token_ids),
