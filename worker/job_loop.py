@@ -249,7 +249,8 @@ class JobLoop:
             if out.finished:
                 finished.append((job, out))
             elif self._checkpoint_due(job, mono):
-                checkpointed.append((writes.checkpoint(job.spec.id, job.token_ids, job.first_token_at, job.logprobs),
+                checkpointed.append((writes.checkpoint(job.spec.id, job.token_ids, job.first_token_at, job.logprobs,
+                                                       job.text),
                                      job))
                 job.checkpointed, job.checkpoint_at = len(job.token_ids), mono
         replies: list[int] = []
@@ -290,13 +291,13 @@ class JobLoop:
 
     # --- shutdown -------------------------------------------------------------------------
 
-    async def checkpoint_all(self) -> list[EntryRef]:
-        """Write every running job's tokens, abort them in the engine, and return their entries."""
+    async def checkpoint_all(self) -> dict[EntryRef, str]:
+        """Write every running job's tokens, abort them in the engine, and return their entries and job ids."""
         writes = StepWrites()
-        refs = []
+        refs: dict[EntryRef, str] = {}
         for job in list(self.jobs.values()):
-            writes.checkpoint(job.spec.id, job.token_ids, job.first_token_at, job.logprobs)
-            refs.append(job.entry)
+            writes.checkpoint(job.spec.id, job.token_ids, job.first_token_at, job.logprobs, job.text)
+            refs[job.entry] = job.spec.id
             self._abort(job.spec.id)
         await self.step_writer.write(writes)
         aborts, self._aborts = self._aborts, []

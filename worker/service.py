@@ -98,9 +98,9 @@ class WorkerService:
             except TimeoutError:
                 pass
         if self.loop.jobs:
-            refs = await self.loop.checkpoint_all()
-            await self.consumer.hand_back(refs)
-            log.info("handed back %d unfinished jobs with their checkpoints", len(refs))
+            jobs = await self.loop.checkpoint_all()
+            await self.consumer.hand_back(jobs)
+            log.info("handed back %d unfinished jobs with their checkpoints", len(jobs))
         await self.loop.wait_commits()
         for task in self._tasks.values():
             task.cancel()
