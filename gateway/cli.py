@@ -17,7 +17,8 @@ from pathlib import Path
 from gateway.config import GatewayConfig
 from gateway.flags import add_config_flags, config_from_args
 from gateway.submit import add_submit_flags, run_submit
-from gateway.up import UpConfig, WorkerChild, default_data_dir, run_up
+from gateway.up import UpConfig, default_data_dir, run_up
+from gateway.up_worker import WorkerChild
 from gateway.webhooks.config import WebhookConfig
 from scheduler.checkpoint import OFFLINE_ENV
 

@@ -5,7 +5,8 @@ Without `--redis-url` a real redis-server (the binary bundled with the
 this process; the worker is a child process (`python -m gateway.cli worker`).
 "ready" is printed once the worker's `/readyz` answers. Ctrl-C or SIGTERM
 shuts down in order: the gateway stops taking requests, the worker gets
-SIGTERM and `--worker-grace-s` to hand its jobs back, then Redis stops.
+SIGTERM and `--worker-grace-s` to finish its running jobs (up says how many
+it waits for; a second Ctrl-C has them handed back at once), then Redis stops.
 """
 
 from __future__ import annotations
@@ -17,24 +18,18 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
-import aiohttp
 from aiohttp import web
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
-from gateway.flags import config_argv
 from gateway.embedded_redis import DEFAULT_REDIS_PORT, REDIS_URL_FILE, EmbeddedRedis, free_port, is_port_free
+from gateway.up_worker import StackError, WorkerChild, stop_worker, wait_ready
 from gateway.webhooks.config import WebhookConfig
 from scheduler.checkpoint import BUILTIN_MODEL_NOTICE
 from scheduler.tasks import cancel_and_reap
 from scheduler.telemetry import Telemetry, TelemetryConfig
-
-if TYPE_CHECKING:
-    from worker.config import WorkerConfig
-
-READY_POLL_S = 0.25
 
 
 @dataclass
@@ -55,10 +50,6 @@ class UpConfig:
                 raise ValueError(f"{name}: must be a TCP port, got {getattr(self, name)}")
         if self.ready_timeout_s <= 0 or self.worker_grace_s < 0:
             raise ValueError("ready_timeout_s must be positive and worker_grace_s not negative")
-
-
-class StackError(RuntimeError):
-    pass
 
 
 class DataDirLock:
@@ -95,22 +86,6 @@ class DataDirLock:
 
 def default_data_dir(home: Path) -> Path:
     return home / ".local" / "share" / "carpool"
-
-
-@dataclass
-class WorkerChild:
-    """What `carpool up` hands its worker: the engine settings (`worker.config.ENGINE_FLAGS`) and the log level."""
-
-    engine: WorkerConfig
-    engine_flags: tuple[str, ...]
-    log_level: str
-
-    def argv(self, redis_url: str, metrics_port: int, grace_s: float) -> list[str]:
-        return [
-            sys.executable, "-m", "gateway.cli", "worker", "--redis-url", redis_url, "--log-level", self.log_level,
-            "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--shutdown-grace-s", str(grace_s),
-            *config_argv(self.engine, self.engine_flags),
-        ]
 
 
 def run_up(config: UpConfig, worker: WorkerChild, webhooks: WebhookConfig, data_dir: Path,
@@ -156,8 +131,14 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
                      telemetry: Telemetry) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    hurry = asyncio.Event()
+    """A second Ctrl-C (or SIGTERM): the worker hands its jobs back without waiting for them."""
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
 
     gateway_config = GatewayConfig(
         redis_url=redis_url, host=config.host, port=config.port, max_model_len=child.engine.max_model_len,
@@ -184,7 +165,8 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
         print(f"carpool: note       {BUILTIN_MODEL_NOTICE}", flush=True)
     exit_code = 0
     try:
-        is_ready = await _wait_ready(worker, f"http://127.0.0.1:{metrics_port}/readyz", config.ready_timeout_s, stop)
+        readyz = f"http://127.0.0.1:{metrics_port}/readyz"
+        is_ready = await wait_ready(worker, readyz, config.ready_timeout_s, stop)
         if is_ready:
             print(f'carpool: ready — try: carpool submit "hello" --wait --gateway {base}', flush=True)
             waiter = asyncio.create_task(stop.wait())
@@ -198,43 +180,7 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
     finally:
         print("carpool: shutting down", flush=True)
         await runner.cleanup()
-        await _stop_worker(worker, config.worker_grace_s)
+        await stop_worker(worker, config.worker_grace_s, f"http://127.0.0.1:{metrics_port}/readyz", hurry)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     return exit_code
-
-
-async def _wait_ready(
-    worker: asyncio.subprocess.Process, url: str, timeout_s: float, stop: asyncio.Event
-) -> bool:
-    """True once the worker answers ready; False if it exited or we were told to stop first."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-        while not stop.is_set() and worker.returncode is None:
-            try:
-                async with session.get(url) as resp:
-                    if resp.status == 200:
-                        return True
-            except (aiohttp.ClientError, OSError, TimeoutError):
-                pass  # not listening yet: the model is still loading
-            if loop.time() > deadline:
-                raise StackError(f"the worker was not ready after {timeout_s:g}s ({url})")
-            try:
-                await asyncio.wait_for(stop.wait(), READY_POLL_S)
-            except TimeoutError:
-                pass
-    return False
-
-
-async def _stop_worker(worker: asyncio.subprocess.Process, grace_s: float) -> None:
-    if worker.returncode is not None:
-        return
-    worker.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(worker.wait(), grace_s + 5)
-    except TimeoutError:
-        print("carpool: the worker did not stop in time; killing it", file=sys.stderr)
-        worker.kill()
-        await worker.wait()
-    print(f"carpool: worker stopped ({worker.returncode})", flush=True)

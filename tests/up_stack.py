@@ -58,7 +58,12 @@ class UpStack:
     def stop(self, timeout_s: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
-        return self.proc.wait(timeout=timeout_s)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
 
 def start_up(tmp: Path, *args: str, env: dict[str, str] | None = None, wait: str | None = "carpool: ready") -> UpStack:

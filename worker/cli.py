@@ -119,8 +119,15 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
     client = aioredis.Redis.from_url(config.redis_url)
     telemetry = Telemetry(telemetry_config or TelemetryConfig(service_name="carpool-worker"))
     service = WorkerService(config, engine, client, telemetry)
+    def on_signal() -> None:
+        # The first signal starts the graceful drain; a second one (a second Ctrl-C) ends the wait.
+        if service.stopped.is_set():
+            log.warning("second signal: handing back %d running jobs now", len(service.loop.jobs))
+            service.hand_back_now.set()
+        service.stopped.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, service.stopped.set)
+        loop.add_signal_handler(sig, on_signal)
     has_failed = False
     try:
         await service.start()

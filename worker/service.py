@@ -61,6 +61,8 @@ class WorkerService:
         self.is_draining = False
         self.stopped = asyncio.Event()
         """Set when the worker should stop: a signal, or a background task that failed."""
+        self.hand_back_now = asyncio.Event()
+        """Set to end the shutdown's grace period at once: running jobs are checkpointed and handed back."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._pubsub: Any = None
         self._http: web.AppRunner | None = None
@@ -91,7 +93,7 @@ class WorkerService:
         if intake is not None:
             await asyncio.gather(intake, return_exceptions=True)
         deadline = time.monotonic() + self.config.shutdown_grace_s
-        while self.loop.jobs and time.monotonic() < deadline and not self._failed():
+        while self.loop.jobs and time.monotonic() < deadline and not self._failed() and not self.hand_back_now.is_set():
             self.loop.slot_freed.clear()
             try:
                 await asyncio.wait_for(self.loop.slot_freed.wait(), timeout=min(0.2, max(0.01, deadline - time.monotonic())))
