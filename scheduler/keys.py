@@ -68,7 +68,7 @@ class Keys:
 
     @property
     def control(self) -> str:
-        """Pub/sub channel of control messages to workers (cancellations)."""
+        """Pub/sub channel of control messages to workers: ``cancel`` (a job) and ``handback`` (reclaim now)."""
         return f"{self.prefix}:control"
 
     @property

@@ -61,6 +61,8 @@ class WorkerService:
         self.is_draining = False
         self.stopped = asyncio.Event()
         """Set when the worker should stop: a signal, or a background task that failed."""
+        self.reclaim_now = asyncio.Event()
+        """A worker handed entries back (control message ``handback``): reclaim before reading new entries."""
         self.hand_back_now = asyncio.Event()
         """Set to end the shutdown's grace period at once: running jobs are checkpointed and handed back."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -102,6 +104,9 @@ class WorkerService:
         if self.loop.jobs:
             jobs = await self.loop.checkpoint_all()
             await self.consumer.hand_back(jobs)
+            # Workers with a free slot take them over now, ahead of newer entries, not at their next
+            # periodic reclaim (every lease_s / 4).
+            await self.client.publish(self.keys.control, pack({"type": "handback", "worker": self.config.worker_name}))
             log.info("handed back %d unfinished jobs with their checkpoints", len(jobs))
         await self.loop.wait_commits()
         for task in self._tasks.values():
@@ -159,7 +164,8 @@ class WorkerService:
                 continue
             entries: list[Entry] = []
             try:
-                if time.monotonic() >= next_reclaim:
+                if time.monotonic() >= next_reclaim or self.reclaim_now.is_set():
+                    self.reclaim_now.clear()
                     reclaimed = await self.consumer.reclaim(free)
                     self.metrics.leases_reclaimed(self._lane_of.get(e.ref.stream, "unknown") for e in reclaimed)
                     entries += reclaimed
@@ -230,7 +236,9 @@ class WorkerService:
             except Exception:
                 log.warning("ignoring a control message that is not msgpack")
                 continue
-            if isinstance(body, dict) and body.get("type") == "cancel" and isinstance(body.get("id"), str):
+            if isinstance(body, dict) and body.get("type") == "handback":
+                self.reclaim_now.set()
+            elif isinstance(body, dict) and body.get("type") == "cancel" and isinstance(body.get("id"), str):
                 if self.loop.cancel(body["id"]):
                     log.info("job %s: cancelled while running", body["id"])
 
