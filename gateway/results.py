@@ -178,7 +178,7 @@ def is_terminal(record: dict[bytes, bytes]) -> bool:
 
 def final_event(record: dict[bytes, bytes]) -> dict[str, Any]:
     view = job_view(record)
-    return {"type": "final", "id": view["id"], "job": view}
+    return {"type": "final", "id": view["id"], "attempt": view["attempts"], "job": view}
 
 
 async def wait_for_terminal(

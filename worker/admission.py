@@ -169,7 +169,8 @@ class EntryAdmitter:
         else:
             assert admission.verdict == "run", admission.verdict
             await self._announce_start(spec, admission)
-            self.loop.start(spec, ref, admission.checkpoint, admission.record, admission.checkpoint_logprobs)
+            self.loop.start(spec, ref, admission.checkpoint, admission.record, admission.checkpoint_logprobs,
+                            attempt=admission.attempts)
             log.info("job %s: admitted from %s (attempt %d, resuming after %d tokens)", spec.id, ref,
                      admission.attempts, len(admission.checkpoint),
                      extra={"entry": str(ref), "lane": lane, "attempt": admission.attempts,
@@ -199,6 +200,7 @@ class EntryAdmitter:
         pipe.hset(self.keys.job(spec.id), J.F_RESUMED_FROM, len(admission.checkpoint))
         pipe.publish(self.keys.events(spec.id), pack({
             "type": "started", "id": spec.id, "worker": self.config.worker_name, "attempts": admission.attempts,
+            "attempt": admission.attempts,
             "resumed_from": len(admission.checkpoint)}))
         if admission.is_first_start and spec.webhook is not None and spec.webhook.wants(WebhookEvent.STARTED):
             view = job_view(admission.record)

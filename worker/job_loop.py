@@ -95,11 +95,11 @@ class JobLoop:
 
     def start(self, spec: JobSpec, entry: EntryRef, checkpoint: list[int],
               record: dict[bytes, bytes] | None = None,
-              checkpoint_logprobs: list[dict[str, Any]] | None = None) -> None:
+              checkpoint_logprobs: list[dict[str, Any]] | None = None, attempt: int = 1) -> None:
         """Queue a job for the engine; it is added at the start of the next tick."""
         assert spec.id not in self.jobs
         job = RunningJob(spec=spec, entry=entry, resumed_from=len(checkpoint), token_ids=list(checkpoint),
-                         checkpointed=len(checkpoint), record=record or {})
+                         checkpointed=len(checkpoint), record=record or {}, attempt=attempt)
         if checkpoint_logprobs is not None and len(checkpoint_logprobs) == len(checkpoint):
             job.resumed_logprobs = list(checkpoint_logprobs)
         if spec.webhook is not None and spec.webhook.wants(WebhookEvent.OUTPUT):
@@ -238,7 +238,7 @@ class JobLoop:
                 job.last_token_mono = mono
                 writes.publish(self.keys.events(job.spec.id), pack({
                     "type": "token", "id": job.spec.id, "text": out.new_text, "token_ids": new_ids,
-                    "index": len(job.token_ids) - len(new_ids)}))
+                    "index": len(job.token_ids) - len(new_ids), "attempt": job.attempt}))
                 if job.throttle is not None and not out.finished and job.throttle.should_emit(mono):
                     partial = running_view(job.record, job.text, job.token_ids,
                                            first_token_at=job.first_token_at, resumed_from=job.resumed_from)

@@ -242,7 +242,7 @@ class ResultStore:
         merged.update({k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()})
         merged[J.F_STATUS.encode()] = outcome.status.value.encode()
         view = job_view(merged)
-        final = pack({"type": "final", "id": outcome.job_id, "job": view})
+        final = pack({"type": "final", "id": outcome.job_id, "attempt": view["attempts"], "job": view})
         webhook: list[Any] = []
         if outcome.webhook is not None and outcome.webhook.wants(WebhookEvent.COMPLETED):
             traceparent = outcome.trace.traceparent if outcome.trace is not None else outcome.traceparent

@@ -19,6 +19,9 @@ class RunningJob:
     resumed_from: int
     token_ids: list[int]
     text: str = ""
+    attempt: int = 1
+    """Which start of the job this is (the record's ``attempts``): on every event, so a subscriber can tell a
+    re-run's events (and a repeated ``final``) from the first run's."""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     first_token_at: float | None = None
