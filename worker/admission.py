@@ -21,7 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from scheduler.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
 from scheduler import job_record as J
 from scheduler.job_record import job_view
-from scheduler.keys import Keys
+from scheduler.keys import EVENTS_LOG_TTL_S, Keys
 from scheduler.log_format import job_context
 from scheduler.redis_replies import as_optional_bytes
 from scheduler.telemetry import span_of_traceparent
@@ -198,10 +198,12 @@ class EntryAdmitter:
         pipe = self.client.pipeline(transaction=False)
         # Shown while it runs: how many output tokens this attempt took over from a checkpoint.
         pipe.hset(self.keys.job(spec.id), J.F_RESUMED_FROM, len(admission.checkpoint))
-        pipe.publish(self.keys.events(spec.id), pack({
+        started = pack({
             "type": "started", "id": spec.id, "worker": self.config.worker_name, "attempts": admission.attempts,
-            "attempt": admission.attempts,
-            "resumed_from": len(admission.checkpoint)}))
+            "attempt": admission.attempts, "resumed_from": len(admission.checkpoint)})
+        pipe.publish(self.keys.events(spec.id), started)
+        pipe.xadd(self.keys.events_log(spec.id), {"e": started})
+        pipe.expire(self.keys.events_log(spec.id), EVENTS_LOG_TTL_S)
         if admission.is_first_start and spec.webhook is not None and spec.webhook.wants(WebhookEvent.STARTED):
             view = job_view(admission.record)
             pipe.xadd(self.keys.webhooks, delivery_fields(spec.id, WebhookEvent.STARTED, spec.webhook.url, view,

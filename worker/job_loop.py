@@ -236,7 +236,7 @@ class JobLoop:
                 gap_s = None if job.last_token_mono is None else mono - job.last_token_mono
                 self.metrics.tokens_emitted(job.spec.lane.value, gap_s, len(new_ids))
                 job.last_token_mono = mono
-                writes.publish(self.keys.events(job.spec.id), pack({
+                writes.publish(job.spec.id, pack({
                     "type": "token", "id": job.spec.id, "text": out.new_text, "token_ids": new_ids,
                     "index": len(job.token_ids) - len(new_ids), "attempt": job.attempt}))
                 if job.throttle is not None and not out.finished and job.throttle.should_emit(mono):
