@@ -80,6 +80,15 @@ def test_an_over_long_text_prompt_fails_naming_the_prompt_with_its_length(stack:
     assert view["usage"]["prompt_tokens"] >= CONTEXT * 3
 
 
+def test_up_takes_every_engine_setting_of_the_worker() -> None:
+    from worker.config import ENGINE_FLAGS, WorkerConfig
+
+    assert set(WorkerConfig().engine_kwargs()) <= set(ENGINE_FLAGS)
+    up_help = carpool("up", "--help").stdout
+    for name in ENGINE_FLAGS:
+        assert "--" + name.replace("_", "-") in up_help, name
+
+
 def test_help_says_each_default_once() -> None:
     for verb in ("up", "gateway", "worker"):
         text = carpool(verb, "--help").stdout

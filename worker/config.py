@@ -26,7 +26,7 @@ MODEL_IMPLS = ("auto", "carpool", "transformers")
 ENGINE_FLAGS = (
     "model", "device", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "batching", "policy",
     "attention_backend", "max_wait_ms", "dtype", "kv_cache_memory_gb", "max_model_len", "enable_prefix_caching",
-    "torch_threads", "engine_process", "interactive_reserve",
+    "cuda_graphs", "async_scheduling", "model_impl", "torch_threads", "engine_process", "interactive_reserve",
 )
 """The worker's engine settings: `carpool up` takes each of them and hands it to its worker."""
 
