@@ -10,6 +10,7 @@ and passed down.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from bench.config import BATCHING_MODES, MODEL_DTYPES, BenchConfig
+from scheduler.checkpoint import check_local_checkpoint
 
 
 _Default = TypeVar("_Default", str, None)
@@ -76,14 +78,42 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return config
 
 
+OPTIONAL_MODULES = ("matplotlib", "tqdm")
+"""What the benchmark needs beyond carpool's own dependencies: the `bench` extra (`pip install -e '.[bench]'`)."""
+
+QUICK_NOTE = ("a --quick run is a smoke test on a tiny workload: its claims are not expected to be met "
+              "(the full run, without --quick, measures them)")
+
+
+def missing_modules(names: Sequence[str]) -> list[str]:
+    missing = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     environ = os.environ if env is None else env
     parser = build_parser(environ)
     args = parser.parse_args(argv)
+    missing = missing_modules(OPTIONAL_MODULES)
+    if missing:
+        print(f"carpool bench: needs {', '.join(missing)}, from the bench extra: pip install -e '.[bench]' "
+              "(or pip install 'carpool[bench]')", file=sys.stderr)
+        return 2
     try:
         config = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    if args.model:
+        try:
+            check_local_checkpoint(args.model)
+        except ValueError as e:
+            print(f"carpool bench: {e}", file=sys.stderr)
+            return 2
     output = Path(args.output).expanduser()
     output.mkdir(parents=True, exist_ok=True)
     model = args.model or _default_model(args.quick, output)
@@ -104,8 +134,12 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
         report = run_suite(config, model, progress, environ)
     paths = write_report(report, output)
+    if args.quick:
+        print(QUICK_NOTE)
     for check in report.checks:
         verdict = "–" if check["passed"] is None else ("met" if check["passed"] else "NOT met")
+        if args.quick and check["passed"] is False:
+            verdict += ", as expected of --quick"
         print(f"{check['name']}: {check['measured']} (target {check['target']}, {verdict})")
     print(f"report: {paths['markdown']} and {paths['json']} ({report.duration_s:.0f} s)")
     return 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gateway.config import GatewayConfig
+from gateway.context_length import ContextLength
 from scheduler.job import JobSpec, JobStatus, JobValidationError, new_job_id
 from scheduler.job_record import F_CREATED_AT, F_ID, F_LANE, F_PRIORITY, F_SPEC, F_STATUS, F_STREAM_ENTRY
 from scheduler.keys import CONSUMER_GROUP, Keys
@@ -81,6 +82,25 @@ class InvalidJob(Exception):
         self.message = message
 
 
+def check_fits(spec: JobSpec, max_len: int) -> None:
+    """Refuse a job whose prompt + max_tokens cannot fit the model's context, naming the field at fault.
+
+    A string prompt's token count is unknown until the worker tokenizes it, and a token can span many
+    bytes, so no byte count proves it too long: the worker judges those (and fails them naming `prompt`).
+    """
+    max_tokens = spec.params.max_tokens
+    if spec.prompt_token_ids is not None:
+        num_prompt = len(spec.prompt_token_ids)
+        if num_prompt >= max_len:
+            raise InvalidJob("prompt_token_ids",
+                             f"{num_prompt} tokens leave no room to generate within the model's context of {max_len}")
+        if num_prompt + max_tokens > max_len:
+            raise InvalidJob("params.max_tokens", f"the prompt's {num_prompt} tokens + {max_tokens} exceed the "
+                                                  f"model's context of {max_len}; at most {max_len - num_prompt}")
+    if max_tokens >= max_len:
+        raise InvalidJob("params.max_tokens", f"must be below the model's context length of {max_len}")
+
+
 class LaneFull(Exception):
     def __init__(self, lane: Lane, depth: int, max_depth: int) -> None:
         super().__init__(f"lane {lane.value} is full ({depth} jobs, at most {max_depth})")
@@ -107,6 +127,7 @@ class Admission:
         self._redis = redis
         self._keys = keys
         self._config = config
+        self._context = ContextLength(redis, keys, config.max_model_len)
         self._check_webhook = check_webhook
         self._enqueue_span = enqueue_span
         self._enqueue = redis.register_script(_ENQUEUE_LUA)
@@ -120,16 +141,9 @@ class Admission:
             raise InvalidJob(e.field, e.message) from e
         if spec.deadline is not None and spec.deadline <= time.time():
             raise InvalidJob("deadline", "already passed")
-        max_len = self._config.max_model_len
-        if spec.prompt_token_ids is not None and len(spec.prompt_token_ids) >= max_len:
-            raise InvalidJob(
-                "prompt_token_ids",
-                f"{len(spec.prompt_token_ids)} tokens leave no room to generate within the model's context of {max_len}",
-            )
-        # A string prompt's token count is unknown until the worker tokenizes it, and a token can
-        # span many bytes, so no byte count proves it too long: the worker judges those.
-        if spec.params.max_tokens >= max_len:
-            raise InvalidJob("params.max_tokens", f"must be below the model's context length of {max_len}")
+        max_len = await self._context.get()
+        if max_len is not None:
+            check_fits(spec, max_len)
         reply_problem = self._keys.check_reply_to(spec.reply_to)
         if reply_problem is not None:
             raise InvalidJob("reply_to", reply_problem)

@@ -115,7 +115,7 @@ class Canceller:
             for k, v in delivery_fields(spec.id, WebhookEvent.COMPLETED, spec.webhook.url, view,
                                         traceparent=spec.traceparent).items():
                 webhook += [k, v]
-        final = msgpack.packb({"type": "final", "id": job_id, "job": view})
+        final = msgpack.packb({"type": "final", "id": job_id, "attempt": view["attempts"], "job": view})
         # A reply key inside carpool's prefix (admitted before such names were refused) gets no reply.
         reply_to = None if spec is None or self._keys.check_reply_to(spec.reply_to) else spec.reply_to
         outcome = (

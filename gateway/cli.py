@@ -18,7 +18,9 @@ from gateway.config import GatewayConfig
 from gateway.flags import add_config_flags, config_from_args
 from gateway.submit import add_submit_flags, run_submit
 from gateway.up import UpConfig, default_data_dir, run_up
+from gateway.up_worker import WorkerChild
 from gateway.webhooks.config import WebhookConfig
+from scheduler.checkpoint import OFFLINE_ENV
 
 DELEGATED_VERBS: dict[str, str] = {
     "worker": "run a GPU/CPU worker: consume the lanes, batch jobs, write results",
@@ -34,8 +36,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
     up = verbs.add_parser("up", help="start Redis (bundled unless --redis-url), the gateway and one worker")
     add_config_flags(up, UpConfig, env)
+    # `up` runs a worker, so it takes the worker's engine flags (worker.config imports no torch).
+    from worker.config import ENGINE_FLAGS, WorkerConfig
+
+    add_config_flags(up, WorkerConfig, env, exclude=set(WorkerConfig.__dataclass_fields__) - set(ENGINE_FLAGS))
     add_config_flags(up, WebhookConfig, env)
-    up.add_argument("--log-level", default=env.get("CARPOOL_LOG_LEVEL", "WARNING"), help="gateway log level [env CARPOOL_LOG_LEVEL]")
+    up.add_argument("--log-level", default=env.get("CARPOOL_LOG_LEVEL", "WARNING"),
+                    help="log level of the gateway and the worker (default: WARNING) [env CARPOOL_LOG_LEVEL]")
 
     gateway = verbs.add_parser("gateway", help="run the HTTP gateway")
     add_config_flags(gateway, GatewayConfig, env)
@@ -48,6 +55,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     for verb, help_text in DELEGATED_VERBS.items():
         verbs.add_parser(verb, help=help_text, add_help=False)
     verbs.add_parser("bench", help="benchmark the batching modes and transformers peers; writes a report", add_help=False)
+    verbs.add_parser("redis-cli", help="the bundled redis-cli, connected to carpool up's Redis", add_help=False)
     return parser
 
 
@@ -63,9 +71,15 @@ def _delegate(verb: str) -> Callable[[list[str], Mapping[str, str]], int]:
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
+    # carpool never downloads a model: transformers reads these at import, and child processes inherit them.
+    os.environ.update(OFFLINE_ENV)
     environ = os.environ if env is None else env
     if args_list and args_list[0] in DELEGATED_VERBS:
         return _delegate(args_list[0])(args_list[1:], environ)
+    if args_list and args_list[0] == "redis-cli":
+        from gateway.redis_cli import main as redis_cli_main
+
+        return redis_cli_main(args_list[1:], environ, default_data_dir(Path.home()))
     if args_list and args_list[0] == "bench":
         from bench.cli import main as bench_main
 
@@ -77,10 +91,17 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     try:
         webhooks = config_from_args(WebhookConfig, args)
         if args.verb == "up":
+            from worker.config import ENGINE_FLAGS, WorkerConfig
+
             up = config_from_args(UpConfig, args)
+            engine = config_from_args(WorkerConfig, args, exclude=set(WorkerConfig.__dataclass_fields__) - set(ENGINE_FLAGS))
+            engine.check_model()
         else:
             gateway = config_from_args(GatewayConfig, args, webhooks=webhooks)
     except ValueError as e:
+        if args.verb == "up":
+            print(f"carpool up: {e}", file=sys.stderr)
+            return 2
         parser.error(str(e))
     if args.verb == "up":
         data_dir = Path(up.data_dir).expanduser() if up.data_dir else default_data_dir(Path.home())
@@ -90,7 +111,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         # The same JSON logs and OTEL_* telemetry as `carpool gateway`; the worker child reads OTEL_* itself.
         telemetry_config = telemetry_config_from_env(environ, service_name="carpool-gateway")
         configure_logging(args.log_level.upper(), service=telemetry_config.service_name)
-        return run_up(up, webhooks, data_dir, telemetry_config)
+        return run_up(up, WorkerChild(engine, ENGINE_FLAGS, args.log_level), webhooks, data_dir, telemetry_config)
     return run_gateway(gateway, args.log_level, environ)
 
 

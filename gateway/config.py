@@ -28,7 +28,8 @@ class GatewayConfig:
         metadata={"help": "jobs a lane may hold before submissions get 429, as lane=N,... (lanes not named keep their default)"},
     )
     retry_after_s: int = field(default=2, metadata={"help": "Retry-After seconds sent with a 429 for a full lane and a 503 while Redis is unavailable"})
-    max_model_len: int = field(default=4096, metadata={"help": "the model's context length; longer token-id prompts are refused at submission"})
+    max_model_len: int | None = field(default=None, metadata={"help": (
+        "longest prompt + max_tokens a job may ask for (400 beyond it); default: learned from the workers' heartbeats")})
     max_wait_s: float = field(default=60.0, metadata={"help": "longest ?wait= a GET may long-poll for"})
     sse_heartbeat_s: float = field(default=15.0, metadata={"help": "seconds between keep-alive comments on an idle event stream"})
     redis_max_connections: int = field(default=100, metadata={"help": "Redis connections the gateway pools; a request waits for a free one"})
@@ -55,8 +56,9 @@ class GatewayConfig:
                 raise ValueError(f"max_lane_depth: {lane} must be at least 1, got {depth}")
             depths[lane] = depth
         self.max_lane_depth = depths
-        for name in ("result_ttl_s", "reply_maxlen", "retry_after_s", "max_model_len", "max_body_bytes",
-                     "redis_max_connections"):
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
+        for name in ("result_ttl_s", "reply_maxlen", "retry_after_s", "max_body_bytes", "redis_max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
         for name in ("max_wait_s", "sse_heartbeat_s", "shutdown_grace_s", "redis_pool_timeout_s"):

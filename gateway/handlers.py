@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
@@ -18,7 +17,8 @@ from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.errors import REDIS_UNAVAILABLE, error_response
 from gateway.metrics import CONTENT_TYPE
-from gateway.results import final_event, is_terminal, wait_for_terminal
+from gateway.results import wait_for_terminal
+from gateway.sse import stream_events
 from scheduler.job_record import job_view, json_default
 from scheduler.lanes import LANES
 from scheduler.redis_replies import read_hash
@@ -93,15 +93,14 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     job_id = request.match_info["id"]
     if not await redis.exists(keys.job(job_id)):
         return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
-    heartbeat_s = app[K.CONFIG].sse_heartbeat_s
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
     })
     app[K.METRICS].waiter_opened()
     try:
-        await _stream_events(request, response, job_id, heartbeat_s)
+        await stream_events(request, response, redis, keys, app[K.HUB], job_id, app[K.CONFIG].sse_heartbeat_s)
     except ConnectionResetError:
-        # The client went away mid-stream: an ordinary end of an event stream.
+        # The client went away mid-stream (it may come back with Last-Event-ID): an ordinary end.
         log.debug("event stream of job %s: client disconnected", job_id)
     except REDIS_UNAVAILABLE as e:
         if not response.prepared:
@@ -110,33 +109,6 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     finally:
         app[K.METRICS].waiter_closed()
     return response
-
-
-async def _stream_events(request: web.Request, response: web.StreamResponse, job_id: str, heartbeat_s: float) -> None:
-    redis, keys, hub = request.app[K.REDIS], request.app[K.KEYS], request.app[K.HUB]
-    async with hub.subscribe(keys.events(job_id)) as sub:
-        record = await read_hash(redis, keys.job(job_id))
-        await response.prepare(request)
-        while record and not is_terminal(record):
-            try:
-                event = await asyncio.wait_for(sub.queue.get(), heartbeat_s)
-            except TimeoutError:
-                await response.write(b": keep-alive\n\n")
-                # A final event lost to a dropped connection must not leave the stream open forever.
-                record = await read_hash(redis, keys.job(job_id))
-                continue
-            if event["type"] == "closed":
-                return
-            await _send(response, event)
-            if event["type"] == "final":
-                return
-        if record:
-            await _send(response, final_event(record))
-
-
-async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
-    data = json.dumps(event, separators=(",", ":"), default=json_default)
-    await response.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
 
 
 @routes.delete("/v1/jobs/{id}")

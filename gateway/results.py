@@ -176,11 +176,6 @@ def is_terminal(record: dict[bytes, bytes]) -> bool:
     return raw is not None and raw.decode() in {s.value for s in TERMINAL_STATUSES}
 
 
-def final_event(record: dict[bytes, bytes]) -> dict[str, Any]:
-    view = job_view(record)
-    return {"type": "final", "id": view["id"], "job": view}
-
-
 async def wait_for_terminal(
     redis: aioredis.Redis, hub: EventHub, keys: Keys, job_id: str, timeout_s: float
 ) -> dict[bytes, bytes]:

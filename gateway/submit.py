@@ -11,6 +11,7 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
+from scheduler.checkpoint import BUILTIN_MODEL_NOTICE
 from scheduler.lanes import DEFAULT_LANE, LANES
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8000"
@@ -27,7 +28,9 @@ def add_submit_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
     parser.add_argument("--lane", choices=[lane.value for lane in LANES], default=DEFAULT_LANE.value)
     parser.add_argument("--wait", action="store_true", help="wait for the job to finish and print its text")
     parser.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate")
-    parser.add_argument("--temperature", type=float, default=None, help="0 is greedy")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 is greedy (default, as for carpool generate: the same prompt prints the same text; "
+                             "a job's own default is 1.0)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--priority", type=int, default=None, help="within the lane; lower runs first")
     parser.add_argument("--id", dest="job_id", default=None, help="job id (default: the gateway makes one)")
@@ -90,9 +93,11 @@ def run_submit(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(view, indent=2))
     status = view["status"]
+    if status in ("succeeded", "failed", "cancelled") and _is_builtin_model(base, view.get("worker")):
+        print(f"carpool submit: {BUILTIN_MODEL_NOTICE}", file=sys.stderr)
     if status == "succeeded":
         if not args.json:
-            print(view["output"]["text"])
+            print(printable(view["output"]["text"]))
         return 0
     if status in ("queued", "running"):
         print(f"carpool submit: job {view['id']} still {status} after {args.timeout_s:g}s", file=sys.stderr)
@@ -100,6 +105,23 @@ def run_submit(args: argparse.Namespace) -> int:
     error = view.get("error") or {}
     print(f"carpool submit: job {view['id']} {status}: {error.get('message', '')}", file=sys.stderr)
     return EXIT_FAILED
+
+
+def printable(text: str) -> str:
+    """``text`` with control and other non-printable characters escaped, so a terminal shows them as such."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode() for c in text)
+
+
+def _is_builtin_model(base: str, worker: object) -> bool:
+    """Whether the worker that ran the job says (in its heartbeat, on /readyz) it serves the built-in model."""
+    if not isinstance(worker, str):
+        return False
+    try:
+        ready = _request("GET", f"{base}/readyz", None, {}, timeout_s=10)
+    except (GatewayError, urllib.error.URLError, OSError, ValueError):
+        return False  # only a note: never fail a finished job over it
+    beat = ready.get("workers", {}).get(worker)
+    return isinstance(beat, dict) and beat.get("builtin_model") is True
 
 
 def _wait(base: str, job_id: str, timeout_s: float) -> dict[str, Any]:

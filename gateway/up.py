@@ -5,28 +5,31 @@ Without `--redis-url` a real redis-server (the binary bundled with the
 this process; the worker is a child process (`python -m gateway.cli worker`).
 "ready" is printed once the worker's `/readyz` answers. Ctrl-C or SIGTERM
 shuts down in order: the gateway stops taking requests, the worker gets
-SIGTERM and `--worker-grace-s` to hand its jobs back, then Redis stops.
+SIGTERM and `--worker-grace-s` to finish its running jobs (up says how many
+it waits for; a second Ctrl-C has them handed back at once), then Redis stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
 import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
-import aiohttp
 from aiohttp import web
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
-from gateway.embedded_redis import EmbeddedRedis, free_port
+from gateway.embedded_redis import DEFAULT_REDIS_PORT, REDIS_URL_FILE, EmbeddedRedis, free_port, is_port_free
+from gateway.up_worker import StackError, WorkerChild, stop_worker, wait_ready
 from gateway.webhooks.config import WebhookConfig
+from scheduler.checkpoint import BUILTIN_MODEL_NOTICE
 from scheduler.tasks import cancel_and_reap
 from scheduler.telemetry import Telemetry, TelemetryConfig
-
-READY_POLL_S = 0.25
 
 
 @dataclass
@@ -34,12 +37,10 @@ class UpConfig:
     redis_url: str | None = field(default=None, metadata={"help": "use this Redis instead of starting the bundled one"})
     host: str = field(default="127.0.0.1", metadata={"help": "address the gateway listens on"})
     port: int = field(default=8000, metadata={"help": "port the gateway listens on"})
-    model: str | None = field(default=None, metadata={"help": "local checkpoint directory; default: the built-in tiny Llama model"})
-    device: str = field(default="cpu", metadata={"help": "worker device: cpu, cuda or cuda:N"})
     data_dir: str = field(default="", metadata={"help": "where the bundled Redis keeps its data (default: ~/.local/share/carpool)"})
-    redis_port: int = field(default=0, metadata={"help": "port of the bundled Redis (default: a free one)"})
+    redis_port: int = field(default=DEFAULT_REDIS_PORT, metadata={
+        "help": "port of the bundled Redis; 0: a free one (its URL is in DATA_DIR/redis.url either way)"})
     worker_metrics_port: int = field(default=0, metadata={"help": "port of the worker's /metrics /readyz (default: a free one)"})
-    max_model_len: int = field(default=4096, metadata={"help": "the model's context length, for admission checks"})
     ready_timeout_s: float = field(default=600.0, metadata={"help": "how long the worker may take to load its model"})
     worker_grace_s: float = field(default=30.0, metadata={"help": "on shutdown, how long the worker may take to hand back its jobs"})
 
@@ -51,25 +52,67 @@ class UpConfig:
             raise ValueError("ready_timeout_s must be positive and worker_grace_s not negative")
 
 
-class StackError(RuntimeError):
-    pass
+class DataDirLock:
+    """An exclusive lock on `DATA_DIR/up.lock`, held while a `carpool up` runs its Redis there.
+
+    Two Redis servers appending to one AOF corrupt it; the lock is the kernel's (`flock`), so it is gone
+    with its process however that process ends, and a stale file never blocks a new stack.
+    """
+
+    def __init__(self, file: IO[str]) -> None:
+        self._file = file
+
+    @classmethod
+    def acquire(cls, data_dir: Path) -> DataDirLock:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        path = data_dir / "up.lock"
+        file = open(path, "a+")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "?"
+            file.close()
+            raise StackError(f"another carpool up (pid {holder}) is running with its Redis data in {data_dir}; "
+                             "stop it, or give this one another --data-dir or --redis-url") from None
+        file.truncate(0)
+        file.write(f"{os.getpid()}\n")
+        file.flush()
+        return cls(file)
+
+    def release(self) -> None:
+        self._file.close()  # closing drops the flock
 
 
 def default_data_dir(home: Path) -> Path:
     return home / ".local" / "share" / "carpool"
 
 
-def run_up(config: UpConfig, webhooks: WebhookConfig, data_dir: Path, telemetry_config: TelemetryConfig) -> int:
+def run_up(config: UpConfig, worker: WorkerChild, webhooks: WebhookConfig, data_dir: Path,
+           telemetry_config: TelemetryConfig) -> int:
     redis: EmbeddedRedis | None = None
     redis_url = config.redis_url
+    url_file = data_dir / REDIS_URL_FILE
+    lock: DataDirLock | None = None
     if redis_url is None:
+        try:
+            lock = DataDirLock.acquire(data_dir)
+        except StackError as e:
+            print(f"carpool up: {e}", file=sys.stderr)
+            return 1
+        if config.redis_port and not is_port_free(config.redis_port):
+            print(f"carpool up: port {config.redis_port} is in use (another Redis?): stop it, or pass --redis-port 0 "
+                  "for a free port, or --redis-url to use that Redis", file=sys.stderr)
+            return 1
         redis = EmbeddedRedis(data_dir / "redis", port=config.redis_port or None).start()
         redis_url = redis.url
-        print(f"carpool: redis      {redis_url}  (data in {data_dir / 'redis'})", flush=True)
+        url_file.write_text(redis_url + "\n")
+        print(f"carpool: redis      {redis_url}  (data in {data_dir / 'redis'}; URL in {url_file}; "
+              "`carpool redis-cli` talks to it)", flush=True)
     try:
         telemetry = Telemetry(telemetry_config)
         try:
-            return asyncio.run(_run_stack(config, webhooks, redis_url, telemetry))
+            return asyncio.run(_run_stack(config, worker, webhooks, redis_url, telemetry))
         finally:
             telemetry.shutdown()
     except StackError as e:
@@ -77,18 +120,29 @@ def run_up(config: UpConfig, webhooks: WebhookConfig, data_dir: Path, telemetry_
         return 1
     finally:
         if redis is not None:
+            url_file.unlink(missing_ok=True)
             redis.stop()
             print("carpool: redis stopped", flush=True)
+        if lock is not None:
+            lock.release()
 
 
-async def _run_stack(config: UpConfig, webhooks: WebhookConfig, redis_url: str, telemetry: Telemetry) -> int:
+async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConfig, redis_url: str,
+                     telemetry: Telemetry) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    hurry = asyncio.Event()
+    """A second Ctrl-C (or SIGTERM): the worker hands its jobs back without waiting for them."""
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
 
     gateway_config = GatewayConfig(
-        redis_url=redis_url, host=config.host, port=config.port, max_model_len=config.max_model_len, webhooks=webhooks,
+        redis_url=redis_url, host=config.host, port=config.port, max_model_len=child.engine.max_model_len,
+        webhooks=webhooks,
     )
     runner = web.AppRunner(init_app(gateway_config, telemetry), shutdown_timeout=gateway_config.shutdown_grace_s)
     await runner.setup()
@@ -101,19 +155,18 @@ async def _run_stack(config: UpConfig, webhooks: WebhookConfig, redis_url: str, 
     print(f"carpool: gateway    {base}", flush=True)
 
     metrics_port = config.worker_metrics_port or free_port()
-    worker_args = [
-        sys.executable, "-m", "gateway.cli", "worker", "--redis-url", redis_url, "--device", config.device,
-        "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--shutdown-grace-s", str(config.worker_grace_s),
-    ]
-    if config.model:
-        worker_args += ["--model", config.model]
     # Its own session, so a terminal's Ctrl-C reaches only us and the shutdown keeps its order.
-    worker = await asyncio.create_subprocess_exec(*worker_args, start_new_session=True)
-    print(f"carpool: worker     pid {worker.pid}, model {config.model or '(built-in tiny model)'} on {config.device}, "
+    worker = await asyncio.create_subprocess_exec(*child.argv(redis_url, metrics_port, config.worker_grace_s),
+                                                  start_new_session=True)
+    engine = child.engine
+    print(f"carpool: worker     pid {worker.pid}, model {engine.model or '(built-in tiny model)'} on {engine.device}, "
           f"metrics http://127.0.0.1:{metrics_port}/metrics", flush=True)
+    if engine.model is None:
+        print(f"carpool: note       {BUILTIN_MODEL_NOTICE}", flush=True)
     exit_code = 0
     try:
-        is_ready = await _wait_ready(worker, f"http://127.0.0.1:{metrics_port}/readyz", config.ready_timeout_s, stop)
+        readyz = f"http://127.0.0.1:{metrics_port}/readyz"
+        is_ready = await wait_ready(worker, readyz, config.ready_timeout_s, stop)
         if is_ready:
             print(f'carpool: ready — try: carpool submit "hello" --wait --gateway {base}', flush=True)
             waiter = asyncio.create_task(stop.wait())
@@ -127,43 +180,7 @@ async def _run_stack(config: UpConfig, webhooks: WebhookConfig, redis_url: str, 
     finally:
         print("carpool: shutting down", flush=True)
         await runner.cleanup()
-        await _stop_worker(worker, config.worker_grace_s)
+        await stop_worker(worker, config.worker_grace_s, f"http://127.0.0.1:{metrics_port}/readyz", hurry)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     return exit_code
-
-
-async def _wait_ready(
-    worker: asyncio.subprocess.Process, url: str, timeout_s: float, stop: asyncio.Event
-) -> bool:
-    """True once the worker answers ready; False if it exited or we were told to stop first."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-        while not stop.is_set() and worker.returncode is None:
-            try:
-                async with session.get(url) as resp:
-                    if resp.status == 200:
-                        return True
-            except (aiohttp.ClientError, OSError, TimeoutError):
-                pass  # not listening yet: the model is still loading
-            if loop.time() > deadline:
-                raise StackError(f"the worker was not ready after {timeout_s:g}s ({url})")
-            try:
-                await asyncio.wait_for(stop.wait(), READY_POLL_S)
-            except TimeoutError:
-                pass
-    return False
-
-
-async def _stop_worker(worker: asyncio.subprocess.Process, grace_s: float) -> None:
-    if worker.returncode is not None:
-        return
-    worker.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(worker.wait(), grace_s + 5)
-    except TimeoutError:
-        print("carpool: the worker did not stop in time; killing it", file=sys.stderr)
-        worker.kill()
-        await worker.wait()
-    print(f"carpool: worker stopped ({worker.returncode})", flush=True)

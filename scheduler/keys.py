@@ -22,6 +22,9 @@ DEFAULT_RESULT_TTL_S = 24 * 3600
 DEFAULT_DEAD_MAXLEN = 10_000
 """Approximate MAXLEN of the dead-letter streams."""
 
+EVENTS_LOG_TTL_S = 600
+"""How long a job's event log lives after its last event; once the job ends, its record replaces the log."""
+
 DEFAULT_REPLY_MAXLEN = 10_000
 """Approximate MAXLEN applied to a job's ``reply_to`` stream on each result."""
 
@@ -62,13 +65,18 @@ class Keys:
         """String mapping an ``Idempotency-Key`` header to the job id it created."""
         return f"{self.prefix}:idem:{key}"
 
+    def events_log(self, job_id: str) -> str:
+        """Stream of a running job's events (field ``e`` = the same msgpack as on ``events``), so a late
+        SSE client catches up from the start; expires ``EVENTS_LOG_TTL_S`` after its last entry."""
+        return f"{self.prefix}:events-log:{job_id}"
+
     def cancel(self, job_id: str) -> str:
         """Flag set when a job is cancelled; workers check it before and while running."""
         return f"{self.prefix}:cancel:{job_id}"
 
     @property
     def control(self) -> str:
-        """Pub/sub channel of control messages to workers (cancellations)."""
+        """Pub/sub channel of control messages to workers: ``cancel`` (a job) and ``handback`` (reclaim now)."""
         return f"{self.prefix}:control"
 
     @property

@@ -79,11 +79,15 @@ def test_percentile_interpolates() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_quick_bench_writes_a_complete_report(tmp_path: Path, tiny_model: Callable[..., str]) -> None:
+def test_quick_bench_writes_a_complete_report(tmp_path: Path, tiny_model: Callable[..., str],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "report"
     # --device and --dtype reach every system, the online worker child included.
     assert carpool_main(["bench", "--quick", "--no-progress", "--output", str(out), "--model", tiny_model(),
                          "--device", "cpu", "--dtype", "float32"]) == 0
+    printed = capsys.readouterr().out
+    assert "a --quick run is a smoke test" in printed and "not expected to be met" in printed
+    assert all(", as expected of --quick)" in line for line in printed.splitlines() if "NOT met" in line)
 
     document = json.loads((out / "results.json").read_text())
     assert (document["config"]["device"], document["config"]["dtype"]) == ("cpu", "float32")

@@ -22,6 +22,7 @@ from gateway.cli import DELEGATED_VERBS, build_parser, main
 from gateway.config import GatewayConfig
 from gateway.embedded_redis import free_port
 from gateway.flags import config_from_args, env_names
+from gateway.submit import printable
 from gateway.up import UpConfig
 from scheduler.keys import Keys
 from child_env import child_pythonpath
@@ -32,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_every_verb_is_listed() -> None:
     parser = build_parser({})
     (verbs,) = [a for a in parser._actions if a.dest == "verb"]
-    assert set(verbs.choices) == {"up", "gateway", "submit", "bench", *DELEGATED_VERBS}
+    assert set(verbs.choices) == {"up", "gateway", "submit", "bench", "redis-cli", *DELEGATED_VERBS}
     assert set(DELEGATED_VERBS) == {"worker", "generate", "webhooks"}
 
 
@@ -52,10 +53,12 @@ def test_gateway_flags_fall_back_to_env_and_flags_win() -> None:
     assert "--webhooks" not in names
 
 
-def test_up_flags_and_defaults() -> None:
-    args = build_parser({"CARPOOL_DEVICE": "cuda"}).parse_args(["up", "--model", "/models/m", "--port", "8100"])
+def test_up_flags_and_defaults(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    args = build_parser({"CARPOOL_DEVICE": "cuda"}).parse_args(["up", "--model", str(tmp_path), "--port", "8100"])
     up = config_from_args(UpConfig, args)
-    assert (up.redis_url, up.model, up.device, up.port) == (None, "/models/m", "cuda", 8100)
+    assert (up.redis_url, up.port) == (None, 8100)
+    assert (args.model, args.device) == (str(tmp_path), "cuda")  # engine flags, handed to the worker
 
 
 def test_bad_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -116,7 +119,7 @@ def test_up_then_submit_wait_prints_a_completion(tiny_model: Callable[..., str],
     with open(log_path, "w") as log:
         up = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--model", model,
-             "--data-dir", str(tmp_path / "data"), "--worker-grace-s", "5", "--log-level", "info"],
+             "--data-dir", str(tmp_path / "data"), "--redis-port", "0", "--worker-grace-s", "5", "--log-level", "info"],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
         )
     try:
@@ -132,7 +135,7 @@ def test_up_then_submit_wait_prints_a_completion(tiny_model: Callable[..., str],
             view = json.loads(resp.read())
         assert view["status"] == "succeeded"
         assert view["usage"]["completion_tokens"] == len(view["output"]["token_ids"]) > 0
-        assert done.stdout == view["output"]["text"] + "\n"
+        assert done.stdout == printable(view["output"]["text"]) + "\n"
         assert (tmp_path / "data" / "redis").is_dir()
     finally:
         up.send_signal(signal.SIGINT)

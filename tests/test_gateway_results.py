@@ -123,12 +123,13 @@ async def test_sse_relays_started_tokens_and_final(client: TestClient, redis: ai
     assert events[-1][1]["job"]["output"]["text"] == "hello"
 
 
-async def test_sse_of_a_finished_job_sends_final_at_once(client: TestClient, redis: aioredis.Redis) -> None:
+async def test_sse_of_a_finished_job_replays_it_at_once(client: TestClient, redis: aioredis.Redis) -> None:
     job_id = await new_job(client)
     await finish_like_a_worker(redis, job_id, "old news", delay_s=0)
     events = await asyncio.wait_for(read_sse(client, job_id), 5)
-    assert [kind for kind, _ in events] == ["final"]
-    assert events[0][1]["job"]["output"]["text"] == "old news"
+    assert [kind for kind, _ in events] == ["started", "token", "final"]
+    assert events[1][1]["text"] == "old news" and events[1][1]["token_ids"] == [1, 2] and events[1][1]["index"] == 0
+    assert events[-1][1]["job"]["output"]["text"] == "old news"
 
 
 async def test_sse_notices_a_missed_final_on_its_heartbeat(client: TestClient, redis: aioredis.Redis) -> None:

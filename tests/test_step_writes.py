@@ -37,8 +37,8 @@ async def test_events_deliveries_and_checkpoints_in_one_call(redis: aioredis.Red
         assert (await pubsub.get_message(timeout=1.0) or {}).get("type") == "subscribe"
     writes = StepWrites()
     for index in range(3):
-        writes.publish(keys.events("a"), msgpack.packb({"index": index}))
-    writes.publish(keys.events("b"), msgpack.packb({"index": 0}))
+        writes.publish("a", msgpack.packb({"index": index}))
+    writes.publish("b", msgpack.packb({"index": 0}))
     writes.deliver({"id": b"d1", "job_id": b"a", "event": b"output"})
     stored = writes.checkpoint("a", [5, 6, 7], 12.5)
     lost = writes.checkpoint("b", [1], None)

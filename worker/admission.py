@@ -19,16 +19,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from scheduler.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
+from scheduler import job_record as J
 from scheduler.job_record import job_view
-from scheduler.keys import Keys
+from scheduler.keys import EVENTS_LOG_TTL_S, Keys
 from scheduler.log_format import job_context
+from scheduler.redis_replies import as_optional_bytes
 from scheduler.telemetry import span_of_traceparent
 from scheduler.webhooks import delivery_fields
 from worker.config import WorkerConfig
 from worker.consumer import Entry
 from worker.job_loop import JobLoop
 from worker.metrics import WorkerMetrics
-from worker.results import Admission, Outcome, ResultStore, pack
+from worker.results import Admission, Outcome, ResultStore, checkpoint_output, pack
 
 log = logging.getLogger(__name__)
 
@@ -141,16 +143,13 @@ class EntryAdmitter:
             log.info("job %s: reclaimed from %s (delivery %d): its previous worker stopped renewing or handed it back",
                      spec.id, ref, entry.deliveries, extra={"entry": str(ref), "lane": lane, "delivery": entry.deliveries})
         if entry.deliveries > self.config.max_deliveries:
-            reason = f"delivered {entry.deliveries} times (max_deliveries {self.config.max_deliveries})"
-            log.warning("job %s: %s; dead-lettered and failed", spec.id, reason,
-                        extra={"entry": str(ref), "lane": lane, "dead_letter": "too_many_deliveries"})
-            self.metrics.dead_lettered(spec.lane.value, "too_many_deliveries")
-            if await self.store.commit(Outcome(spec.id, JobStatus.FAILED, ref, reply_to=spec.reply_to,
-                                               webhook=spec.webhook, traceparent=spec.traceparent, dead_reason=reason,
-                                               dead_payload=raw,
-                                               error={"type": "too_many_deliveries", "message": reason})):
-                self.metrics.job_finished_unrun(spec.lane.value, JobStatus.FAILED, created_at)
-            return
+            # Only deliveries whose worker died or gave up count: a clean hand-back is no sign of poison.
+            raw_checkpoint, raw_handbacks = await self.client.hmget(
+                self.keys.job(spec.id), [J.F_CHECKPOINT, J.F_HANDBACKS])
+            handbacks = int(raw_handbacks or 0)
+            if entry.deliveries - handbacks > self.config.max_deliveries:
+                await self._fail_too_many(spec, entry, raw, created_at, handbacks, as_optional_bytes(raw_checkpoint))
+                return
         admission = await self.store.admit(spec, ref, created_at, time.time())
         if admission.verdict != "run":
             log.info("job %s: not run (%s, was %s)", spec.id, admission.verdict, admission.previous_status or "new",
@@ -170,17 +169,41 @@ class EntryAdmitter:
         else:
             assert admission.verdict == "run", admission.verdict
             await self._announce_start(spec, admission)
-            self.loop.start(spec, ref, admission.checkpoint, admission.record, admission.checkpoint_logprobs)
+            self.loop.start(spec, ref, admission.checkpoint, admission.record, admission.checkpoint_logprobs,
+                            attempt=admission.attempts)
             log.info("job %s: admitted from %s (attempt %d, resuming after %d tokens)", spec.id, ref,
                      admission.attempts, len(admission.checkpoint),
                      extra={"entry": str(ref), "lane": lane, "attempt": admission.attempts,
                             "resumed_from": len(admission.checkpoint)})
 
+    async def _fail_too_many(self, spec: JobSpec, entry: Entry, raw: bytes, created_at: float, handbacks: int,
+                             raw_checkpoint: bytes | None) -> None:
+        """Dead-letter a job delivered too often and fail it, keeping the output it had checkpointed."""
+        counted = entry.deliveries - handbacks
+        reason = (f"delivered {entry.deliveries} times, {counted} of them not handed back cleanly "
+                  f"(max_deliveries {self.config.max_deliveries})")
+        log.warning("job %s: %s; dead-lettered and failed", spec.id, reason,
+                    extra={"entry": str(entry.ref), "lane": spec.lane.value, "dead_letter": "too_many_deliveries"})
+        self.metrics.dead_lettered(spec.lane.value, "too_many_deliveries")
+        output = checkpoint_output(raw_checkpoint)
+        usage = None if output is None else {"prompt_tokens": 0, "completion_tokens": len(output["token_ids"]),
+                                             "cached_tokens": 0}
+        if await self.store.commit(Outcome(spec.id, JobStatus.FAILED, entry.ref, reply_to=spec.reply_to,
+                                           webhook=spec.webhook, traceparent=spec.traceparent, dead_reason=reason,
+                                           dead_payload=raw, output=output, usage=usage,
+                                           error={"type": "too_many_deliveries", "message": reason})):
+            self.metrics.job_finished_unrun(spec.lane.value, JobStatus.FAILED, created_at)
+
     async def _announce_start(self, spec: JobSpec, admission: Admission) -> None:
         pipe = self.client.pipeline(transaction=False)
-        pipe.publish(self.keys.events(spec.id), pack({
+        # Shown while it runs: how many output tokens this attempt took over from a checkpoint.
+        pipe.hset(self.keys.job(spec.id), J.F_RESUMED_FROM, len(admission.checkpoint))
+        started = pack({
             "type": "started", "id": spec.id, "worker": self.config.worker_name, "attempts": admission.attempts,
-            "resumed_from": len(admission.checkpoint)}))
+            "attempt": admission.attempts, "resumed_from": len(admission.checkpoint)})
+        pipe.publish(self.keys.events(spec.id), started)
+        pipe.xadd(self.keys.events_log(spec.id), {"e": started})
+        pipe.expire(self.keys.events_log(spec.id), EVENTS_LOG_TTL_S)
         if admission.is_first_start and spec.webhook is not None and spec.webhook.wants(WebhookEvent.STARTED):
             view = job_view(admission.record)
             pipe.xadd(self.keys.webhooks, delivery_fields(spec.id, WebhookEvent.STARTED, spec.webhook.url, view,

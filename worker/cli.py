@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.flags import add_config_flags, config_from_args
+from gateway.submit import printable
+from scheduler.checkpoint import BUILTIN_MODEL_NOTICE, OFFLINE_ENV
 from scheduler.log_format import configure_logging
 from scheduler.params import SamplingParams
 from scheduler.telemetry import Telemetry, TelemetryConfig, telemetry_config_from_env
@@ -35,7 +37,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     gen = verbs.add_parser("generate", help="run the offline engine once on a prompt and print the text")
     gen.add_argument("prompt", help="prompt text")
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 is greedy (default, as for carpool submit; a job's own default is 1.0)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     add_config_flags(gen, WorkerConfig, env, exclude=_service_fields())
@@ -48,14 +51,21 @@ def _service_fields() -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    os.environ.update(OFFLINE_ENV)  # before anything imports transformers; the engine process inherits it
     environ = os.environ if env is None else env
     args = build_parser(environ).parse_args(argv)
     if args.verb == "generate":
-        config = config_from_args(WorkerConfig, args, exclude=_service_fields())
+        try:
+            config = config_from_args(WorkerConfig, args, exclude=_service_fields())
+            config.check_model()
+        except ValueError as e:
+            print(f"carpool generate: {e}", file=sys.stderr)
+            return 2
         return generate(config, args.prompt, SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed))
     try:
         config = config_from_args(WorkerConfig, args)
+        config.check_model()
     except ValueError as e:
         print(f"carpool worker: {e}", file=sys.stderr)
         return 2
@@ -71,7 +81,9 @@ def generate(config: WorkerConfig, prompt: str, params: SamplingParams) -> int:
     apply_torch_threads(config.torch_threads, config.device)
     engine = Engine(**config.engine_kwargs())
     (completion,) = engine.generate([prompt], params)
-    print(completion.text)
+    if config.model is None:
+        print(f"carpool generate: {BUILTIN_MODEL_NOTICE}", file=sys.stderr)
+    print(printable(completion.text))
     return 0
 
 
@@ -109,8 +121,15 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
     client = aioredis.Redis.from_url(config.redis_url)
     telemetry = Telemetry(telemetry_config or TelemetryConfig(service_name="carpool-worker"))
     service = WorkerService(config, engine, client, telemetry)
+    def on_signal() -> None:
+        # The first signal starts the graceful drain; a second one (a second Ctrl-C) ends the wait.
+        if service.stopped.is_set():
+            log.warning("second signal: handing back %d running jobs now", len(service.loop.jobs))
+            service.hand_back_now.set()
+        service.stopped.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, service.stopped.set)
+        loop.add_signal_handler(sig, on_signal)
     has_failed = False
     try:
         await service.start()

@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.checkpoint import check_local_checkpoint
 from scheduler.keys import DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S, DEFAULT_DEAD_MAXLEN
 from scheduler.lanes import DEFAULT_LANE_WEIGHTS, Lane
 
@@ -22,6 +23,14 @@ POLICIES = ("fcfs", "priority")
 MODEL_IMPLS = ("auto", "carpool", "transformers")
 # Weight quantizations (worker.models.quantization.Quantization).
 QUANTIZATIONS = ("int8", "fp8")
+
+
+ENGINE_FLAGS = (
+    "model", "device", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "batching", "policy",
+    "attention_backend", "max_wait_ms", "dtype", "kv_cache_memory_gb", "max_model_len", "enable_prefix_caching",
+    "cuda_graphs", "async_scheduling", "model_impl", "torch_threads", "engine_process", "interactive_reserve",
+)
+"""The worker's engine settings: `carpool up` takes each of them and hands it to its worker."""
 
 
 def default_worker_name() -> str:
@@ -73,7 +82,8 @@ class WorkerConfig:
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata=_help("Redis server holding the lanes"))
     key_prefix: str = field(default=DEFAULT_PREFIX, metadata=_help("prefix of every Redis key"))
     worker_name: str = field(default="", metadata=_help("consumer name in the group; default: host-pid-random"))
-    metrics_host: str = field(default="0.0.0.0", metadata=_help("address of the /healthz /readyz /metrics server"))
+    metrics_host: str = field(default="127.0.0.1", metadata=_help(
+        "address of the /healthz /readyz /metrics server; loopback unless set (the container image sets 0.0.0.0)"))
     metrics_port: int = field(default=9464, metadata=_help("port of /healthz /readyz /metrics; 0 turns the server off"))
     max_inflight: int | None = field(default=None, metadata=_help("most jobs held at once; default: --max-num-seqs"))
     interactive_reserve: int | None = field(default=None, metadata=_help(
@@ -154,6 +164,15 @@ class WorkerConfig:
 
     def weight(self, lane: Lane) -> int:
         return self.lane_weights.get(lane.value, DEFAULT_LANE_WEIGHTS[lane])
+
+    def check_model(self) -> None:
+        """Raise ``ValueError`` unless ``model`` is unset or a local checkpoint directory.
+
+        Checked where a process is about to load it, not in ``__post_init__``: a container's
+        configuration names a path that exists only where the container runs.
+        """
+        if self.model is not None:
+            check_local_checkpoint(self.model)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``worker.engine.Engine``."""

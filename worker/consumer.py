@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
-from redis.typing import StreamIdT, XReadGroupResponse
+from redis.typing import XReadGroupResponse
 
+from scheduler.job_record import F_HANDBACKS
 from scheduler.keys import CONSUMER_GROUP, Keys
 from scheduler.lanes import LANES, Lane
 from scheduler.redis_replies import stream_entries
@@ -38,6 +39,22 @@ for i = 3, #ARGV do
 end
 return lost
 """
+
+# KEYS: stream. ARGV: group, consumer, idle ms, then (entry id, job record key) pairs.
+# Each entry still ours is made to look long idle, and its job counts one clean hand-back (a delivery
+# that does not count against max_deliveries: the job did nothing wrong). -> how many were handed back.
+_HAND_BACK_LUA = """
+local n = 0
+for i = 4, #ARGV, 2 do
+  local info = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if info[1] and info[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
+    redis.call('HINCRBY', ARGV[i + 1], '@handbacks@', 1)
+    n = n + 1
+  end
+end
+return n
+""".replace("@handbacks@", F_HANDBACKS)
 
 HANDBACK_IDLE_MS = 365 * 24 * 3600 * 1000
 """Idle time given to handed-back entries, past any worker's lease, so the next XAUTOCLAIM takes them."""
@@ -86,6 +103,7 @@ class LaneConsumer:
         self.max_deliveries = max_deliveries
         self._lane_of = {keys.lane(lane): lane for lane in LANES}
         self._renew = client.register_script(_RENEW_LUA)
+        self._hand_back = client.register_script(_HAND_BACK_LUA)
 
     async def ensure_groups(self) -> None:
         for lane in LANES:
@@ -181,10 +199,11 @@ class LaneConsumer:
             lost |= {EntryRef(stream, eid.decode() if isinstance(eid, bytes) else eid) for eid in gone}
         return lost
 
-    async def hand_back(self, refs: Iterable[EntryRef]) -> None:
-        """Make our entries look long idle so the next worker's XAUTOCLAIM takes them at once."""
-        by_stream: dict[str, list[StreamIdT]] = {}
-        for ref in refs:
-            by_stream.setdefault(ref.stream, []).append(ref.entry_id)
-        for stream, ids in by_stream.items():
-            await self.client.xclaim(stream, CONSUMER_GROUP, self.name, 0, ids, idle=HANDBACK_IDLE_MS, justid=True)
+    async def hand_back(self, jobs: dict[EntryRef, str]) -> None:
+        """Make our entries look long idle so the next worker's XAUTOCLAIM takes them at once, and count a
+        clean hand-back on each job's record. ``jobs``: entry -> job id."""
+        by_stream: dict[str, list[str]] = {}
+        for ref, job_id in jobs.items():
+            by_stream.setdefault(ref.stream, []).extend([ref.entry_id, self.keys.job(job_id)])
+        for stream, pairs in by_stream.items():
+            await self._hand_back(keys=[stream], args=[CONSUMER_GROUP, self.name, HANDBACK_IDLE_MS, *pairs])

@@ -92,11 +92,12 @@ class EngineProcess:
     Requests go out as soon as they are asked for; the child answers them one at a time, in order.
     """
 
-    def __init__(self, process: Any, max_num_seqs: int = 0) -> None:
+    def __init__(self, process: Any, max_num_seqs: int = 0, max_model_len: int = 0) -> None:
         self.process = process
         self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         self._channel: _Channel | None = None
-        self._ready: asyncio.Future[int] | None = None
+        self._ready: asyncio.Future[tuple[int, int]] | None = None
         self._waiting: deque[asyncio.Future[Tick] | None] = deque()
         """Requests sent and not yet answered, oldest first; None: the stop message."""
         self._failure: EngineFailed | None = None
@@ -126,7 +127,7 @@ class EngineProcess:
             _, channel = await loop.create_unix_connection(lambda: _Channel(engine._on_message, engine._on_lost),
                                                            sock=ours)
             engine._channel = channel
-            engine.max_num_seqs = await engine._ready
+            engine.max_num_seqs, engine.max_model_len = await engine._ready
         except BaseException as e:
             process.kill()
             await loop.run_in_executor(None, process.join, STOP_TIMEOUT_S)
@@ -159,7 +160,7 @@ class EngineProcess:
         kind, payload = message
         if self._ready is not None and not self._ready.done():
             if kind == "ready":
-                self._ready.set_result(int(payload))
+                self._ready.set_result((int(payload[0]), int(payload[1])))
             else:
                 self._ready.set_exception(EngineStartError(payload))
             return
@@ -225,7 +226,7 @@ def serve_engine(sock: socket.socket, engine_kwargs: dict[str, Any], torch_threa
         except Exception as e:
             sock.sendall(frame(("error", f"{type(e).__name__}: {e}")))
             return
-        sock.sendall(frame(("ready", engine.max_num_seqs)))
+        sock.sendall(frame(("ready", (engine.max_num_seqs, engine.max_model_len))))
         while True:
             try:
                 request = _receive(sock)

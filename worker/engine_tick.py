@@ -37,10 +37,18 @@ class StepOutput:
 
 
 @dataclass
+class Rejection:
+    """A request the engine refused: why (the message starts with the field at fault), and its prompt length."""
+
+    message: str
+    num_prompt_tokens: int
+
+
+@dataclass
 class Tick:
     """What one engine tick did."""
 
-    rejected: dict[str, str]
+    rejected: dict[str, Rejection]
     outputs: list[Any]
     """The step's ``RequestOutput``s (``StepOutput``s from an engine process)."""
     num_unfinished: int
@@ -54,6 +62,8 @@ class EngineFailed(RuntimeError):
 
 class EngineRunner(Protocol):
     max_num_seqs: int
+    max_model_len: int
+    """Longest prompt + output a request may have."""
 
     def tick(self, adds: list[Add], aborts: list[str], do_step: bool) -> asyncio.Future[Tick]:
         """Hand the tick to the engine at once (not at the caller's next await); the future holds its result.
@@ -71,7 +81,7 @@ def as_runner(engine: Any) -> EngineRunner:
 
 
 def run_tick(engine: Any, adds: list[Add], aborts: list[str], do_step: bool) -> Tick:
-    rejected: dict[str, str] = {}
+    rejected: dict[str, Rejection] = {}
     for request_id in aborts:
         engine.abort_request(request_id)
     for request_id, spec, priority, resume in adds:
@@ -81,9 +91,30 @@ def run_tick(engine: Any, adds: list[Add], aborts: list[str], do_step: bool) -> 
                 messages=spec.messages, priority=priority, resume_token_ids=resume or None,
             )
         except ValueError as e:
-            rejected[request_id] = str(e)
+            rejected[request_id] = _rejection(engine, spec, e)
     outputs = engine.step() if do_step and engine.has_unfinished_requests() else []
     return Tick(rejected, outputs, engine.num_unfinished_requests(), engine.stats())
+
+
+def _rejection(engine: Any, spec: JobSpec, error: ValueError) -> Rejection:
+    """The engine's refusal with the prompt's length, and a prompt that alone fills the context named as such.
+
+    The engine checks prompt + max_tokens as one sum and names max_tokens; when the prompt leaves no room
+    at all, no max_tokens could fit, so the prompt is what the producer must change.
+    """
+    from worker.prompt_input import prompt_token_ids
+
+    prompt = spec.prompt if spec.prompt is not None else spec.prompt_token_ids
+    try:
+        num_prompt = len(prompt_token_ids(engine.tokenizer, engine.runner.vocab_size, prompt, spec.messages))
+    except ValueError:
+        return Rejection(str(error), 0)  # the prompt itself is what is wrong, and the engine said so
+    max_len = engine.max_model_len
+    if num_prompt >= max_len:
+        field = "prompt" if spec.prompt is not None else ("messages" if spec.messages is not None else "prompt_token_ids")
+        return Rejection(f"{field}: {num_prompt} tokens leave no room to generate within the model's context "
+                         f"of {max_len}", num_prompt)
+    return Rejection(str(error), num_prompt)
 
 
 class EngineThread:
@@ -92,6 +123,7 @@ class EngineThread:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.max_num_seqs: int = engine.max_num_seqs
+        self.max_model_len: int = engine.max_model_len
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     def tick(self, adds: list[Add], aborts: list[str], do_step: bool) -> asyncio.Future[Tick]:

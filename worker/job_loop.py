@@ -35,7 +35,7 @@ from worker.engine_tick import EngineFailed, EngineRunner, Tick
 from scheduler.log_format import job_context
 from worker.metrics import WorkerMetrics
 from worker.results import EntryRef, Outcome, ResultStore, pack
-from worker.running_job import RunningJob, outcome_of
+from worker.running_job import RunningJob, outcome_of, output_of
 from worker.step_writes import CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NOT_OURS, StepWriter, StepWrites
 
 log = logging.getLogger(__name__)
@@ -95,11 +95,11 @@ class JobLoop:
 
     def start(self, spec: JobSpec, entry: EntryRef, checkpoint: list[int],
               record: dict[bytes, bytes] | None = None,
-              checkpoint_logprobs: list[dict[str, Any]] | None = None) -> None:
+              checkpoint_logprobs: list[dict[str, Any]] | None = None, attempt: int = 1) -> None:
         """Queue a job for the engine; it is added at the start of the next tick."""
         assert spec.id not in self.jobs
         job = RunningJob(spec=spec, entry=entry, resumed_from=len(checkpoint), token_ids=list(checkpoint),
-                         checkpointed=len(checkpoint), record=record or {})
+                         checkpointed=len(checkpoint), record=record or {}, attempt=attempt)
         if checkpoint_logprobs is not None and len(checkpoint_logprobs) == len(checkpoint):
             job.resumed_logprobs = list(checkpoint_logprobs)
         if spec.webhook is not None and spec.webhook.wants(WebhookEvent.OUTPUT):
@@ -117,7 +117,8 @@ class JobLoop:
         if job is None:
             return False
         self._abort(job_id)
-        self.commits.spawn(outcome_of(job, JobStatus.CANCELLED, error={
+        # The text and tokens produced until now stay on the record (the finish_reason of an aborted request).
+        self.commits.spawn(outcome_of(job, JobStatus.CANCELLED, output=output_of(job, "abort"), error={
             "type": "cancelled", "message": "cancelled while running"}))
         return True
 
@@ -203,12 +204,13 @@ class JobLoop:
         return self.runner.tick(adds, aborts, True)
 
     async def _handle(self, tick: Tick) -> None:
-        for job_id, message in tick.rejected.items():
+        for job_id, rejection in tick.rejected.items():
             job = self.jobs.pop(job_id, None)
             if job is not None:
                 self.slot_freed.set()
+                job.num_prompt_tokens = rejection.num_prompt_tokens
                 self.commits.spawn(outcome_of(job, JobStatus.FAILED, error={
-                    "type": "invalid_request", "message": message}))
+                    "type": "invalid_request", "message": rejection.message}))
         now, mono = time.time(), time.monotonic()
         writes = StepWrites()
         checkpointed: list[tuple[int, RunningJob]] = []
@@ -234,9 +236,9 @@ class JobLoop:
                 gap_s = None if job.last_token_mono is None else mono - job.last_token_mono
                 self.metrics.tokens_emitted(job.spec.lane.value, gap_s, len(new_ids))
                 job.last_token_mono = mono
-                writes.publish(self.keys.events(job.spec.id), pack({
+                writes.publish(job.spec.id, pack({
                     "type": "token", "id": job.spec.id, "text": out.new_text, "token_ids": new_ids,
-                    "index": len(job.token_ids) - len(new_ids)}))
+                    "index": len(job.token_ids) - len(new_ids), "attempt": job.attempt}))
                 if job.throttle is not None and not out.finished and job.throttle.should_emit(mono):
                     partial = running_view(job.record, job.text, job.token_ids,
                                            first_token_at=job.first_token_at, resumed_from=job.resumed_from)
@@ -247,7 +249,8 @@ class JobLoop:
             if out.finished:
                 finished.append((job, out))
             elif self._checkpoint_due(job, mono):
-                checkpointed.append((writes.checkpoint(job.spec.id, job.token_ids, job.first_token_at, job.logprobs),
+                checkpointed.append((writes.checkpoint(job.spec.id, job.token_ids, job.first_token_at, job.logprobs,
+                                                       job.text),
                                      job))
                 job.checkpointed, job.checkpoint_at = len(job.token_ids), mono
         replies: list[int] = []
@@ -268,10 +271,7 @@ class JobLoop:
             if self.jobs.pop(job.spec.id, None) is None:
                 continue
             self.slot_freed.set()
-            output: dict[str, Any] = {"text": job.text, "token_ids": job.token_ids, "finish_reason": out.finish_reason}
-            if job.spec.params.logprobs is not None:
-                output["logprobs"] = job.logprobs
-            self.commits.spawn(outcome_of(job, JobStatus.SUCCEEDED, output=output))
+            self.commits.spawn(outcome_of(job, JobStatus.SUCCEEDED, output=output_of(job, out.finish_reason)))
 
     def _checkpoint_due(self, job: RunningJob, mono: float) -> bool:
         if job.first_token_at is not None and job.checkpointed == 0 and job.token_ids:
@@ -291,13 +291,13 @@ class JobLoop:
 
     # --- shutdown -------------------------------------------------------------------------
 
-    async def checkpoint_all(self) -> list[EntryRef]:
-        """Write every running job's tokens, abort them in the engine, and return their entries."""
+    async def checkpoint_all(self) -> dict[EntryRef, str]:
+        """Write every running job's tokens, abort them in the engine, and return their entries and job ids."""
         writes = StepWrites()
-        refs = []
+        refs: dict[EntryRef, str] = {}
         for job in list(self.jobs.values()):
-            writes.checkpoint(job.spec.id, job.token_ids, job.first_token_at, job.logprobs)
-            refs.append(job.entry)
+            writes.checkpoint(job.spec.id, job.token_ids, job.first_token_at, job.logprobs, job.text)
+            refs[job.entry] = job.spec.id
             self._abort(job.spec.id)
         await self.step_writer.write(writes)
         aborts, self._aborts = self._aborts, []

@@ -105,11 +105,17 @@ def pack(value: Any) -> bytes:
     return msgpack.packb(value, use_bin_type=True)
 
 
-def pack_checkpoint(token_ids: list[int], logprobs: list[dict[str, Any]] | None) -> bytes:
-    """The output tokens so far; a job that asked for logprobs keeps theirs beside them, for its resume."""
-    if logprobs is None:
+def pack_checkpoint(token_ids: list[int], logprobs: list[dict[str, Any]] | None, text: str | None = None) -> bytes:
+    """The output tokens so far, with their text (kept on the record should the job fail before it ends);
+    a job that asked for logprobs keeps theirs beside them, for its resume."""
+    if logprobs is None and text is None:
         return pack(token_ids)
-    return pack({"token_ids": token_ids, "logprobs": logprobs})
+    data: dict[str, Any] = {"token_ids": token_ids}
+    if logprobs is not None:
+        data["logprobs"] = logprobs
+    if text is not None:
+        data["text"] = text
+    return pack(data)
 
 
 def unpack_checkpoint(raw: bytes) -> tuple[list[int], list[dict[str, Any]] | None]:
@@ -117,8 +123,22 @@ def unpack_checkpoint(raw: bytes) -> tuple[list[int], list[dict[str, Any]] | Non
         return [], None
     data = msgpack.unpackb(raw)
     if isinstance(data, dict):
-        return list(data["token_ids"]), list(data["logprobs"])
+        logprobs = data.get("logprobs")
+        return list(data["token_ids"]), None if logprobs is None else list(logprobs)
     return list(data), None
+
+
+def checkpoint_output(raw: bytes | None) -> dict[str, Any] | None:
+    """A checkpoint as a record's ``output`` (``finish_reason`` None: the job never finished), or None."""
+    if not raw:
+        return None
+    token_ids, logprobs = unpack_checkpoint(raw)
+    data = msgpack.unpackb(raw)
+    output: dict[str, Any] = {"text": data.get("text") if isinstance(data, dict) else None,
+                              "token_ids": token_ids, "finish_reason": None}
+    if logprobs is not None:
+        output["logprobs"] = logprobs
+    return output
 
 
 @dataclass(frozen=True)
@@ -222,7 +242,7 @@ class ResultStore:
         merged.update({k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()})
         merged[J.F_STATUS.encode()] = outcome.status.value.encode()
         view = job_view(merged)
-        final = pack({"type": "final", "id": outcome.job_id, "job": view})
+        final = pack({"type": "final", "id": outcome.job_id, "attempt": view["attempts"], "job": view})
         webhook: list[Any] = []
         if outcome.webhook is not None and outcome.webhook.wants(WebhookEvent.COMPLETED):
             traceparent = outcome.trace.traceparent if outcome.trace is not None else outcome.traceparent

@@ -19,6 +19,9 @@ class RunningJob:
     resumed_from: int
     token_ids: list[int]
     text: str = ""
+    attempt: int = 1
+    """Which start of the job this is (the record's ``attempts``): on every event, so a subscriber can tell a
+    re-run's events (and a repeated ``final``) from the first run's."""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     first_token_at: float | None = None
@@ -40,6 +43,14 @@ class RunningJob:
         if self.spec.params.logprobs is None:
             return None
         return self.resumed_logprobs + self.engine_logprobs
+
+
+def output_of(job: RunningJob, finish_reason: str) -> dict[str, Any]:
+    """The record's ``output``: everything produced so far, also for a job that ends before it is done."""
+    output: dict[str, Any] = {"text": job.text, "token_ids": job.token_ids, "finish_reason": finish_reason}
+    if job.spec.params.logprobs is not None:
+        output["logprobs"] = job.logprobs
+    return output
 
 
 def outcome_of(job: RunningJob, status: JobStatus, *, output: dict[str, Any] | None = None,

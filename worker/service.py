@@ -61,6 +61,10 @@ class WorkerService:
         self.is_draining = False
         self.stopped = asyncio.Event()
         """Set when the worker should stop: a signal, or a background task that failed."""
+        self.reclaim_now = asyncio.Event()
+        """A worker handed entries back (control message ``handback``): reclaim before reading new entries."""
+        self.hand_back_now = asyncio.Event()
+        """Set to end the shutdown's grace period at once: running jobs are checkpointed and handed back."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._pubsub: Any = None
         self._http: web.AppRunner | None = None
@@ -91,16 +95,19 @@ class WorkerService:
         if intake is not None:
             await asyncio.gather(intake, return_exceptions=True)
         deadline = time.monotonic() + self.config.shutdown_grace_s
-        while self.loop.jobs and time.monotonic() < deadline and not self._failed():
+        while self.loop.jobs and time.monotonic() < deadline and not self._failed() and not self.hand_back_now.is_set():
             self.loop.slot_freed.clear()
             try:
                 await asyncio.wait_for(self.loop.slot_freed.wait(), timeout=min(0.2, max(0.01, deadline - time.monotonic())))
             except TimeoutError:
                 pass
         if self.loop.jobs:
-            refs = await self.loop.checkpoint_all()
-            await self.consumer.hand_back(refs)
-            log.info("handed back %d unfinished jobs with their checkpoints", len(refs))
+            jobs = await self.loop.checkpoint_all()
+            await self.consumer.hand_back(jobs)
+            # Workers with a free slot take them over now, ahead of newer entries, not at their next
+            # periodic reclaim (every lease_s / 4).
+            await self.client.publish(self.keys.control, pack({"type": "handback", "worker": self.config.worker_name}))
+            log.info("handed back %d unfinished jobs with their checkpoints", len(jobs))
         await self.loop.wait_commits()
         for task in self._tasks.values():
             task.cancel()
@@ -157,7 +164,8 @@ class WorkerService:
                 continue
             entries: list[Entry] = []
             try:
-                if time.monotonic() >= next_reclaim:
+                if time.monotonic() >= next_reclaim or self.reclaim_now.is_set():
+                    self.reclaim_now.clear()
                     reclaimed = await self.consumer.reclaim(free)
                     self.metrics.leases_reclaimed(self._lane_of.get(e.ref.stream, "unknown") for e in reclaimed)
                     entries += reclaimed
@@ -228,7 +236,9 @@ class WorkerService:
             except Exception:
                 log.warning("ignoring a control message that is not msgpack")
                 continue
-            if isinstance(body, dict) and body.get("type") == "cancel" and isinstance(body.get("id"), str):
+            if isinstance(body, dict) and body.get("type") == "handback":
+                self.reclaim_now.set()
+            elif isinstance(body, dict) and body.get("type") == "cancel" and isinstance(body.get("id"), str):
                 if self.loop.cancel(body["id"]):
                     log.info("job %s: cancelled while running", body["id"])
 
@@ -237,6 +247,7 @@ class WorkerService:
             try:
                 await self.client.hset(self.keys.workers, self.config.worker_name, pack({
                     "time": time.time(), "running": len(self.loop.jobs), "capacity": self.config.capacity,
+                    "max_model_len": self.runner.max_model_len, "builtin_model": self.config.model is None,
                     "draining": self.is_draining}))
             except REDIS_DOWN as e:
                 await _redis_down("heartbeat", e)

@@ -21,19 +21,21 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from scheduler.keys import Keys
+from scheduler.keys import EVENTS_LOG_TTL_S, Keys
 from worker.results import pack_checkpoint
 
 # KEYS: webhook stream, then (job, cancel flag) per checkpoint.
-# ARGV: worker, n events, n webhook deliveries, then (channel, message) per event,
-#       (n fields, field pairs...) per delivery, (checkpoint, first_token_at|'') per checkpoint.
+# ARGV: worker, n events, n webhook deliveries, events log ttl_s, then (channel, events log, message) per
+#       event, (n fields, field pairs...) per delivery, (checkpoint, first_token_at|'') per checkpoint.
 # -> per checkpoint: 1 stored, 0 not ours, 2 cancel flagged.
 _STEP_LUA = """
 local nevents, ndeliveries = tonumber(ARGV[2]), tonumber(ARGV[3])
-local i = 4
+local i = 5
 for _ = 1, nevents do
-  redis.call('PUBLISH', ARGV[i], ARGV[i + 1])
-  i = i + 2
+  redis.call('PUBLISH', ARGV[i], ARGV[i + 2])
+  redis.call('XADD', ARGV[i + 1], '*', 'e', ARGV[i + 2])
+  redis.call('EXPIRE', ARGV[i + 1], ARGV[4])
+  i = i + 3
 end
 for _ = 1, ndeliveries do
   local nfields, entry = tonumber(ARGV[i]), {}
@@ -64,7 +66,7 @@ class StepWrites:
     """One step's writes, gathered while its outputs are handled."""
 
     events: list[tuple[str, bytes]] = field(default_factory=list)
-    """(channel, packed event), in publishing order."""
+    """(job id, packed event), in publishing order: published on the job's channel and logged."""
     deliveries: list[dict[FieldT, EncodableT]] = field(default_factory=list)
     """Fields of webhook deliveries to XADD."""
     checkpoints: list[tuple[str, bytes, str]] = field(default_factory=list)
@@ -73,16 +75,16 @@ class StepWrites:
     def __len__(self) -> int:
         return len(self.events) + len(self.deliveries) + len(self.checkpoints)
 
-    def publish(self, channel: str, message: bytes) -> None:
-        self.events.append((channel, message))
+    def publish(self, job_id: str, message: bytes) -> None:
+        self.events.append((job_id, message))
 
     def deliver(self, fields: dict[FieldT, EncodableT]) -> None:
         self.deliveries.append(fields)
 
     def checkpoint(self, job_id: str, token_ids: list[int], first_token_at: float | None,
-                   logprobs: list[dict[str, Any]] | None = None) -> int:
+                   logprobs: list[dict[str, Any]] | None = None, text: str | None = None) -> int:
         """Queue a checkpoint; returns its index in the replies of ``StepWriter.write``."""
-        self.checkpoints.append((job_id, pack_checkpoint(token_ids, logprobs),
+        self.checkpoints.append((job_id, pack_checkpoint(token_ids, logprobs, text),
                                  "" if first_token_at is None else repr(first_token_at)))
         return len(self.checkpoints) - 1
 
@@ -101,9 +103,9 @@ class StepWriter:
         if not len(writes):
             return []
         keys: list[str] = [self.keys.webhooks]
-        args: list[EncodableT] = [self.worker, len(writes.events), len(writes.deliveries)]
-        for channel, message in writes.events:
-            args += [channel, message]
+        args: list[EncodableT] = [self.worker, len(writes.events), len(writes.deliveries), EVENTS_LOG_TTL_S]
+        for job_id, message in writes.events:
+            args += [self.keys.events(job_id), self.keys.events_log(job_id), message]
         for fields in writes.deliveries:
             args.append(len(fields))
             for name, value in fields.items():

@@ -1,0 +1,165 @@
+"""`GET /v1/jobs/{id}/events`: a job's events from its start, whenever the client connects.
+
+Live events come from the job's pub/sub channel (through the `EventHub`); what came before the
+client connected comes from the job's event log (`Keys.events_log`, written by the worker beside
+each publish) while it runs, and from the record once it has ended. Either way the client gets
+`started`, every token from index 0 (earlier ones coalesced into one `token` event), then live
+tokens and `final`. Each event's SSE `id` is a cursor, `TOKENS.TEXT_CHARS.ATTEMPT` (tokens and text
+sent so far, the last `started` attempt sent): sent back as `Last-Event-ID`, the stream resumes
+after it, with no gap and no repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from gateway.results import EventHub, is_terminal
+from scheduler.job_record import job_view, json_default
+from scheduler.keys import Keys
+from scheduler.redis_replies import read_hash
+
+
+@dataclass
+class Cursor:
+    """How far the client has got: tokens and text characters sent, and the last attempt it saw start."""
+
+    tokens: int = 0
+    text_chars: int = 0
+    attempt: int = 0
+
+    @classmethod
+    def parse(cls, last_event_id: str | None) -> Cursor:
+        try:
+            tokens, text_chars, attempt = (int(part) for part in (last_event_id or "").split("."))
+        except ValueError:
+            return cls()  # none, or not one of ours: from the start
+        return cls(max(0, tokens), max(0, text_chars), max(0, attempt))
+
+    def __str__(self) -> str:
+        return f"{self.tokens}.{self.text_chars}.{self.attempt}"
+
+    def advance(self, event: dict[str, Any]) -> None:
+        """Move past one event as sent (``take`` has made it new to the client)."""
+        if event.get("type") == "started":
+            self.attempt = max(self.attempt, int(event.get("attempt") or event.get("attempts") or 1))
+        elif event.get("type") == "token":
+            self.tokens = int(event["index"]) + len(event["token_ids"])
+            self.text_chars += len(event["text"])
+
+    def take(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        """The part of a live or logged event the client has not had yet (None: nothing new)."""
+        if event.get("type") == "started":
+            attempt = int(event.get("attempt") or event.get("attempts") or 0)
+            if not attempt:
+                self.attempt = max(self.attempt, 1)  # a publisher that numbers no attempts: count it the first
+                return event
+            if attempt <= self.attempt:
+                return None
+            self.attempt = attempt
+            return event
+        if event.get("type") != "token":
+            return event
+        ids, index, text = list(event.get("token_ids") or []), int(event.get("index", 0)), str(event.get("text") or "")
+        if index + len(ids) <= self.tokens:
+            return None  # sent already (from the log, or before a reconnect)
+        if index < self.tokens:
+            ids, index = ids[self.tokens - index:], self.tokens  # a resumed run repeating recovered tokens
+        self.tokens = index + len(ids)
+        self.text_chars += len(text)
+        return {**event, "index": index, "token_ids": ids, "text": text}
+
+
+def coalesce(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive contiguous token events merged into one (what was produced before the client came)."""
+    out: list[dict[str, Any]] = []
+    for event in events:
+        last = out[-1] if out else None
+        if (last is not None and event["type"] == last["type"] == "token"
+                and last["index"] + len(last["token_ids"]) == event["index"]):
+            out[-1] = {**event, "index": last["index"], "token_ids": last["token_ids"] + event["token_ids"],
+                       "text": last["text"] + event["text"]}
+        else:
+            out.append(event)
+    return out
+
+
+def from_view(view: dict[str, Any], cursor: Cursor, final: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """An ended job's events the client has not had, from its record: started, the rest of its output, final."""
+    events: list[dict[str, Any]] = []
+    attempts = max(1, int(view.get("attempts") or 0))  # a record that ran was started at least once
+    if view.get("started_at") is not None and attempts > cursor.attempt:
+        cursor.attempt = attempts
+        events.append({"type": "started", "id": view["id"], "worker": view.get("worker"), "attempts": attempts,
+                       "attempt": attempts, "resumed_from": view.get("resumed_from")})
+    output = view.get("output") or {}
+    ids, text = list(output.get("token_ids") or [])[cursor.tokens:], (output.get("text") or "")[cursor.text_chars:]
+    if ids or text:
+        events.append({"type": "token", "id": view["id"], "index": cursor.tokens, "token_ids": ids, "text": text,
+                       "attempt": attempts})
+        cursor.tokens += len(ids)
+        cursor.text_chars += len(text)
+    events.append(final or {"type": "final", "id": view["id"], "attempt": attempts, "job": view})
+    return events
+
+
+async def _logged(redis: aioredis.Redis, keys: Keys, job_id: str, cursor: Cursor) -> list[dict[str, Any]]:
+    new = []
+    for _, fields in await redis.xrange(keys.events_log(job_id)) or []:
+        raw = (fields or {}).get(b"e")
+        event = msgpack.unpackb(raw, raw=False, strict_map_key=False) if raw else None
+        if isinstance(event, dict) and (taken := cursor.take(event)) is not None:
+            new.append(taken)
+    return coalesce(new)
+
+
+async def stream_events(request: web.Request, response: web.StreamResponse, redis: aioredis.Redis, keys: Keys,
+                        hub: EventHub, job_id: str, heartbeat_s: float) -> None:
+    """Write the job's events to ``response`` (prepared here) until ``final``."""
+    cursor = Cursor.parse(request.headers.get("Last-Event-ID"))
+    """What has been taken to send (catch-up is read ahead of sending)."""
+    sent = Cursor.parse(request.headers.get("Last-Event-ID"))
+    """What the client has had once each event is out: its SSE id."""
+
+    async def send(events: list[dict[str, Any]]) -> None:
+        for event in events:
+            sent.advance(event)
+            data = json.dumps(event, separators=(",", ":"), default=json_default)
+            await response.write(f"id: {sent}\nevent: {event['type']}\ndata: {data}\n\n".encode())
+
+    # Subscribed before anything is read: an event published after a read is never missed.
+    async with hub.subscribe(keys.events(job_id)) as sub:
+        record = await read_hash(redis, keys.job(job_id))
+        await response.prepare(request)
+        if is_terminal(record):
+            await send(from_view(job_view(record), cursor))
+            return
+        await send(await _logged(redis, keys, job_id, cursor))
+        while True:
+            try:
+                event = await asyncio.wait_for(sub.queue.get(), heartbeat_s)
+            except TimeoutError:
+                await response.write(b": keep-alive\n\n")
+                # A final event lost to a dropped connection must not leave the stream open forever.
+                record = await read_hash(redis, keys.job(job_id))
+                if not record or is_terminal(record):
+                    if record:
+                        await send(from_view(job_view(record), cursor))
+                    return
+                continue
+            if event["type"] == "closed":
+                return
+            if event["type"] == "final":
+                await send(from_view(event["job"], cursor, final=event))
+                return
+            if event["type"] == "token" and int(event.get("index", 0)) > cursor.tokens:
+                await send(await _logged(redis, keys, job_id, cursor))  # fill a gap (a slow reader's dropped events)
+            taken = cursor.take(event)
+            if taken is not None:
+                await send([taken])
