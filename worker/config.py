@@ -20,6 +20,8 @@ BATCHING_MODES = ("continuous", "dynamic", "static")
 POLICIES = ("fcfs", "priority")
 # The engine's model implementations (worker.models.ModelImpl; named here so this module imports no torch).
 MODEL_IMPLS = ("auto", "carpool", "transformers")
+DEFAULT_MODEL_NAME = "carpool-tiny-llama-v1"
+"""The built-in model's name (its directory under the model cache too)."""
 
 
 def default_worker_name() -> str:
@@ -35,6 +37,9 @@ def _help(text: str, **extra: Any) -> dict[str, Any]:
 class WorkerConfig:
     # --- engine -------------------------------------------------------------------
     model: str | None = field(default=None, metadata=_help("local checkpoint directory; default: the built-in tiny Llama model"))
+    served_model_name: str | None = field(default=None, metadata=_help(
+        "the model's name in the heartbeat, so in the gateway's GET /v1/models; default: --model as given, or "
+        "carpool-tiny-llama-v1 for the built-in model"))
     device: str = field(default="cpu", metadata=_help("cpu, cuda or cuda:N"))
     block_size: int = field(default=16, metadata=_help("tokens per KV-cache block"))
     num_blocks: int | None = field(default=None, metadata=_help("KV-cache blocks; default: sized from --kv-cache-memory-gb"))
@@ -125,6 +130,11 @@ class WorkerConfig:
                 raise ValueError(f"lane_weights: unknown lane {name!r}; lanes are {sorted(lanes)}")
             if weight < 1:
                 raise ValueError(f"lane_weights.{name}: must be >= 1, got {weight}")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use for this worker's model (OpenAI routes' ``model``)."""
+        return self.served_model_name or self.model or DEFAULT_MODEL_NAME
 
     @property
     def capacity(self) -> int:

@@ -237,6 +237,7 @@ class WorkerService:
             try:
                 await self.client.hset(self.keys.workers, self.config.worker_name, pack({
                     "time": time.time(), "running": len(self.loop.jobs), "capacity": self.config.capacity,
+                    "model": self.config.model_name,
                     "draining": self.is_draining}))
             except REDIS_DOWN as e:
                 await _redis_down("heartbeat", e)
