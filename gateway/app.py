@@ -21,6 +21,7 @@ from gateway.cancel import Canceller
 from gateway.config import GatewayConfig
 from gateway.errors import error_middleware
 from gateway.handlers import routes
+from gateway.openai.online import routes as openai_routes
 from gateway.metrics import GatewayMetrics, telemetry_middleware
 from gateway.results import EventHub
 from gateway.webhooks import check_webhook_url_async
@@ -51,6 +52,7 @@ def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.A
         app.cleanup_ctx.append(_webhooks_ctx)
     app.on_shutdown.append(_wake_waiters)
     app.router.add_routes(routes)
+    app.router.add_routes(openai_routes)
     return app
 
 

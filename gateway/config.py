@@ -35,6 +35,7 @@ class GatewayConfig:
     redis_pool_timeout_s: float = field(default=10.0, metadata={"help": "longest wait for a free pooled Redis connection before the request is answered 503"})
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "largest accepted request body"})
     shutdown_grace_s: float = field(default=5.0, metadata={"help": "seconds open requests get to finish at shutdown"})
+    model_heartbeat_max_age_s: float = field(default=30.0, metadata={"help": "workers heard from within this many seconds name the models GET /v1/models lists"})
     no_webhooks: bool = field(default=False, metadata={"help": "do not run the webhook dispatcher inside the gateway"})
     webhooks: WebhookConfig = field(default_factory=WebhookConfig, metadata={"flag": False})
     """Secret, allow-list and retry settings; their flags (`--webhook-*`) come from `WebhookConfig`."""
@@ -59,6 +60,7 @@ class GatewayConfig:
                      "redis_max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        for name in ("max_wait_s", "sse_heartbeat_s", "shutdown_grace_s", "redis_pool_timeout_s"):
+        for name in ("max_wait_s", "sse_heartbeat_s", "shutdown_grace_s", "redis_pool_timeout_s",
+                     "model_heartbeat_max_age_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
