@@ -154,6 +154,10 @@ class Admission:
                 raise InvalidJob("webhook.url", str(e).removeprefix("webhook.url: ")) from e
         return spec
 
+    async def context_length(self) -> int | None:
+        """The model's context as admission judges it (`--max-model-len`, else learned); None before any worker."""
+        return await self._context.get()
+
     async def submit(self, body: object, idempotency_key: str | None) -> Admitted:
         spec = await self.validate(body)
         if idempotency_key is not None and (

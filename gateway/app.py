@@ -9,6 +9,7 @@ start.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -21,12 +22,17 @@ from gateway.cancel import Canceller
 from gateway.config import GatewayConfig
 from gateway.errors import error_middleware
 from gateway.handlers import routes
+from gateway.openai.batch_driver import BatchDriver
+from gateway.openai.batches import routes as batch_routes
+from gateway.openai.files import routes as file_routes
+from gateway.openai.online import routes as openai_routes
 from gateway.metrics import GatewayMetrics, telemetry_middleware
 from gateway.results import EventHub
 from gateway.webhooks import check_webhook_url_async
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher
 from scheduler.keys import Keys
+from scheduler.tasks import cancel_and_reap
 from scheduler.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -47,10 +53,14 @@ def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.A
     app.cleanup_ctx.append(_hub_ctx)
     app.cleanup_ctx.append(_streams_ctx)
     app.cleanup_ctx.append(_domain_ctx)
+    app.cleanup_ctx.append(_batches_ctx)
     if not config.no_webhooks:
         app.cleanup_ctx.append(_webhooks_ctx)
     app.on_shutdown.append(_wake_waiters)
     app.router.add_routes(routes)
+    app.router.add_routes(openai_routes)
+    app.router.add_routes(file_routes)
+    app.router.add_routes(batch_routes)
     return app
 
 
@@ -94,6 +104,13 @@ async def _domain_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     app[K.CANCELLER] = Canceller(redis, keys, flag_ttl_s=config.result_ttl_s, reply_maxlen=config.reply_maxlen)
     yield
+
+
+async def _batches_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The Batch API's driver: one owned task, cancelled and reaped at shutdown."""
+    task = asyncio.create_task(BatchDriver(app).run(), name="batch-driver")
+    yield
+    await cancel_and_reap(task)
 
 
 async def _webhooks_ctx(app: web.Application) -> AsyncIterator[None]:

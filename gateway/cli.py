@@ -1,6 +1,6 @@
 """The `carpool` command: one verb per process kind.
 
-`up`, `gateway` and `submit` live here; `worker` and `generate` belong to
+`up`, `gateway`, `submit` and `batch` live here; `worker` and `generate` belong to
 `worker.cli` and `webhooks` to `gateway.webhooks.cli`, imported only
 when those verbs run, so the gateway never loads torch. Configuration is read
 once, here: flags first, then `CARPOOL_<FLAG>` variables, then defaults.
@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from gateway.batch_cli import add_batch_flags, run_batch
 from gateway.config import GatewayConfig
 from gateway.flags import add_config_flags, config_from_args
 from gateway.submit import add_submit_flags, run_submit
@@ -52,6 +53,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     submit = verbs.add_parser("submit", help="send one prompt to a gateway; --wait prints the completion")
     add_submit_flags(submit, env)
 
+    batch = verbs.add_parser("batch", help="the Batch API: submit a JSONL file (--wait shows progress), status, cancel")
+    add_batch_flags(batch, env)
+
     for verb, help_text in DELEGATED_VERBS.items():
         verbs.add_parser(verb, help=help_text, add_help=False)
     verbs.add_parser("bench", help="benchmark the batching modes and transformers peers; writes a report", add_help=False)
@@ -88,6 +92,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     args = parser.parse_args(args_list)
     if args.verb == "submit":
         return run_submit(args)
+    if args.verb == "batch":
+        return run_batch(args)
     try:
         webhooks = config_from_args(WebhookConfig, args)
         if args.verb == "up":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.webhooks.config import WebhookConfig
-from scheduler.keys import DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S
+from scheduler.keys import DEFAULT_FILE_TTL_S, DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S
 from scheduler.lanes import LANES, Lane
 
 DEFAULT_MAX_LANE_DEPTH: dict[str, int] = {
@@ -36,6 +36,11 @@ class GatewayConfig:
     redis_pool_timeout_s: float = field(default=10.0, metadata={"help": "longest wait for a free pooled Redis connection before the request is answered 503"})
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "largest accepted request body"})
     shutdown_grace_s: float = field(default=5.0, metadata={"help": "seconds open requests get to finish at shutdown"})
+    model_heartbeat_max_age_s: float = field(default=30.0, metadata={"help": "workers heard from within this many seconds name the models GET /v1/models lists"})
+    max_batch_requests: int = field(default=50_000, metadata={"help": "most requests (lines) in one Batch API input file"})
+    max_batch_file_bytes: int = field(default=100 * 1024 * 1024, metadata={"help": "largest Batch API input file; a larger upload is answered 413"})
+    file_ttl_s: int = field(default=DEFAULT_FILE_TTL_S, metadata={"help": "seconds uploaded files, batches and their output files are kept"})
+    batch_poll_interval_s: float = field(default=0.5, metadata={"help": "seconds between the batch driver's rounds (enqueue, count finished requests)"})
     no_webhooks: bool = field(default=False, metadata={"help": "do not run the webhook dispatcher inside the gateway"})
     webhooks: WebhookConfig = field(default_factory=WebhookConfig, metadata={"flag": False})
     """Secret, allow-list and retry settings; their flags (`--webhook-*`) come from `WebhookConfig`."""
@@ -58,9 +63,11 @@ class GatewayConfig:
         self.max_lane_depth = depths
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
-        for name in ("result_ttl_s", "reply_maxlen", "retry_after_s", "max_body_bytes", "redis_max_connections"):
+        for name in ("result_ttl_s", "reply_maxlen", "retry_after_s", "max_body_bytes", "redis_max_connections",
+                     "max_batch_requests", "max_batch_file_bytes", "file_ttl_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        for name in ("max_wait_s", "sse_heartbeat_s", "shutdown_grace_s", "redis_pool_timeout_s"):
+        for name in ("max_wait_s", "sse_heartbeat_s", "shutdown_grace_s", "redis_pool_timeout_s",
+                     "model_heartbeat_max_age_s", "batch_poll_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")

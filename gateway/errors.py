@@ -18,6 +18,8 @@ from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.openai.errors import OpenAIError, is_openai_path, openai_error_response
+
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -53,18 +55,28 @@ def unavailable_response(retry_after_s: int, reason: str) -> web.Response:
 
 
 def error_middleware(retry_after_s: int) -> Middleware:
-    """The middleware, with the ``Retry-After`` seconds it sends with a 503."""
+    """The middleware, with the ``Retry-After`` seconds it sends with a 503.
+
+    On the OpenAI routes every error takes OpenAI's shape instead (``{"error": {"message", "type",
+    "param", "code"}}``), and their handlers may raise `OpenAIError`.
+    """
 
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        is_openai = is_openai_path(request.path)
         try:
             return await handler(request)
+        except OpenAIError as e:
+            return e.response()
         except web.HTTPException as e:
             if e.status < 400:
                 raise
             headers = {name: e.headers[name] for name in _KEPT_HEADERS if name in e.headers}
+            message = e.reason if e.text is None else _plain(e.text)
+            if is_openai:
+                return openai_error_response(e.status, message, headers=headers or None)
             kind = _TYPE_OF_STATUS.get(e.status, "server_error" if e.status >= 500 else "invalid_request")
-            return error_response(e.status, kind, e.reason if e.text is None else _plain(e.text), **headers)
+            return error_response(e.status, kind, message, **headers)
         except REDIS_UNAVAILABLE as e:
             reason = str(e) or type(e).__name__
             if request.transport is None or request.transport.is_closing():
@@ -72,9 +84,14 @@ def error_middleware(retry_after_s: int) -> Middleware:
                 log.debug("%s %s: client gone: %s", request.method, request.path, reason)
             else:
                 log.warning("%s %s: Redis unavailable: %s", request.method, request.path, reason)
+            if is_openai:
+                return openai_error_response(503, f"the job store is unavailable ({reason}); retry later",
+                                             headers={"Retry-After": str(retry_after_s)})
             return unavailable_response(retry_after_s, reason)
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
+            if is_openai:
+                return openai_error_response(500, "internal error; it has been logged")
             return error_response(500, "server_error", "internal error; it has been logged")
 
     return errors

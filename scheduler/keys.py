@@ -28,6 +28,9 @@ EVENTS_LOG_TTL_S = 600
 DEFAULT_REPLY_MAXLEN = 10_000
 """Approximate MAXLEN applied to a job's ``reply_to`` stream on each result."""
 
+DEFAULT_FILE_TTL_S = 7 * 24 * 3600
+"""How long an uploaded file, a batch and the batch's output files live (OpenAI routes)."""
+
 
 @dataclass(frozen=True)
 class Keys:
@@ -111,6 +114,51 @@ class Keys:
     def workers(self) -> str:
         """Hash of live workers: name -> msgpack heartbeat (time, running, capacity)."""
         return f"{self.prefix}:workers"
+
+    # --- OpenAI Batch API: files and batches. Large content is a list of lines, never one value. ---
+
+    def file(self, file_id: str) -> str:
+        """Hash of one file's metadata (id, bytes, filename, purpose, created_at, num_lines)."""
+        return f"{self.prefix}:file:{file_id}"
+
+    def file_lines(self, file_id: str) -> str:
+        """List of the file's JSONL lines in order, one element per line (no newline)."""
+        return f"{self.prefix}:file:{file_id}:lines"
+
+    @property
+    def files(self) -> str:
+        """Sorted set of file ids, scored by creation unix time."""
+        return f"{self.prefix}:files"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash of one batch: status, timestamps, request counts, file ids, the driver's cursors."""
+        return f"{self.prefix}:batch:{batch_id}"
+
+    @property
+    def batches(self) -> str:
+        """Sorted set of batch ids, scored by creation unix time (listing, newest first)."""
+        return f"{self.prefix}:batches"
+
+    @property
+    def batches_active(self) -> str:
+        """Set of batch ids not yet in a final status: what gateways drive."""
+        return f"{self.prefix}:batches:active"
+
+    def batch_custom_ids(self, batch_id: str) -> str:
+        """List of the input lines' custom_id, by line number ('' where the line had none)."""
+        return f"{self.prefix}:batch:{batch_id}:custom-ids"
+
+    def batch_errors(self, batch_id: str) -> str:
+        """Hash line number -> msgpack {code, message} of lines refused while validating."""
+        return f"{self.prefix}:batch:{batch_id}:errors"
+
+    def batch_settled(self, batch_id: str) -> str:
+        """Bitmap, bit = line number: set once that line's request is counted (done, failed or dropped)."""
+        return f"{self.prefix}:batch:{batch_id}:settled"
+
+    def batch_lock(self, batch_id: str) -> str:
+        """String naming the gateway driving the batch now; expires unless renewed."""
+        return f"{self.prefix}:batch:{batch_id}:lock"
 
 
 WEBHOOK_GROUP = "carpool-webhooks"

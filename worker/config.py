@@ -28,9 +28,13 @@ QUANTIZATIONS = ("int8", "fp8")
 ENGINE_FLAGS = (
     "model", "device", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "batching", "policy",
     "attention_backend", "max_wait_ms", "dtype", "kv_cache_memory_gb", "max_model_len", "enable_prefix_caching",
-    "cuda_graphs", "async_scheduling", "model_impl", "torch_threads", "engine_process", "interactive_reserve",
+    "cuda_graphs", "async_scheduling", "model_impl", "quantization", "torch_threads", "engine_process",
+    "interactive_reserve",
 )
 """The worker's engine settings: `carpool up` takes each of them and hands it to its worker."""
+
+DEFAULT_MODEL_NAME = "carpool-tiny-llama-v1"
+"""The built-in model's name (its directory under the model cache too)."""
 
 
 def default_worker_name() -> str:
@@ -46,6 +50,9 @@ def _help(text: str, **extra: Any) -> dict[str, Any]:
 class WorkerConfig:
     # --- engine -------------------------------------------------------------------
     model: str | None = field(default=None, metadata=_help("local checkpoint directory; default: the built-in tiny Llama model"))
+    served_model_name: str | None = field(default=None, metadata=_help(
+        "the model's name in the heartbeat, so in the gateway's GET /v1/models; default: --model as given, or "
+        "carpool-tiny-llama-v1 for the built-in model"))
     device: str = field(default="cpu", metadata=_help("cpu, cuda or cuda:N"))
     block_size: int = field(default=16, metadata=_help("tokens per KV-cache block"))
     num_blocks: int | None = field(default=None, metadata=_help("KV-cache blocks; default: sized from --kv-cache-memory-gb"))
@@ -143,6 +150,11 @@ class WorkerConfig:
                 raise ValueError(f"lane_weights: unknown lane {name!r}; lanes are {sorted(lanes)}")
             if weight < 1:
                 raise ValueError(f"lane_weights.{name}: must be >= 1, got {weight}")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use for this worker's model (OpenAI routes' ``model``)."""
+        return self.served_model_name or self.model or DEFAULT_MODEL_NAME
 
     @property
     def capacity(self) -> int:

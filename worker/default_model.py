@@ -28,7 +28,7 @@ from transformers import (
     Qwen3Config,
 )
 
-DEFAULT_MODEL_NAME = "carpool-tiny-llama-v1"
+from worker.config import DEFAULT_MODEL_NAME
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"

@@ -248,6 +248,7 @@ class WorkerService:
                 await self.client.hset(self.keys.workers, self.config.worker_name, pack({
                     "time": time.time(), "running": len(self.loop.jobs), "capacity": self.config.capacity,
                     "max_model_len": self.runner.max_model_len, "builtin_model": self.config.model is None,
+                    "model": self.config.model_name,
                     "draining": self.is_draining}))
             except REDIS_DOWN as e:
                 await _redis_down("heartbeat", e)

@@ -1,0 +1,299 @@
+"""Moves every active batch along, one round every ``--batch-poll-interval-s``.
+
+All of a batch's progress lives in Redis (the batch hash's counters and
+cursors, the settled bitmap, the job records), never in gateway memory, so a
+restarted gateway — or another one — carries on where the last round stopped.
+A short per-batch lock keeps two gateways from driving one batch at once;
+every step is safe to repeat anyway (job ids are fixed per line, so a line
+is never enqueued twice, and a line's request counts once, when its bit in
+the settled bitmap is first set).
+
+Request ``i`` (line ``i`` of the input file) runs as job ``{batch id}-{i}``
+in the batch lane, with the batch's expiry as its ``deadline``: a request
+not started by then never runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+
+import msgpack
+from aiohttp import web
+from redis.typing import EncodableT, FieldT
+
+from gateway import appkeys as K
+from gateway.admission import InvalidJob, LaneFull
+from gateway.cancel import AlreadyFinished, JobNotFound
+from gateway.errors import REDIS_UNAVAILABLE
+from gateway.openai.batch_lines import LineError, custom_id_of, error_line, parse_line, result_line
+from gateway.openai.batches import BatchStatus, batch_store
+from gateway.openai.files import PAGE_LINES, file_store
+from gateway.openai.schema import Endpoint
+from scheduler.job_record import job_view
+from scheduler.redis_replies import as_bytes
+from scheduler.tasks import raise_if_cancelled
+
+log = logging.getLogger(__name__)
+
+LOCK_S = 15
+MAX_ENQUEUE_PER_ROUND = 2000
+SETTLE_WINDOW = 4000
+"""Unsettled requests (from the oldest) whose job status one round reads."""
+
+# Count lines once. KEYS: batch hash, settled bitmap. ARGV: line, outcome pairs (completed, failed, expired, dropped).
+_SETTLE_LUA = """
+local n = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('SETBIT', KEYS[2], ARGV[i], 1) == 0 then
+    n = n + 1
+    redis.call('HINCRBY', KEYS[1], 'settled', 1)
+    local o = ARGV[i + 1]
+    if o == 'completed' or o == 'failed' then redis.call('HINCRBY', KEYS[1], o, 1) end
+    if o == 'expired' then
+      redis.call('HINCRBY', KEYS[1], 'failed', 1)
+      redis.call('HINCRBY', KEYS[1], 'expired', 1)
+    end
+  end
+end
+return n
+"""
+_OUTCOME_OF_STATUS = {"succeeded": "completed", "failed": "failed", "expired": "expired"}
+
+
+class BatchDriver:
+    def __init__(self, app: web.Application) -> None:
+        self._app = app
+        self._redis, self._keys, self._config = app[K.REDIS], app[K.KEYS], app[K.CONFIG]
+        self._batches, self._files = batch_store(app), file_store(app)
+        self._settle = self._redis.register_script(_SETTLE_LUA)
+        self._name = secrets.token_hex(8)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                for raw in await self._redis.smembers(self._keys.batches_active):
+                    batch_id = as_bytes(raw).decode()
+                    if await self._lock(batch_id):
+                        await self.step(batch_id)
+            except REDIS_UNAVAILABLE as e:
+                log.warning("batch driver: Redis unavailable (%s); retrying", e)
+            raise_if_cancelled()
+            await asyncio.sleep(self._config.batch_poll_interval_s)
+
+    async def _lock(self, batch_id: str) -> bool:
+        key = self._keys.batch_lock(batch_id)
+        if await self._redis.set(key, self._name, nx=True, ex=LOCK_S):
+            return True
+        if await self._redis.get(key) == self._name.encode():
+            await self._redis.expire(key, LOCK_S)
+            return True
+        return False
+
+    async def step(self, batch_id: str) -> None:
+        b = await self._batches.read(batch_id)
+        status = BatchStatus(b["status"]) if b else None
+        if status is None or status in (BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED,
+                                        BatchStatus.CANCELLED):
+            await self._redis.srem(self._keys.batches_active, batch_id)
+        elif status is BatchStatus.VALIDATING:
+            await self._validate(batch_id, b)
+        elif status is BatchStatus.FINALIZING:
+            await self._finalize(batch_id, b)
+        else:
+            if status is BatchStatus.IN_PROGRESS:
+                await self._enqueue(batch_id, b)
+            else:
+                await self._cancel_requests(batch_id, b)
+            await self._count(batch_id, await self._batches.read(batch_id))
+            b = await self._batches.read(batch_id)
+            if int(b["settled"]) >= int(b["total"]):
+                outcome = (BatchStatus.CANCELLED if status is BatchStatus.CANCELLING
+                           else BatchStatus.EXPIRED if int(b["expired"]) else BatchStatus.COMPLETED)
+                await self._batches.move(batch_id, (status,), BatchStatus.FINALIZING, outcome=outcome.value)
+
+    async def _validate(self, batch_id: str, b: dict[str, str]) -> None:
+        """Read every line once: bad ones go to the error list (counted failed), the rest will run."""
+        keys, endpoint = self._keys, Endpoint(b["endpoint"])
+        total = await self._files.num_lines(b["input_file_id"])
+        if total == 0:
+            errors = {"object": "list", "data": [{"code": "invalid_file", "param": "input_file_id", "line": None,
+                                                  "message": "the input file is empty, deleted or expired"}]}
+            await self._batches.move(batch_id, (BatchStatus.VALIDATING,), BatchStatus.FAILED, errors=json.dumps(errors))
+            return
+        await self._redis.delete(keys.batch_custom_ids(batch_id), keys.batch_errors(batch_id),
+                                 keys.batch_settled(batch_id))
+        counters: dict[FieldT, EncodableT] = {name: 0 for name in ("completed", "failed", "expired", "settled",
+                                                                  "enqueued", "low")}
+        await self._redis.hset(keys.batch(batch_id), mapping={**counters, "total": total})
+        seen: set[str] = set()
+        start = 0
+        async for page in self._files.pages(b["input_file_id"]):
+            custom_ids: list[str] = []
+            bad: list[tuple[int, LineError]] = []
+            for offset, line in enumerate(page):
+                number = start + offset
+                try:
+                    custom_id, _ = parse_line(line, endpoint, self._config.max_model_len)
+                    if custom_id in seen:
+                        raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appears on an earlier line")
+                    seen.add(custom_id)
+                    custom_ids.append(custom_id)
+                except LineError as e:
+                    bad.append((number, e))
+                    custom_ids.append(_loose_custom_id(line) or "")
+            start += len(page)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.rpush(keys.batch_custom_ids(batch_id), *custom_ids)
+                for number, error in bad:
+                    pipe.hset(keys.batch_errors(batch_id), str(number), msgpack.packb([error.code, error.message]))
+                await pipe.execute()
+            if bad:
+                await self._mark(batch_id, [(number, "failed") for number, _ in bad])
+        for key in (keys.batch_custom_ids(batch_id), keys.batch_errors(batch_id), keys.batch_settled(batch_id)):
+            await self._redis.expire(key, self._batches.ttl_s)
+        await self._batches.move(batch_id, (BatchStatus.VALIDATING,), BatchStatus.IN_PROGRESS)
+
+    async def _enqueue(self, batch_id: str, b: dict[str, str]) -> None:
+        cursor, total, endpoint = int(b["enqueued"]), int(b["total"]), Endpoint(b["endpoint"])
+        admission = self._app[K.ADMISSION]
+        stop = min(total, cursor + MAX_ENQUEUE_PER_ROUND)
+        if time.time() >= int(b["expires_at"]):
+            await self._mark(batch_id, [(n, "expired") for n in range(cursor, total)])
+            await self._redis.hset(self._keys.batch(batch_id), "enqueued", total)
+            return
+        while cursor < stop:
+            page = await self._files.page(b["input_file_id"], cursor, min(PAGE_LINES, stop - cursor))
+            if not page:  # the input file was deleted or expired under the batch
+                await self._mark_errors(batch_id, range(cursor, total), "invalid_file", "the input file is gone")
+                cursor = total
+                break
+            settled = await self._settled_bits(batch_id, cursor, cursor + len(page))
+            for offset, line in enumerate(page):
+                number = cursor + offset
+                if settled[offset]:
+                    continue  # refused while validating
+                try:
+                    _, body = parse_line(line, endpoint, self._config.max_model_len)
+                    await admission.submit({**body, "id": f"{batch_id}-{number}", "deadline": float(b["expires_at"])},
+                                           None)
+                except LaneFull:
+                    await self._redis.hset(self._keys.batch(batch_id), "enqueued", number)
+                    return  # the batch lane is full: try again next round
+                except (LineError, InvalidJob) as e:
+                    await self._mark_errors(batch_id, [number], "invalid_request", str(e))
+            cursor += len(page)
+        await self._redis.hset(self._keys.batch(batch_id), "enqueued", cursor)
+
+    async def _cancel_requests(self, batch_id: str, b: dict[str, str]) -> None:
+        """Drop the lines not enqueued yet and cancel the enqueued ones still waiting or running."""
+        enqueued, total = int(b["enqueued"]), int(b["total"])
+        if enqueued < total:
+            await self._mark(batch_id, [(n, "dropped") for n in range(enqueued, total)])
+            await self._redis.hset(self._keys.batch(batch_id), "enqueued", total)
+        if b.get("cancel_sent"):
+            return
+        canceller = self._app[K.CANCELLER]
+        low = int(b["low"])
+        settled = await self._settled_bits(batch_id, low, enqueued)
+        for offset, is_settled in enumerate(settled):
+            if not is_settled:
+                try:
+                    await canceller.cancel(f"{batch_id}-{low + offset}")
+                except (JobNotFound, AlreadyFinished):
+                    pass
+        await self._redis.hset(self._keys.batch(batch_id), "cancel_sent", 1)
+
+    async def _count(self, batch_id: str, b: dict[str, str]) -> None:
+        """Settle the finished requests among the oldest unsettled ones, and move the low-water mark."""
+        low, high = int(b["low"]), min(int(b["enqueued"]), int(b["low"]) + SETTLE_WINDOW)
+        settled = await self._settled_bits(batch_id, low, high)
+        pending = [low + i for i, is_settled in enumerate(settled) if not is_settled]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for number in pending:
+                pipe.hget(self._keys.job(f"{batch_id}-{number}"), "status")
+            statuses = await pipe.execute()
+        is_cancelling = b["status"] == BatchStatus.CANCELLING.value
+        outcomes = []
+        for number, raw in zip(pending, statuses):
+            status = "failed" if raw is None else raw.decode()  # a record that expired counts as failed
+            if status == "cancelled":
+                outcomes.append((number, "dropped" if is_cancelling else "failed"))
+            elif status in _OUTCOME_OF_STATUS:
+                outcomes.append((number, _OUTCOME_OF_STATUS[status]))
+        await self._mark(batch_id, outcomes)
+        done = {number for number, _ in outcomes}
+        still = [n for n in pending if n not in done]
+        await self._redis.hset(self._keys.batch(batch_id), "low", still[0] if still else high)
+
+    async def _finalize(self, batch_id: str, b: dict[str, str]) -> None:
+        """Write the output and error files from the job records, then end the batch."""
+        endpoint, keys = Endpoint(b["endpoint"]), self._keys
+        out_id, err_id = f"file-{batch_id}-output", f"file-{batch_id}-errors"
+        await self._redis.delete(keys.file_lines(out_id), keys.file_lines(err_id))
+        out_bytes = err_bytes = num_out = num_err = 0
+        start = 0
+        while custom_ids := [as_bytes(c).decode() for c in
+                             await self._redis.lrange(keys.batch_custom_ids(batch_id), start, start + PAGE_LINES - 1)]:
+            numbers = range(start, start + len(custom_ids))
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hmget(keys.batch_errors(batch_id), [str(n) for n in numbers])
+                for n in numbers:
+                    pipe.hgetall(keys.job(f"{batch_id}-{n}"))
+                errors, *records = await pipe.execute()
+            out: list[str] = []
+            err: list[str] = []
+            for n, custom_id, error, record in zip(numbers, custom_ids, errors, records):
+                if error is not None:
+                    code, message = msgpack.unpackb(error)
+                    err.append(error_line(custom_id or None, code, f"line {n + 1}: {message}"))
+                elif not record:
+                    code = "batch_cancelled" if b.get("outcome") == BatchStatus.CANCELLED.value else "batch_expired"
+                    err.append(error_line(custom_id, code, "the request never ran"))
+                else:
+                    line, is_output = result_line(endpoint, custom_id, job_view(record))
+                    (out if is_output else err).append(line)
+            out_bytes += await self._files.append(out_id, out)
+            err_bytes += await self._files.append(err_id, err)
+            num_out, num_err = num_out + len(out), num_err + len(err)
+            start += len(custom_ids)
+        files: dict[str, str | int] = {}
+        if num_out:
+            await self._files.publish(out_id, f"{batch_id}_output.jsonl", "batch_output", out_bytes)
+            files["output_file_id"] = out_id
+        if num_err:
+            await self._files.publish(err_id, f"{batch_id}_error.jsonl", "batch_output", err_bytes)
+            files["error_file_id"] = err_id
+        outcome = BatchStatus(b.get("outcome", BatchStatus.COMPLETED.value))
+        await self._batches.move(batch_id, (BatchStatus.FINALIZING,), outcome, **files)
+        await self._redis.srem(keys.batches_active, batch_id)
+
+    async def _mark(self, batch_id: str, outcomes: list[tuple[int, str]]) -> None:
+        for start in range(0, len(outcomes), 1000):
+            args = [v for pair in outcomes[start:start + 1000] for v in pair]
+            await self._settle(keys=[self._keys.batch(batch_id), self._keys.batch_settled(batch_id)], args=args)
+
+    async def _mark_errors(self, batch_id: str, numbers: range | list[int], code: str, message: str) -> None:
+        if numbers:
+            await self._redis.hset(self._keys.batch_errors(batch_id),
+                                   mapping={str(n): msgpack.packb([code, message]) for n in numbers})
+            await self._mark(batch_id, [(n, "failed") for n in numbers])
+
+    async def _settled_bits(self, batch_id: str, start: int, stop: int) -> list[bool]:
+        """Bits [start, stop) of the settled bitmap (bit 0 is the high bit of byte 0, as Redis keeps them)."""
+        if stop <= start:
+            return []
+        raw = as_bytes(await self._redis.getrange(self._keys.batch_settled(batch_id), start // 8, (stop - 1) // 8))
+        return [bool(raw[(n // 8) - start // 8] & (0x80 >> (n % 8))) if (n // 8) - start // 8 < len(raw) else False
+                for n in range(start, stop)]
+
+
+def _loose_custom_id(line: str) -> str | None:
+    """The custom_id of a line refused for another reason, when it has one (for the error file)."""
+    try:
+        return custom_id_of(json.loads(line))
+    except (ValueError, RecursionError):
+        return None

@@ -1,0 +1,76 @@
+"""One line of a Batch API input file -> a job body, and one finished request -> an output-file line."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from gateway.openai import responses
+from gateway.openai.errors import OpenAIError
+from gateway.openai.schema import Endpoint, parse_request
+from scheduler.lanes import Lane
+
+ID_PREFIXES = {Endpoint.CHAT: "chatcmpl-", Endpoint.COMPLETIONS: "cmpl-"}
+
+
+class LineError(Exception):
+    """Why an input line cannot run: an OpenAI-style error ``code`` and a message naming the fault."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def parse_line(line: str, endpoint: Endpoint, max_model_len: int | None) -> tuple[str, dict[str, Any]]:
+    """(custom_id, job body without id) of one input line; raises LineError."""
+    try:
+        data = json.loads(line)
+    except (ValueError, RecursionError) as e:
+        raise LineError("invalid_json", f"the line is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise LineError("invalid_json", "the line must be a JSON object")
+    custom_id = custom_id_of(data)
+    if custom_id is None:
+        raise LineError("missing_custom_id", "custom_id is required (a non-empty string)")
+    if data.get("method", "POST") != "POST":
+        raise LineError("invalid_method", f"method must be POST, got {data.get('method')!r}")
+    if data.get("url") != endpoint.value:
+        raise LineError("invalid_url", f"url must be the batch's endpoint {endpoint.value}, got {data.get('url')!r}")
+    try:
+        request = parse_request(endpoint, data.get("body"), default_lane=Lane.BATCH, max_model_len=max_model_len,
+                                is_batch=True)
+    except OpenAIError as e:
+        raise LineError("invalid_request", f"body: {e.message}") from e
+    return custom_id, request.jobs[0]
+
+
+def custom_id_of(data: object) -> str | None:
+    custom_id = data.get("custom_id") if isinstance(data, dict) else None
+    return custom_id if isinstance(custom_id, str) and custom_id else None
+
+
+def _line_id() -> str:
+    return "batch_req_" + secrets.token_hex(12)
+
+
+def error_line(custom_id: str | None, code: str, message: str) -> str:
+    return json.dumps({"id": _line_id(), "custom_id": custom_id, "response": None,
+                       "error": {"code": code, "message": message}})
+
+
+def result_line(endpoint: Endpoint, custom_id: str, view: dict[str, Any]) -> tuple[str, bool]:
+    """(the output- or error-file line of a finished job, whether it goes to the output file)."""
+    status = view.get("status")
+    if status == "succeeded":
+        job_id = str(view.get("id"))
+        model = str((view.get("metadata") or {}).get("model", ""))
+        body = responses.completion_object(endpoint, ID_PREFIXES[endpoint] + job_id,
+                                           int(view.get("finished_at") or 0), model, [view])
+        return json.dumps({"id": _line_id(), "custom_id": custom_id,
+                           "response": {"status_code": 200, "request_id": job_id, "body": body},
+                           "error": None}), True
+    error = view.get("error") or {}
+    code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(str(status), str(error.get("type")))
+    return error_line(custom_id, code, str(error.get("message", status))), False

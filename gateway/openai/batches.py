@@ -1,0 +1,204 @@
+"""Batches of the Batch API: ``POST/GET /v1/batches[/{id}]``, ``POST /v1/batches/{id}/cancel``.
+
+A batch is a Redis hash (status, timestamps, request counts, the driver's
+cursors) listed in a sorted set by creation time and, until it ends, in the
+set of active batches that `batch_driver` moves along. Its status moves only
+through `BatchStore.move`, a compare-and-set, so a cancel and the driver
+never overwrite each other:
+
+    validating -> in_progress -> finalizing -> completed | expired | cancelled
+    validating -> failed                      (the input file cannot be read)
+    validating | in_progress -> cancelling -> finalizing -> cancelled
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from enum import Enum
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from aiohttp import web
+from redis.typing import EncodableT, FieldT
+
+from gateway import appkeys as K
+from gateway.openai.errors import OpenAIError, invalid, unsupported
+from gateway.openai.files import file_store
+from gateway.openai.online import read_json
+from gateway.openai.schema import Endpoint
+from scheduler.keys import Keys
+from scheduler.redis_replies import read_hash
+
+routes = web.RouteTableDef()
+
+COMPLETION_WINDOWS_S = {"24h": 24 * 3600}
+MAX_METADATA_PAIRS = 16
+
+
+class BatchStatus(str, Enum):
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+FINAL_STATUSES = frozenset({BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED})
+# The hash field holding the unix time each status was entered.
+TIME_FIELDS = {BatchStatus.IN_PROGRESS: "in_progress_at", BatchStatus.FINALIZING: "finalizing_at",
+               BatchStatus.COMPLETED: "completed_at", BatchStatus.FAILED: "failed_at",
+               BatchStatus.EXPIRED: "expired_at", BatchStatus.CANCELLING: "cancelling_at",
+               BatchStatus.CANCELLED: "cancelled_at"}
+_COUNTERS = ("total", "completed", "failed", "expired", "settled", "enqueued", "low")
+
+# Compare-and-set of a batch's status. KEYS: batch hash. ARGV: allowed current statuses (comma-separated),
+# new status, then field/value pairs to set with it. Returns the status found.
+_MOVE_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return false end
+for allowed in string.gmatch(ARGV[1], '[^,]+') do
+  if allowed == status then
+    redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
+    return status
+  end
+end
+return status
+"""
+
+
+class BatchStore:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: int) -> None:
+        self._redis, self._keys, self.ttl_s = redis, keys, ttl_s
+        self._move = redis.register_script(_MOVE_LUA)
+
+    async def create(self, input_file_id: str, endpoint: Endpoint, window_s: int, window: str,
+                     metadata: dict[str, str] | None) -> dict[str, Any]:
+        batch_id = "batch_" + secrets.token_hex(12)
+        now = int(time.time())
+        fields: dict[FieldT, EncodableT] = {
+            "id": batch_id, "status": BatchStatus.VALIDATING.value, "endpoint": endpoint.value,
+            "input_file_id": input_file_id, "completion_window": window, "created_at": now,
+            "expires_at": now + window_s, "metadata": json.dumps(metadata),
+            **{name: 0 for name in _COUNTERS},
+        }
+        key = self._keys.batch(batch_id)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=fields)
+            pipe.expire(key, self.ttl_s)
+            pipe.zadd(self._keys.batches, {batch_id: now})
+            pipe.zremrangebyscore(self._keys.batches, "-inf", now - self.ttl_s)  # expired ones
+            pipe.sadd(self._keys.batches_active, batch_id)
+            await pipe.execute()
+        return await self.view(batch_id) or {}
+
+    async def read(self, batch_id: str) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in (await read_hash(self._redis, self._keys.batch(batch_id))).items()}
+
+    async def move(self, batch_id: str, allowed: tuple[BatchStatus, ...], to: BatchStatus,
+                   **fields: str | int) -> bool:
+        """Set the status to `to` if it is one of `allowed` (stamping its time field); whether it moved."""
+        args: list[str | int] = [",".join(s.value for s in allowed), to.value]
+        if to in TIME_FIELDS:
+            args += [TIME_FIELDS[to], int(time.time())]
+        for name, value in fields.items():
+            args += [name, value]
+        found = await self._move(keys=[self._keys.batch(batch_id)], args=args)
+        return found is not None and found.decode() in {s.value for s in allowed}
+
+    async def view(self, batch_id: str) -> dict[str, Any] | None:
+        b = await self.read(batch_id)
+        if not b:
+            return None
+        out: dict[str, Any] = {
+            "id": b["id"], "object": "batch", "endpoint": b["endpoint"], "errors": json.loads(b.get("errors", "null")),
+            "input_file_id": b["input_file_id"], "completion_window": b["completion_window"], "status": b["status"],
+            "output_file_id": b.get("output_file_id"), "error_file_id": b.get("error_file_id"),
+            "created_at": int(b["created_at"]), "expires_at": int(b["expires_at"]),
+            "request_counts": {"total": int(b["total"]), "completed": int(b["completed"]),
+                               "failed": int(b["failed"])},
+            "metadata": json.loads(b.get("metadata", "null")),
+        }
+        for name in TIME_FIELDS.values():
+            out[name] = int(b[name]) if name in b else None
+        return out
+
+
+def batch_store(app: web.Application) -> BatchStore:
+    return BatchStore(app[K.REDIS], app[K.KEYS], app[K.CONFIG].file_ttl_s)
+
+
+@routes.post("/v1/batches")
+async def create_batch(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise invalid("body", "must be a JSON object")
+    for name in body:
+        if name not in ("input_file_id", "endpoint", "completion_window", "metadata"):
+            raise unsupported(str(name))
+    try:
+        endpoint = Endpoint(body.get("endpoint"))
+    except ValueError as e:
+        raise invalid("endpoint", f"must be one of {[x.value for x in Endpoint]}") from e
+    window = body.get("completion_window")
+    if window not in COMPLETION_WINDOWS_S:
+        raise invalid("completion_window", f"must be one of {sorted(COMPLETION_WINDOWS_S)}")
+    metadata = body.get("metadata")
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS
+                                 or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise invalid("metadata", f"must map at most {MAX_METADATA_PAIRS} strings to strings")
+    file_id = body.get("input_file_id")
+    file = await file_store(request.app).get(file_id) if isinstance(file_id, str) else None
+    if file is None or not isinstance(file_id, str):
+        raise invalid("input_file_id", f"no such file: {file_id!r}")
+    if file["purpose"] != "batch":
+        raise invalid("input_file_id", "the file's purpose must be batch")
+    view = await batch_store(request.app).create(file_id, endpoint, COMPLETION_WINDOWS_S[window], window, metadata)
+    return web.json_response(view)
+
+
+@routes.get("/v1/batches")
+async def list_batches(request: web.Request) -> web.Response:
+    redis, keys = request.app[K.REDIS], request.app[K.KEYS]
+    try:
+        limit = int(request.query.get("limit", "20"))
+    except ValueError as e:
+        raise invalid("limit", "must be an integer") from e
+    if not 1 <= limit <= 100:
+        raise invalid("limit", "must be within [1, 100]")
+    start = 0
+    if "after" in request.query:
+        rank = await redis.zrevrank(keys.batches, request.query["after"])
+        if rank is None:
+            raise invalid("after", f"no such batch: {request.query['after']!r}")
+        start = cast(int, rank) + 1
+    ids = [i.decode() for i in cast(list[bytes], await redis.zrevrange(keys.batches, start, start + limit))]
+    store = batch_store(request.app)
+    views = [v for v in [await store.view(i) for i in ids[:limit]] if v is not None]
+    return web.json_response({"object": "list", "data": views, "first_id": views[0]["id"] if views else None,
+                              "last_id": views[-1]["id"] if views else None, "has_more": len(ids) > limit})
+
+
+@routes.get("/v1/batches/{id}")
+async def get_batch(request: web.Request) -> web.Response:
+    return web.json_response(await _existing(request))
+
+
+@routes.post("/v1/batches/{id}/cancel")
+async def cancel_batch(request: web.Request) -> web.Response:
+    view = await _existing(request)
+    store = batch_store(request.app)
+    await store.move(view["id"], (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS), BatchStatus.CANCELLING)
+    return web.json_response(await store.view(view["id"]))
+
+
+async def _existing(request: web.Request) -> dict[str, Any]:
+    batch_id = request.match_info["id"]
+    view = await batch_store(request.app).view(batch_id)
+    if view is None:
+        raise OpenAIError(404, f"No such batch: {batch_id}", param="batch_id", code="not_found")
+    return view

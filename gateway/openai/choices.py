@@ -1,0 +1,140 @@
+"""The jobs behind one OpenAI request: enqueue them together, watch their events, cancel what is left."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import Any
+
+import msgpack
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from gateway import appkeys as K
+from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
+from gateway.cancel import AlreadyFinished, JobNotFound
+from gateway.openai.errors import OpenAIError
+from gateway.openai.schema import OpenAIRequest
+from gateway.results import EventHub, Subscription, is_terminal
+from scheduler.job_record import job_view
+from scheduler.keys import Keys
+from scheduler.redis_replies import read_hash
+from scheduler.tasks import cancel_and_reap
+
+# A job field named by admission -> the OpenAI parameter it came from.
+_PARAM_OF_FIELD = {"params.max_tokens": "max_tokens", "prompt_token_ids": "prompt"}
+
+
+async def served_models(app: web.Application) -> dict[str, float]:
+    """Model name -> latest heartbeat time, over workers heard from within the configured age."""
+    raw = await read_hash(app[K.REDIS], app[K.KEYS].workers)
+    oldest = time.time() - app[K.CONFIG].model_heartbeat_max_age_s
+    models: dict[str, float] = {}
+    for value in raw.values():
+        try:
+            beat = msgpack.unpackb(value, raw=False, strict_map_key=False)
+        except Exception:  # a heartbeat in an unknown format names no model
+            continue
+        if isinstance(beat, dict) and isinstance(beat.get("model"), str) and isinstance(beat.get("time"), (int, float)):
+            if beat["time"] >= oldest:
+                models[beat["model"]] = max(models.get(beat["model"], 0.0), float(beat["time"]))
+    return models
+
+
+async def check_model(app: web.Application, model: str) -> None:
+    """Refuse a model no live worker serves; with no live worker, jobs wait in their lane as any job does."""
+    models = await served_models(app)
+    if models and model not in models:
+        raise OpenAIError(404, f"The model '{model}' does not exist; this server serves {sorted(models)}",
+                          param="model", code="model_not_found")
+
+
+async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: Sequence[str]) -> None:
+    """Enqueue one job per choice; all or none (a refusal cancels the ones already enqueued)."""
+    admission, metrics = app[K.ADMISSION], app[K.METRICS]
+    done: list[str] = []
+    try:
+        for job_id, body in zip(job_ids, request.jobs):
+            admitted = await admission.submit({**body, "id": job_id}, None)
+            metrics.job_submitted(admitted.lane)
+            done.append(job_id)
+    except InvalidJob as e:
+        metrics.job_rejected("invalid")
+        await cancel_jobs(app, done)
+        param = _PARAM_OF_FIELD.get(e.field, e.field.removeprefix("params."))
+        raise OpenAIError(400, f"{param}: {e.message}", param=param, code="invalid_value") from e
+    except LaneFull as e:
+        metrics.job_rejected("lane_full", e.lane.value)
+        await cancel_jobs(app, done)
+        raise OpenAIError(429, f"{e}; retry later", code="lane_full",
+                          retry_after_s=app[K.CONFIG].retry_after_s) from e
+    except IdempotencyInFlight as e:  # ids are fresh, so only a collision gets here
+        await cancel_jobs(app, done)
+        raise OpenAIError(409, "request id collision; retry", code="conflict") from e
+    except BaseException:
+        await asyncio.shield(cancel_jobs(app, done))
+        raise
+
+
+async def cancel_jobs(app: web.Application, job_ids: Sequence[str]) -> None:
+    """Cancel every job not finished yet (a client that went away must leave no compute behind)."""
+    canceller = app[K.CANCELLER]
+    for job_id in job_ids:
+        try:
+            outcome = await canceller.cancel(job_id)
+            app[K.METRICS].job_cancelled("queued" if outcome.is_cancelled_now else "running")
+        except (JobNotFound, AlreadyFinished):
+            pass
+
+
+class ChoiceWatch:
+    """Every choice's job events merged into one queue; enter it before the jobs are enqueued."""
+
+    def __init__(self, redis: aioredis.Redis, hub: EventHub, keys: Keys, job_ids: Sequence[str]) -> None:
+        self._redis, self._hub, self._keys = redis, hub, keys
+        self.job_ids = list(job_ids)
+        self._merged: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
+        self._stack = AsyncExitStack()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> ChoiceWatch:
+        try:
+            for index, job_id in enumerate(self.job_ids):
+                sub = await self._stack.enter_async_context(self._hub.subscribe(self._keys.events(job_id)))
+                self._tasks.append(asyncio.create_task(self._forward(index, sub), name=f"choice-{job_id}"))
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        for task in self._tasks:
+            await cancel_and_reap(task)
+        await self._stack.aclose()
+
+    async def _forward(self, index: int, sub: Subscription) -> None:
+        while True:
+            self._merged.put_nowait((index, await sub.queue.get()))
+
+    async def next(self, timeout_s: float) -> tuple[int, dict[str, Any]] | None:
+        try:
+            return await asyncio.wait_for(self._merged.get(), timeout_s)
+        except TimeoutError:
+            return None
+
+    async def terminal_views(self, indices: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """The views of those jobs whose record is terminal now (a final event lost in transit still shows)."""
+        out = {}
+        for index in indices:
+            record = await read_hash(self._redis, self._keys.job(self.job_ids[index]))
+            if record and is_terminal(record):
+                out[index] = job_view(record)
+        return out
+
+
+def client_gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()

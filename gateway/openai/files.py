@@ -1,0 +1,195 @@
+"""Files of the Batch API, kept in Redis: ``POST/GET/DELETE /v1/files[/{id}[/content]]``.
+
+A file is a metadata hash plus a list holding one element per JSONL line, so a
+50,000-line file is 50,000 small list elements (read in pages with LRANGE),
+never one giant value. Both keys expire after ``--file-ttl-s``. Uploads are
+streamed and refused past ``--max-batch-file-bytes`` (413) or
+``--max-batch-requests`` lines (400).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from aiohttp import BodyPartReader, web
+from redis.typing import EncodableT, FieldT
+
+from gateway import appkeys as K
+from gateway.openai.errors import OpenAIError, invalid
+from scheduler.keys import Keys
+from scheduler.redis_replies import as_bytes, read_hash
+
+routes = web.RouteTableDef()
+
+PAGE_LINES = 1000
+"""Lines per LRANGE / RPUSH when reading or writing a file."""
+PURPOSES = ("batch",)
+
+
+class FileStore:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: int) -> None:
+        self._redis, self._keys, self._ttl_s = redis, keys, ttl_s
+
+    async def write(self, file_id: str, filename: str, purpose: str, lines: Sequence[str]) -> dict[str, Any]:
+        """Store (or replace) a whole file in one transaction; returns its view."""
+        lines_key = self._keys.file_lines(file_id)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(lines_key)
+            for start in range(0, len(lines), PAGE_LINES):
+                pipe.rpush(lines_key, *lines[start:start + PAGE_LINES])
+            return await self._publish(pipe, file_id, filename, purpose, sum(len(line.encode()) + 1 for line in lines))
+
+    async def append(self, file_id: str, lines: Sequence[str]) -> int:
+        """Add lines to a file being built (not listed until `publish`); returns their size in bytes."""
+        if lines:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.rpush(self._keys.file_lines(file_id), *lines)
+                pipe.expire(self._keys.file_lines(file_id), self._ttl_s)
+                await pipe.execute()
+        return sum(len(line.encode()) + 1 for line in lines)
+
+    async def publish(self, file_id: str, filename: str, purpose: str, num_bytes: int) -> dict[str, Any]:
+        """List a file built with `append`."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            return await self._publish(pipe, file_id, filename, purpose, num_bytes)
+
+    async def _publish(self, pipe: aioredis.client.Pipeline, file_id: str, filename: str, purpose: str, num_bytes: int) -> dict[str, Any]:
+        lines_key = self._keys.file_lines(file_id)
+        created_at = int(time.time())
+        meta: dict[FieldT, EncodableT] = {"id": file_id, "filename": filename, "purpose": purpose,
+                                          "bytes": num_bytes, "created_at": created_at}
+        pipe.hset(self._keys.file(file_id), mapping=meta)
+        pipe.expire(lines_key, self._ttl_s)
+        pipe.expire(self._keys.file(file_id), self._ttl_s)
+        pipe.zadd(self._keys.files, {file_id: created_at})
+        pipe.zremrangebyscore(self._keys.files, "-inf", created_at - self._ttl_s)  # expired ones
+        await pipe.execute()
+        return self.view({str(k).encode(): str(v).encode() for k, v in meta.items()})
+
+    async def get(self, file_id: str) -> dict[str, Any] | None:
+        meta = await read_hash(self._redis, self._keys.file(file_id))
+        return self.view(meta) if meta else None
+
+    async def num_lines(self, file_id: str) -> int:
+        return int(await self._redis.llen(self._keys.file_lines(file_id)))
+
+    async def page(self, file_id: str, start: int, count: int = PAGE_LINES) -> list[str]:
+        raw = await self._redis.lrange(self._keys.file_lines(file_id), start, start + count - 1)
+        return [as_bytes(line).decode("utf-8", "replace") for line in raw]
+
+    async def pages(self, file_id: str) -> AsyncIterator[list[str]]:
+        start = 0
+        while page := await self.page(file_id, start):
+            yield page
+            start += len(page)
+
+    async def delete(self, file_id: str) -> bool:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._keys.file(file_id), self._keys.file_lines(file_id))
+            pipe.zrem(self._keys.files, file_id)
+            deleted, _ = await pipe.execute()
+        return bool(deleted)
+
+    def view(self, meta: dict[bytes, bytes]) -> dict[str, Any]:
+        created = int(meta[b"created_at"])
+        return {"id": meta[b"id"].decode(), "object": "file", "bytes": int(meta[b"bytes"]), "created_at": created,
+                "expires_at": created + self._ttl_s, "filename": meta[b"filename"].decode(),
+                "purpose": meta[b"purpose"].decode(), "status": "processed", "status_details": None}
+
+
+def new_file_id() -> str:
+    return "file-" + secrets.token_hex(12)
+
+
+def file_store(app: web.Application) -> FileStore:
+    return FileStore(app[K.REDIS], app[K.KEYS], app[K.CONFIG].file_ttl_s)
+
+
+@routes.post("/v1/files")
+async def upload(request: web.Request) -> web.Response:
+    config = request.app[K.CONFIG]
+    if not request.content_type.startswith("multipart/"):
+        raise invalid("file", "upload the file as multipart/form-data with fields file and purpose")
+    reader = await request.multipart()
+    purpose, filename, data = None, None, None
+    while (part := await reader.next()) is not None:
+        if not isinstance(part, BodyPartReader):
+            raise invalid("file", "nested multipart bodies are not supported")
+        if part.name == "purpose":
+            purpose = (await part.read(decode=True)).decode("utf-8", "replace").strip()
+        elif part.name == "file":
+            filename = part.filename or "upload.jsonl"
+            data = await _read_limited(part, config.max_batch_file_bytes)
+        else:
+            await part.release()
+    if purpose not in PURPOSES:
+        raise invalid("purpose", f"must be one of {list(PURPOSES)}")
+    if data is None or filename is None:
+        raise invalid("file", "required")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid("file", f"must be UTF-8 JSONL: {e}") from e
+    lines = [line.rstrip("\r") for line in text.split("\n")]
+    lines = [line for line in lines if line.strip()]
+    if not lines:
+        raise invalid("file", "holds no lines")
+    if len(lines) > config.max_batch_requests:
+        raise invalid("file", f"{len(lines)} lines; a batch takes at most {config.max_batch_requests} requests")
+    view = await file_store(request.app).write(new_file_id(), filename, purpose, lines)
+    return web.json_response(view)
+
+
+async def _read_limited(part: BodyPartReader, max_bytes: int) -> bytes:
+    chunks, size = [], 0
+    while chunk := await part.read_chunk(64 * 1024):
+        size += len(chunk)
+        if size > max_bytes:
+            raise OpenAIError(413, f"the file is larger than this server's limit of {max_bytes} bytes",
+                              param="file", code="file_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@routes.get("/v1/files")
+async def list_files(request: web.Request) -> web.Response:
+    store = file_store(request.app)
+    ids = cast(list[bytes], await request.app[K.REDIS].zrevrange(request.app[K.KEYS].files, 0, 9999))
+    views = [v for v in [await store.get(i.decode()) for i in ids] if v is not None]
+    return web.json_response({"object": "list", "data": views, "has_more": False})
+
+
+@routes.get("/v1/files/{id}")
+async def get_file(request: web.Request) -> web.Response:
+    return web.json_response(await _existing(request))
+
+
+@routes.get("/v1/files/{id}/content")
+async def file_content(request: web.Request) -> web.StreamResponse:
+    view = await _existing(request)
+    response = web.StreamResponse(headers={"Content-Type": "application/jsonl"})
+    await response.prepare(request)
+    async for page in file_store(request.app).pages(view["id"]):
+        await response.write("".join(line + "\n" for line in page).encode())
+    await response.write_eof()
+    return response
+
+
+@routes.delete("/v1/files/{id}")
+async def delete_file(request: web.Request) -> web.Response:
+    file_id = request.match_info["id"]
+    if not await file_store(request.app).delete(file_id):
+        raise OpenAIError(404, f"No such file: {file_id}", param="file_id", code="not_found")
+    return web.json_response({"id": file_id, "object": "file", "deleted": True})
+
+
+async def _existing(request: web.Request) -> dict[str, Any]:
+    file_id = request.match_info["id"]
+    view = await file_store(request.app).get(file_id)
+    if view is None:
+        raise OpenAIError(404, f"No such file: {file_id}", param="file_id", code="not_found")
+    return view

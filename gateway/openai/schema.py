@@ -1,0 +1,236 @@
+"""OpenAI request bodies -> carpool job messages, one per choice.
+
+Parameters map one to one onto the job's `params` (`max_tokens` /
+`max_completion_tokens`, `temperature`, `top_p`, `stop`, `seed`, the
+penalties, `logprobs` / `top_logprobs`), plus carpool's own sampling
+parameters as extra body fields the way vLLM takes them. `n` fans out into
+`n` jobs; choice `i > 0` gets a seed derived from the request's. Anything
+else is refused with a 400 naming the parameter, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from gateway.openai.errors import invalid, unsupported
+from scheduler.lanes import Lane
+from scheduler.params import MAX_SEED, SamplingParams
+
+
+class Endpoint(str, Enum):
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+SERVICE_TIER_LANES = {"priority": Lane.INTERACTIVE, "default": Lane.STANDARD, "auto": Lane.STANDARD,
+                      "flex": Lane.BATCH}
+MAX_CHOICES = 16
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 1024
+"""A chat completion without max_tokens generates at most this many (the gateway cannot count the templated
+prompt's tokens, so it cannot give "the rest of the context")."""
+"""OpenAI's default for /v1/completions; chat generates up to the model's context by default."""
+
+# carpool's own sampling parameters, accepted as extra body fields (as vLLM accepts them).
+EXTRA_PARAMS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+                "include_stop_str_in_output")
+SHARED_PARAMS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "stop")
+_COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "metadata", "service_tier", "lane",
+           "priority", *SHARED_PARAMS, *EXTRA_PARAMS}
+KNOWN = {
+    Endpoint.COMPLETIONS: _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of", "logit_bias"},
+    Endpoint.CHAT: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias", "store"},
+}
+# Accepted only at their default, which is what carpool does anyway.
+_ONLY_DEFAULT: dict[str, tuple[object, ...]] = {"echo": (False,), "suffix": ("",), "logit_bias": ({},),
+                                                "store": (False,)}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    endpoint: Endpoint
+    model: str
+    is_stream: bool
+    include_usage: bool
+    jobs: list[dict[str, Any]]
+    """Job message bodies without ids, one per choice, in choice order."""
+
+
+def parse_request(endpoint: Endpoint, body: object, *, default_lane: Lane, max_model_len: int | None,
+                  is_batch: bool = False) -> OpenAIRequest:
+    if not isinstance(body, dict):
+        raise invalid("body", "must be a JSON object")
+    given = {k: v for k, v in body.items() if v is not None}
+    for name in given:
+        if name not in KNOWN[endpoint]:
+            raise unsupported(str(name))
+        if name in _ONLY_DEFAULT and given[name] not in _ONLY_DEFAULT[name]:
+            raise unsupported(name, "is supported only at its default")
+    model = given.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "required: the name of a model this server serves (GET /v1/models)")
+    n = _int(given, "n", 1, low=1, high=MAX_CHOICES)
+    if given.get("best_of", n) != n:
+        raise unsupported("best_of", "is supported only equal to n")
+    is_stream = _bool(given, "stream", False)
+    include_usage = _stream_options(given.get("stream_options"), is_stream)
+    if is_batch and is_stream:
+        raise unsupported("stream", "is not available in a batch")
+    if is_batch and n != 1:
+        raise unsupported("n", "must be 1 in a batch")
+
+    params, renames = _sampling(endpoint, given, max_model_len)
+    if is_stream and params.get("logprobs") is not None:
+        raise unsupported("logprobs", "is not available with stream=true")
+    try:
+        SamplingParams(**params)
+    except (ValueError, TypeError) as e:
+        name, _, message = str(e).partition(": ")
+        param = renames.get(name, name)
+        raise invalid(param, message or str(e)) from e
+
+    job: dict[str, Any] = {"lane": _lane(given, default_lane, is_batch).value}
+    if "priority" in given:
+        job["priority"] = given["priority"]
+    if endpoint is Endpoint.CHAT:
+        job["messages"] = _messages(given.get("messages"))
+    else:
+        job.update(_prompt(given.get("prompt")))
+    meta: dict[str, Any] = {"model": model}
+    for name in ("user", "metadata"):
+        if name in given:
+            meta[name] = given[name]
+    job["metadata"] = meta
+    jobs = []
+    for i in range(n):
+        choice_params = dict(params)
+        if params.get("seed") is not None:
+            choice_params["seed"] = derive_seed(params["seed"], i)
+        jobs.append({**job, "params": choice_params})
+    return OpenAIRequest(endpoint, model, is_stream, include_usage, jobs)
+
+
+def derive_seed(seed: int, choice: int) -> int:
+    """Choice 0 keeps the request's seed (so n=1 matches a plain job); the others get independent ones."""
+    if choice == 0 or not isinstance(seed, int) or isinstance(seed, bool):
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{choice}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & MAX_SEED
+
+
+def _sampling(endpoint: Endpoint, given: dict[str, Any],
+              max_model_len: int | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The job's params, and the OpenAI names of params whose carpool names differ."""
+    renames: dict[str, str] = {}
+    params = {name: given[name] for name in (*SHARED_PARAMS, *EXTRA_PARAMS) if name in given}
+    limit_name = "max_completion_tokens" if "max_completion_tokens" in given else "max_tokens"
+    if limit_name in given:
+        params["max_tokens"] = given[limit_name]
+        renames["max_tokens"] = limit_name
+    elif endpoint is Endpoint.COMPLETIONS:
+        params["max_tokens"] = DEFAULT_COMPLETION_MAX_TOKENS
+    else:
+        params["max_tokens"] = DEFAULT_CHAT_MAX_TOKENS if max_model_len is None else min(
+            DEFAULT_CHAT_MAX_TOKENS, max_model_len // 2)
+    if endpoint is Endpoint.CHAT:
+        if _bool(given, "logprobs", False):
+            params["logprobs"] = given.get("top_logprobs", 0)
+            renames["logprobs"] = "top_logprobs"
+        elif "top_logprobs" in given:
+            raise invalid("top_logprobs", "needs logprobs: true")
+    elif "logprobs" in given:
+        params["logprobs"] = given["logprobs"]
+    return params, renames
+
+
+def _lane(given: dict[str, Any], default: Lane, is_batch: bool) -> Lane:
+    if is_batch:
+        return Lane.BATCH
+    if "lane" in given:
+        try:
+            return Lane(given["lane"])
+        except ValueError as e:
+            raise invalid("lane", f"must be one of {[lane.value for lane in Lane]}") from e
+    if "service_tier" in given:
+        tier = given["service_tier"]
+        if tier not in SERVICE_TIER_LANES:
+            raise invalid("service_tier", f"must be one of {sorted(SERVICE_TIER_LANES)}")
+        return SERVICE_TIER_LANES[tier]
+    return default
+
+
+def _stream_options(value: object, is_stream: bool) -> bool:
+    if value is None:
+        return False
+    if not is_stream:
+        raise invalid("stream_options", "only allowed with stream: true")
+    if not isinstance(value, dict):
+        raise invalid("stream_options", "must be an object")
+    for key in value:
+        if key != "include_usage":
+            raise unsupported(f"stream_options.{key}")
+    return _bool(value, "include_usage", False, prefix="stream_options.")
+
+
+def _messages(value: object) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise invalid("messages", "must be a non-empty list of messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(where, "must be an object with role and content")
+        for key in message:
+            if key not in ("role", "content", "name"):
+                raise unsupported(f"{where}.{key}")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise invalid(f"{where}.role", f"must be one of {sorted(_ROLES)}")
+        out.append({"role": _ROLES[role], "content": _content(message.get("content"), f"{where}.content")})
+    return out
+
+
+def _content(value: object, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for j, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise unsupported(f"{where}[{j}]", "(only text parts are supported)")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(where, "must be a string or a list of text parts")
+
+
+def _prompt(value: object) -> dict[str, Any]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # one prompt in a list
+    if isinstance(value, str) and value:
+        return {"prompt": value}
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                 for t in value):
+        return {"prompt_token_ids": value}
+    if isinstance(value, list) and len(value) > 1:
+        raise unsupported("prompt", "(one prompt per request; send several requests or a batch)")
+    raise invalid("prompt", "must be a non-empty string or a list of token ids")
+
+
+def _int(given: dict[str, Any], name: str, default: int, *, low: int, high: int) -> int:
+    value = given.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise invalid(name, f"must be an integer in [{low}, {high}]")
+    return value
+
+
+def _bool(given: dict[str, Any], name: str, default: bool, prefix: str = "") -> bool:
+    value = given.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(prefix + name, "must be a boolean")
+    return value
