@@ -78,7 +78,6 @@ def test_percentile_interpolates() -> None:
     assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
 
 
-@pytest.mark.timeout(180)
 def test_quick_bench_writes_a_complete_report(tmp_path: Path, tiny_model: Callable[..., str],
                                               capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "report"

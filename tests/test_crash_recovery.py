@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgpack
@@ -16,10 +15,12 @@ import redis.asyncio as aioredis
 from scheduler.job import JobSpec
 from scheduler.lanes import LANES
 from scheduler.params import SamplingParams
-from worker_harness import KEYS, wait_terminal, xadd_job
+from worker_harness import KEYS, WAIT_S, wait_terminal, wait_until, xadd_job
 from child_env import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
+END_OF_EVENTS = "end-of-events"
+"""A job id no worker runs: the test publishes on its channel once every worker has stopped."""
 
 
 def start_worker(redis_url: str, model: str, name: str, log_path: Path) -> subprocess.Popen[bytes]:
@@ -35,7 +36,9 @@ async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_mo
     from worker.engine import Engine
 
     model = tiny_model()
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    # Far more tokens than pass while the test looks for jobs mid-generation, so the jobs it sees running are still
+    # running when the worker is killed, at any engine speed.
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     specs = [JobSpec(id=f"crash-{i}", prompt=f"crash prompt {i}", params=params, lane=LANES[i % 3],
                      reply_to="replies:crash") for i in range(14)]
     expected = {s.id: c for s, c in zip(specs, Engine(model=model, max_num_seqs=16).generate(
@@ -49,6 +52,8 @@ async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_mo
         async for message in pubsub.listen():
             if message["type"] == "pmessage":
                 event = msgpack.unpackb(message["data"], raw=False)
+                if event["type"] == "end":
+                    return
                 if event["type"] == "final":
                     finals[event["id"]] = finals.get(event["id"], 0) + 1
 
@@ -58,21 +63,27 @@ async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_mo
     try:
         for spec in specs:
             await xadd_job(client, spec)
-        deadline = time.monotonic() + 90
-        while True:  # at least 8 jobs mid-generation (checkpointed, unfinished) and more still queued
-            records = [await client.hmget(KEYS.job(s.id), ["status", "checkpoint"]) for s in specs]
+
+        async def mid_generation() -> bool:  # at least 8 jobs mid-generation (checkpointed, unfinished), more queued
+            assert first.poll() is None, (tmp_path / "doomed.log").read_text()
+            async with client.pipeline(transaction=False) as pipe:
+                for spec in specs:
+                    pipe.hmget(KEYS.job(spec.id), ["status", "checkpoint"])
+                records = await pipe.execute()
             mid = sum(1 for status, ckpt in records if status == b"running" and ckpt)
             queued = sum(1 for status, _ in records if status in (None, b"queued"))
-            if mid >= 8 and queued > 0:
-                break
-            assert time.monotonic() < deadline, f"never saw 8 jobs mid-generation (mid={mid}, queued={queued})"
-            assert first.poll() is None, (tmp_path / "doomed.log").read_text()
-            await asyncio.sleep(0.02)
+            return mid >= 8 and queued > 0
+
+        await wait_until(mid_generation, "8 jobs mid-generation and more queued")
         first.send_signal(signal.SIGKILL)
         first.wait()
         second = start_worker(redis_url, model, "rescuer", tmp_path / "rescuer.log")
-        views = await wait_terminal(client, [s.id for s in specs], timeout_s=180)
-        await asyncio.sleep(0.3)
+        views = await wait_terminal(client, [s.id for s in specs])
+        # Every final event reaches the listener before a marker published after the rescuer stopped.
+        second.send_signal(signal.SIGTERM)
+        second.wait()
+        await client.publish(KEYS.events(END_OF_EVENTS), msgpack.packb({"type": "end", "id": END_OF_EVENTS}))
+        await asyncio.wait_for(listener, WAIT_S)
     finally:
         for proc in (first, second):
             if proc is not None and proc.poll() is None:

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from scheduler.params import SamplingParams
 from child_env import child_pythonpath
 from worker.engine_process import EngineProcess, EngineStartError
 from worker.engine_tick import EngineFailed
-from worker_harness import KEYS, running_worker, wait_terminal, xadd_job
+from worker_harness import KEYS, WAIT_S, running_worker, wait_terminal, wait_until, xadd_job
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -109,28 +108,27 @@ async def test_a_killed_engine_process_fails_the_worker_and_its_jobs_finish_else
     from worker.engine import Engine
 
     model = tiny_model()
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    # Far more tokens than pass between a job's fourth token and the kill, so none can finish first.
+    params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
     specs = [JobSpec(id=f"ep-{i}", prompt=f"engine process job {i}", params=params) for i in range(4)]
     client = aioredis.Redis.from_url(redis_url)
     engine = await EngineProcess.start({"model": model, "max_num_seqs": 4}, 1, "cpu")
     async with running_worker(redis_url, engine, lease_s=1.0, checkpoint_tokens=4) as service:
         for spec in specs:
             await xadd_job(client, spec)
-        deadline = time.monotonic() + 60
-        while not any(len(job.token_ids) >= 4 for job in service.loop.jobs.values()):
-            assert time.monotonic() < deadline, "no job got going"
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: any(len(job.token_ids) >= 4 for job in service.loop.jobs.values()),
+                         "a job with 4 tokens")
         os.kill(engine.pid, signal.SIGKILL)
-        await asyncio.wait_for(service.stopped.wait(), 10)
+        await asyncio.wait_for(service.stopped.wait(), WAIT_S)
         assert service.has_failed
         statuses = [await client.hget(KEYS.job(s.id), "status") for s in specs]
         assert b"succeeded" not in statuses
     assert engine.process.exitcode == -signal.SIGKILL
     rescuer = Engine(model=model, max_num_seqs=4)
     async with running_worker(redis_url, rescuer, lease_s=1.0):
-        views = await wait_terminal(client, [s.id for s in specs], timeout_s=60)
+        views = await wait_terminal(client, [s.id for s in specs])
     assert {v["status"] for v in views.values()} == {"succeeded"}
-    assert all(len(v["output"]["token_ids"]) == 48 for v in views.values())
+    assert all(len(v["output"]["token_ids"]) == params.max_tokens for v in views.values())
     await client.aclose()
 
 
@@ -145,19 +143,16 @@ async def test_a_sigkilled_worker_leaves_no_engine_process_behind(redis_url, tin
     client = aioredis.Redis.from_url(redis_url)
     worker = _worker(redis_url, tiny_model(), "short-lived")
     try:
-        deadline = time.monotonic() + 90
-        while not await client.hexists(KEYS.workers, "short-lived"):
+        async def is_ready() -> bool:
             assert worker.poll() is None, worker.stderr.read().decode() if worker.stderr else ""
-            assert time.monotonic() < deadline, "the worker never got ready"
-            await asyncio.sleep(0.05)
+            return bool(await client.hexists(KEYS.workers, "short-lived"))
+
+        await wait_until(is_ready, "the worker ready")
         children = _children(worker.pid)  # the engine, and multiprocessing's resource tracker
         assert any(b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes() for c in children)
         worker.send_signal(signal.SIGKILL)
         worker.wait()
-        deadline = time.monotonic() + 5
-        while not all(_is_gone(c) for c in children):
-            assert time.monotonic() < deadline, f"child processes {children} outlived their worker"
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: all(_is_gone(c) for c in children), f"child processes {children} gone with their worker")
     finally:
         if worker.poll() is None:
             worker.kill()
@@ -170,7 +165,7 @@ async def test_a_bad_model_path_fails_startup_with_a_clear_error(redis_url, tmp_
     missing.mkdir()
     (missing / "config.json").write_text("{}")
     worker = _worker(redis_url, str(missing), "doomed")
-    _, stderr = await asyncio.get_running_loop().run_in_executor(None, lambda: worker.communicate(timeout=90))
+    _, stderr = await asyncio.get_running_loop().run_in_executor(None, lambda: worker.communicate(timeout=WAIT_S))
     assert worker.returncode == 1
     assert "cannot start the engine" in stderr.decode() and str(missing) in stderr.decode()
     with pytest.raises(EngineStartError):

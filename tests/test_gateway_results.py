@@ -18,7 +18,9 @@ from gateway.config import GatewayConfig
 from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
 from scheduler.job_record import job_view
+from gateway import appkeys as K
 from scheduler.keys import Keys
+from worker_harness import WAIT_S, wait_until
 
 KEYS = Keys()
 
@@ -52,16 +54,17 @@ async def finish_like_a_worker(redis: aioredis.Redis, job_id: str, text: str, de
 
 async def test_long_poll_returns_when_the_job_finishes(client: TestClient, redis: aioredis.Redis) -> None:
     job_id = await new_job(client)
-    finisher = asyncio.create_task(finish_like_a_worker(redis, job_id, "done!", delay_s=0.3))
-    started = time.monotonic()
-    view = await (await client.get(f"/v1/jobs/{job_id}?wait=10")).json()
-    elapsed = time.monotonic() - started
-    await finisher
+    poll = asyncio.create_task(client.get(f"/v1/jobs/{job_id}?wait=60"))
+    await wait_until(lambda: client.app[K.HUB].num_waiters == 1, "the long poll waiting")
+    assert not poll.done()  # it waits for the job rather than answering with the queued record
+    await finish_like_a_worker(redis, job_id, "done!", delay_s=0)
+    finished = time.monotonic()
+    view = await (await poll).json()
     assert view["status"] == "succeeded"
     assert view["output"]["text"] == "done!"
     assert view["worker"] == "w-test"
     assert view["timings"]["e2e_s"] is not None
-    assert 0.25 < elapsed < 5
+    assert time.monotonic() - finished < 30  # answered on the final event, not when its 60 s wait ran out
 
 
 async def test_long_poll_gives_the_current_record_after_the_wait(client: TestClient) -> None:
@@ -69,19 +72,22 @@ async def test_long_poll_gives_the_current_record_after_the_wait(client: TestCli
     started = time.monotonic()
     view = await (await client.get(f"/v1/jobs/{job_id}?wait=0.4")).json()
     assert view["status"] == "queued"
-    assert 0.35 < time.monotonic() - started < 3
+    assert 0.35 < time.monotonic() - started < 30  # it waited, and answered when the wait ended (not at max_wait_s)
 
 
 async def test_many_long_polls_share_one_subscription(client: TestClient, redis: aioredis.Redis) -> None:
     job_id = await new_job(client)
-    polls = [asyncio.create_task(client.get(f"/v1/jobs/{job_id}?wait=10")) for _ in range(5)]
-    await asyncio.sleep(0.3)
+    polls = [asyncio.create_task(client.get(f"/v1/jobs/{job_id}?wait=60")) for _ in range(5)]
+    await wait_until(lambda: client.app[K.HUB].num_waiters == 5, "all 5 long polls waiting")
     assert (await redis.pubsub_numsub(KEYS.events(job_id)))[0][1] == 1
     await finish_like_a_worker(redis, job_id, "all", delay_s=0)
     views = [await (await poll).json() for poll in polls]
     assert [v["status"] for v in views] == ["succeeded"] * 5
-    await asyncio.sleep(0.1)
-    assert (await redis.pubsub_numsub(KEYS.events(job_id)))[0][1] == 0
+    await wait_until(lambda: unsubscribed(redis, KEYS.events(job_id)), "the shared subscription dropped")
+
+
+async def unsubscribed(redis: aioredis.Redis, channel: str) -> bool:
+    return (await redis.pubsub_numsub(channel))[0][1] == 0
 
 
 async def read_sse(client: TestClient, job_id: str) -> list[tuple[str, dict[str, Any]]]:
@@ -114,7 +120,7 @@ async def test_sse_relays_started_tokens_and_final(client: TestClient, redis: ai
         await finish_like_a_worker(redis, job_id, "hello", delay_s=0)
 
     task = asyncio.create_task(worker())
-    events = await asyncio.wait_for(read_sse(client, job_id), 10)
+    events = await asyncio.wait_for(read_sse(client, job_id), WAIT_S)
     await task
     assert [kind for kind, _ in events] == ["started", "token", "token", "final"]
     assert "".join(data["text"] for kind, data in events if kind == "token") == "hello"
@@ -126,7 +132,7 @@ async def test_sse_relays_started_tokens_and_final(client: TestClient, redis: ai
 async def test_sse_of_a_finished_job_replays_it_at_once(client: TestClient, redis: aioredis.Redis) -> None:
     job_id = await new_job(client)
     await finish_like_a_worker(redis, job_id, "old news", delay_s=0)
-    events = await asyncio.wait_for(read_sse(client, job_id), 5)
+    events = await asyncio.wait_for(read_sse(client, job_id), WAIT_S)
     assert [kind for kind, _ in events] == ["started", "token", "final"]
     assert events[1][1]["text"] == "old news" and events[1][1]["token_ids"] == [1, 2] and events[1][1]["index"] == 0
     assert events[-1][1]["job"]["output"]["text"] == "old news"
@@ -141,15 +147,15 @@ async def test_sse_notices_a_missed_final_on_its_heartbeat(client: TestClient, r
         await redis.hset(KEYS.job(job_id), mapping={"status": "failed", "finished_at": repr(time.time())})
 
     task = asyncio.create_task(finish_silently())
-    events = await asyncio.wait_for(read_sse(client, job_id), 5)
+    events = await asyncio.wait_for(read_sse(client, job_id), WAIT_S)
     await task
     assert [(kind, data["job"]["status"]) for kind, data in events] == [("final", "failed")]
 
 
 async def test_cancel_a_queued_job(client: TestClient, redis: aioredis.Redis) -> None:
     job_id = await new_job(client, reply_to="replies", webhook={"url": "https://hooks.test/cb", "events": ["completed"]})
-    waiter = asyncio.create_task(client.get(f"/v1/jobs/{job_id}?wait=10"))
-    await asyncio.sleep(0.2)
+    waiter = asyncio.create_task(client.get(f"/v1/jobs/{job_id}?wait=60"))
+    await wait_until(lambda: client.app[K.HUB].num_waiters == 1, "the long poll waiting")
 
     resp = await client.delete(f"/v1/jobs/{job_id}")
     assert resp.status == 202
@@ -265,11 +271,11 @@ async def test_every_waiter_gets_its_subscription_only_once_redis_confirmed_it(r
     await redis.hset(KEYS.job("j"), mapping={"status": "succeeded", "finished_at": repr(time.time())})
     await redis.publish(KEYS.events("j"), msgpack.packb({"type": "final", "id": "j", "job": {}}))
     hub.start()
-    await asyncio.sleep(0.3)
+    await wait_until(lambda: len(entered) == 2, "both waiters in, once Redis confirmed")
     assert sorted(entered) == [1, 2]
     release.set()
     await asyncio.gather(*waiters)
-    records = await asyncio.wait_for(asyncio.gather(*polls), 3)
+    records = await asyncio.wait_for(asyncio.gather(*polls), WAIT_S)
     assert [r[b"status"] for r in records] == [b"succeeded", b"succeeded"]
     await hub.stop()
 
@@ -284,6 +290,6 @@ async def test_long_poll_rereads_the_record_when_its_wait_ends(client: TestClien
         await redis.hset(KEYS.job(job_id), mapping={"status": "failed", "finished_at": repr(time.time())})
 
     task = asyncio.create_task(finish_without_event())
-    view = await (await client.get(f"/v1/jobs/{job_id}?wait=0.8")).json()
+    view = await (await client.get(f"/v1/jobs/{job_id}?wait=2")).json()
     await task
     assert view["status"] == "failed"  # the final event was never seen, the record still tells

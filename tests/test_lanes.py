@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 
 import redis.asyncio as aioredis
@@ -11,7 +10,7 @@ from scheduler.job import JobSpec
 from scheduler.lanes import DEFAULT_LANE_WEIGHTS, Lane
 from scheduler.params import SamplingParams
 from worker.consumer import LaneConsumer, LaneShares
-from worker_harness import KEYS, running_worker, wait_terminal, xadd_job
+from worker_harness import KEYS, TERMINAL, running_worker, wait_terminal, wait_until, xadd_job
 
 
 def test_lane_shares_follow_the_weights_and_interleave():
@@ -45,6 +44,13 @@ async def test_a_read_takes_the_weighted_shares_and_a_short_lane_passes_its_slot
     await client.aclose()
 
 
+async def num_finished(client: aioredis.Redis, specs: list[JobSpec]) -> int:
+    async with client.pipeline(transaction=False) as pipe:
+        for spec in specs:
+            pipe.hget(KEYS.job(spec.id), "status")
+        return sum(raw is not None and raw.decode() in TERMINAL for raw in await pipe.execute())
+
+
 async def test_interactive_jobs_overtake_a_batch_backlog(redis_url, tiny_model):
     from worker.engine import Engine
 
@@ -57,11 +63,13 @@ async def test_interactive_jobs_overtake_a_batch_backlog(redis_url, tiny_model):
         await xadd_job(client, spec)
     engine = Engine(model=tiny_model(), max_num_seqs=8, policy="priority")
     async with running_worker(redis_url, engine):
-        await asyncio.sleep(0.3)
-        for spec in interactive:  # steady interactive traffic while the backlog drains
+        await wait_until(lambda: num_finished(client, batch), "the backlog draining")
+        # Steady interactive traffic while the backlog drains, paced by the worker rather than the clock: one
+        # job at a time, the next as soon as the last one is done.
+        for spec in interactive:
             await xadd_job(client, spec)
-            await asyncio.sleep(0.05)
-        views = await wait_terminal(client, [s.id for s in batch + interactive], timeout_s=240)
+            await wait_terminal(client, [spec.id])
+        views = await wait_terminal(client, [s.id for s in batch + interactive])
     assert all(v["status"] == "succeeded" for v in views.values())
     wait_batch = statistics.median(views[s.id]["timings"]["queued_s"] for s in batch)
     wait_interactive = statistics.median(views[s.id]["timings"]["queued_s"] for s in interactive)

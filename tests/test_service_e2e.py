@@ -75,7 +75,7 @@ async def test_forty_over_http_and_forty_xadded_all_succeed_like_the_offline_eng
             http_jobs = [post(b) for b in BODIES if b["metadata"]["source"] == "http"]
             direct_jobs = [xadd_job(client, s) for s in specs if s.metadata and s.metadata["source"] == "direct"]
             await asyncio.gather(*http_jobs, *direct_jobs)
-            await wait_terminal(client, expected, timeout_s=120)
+            await wait_terminal(client, expected)
             views = {}
             for job_id in expected:
                 resp = await gateway.get(f"/v1/jobs/{job_id}")

@@ -11,7 +11,6 @@ import asyncio
 import time
 from typing import Any
 
-import pytest
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -24,6 +23,7 @@ from scheduler.metric_schema import GATEWAY_METRICS, WORKER_METRICS
 from test_telemetry_dashboard import load_dashboard, queries, series_in
 from telemetry_support import in_memory_telemetry, is_connected, sample_names, spans_by_trace, value
 from webhook_receiver import Receiver
+from worker_harness import WAIT_S, wait_until
 from worker.config import WorkerConfig
 from worker.service import WorkerService
 
@@ -39,17 +39,16 @@ async def scrape(client: TestClient) -> str:
     return await resp.text()
 
 
-async def wait_for(client: TestClient, name: str, expected: float, timeout_s: float = 10.0, **labels: str) -> str:
+async def wait_for(client: TestClient, name: str, expected: float, **labels: str) -> str:
     """Scrape until a sample reaches ``expected`` (the worker records right after its commit returns)."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + WAIT_S
     while True:
         text = await scrape(client)
         if value(text, name, **labels) == expected or time.monotonic() > deadline:
             return text
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.01)
 
 
-@pytest.mark.timeout(180)
 async def test_metrics_and_traces_from_gateway_to_worker(redis_url: str, tiny_model: Any) -> None:
     from worker.engine import Engine
 
@@ -86,10 +85,9 @@ async def test_metrics_and_traces_from_gateway_to_worker(redis_url: str, tiny_mo
         completion = sum(v["usage"]["completion_tokens"] for v in views.values())
         prompt = sum(v["usage"]["prompt_tokens"] for v in views.values())
         assert completion == sum(3 + i for i in range(NUM_JOBS))
-        await asyncio.wait_for(receiver.accepted.wait(), 20)
-        deadline = time.monotonic() + 20
-        while not any(r.payload["type"] == "completed" for r in receiver.received) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await asyncio.wait_for(receiver.accepted.wait(), WAIT_S)
+        await wait_until(lambda: any(r.payload["type"] == "completed" for r in receiver.received),
+                         "the completed webhook")
         webhook_events = [r.payload["type"] for r in receiver.received]
         assert webhook_events[0] == "started" and webhook_events[-1] == "completed", webhook_events
 

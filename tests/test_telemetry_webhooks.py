@@ -24,6 +24,7 @@ from scheduler.webhooks import delivery_fields
 from telemetry_support import in_memory_telemetry, value
 from webhook_receiver import Answer, Receiver
 from child_env import child_pythonpath
+from worker_harness import WAIT_S, wait_until
 
 KEYS = Keys("whmetrics")
 
@@ -31,7 +32,7 @@ KEYS = Keys("whmetrics")
 async def test_attempt_outcomes_are_counted(redis_url: str) -> None:
     secret = generate_secret()
     config = WebhookConfig(
-        webhook_secret=secret, webhook_allow=["127.0.0.1"], webhook_timeout_s=2.0,
+        webhook_secret=secret, webhook_allow=["127.0.0.1"], webhook_timeout_s=30.0,
         webhook_retry_schedule_s=[0.1, 0.2], webhook_jitter=0.0, webhook_poll_s=0.02, webhook_drain_s=1.0,
     )
     telemetry, _ = in_memory_telemetry("carpool-gateway")
@@ -43,11 +44,9 @@ async def test_attempt_outcomes_are_counted(redis_url: str) -> None:
         fields = delivery_fields("j1", "completed", receiver.url, {"id": "j1", "status": "succeeded"}, now=time.time())
         await client.xadd(KEYS.webhooks, fields)  # type: ignore[arg-type]
         async with WebhookDispatcher(client, KEYS, config, observer=metrics):
-            await asyncio.wait_for(receiver.accepted.wait(), 10)
-            deadline = time.monotonic() + 5
-            while value(metrics.render().decode(), "carpool_webhook_deliveries_total",
-                        carpool_webhook_outcome="delivered") < 1 and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+            await asyncio.wait_for(receiver.accepted.wait(), WAIT_S)
+            await wait_until(lambda: value(metrics.render().decode(), "carpool_webhook_deliveries_total",
+                                           carpool_webhook_outcome="delivered") >= 1, "the delivered count")
     finally:
         await receiver.stop()
         await client.aclose()
@@ -88,8 +87,8 @@ async def test_standalone_dispatcher_serves_metrics_and_health(redis_url: str, t
     try:
         fields = delivery_fields("j2", "completed", receiver.url, {"id": "j2"}, now=time.time())
         await client.xadd(KEYS.webhooks, fields)  # type: ignore[arg-type]
-        await asyncio.wait_for(receiver.accepted.wait(), 30)
-        deadline = time.monotonic() + 10
+        await asyncio.wait_for(receiver.accepted.wait(), WAIT_S)
+        deadline = time.monotonic() + WAIT_S
         while True:
             status, text = await asyncio.to_thread(http_get, f"http://127.0.0.1:{port}/metrics")
             if value(text, "carpool_webhook_deliveries_total", carpool_webhook_outcome="delivered") == 1:

@@ -3,11 +3,9 @@ a job (reclaim, admission, dead-letter, commit) names the job and its trace as J
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import logging
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -21,7 +19,7 @@ from scheduler.lanes import LANES, Lane
 from scheduler.log_format import JsonFormatter
 from scheduler.params import SamplingParams
 from telemetry_support import value
-from worker_harness import KEYS, running_worker, wait_terminal, xadd_job
+from worker_harness import KEYS, running_worker, wait_terminal, wait_until, xadd_job
 
 
 @pytest.fixture
@@ -40,6 +38,10 @@ async def crashed_worker_holds(client: aioredis.Redis, spec: JobSpec) -> None:
     assert len(read[0][1]) == 1
 
 
+async def num_dead_at_least(client: aioredis.Redis, count: int) -> bool:
+    return await client.xlen(KEYS.dead) >= count
+
+
 async def test_dead_lettered_jobs_count_as_failed_jobs(redis_url: str, engine) -> None:
     client = aioredis.Redis.from_url(redis_url)
     params = SamplingParams(max_tokens=2, temperature=0.0)
@@ -49,10 +51,8 @@ async def test_dead_lettered_jobs_count_as_failed_jobs(redis_url: str, engine) -
         await client.xadd(KEYS.lane(Lane.BATCH), {"job": msgpack.packb(
             {"v": 1, "id": "poison", "prompt": "hi", "params": {"temperature": -1}})})
         await xadd_job(client, JobSpec(id="good", prompt="fine", params=params))
-        views = await wait_terminal(client, ["redelivered", "poison", "good"], timeout_s=60)
-        deadline = time.monotonic() + 10
-        while await client.xlen(KEYS.dead) < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        views = await wait_terminal(client, ["redelivered", "poison", "good"])
+        await wait_until(lambda: num_dead_at_least(client, 2), "2 dead-lettered entries")
         text = worker.metrics.render().decode()
     await client.aclose()
     assert {job_id: v["status"] for job_id, v in views.items()} == {
@@ -101,10 +101,8 @@ async def test_log_lines_about_a_job_carry_its_id_and_trace(redis_url: str, engi
             await client.xadd(KEYS.lane(Lane.BATCH), {"job": msgpack.packb(
                 {"v": 1, "id": "poison", "prompt": "hi", "params": {"temperature": -1},
                  "traceparent": f"00-{POISON_TRACE}-b7ad6b7169203331-01"})})
-            views = await wait_terminal(client, ["good", "poison"], timeout_s=60)
-            deadline = time.monotonic() + 10
-            while "good: succeeded" not in stream.getvalue() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            views = await wait_terminal(client, ["good", "poison"])
+            await wait_until(lambda: "good: succeeded" in stream.getvalue(), "the log line of good's success")
     await client.aclose()
     assert views["good"]["status"] == "succeeded" and views["poison"]["status"] == "failed"
     records = [json.loads(line) for line in stream.getvalue().splitlines()]

@@ -16,13 +16,14 @@ from scheduler.job_record import job_view
 from scheduler.keys import Keys
 from scheduler.webhooks import delivery_fields
 from webhook_receiver import Answer, Receiver
+from worker_harness import WAIT_S, wait_until
 
 KEYS = Keys("whtest")
 
 
 def fast_config(secret: str, **overrides: object) -> WebhookConfig:
     values: dict[str, object] = dict(
-        webhook_secret=secret, webhook_allow=["127.0.0.1"], webhook_timeout_s=2.0,
+        webhook_secret=secret, webhook_allow=["127.0.0.1"], webhook_timeout_s=30.0,
         webhook_retry_schedule_s=[0.1, 0.2, 0.3], webhook_jitter=0.0, webhook_poll_s=0.02, webhook_drain_s=1.0,
     )
     values.update(overrides)
@@ -65,11 +66,12 @@ async def enqueue(client: aioredis.Redis, job_id: str, event: str, url: str, *, 
     return fields["id"].decode()
 
 
-async def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
+async def wait_for(predicate: Callable[[], object]) -> None:
+    await wait_until(predicate, "the condition")  # type: ignore[arg-type]
+
+
+async def states_are(client: aioredis.Redis, delivery_ids: list[str], state: bytes) -> bool:
+    return all([await client.hget(KEYS.webhook_delivery(i), "state") == state for i in delivery_ids])
 
 
 async def job_attempts(client: aioredis.Redis, job_id: str) -> list[dict[str, object]]:
@@ -80,8 +82,8 @@ async def test_retries_until_accepted_with_one_webhook_id(redis_client, receiver
     receiver = await receiver_factory([Answer(500), Answer(502), Answer(500)], then=Answer(200))
     async with WebhookDispatcher(redis_client, KEYS, fast_config(secret)):
         delivery_id = await enqueue(redis_client, "job1", "completed", receiver.url, text="hello")
-        await asyncio.wait_for(receiver.accepted.wait(), 10)
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(receiver.accepted.wait(), WAIT_S)
+        await wait_for(lambda: states_are(redis_client, [delivery_id], b"delivered"))
     assert receiver.bad_signatures == 0
     assert [r.status for r in receiver.received] == [500, 502, 500, 200]
     assert receiver.accepted_count() == 1
@@ -106,10 +108,9 @@ async def test_gone_stops_this_and_later_deliveries(redis_client, receiver_facto
     async with WebhookDispatcher(redis_client, KEYS, fast_config(secret)):
         first = await enqueue(redis_client, "job1", "started", receiver.url)
         second = await enqueue(redis_client, "job1", "completed", receiver.url)
-        await wait_for(lambda: receiver.received)
-        await asyncio.sleep(0.5)
+        await wait_for(lambda: states_are(redis_client, [first, second], b"gone"))
         third = await enqueue(redis_client, "job1", "completed", receiver.url)
-        await asyncio.sleep(0.5)
+        await wait_for(lambda: states_are(redis_client, [third], b"gone"))
     assert [r.status for r in receiver.received] == [410]
     assert receiver.received[0].headers["webhook-id"] == first
     for delivery_id in (first, second, third):
@@ -124,10 +125,7 @@ async def test_silent_receiver_ends_in_dead_letter(redis_client, receiver_factor
     config = fast_config(secret, webhook_timeout_s=0.3)
     async with WebhookDispatcher(redis_client, KEYS, config):
         delivery_id = await enqueue(redis_client, "job1", "completed", receiver.url)
-        deadline = time.monotonic() + 10
-        while await redis_client.xlen(KEYS.webhooks_dead) == 0:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: redis_client.xlen(KEYS.webhooks_dead))
     assert len(receiver.received) == 4  # first attempt + the three retries of the schedule
     ((_, dead),) = await redis_client.xrange(KEYS.webhooks_dead)
     assert dead[b"id"].decode() == delivery_id
@@ -144,7 +142,7 @@ async def test_retry_after_is_honoured(redis_client, receiver_factory, secret) -
     receiver = await receiver_factory([Answer(429, {"Retry-After": "1"})], then=Answer(200))
     async with WebhookDispatcher(redis_client, KEYS, fast_config(secret)):
         await enqueue(redis_client, "job1", "started", receiver.url)
-        await asyncio.wait_for(receiver.accepted.wait(), 10)
+        await asyncio.wait_for(receiver.accepted.wait(), WAIT_S)
     assert [r.status for r in receiver.received] == [429, 200]
     assert receiver.received[1].at - receiver.received[0].at >= 0.95
 
@@ -167,9 +165,12 @@ async def test_two_dispatchers_never_send_one_attempt_twice(redis_client, receiv
     config = fast_config(secret)
     async with WebhookDispatcher(redis_client, KEYS, config), WebhookDispatcher(redis_client, KEYS, config):
         ids = [await enqueue(redis_client, f"job{i}", "completed", receiver.url) for i in range(30)]
-        await wait_for(lambda: len(receiver.received) >= 30)
-        await asyncio.sleep(0.3)
+        await wait_for(lambda: states_are(redis_client, ids, b"delivered"))
     assert sorted(r.headers["webhook-id"] for r in receiver.received) == sorted(ids)
+
+
+async def has_two_dead(client: aioredis.Redis) -> bool:
+    return await client.xlen(KEYS.webhooks_dead) >= 2
 
 
 async def test_non_public_url_is_refused_at_delivery_without_traffic(redis_client, receiver_factory, secret) -> None:
@@ -178,10 +179,7 @@ async def test_non_public_url_is_refused_at_delivery_without_traffic(redis_clien
     async with WebhookDispatcher(redis_client, KEYS, config):
         await enqueue(redis_client, "job1", "completed", f"http://localhost:{receiver.port}/hook")
         await enqueue(redis_client, "job2", "completed", receiver.url)
-        deadline = time.monotonic() + 10
-        while await redis_client.xlen(KEYS.webhooks_dead) < 2:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: has_two_dead(redis_client))
     assert receiver.received == []
     for job_id in ("job1", "job2"):
         attempts = await job_attempts(redis_client, job_id)
@@ -194,7 +192,7 @@ async def test_bad_stream_entry_is_dead_lettered_and_others_still_go(redis_clien
     async with WebhookDispatcher(redis_client, KEYS, fast_config(secret)):
         await redis_client.xadd(KEYS.webhooks, {"id": "msg_x", "job_id": "job1", "event": "started"})
         await enqueue(redis_client, "job2", "completed", receiver.url)
-        await asyncio.wait_for(receiver.accepted.wait(), 10)
+        await asyncio.wait_for(receiver.accepted.wait(), WAIT_S)
     ((_, dead),) = await redis_client.xrange(KEYS.webhooks_dead)
     assert dead[b"reason"] == b"invalid webhook delivery entry: missing field url"
     assert receiver.accepted_count() == 1
@@ -204,6 +202,5 @@ async def test_without_secret_nothing_is_taken_off_the_queue(redis_client, recei
     receiver = await receiver_factory(then=Answer(200))
     async with WebhookDispatcher(redis_client, KEYS, fast_config(None)) as dispatcher:  # type: ignore[arg-type]
         await enqueue(redis_client, "job1", "completed", receiver.url)
-        await asyncio.sleep(0.2)
-        assert dispatcher.task is not None and dispatcher.task.done()
+        await wait_for(lambda: dispatcher.task is not None and dispatcher.task.done())
     assert receiver.received == [] and await redis_client.xlen(KEYS.webhooks) == 1

@@ -17,6 +17,7 @@ from scheduler.keys import Keys
 from scheduler.webhooks import delivery_fields
 from webhook_receiver import Answer, Receiver
 from child_env import child_pythonpath
+from worker_harness import WAIT_S, wait_until
 
 KEYS = Keys("whrestart")
 REPO = Path(__file__).resolve().parent.parent
@@ -33,6 +34,10 @@ def start_dispatcher(redis_url: str, secret: str, log_path: Path) -> subprocess.
         return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
+async def delivered(client: aioredis.Redis, delivery_id: str) -> bool:
+    return await client.hget(KEYS.webhook_delivery(delivery_id), "state") == b"delivered"
+
+
 async def test_sigkilled_dispatcher_delivers_after_restart(redis_url: str, tmp_path: Path) -> None:
     log_path = tmp_path / "dispatcher.log"
     secret = generate_secret()
@@ -45,18 +50,19 @@ async def test_sigkilled_dispatcher_delivers_after_restart(redis_url: str, tmp_p
         delivery_id = fields["id"].decode()
         await client.hset(KEYS.job("job1"), mapping={"id": "job1", "status": "succeeded"})
         await client.xadd(KEYS.webhooks, fields)  # type: ignore[arg-type]
-        deadline = time.monotonic() + 30
-        while await client.hget(KEYS.webhook_delivery(delivery_id), "state") != b"retrying":
-            assert time.monotonic() < deadline and first.poll() is None, "first attempt never settled"
-            await asyncio.sleep(0.02)
+        async def first_settled() -> bool:
+            assert first.poll() is None, log_path.read_text()
+            return await client.hget(KEYS.webhook_delivery(delivery_id), "state") == b"retrying"
+
+        await wait_until(first_settled, "the first attempt settled as retrying")
         first.send_signal(signal.SIGKILL)
         assert first.wait(10) == -signal.SIGKILL
         assert [r.status for r in receiver.received] == [500]
         assert await client.zscore(KEYS.webhooks_retry, delivery_id) is not None
 
         second = start_dispatcher(redis_url, secret, log_path)
-        await asyncio.wait_for(receiver.accepted.wait(), 30)
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(receiver.accepted.wait(), WAIT_S)
+        await wait_until(lambda: delivered(client, delivery_id), "the delivery settled as delivered")
         assert [r.status for r in receiver.received] == [500, 200]
         assert {r.headers["webhook-id"] for r in receiver.received} == {delivery_id}
         assert receiver.bad_signatures == 0

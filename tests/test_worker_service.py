@@ -13,7 +13,11 @@ from scheduler.job import JobSpec
 from scheduler.keys import CONSUMER_GROUP
 from scheduler.lanes import LANES, Lane
 from scheduler.params import SamplingParams
-from worker_harness import KEYS, running_worker, status_of, wait_terminal, xadd_job
+from worker_harness import KEYS, WAIT_S, has_status, running_worker, status_of, wait_terminal, wait_until, xadd_job
+
+LONG_CONTEXT = 16384
+LONG_TOKENS = 16000
+"""A job this long runs for many seconds on any CPU; tests that need a job still running use it, and end it early."""
 
 
 @pytest.fixture
@@ -23,7 +27,8 @@ def engine_factory(tiny_model):
     def make(**kwargs):
         kwargs.setdefault("max_num_seqs", 16)
         kwargs.setdefault("policy", "priority")
-        return Engine(model=tiny_model(), **kwargs)
+        kwargs.setdefault("model", tiny_model())
+        return Engine(**kwargs)
 
     return make
 
@@ -40,7 +45,7 @@ async def test_jobs_over_three_lanes_match_offline_engine(redis_url, engine_fact
     async with running_worker(redis_url, engine_factory()):
         for spec in specs:
             await xadd_job(client, spec)
-        views = await wait_terminal(client, [s.id for s in specs], timeout_s=120)
+        views = await wait_terminal(client, [s.id for s in specs])
     for spec, completion in zip(specs, expected):
         view = views[spec.id]
         assert view["status"] == "succeeded", view
@@ -74,10 +79,8 @@ async def test_poison_entries_are_dead_lettered_and_the_worker_keeps_serving(red
                                                        "params": {"temperature": -1}})})
         good = JobSpec(id="good", prompt="still serving", params=SamplingParams(max_tokens=3, temperature=0))
         await xadd_job(client, good)
-        views = await wait_terminal(client, ["no-prompt", "bad-params", "good"], timeout_s=60)
-        deadline = time.monotonic() + 10
-        while await client.xlen(KEYS.dead) < 4 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        views = await wait_terminal(client, ["no-prompt", "bad-params", "good"])
+        await wait_until(lambda: has_dead(client, 4), "4 dead-lettered entries")
     assert views["good"]["status"] == "succeeded"
     assert views["no-prompt"]["status"] == "failed"
     assert views["no-prompt"]["error"]["field"] == "prompt"
@@ -93,6 +96,10 @@ async def test_poison_entries_are_dead_lettered_and_the_worker_keeps_serving(red
     await client.aclose()
 
 
+async def has_dead(client: aioredis.Redis, count: int) -> bool:
+    return await client.xlen(KEYS.dead) >= count
+
+
 async def test_expired_job_never_runs(redis_url, engine_factory):
     client = aioredis.Redis.from_url(redis_url)
     engine = engine_factory()
@@ -100,7 +107,7 @@ async def test_expired_job_never_runs(redis_url, engine_factory):
                    params=SamplingParams(max_tokens=4))
     async with running_worker(redis_url, engine):
         await xadd_job(client, spec)
-        views = await wait_terminal(client, ["late"], timeout_s=30)
+        views = await wait_terminal(client, ["late"])
     view = views["late"]
     assert view["status"] == "expired"
     assert view["started_at"] is None and view["output"] is None
@@ -110,27 +117,23 @@ async def test_expired_job_never_runs(redis_url, engine_factory):
     await client.aclose()
 
 
-async def test_cancel_running_job_frees_its_blocks(redis_url, engine_factory):
+async def test_cancel_running_job_frees_its_blocks(redis_url, engine_factory, tiny_model):
     client = aioredis.Redis.from_url(redis_url)
-    engine = engine_factory(enable_prefix_caching=False)
-    spec = JobSpec(id="long", prompt="a long one", params=SamplingParams(max_tokens=1500, ignore_eos=True))
+    # A context so long that the job cannot end before the cancel reaches it, at any engine speed.
+    engine = engine_factory(enable_prefix_caching=False, model=tiny_model(max_position_embeddings=LONG_CONTEXT))
+    spec = JobSpec(id="long", prompt="a long one", params=SamplingParams(max_tokens=LONG_TOKENS, ignore_eos=True))
     async with running_worker(redis_url, engine, checkpoint_tokens=2) as service:
         await xadd_job(client, spec)
-        deadline = time.monotonic() + 30
-        while not await client.hget(KEYS.job("long"), "checkpoint"):
-            assert time.monotonic() < deadline, "job never started"
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: client.hget(KEYS.job("long"), "checkpoint"), "the job's first checkpoint")
         assert engine.stats().num_kv_blocks_used > 0
         # What the gateway does for a running job: raise the flag, tell the workers.
         await client.set(KEYS.cancel("long"), "1")
         await client.publish(KEYS.control, msgpack.packb({"type": "cancel", "id": "long"}))
-        views = await wait_terminal(client, ["long"], timeout_s=30)
-        deadline = time.monotonic() + 10
-        while service.engine.stats().num_kv_blocks_used and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        views = await wait_terminal(client, ["long"])
+        await wait_until(lambda: not service.engine.stats().num_kv_blocks_used, "the job's blocks freed")
         stats = engine.stats()
     assert views["long"]["status"] == "cancelled"
-    assert views["long"]["usage"]["completion_tokens"] < 1500
+    assert views["long"]["usage"]["completion_tokens"] < LONG_TOKENS
     assert stats.num_kv_blocks_used == 0 and stats.num_running == 0
     await client.aclose()
 
@@ -141,8 +144,9 @@ async def test_live_worker_keeps_its_lease_beyond_the_lease_time(redis_url, tiny
 
     lease_s = 1.0
     # A context long enough that the job cannot finish within the observation window, however fast the CPU.
-    model = tiny_model(max_position_embeddings=16384)
-    spec = JobSpec(id="slow", prompt="slow job", params=SamplingParams(max_tokens=16000, ignore_eos=True, temperature=0))
+    model = tiny_model(max_position_embeddings=LONG_CONTEXT)
+    spec = JobSpec(id="slow", prompt="slow job", params=SamplingParams(max_tokens=LONG_TOKENS, ignore_eos=True,
+                                                                       temperature=0))
     client = aioredis.Redis.from_url(redis_url)
     finals: list[bytes] = []
     pubsub = client.pubsub()
@@ -150,17 +154,19 @@ async def test_live_worker_keeps_its_lease_beyond_the_lease_time(redis_url, tiny
 
     async def listen():
         async for message in pubsub.listen():
-            if message["type"] == "message" and msgpack.unpackb(message["data"])["type"] == "final":
+            if message["type"] != "message":
+                continue
+            kind = msgpack.unpackb(message["data"])["type"]
+            if kind == "end":
+                return
+            if kind == "final":
                 finals.append(message["data"])
 
     listener = asyncio.create_task(listen())
     async with running_worker(redis_url, Engine(model=model, max_num_seqs=4), lease_s=lease_s, worker_name="a"):
         async with running_worker(redis_url, Engine(model=model, max_num_seqs=4), lease_s=lease_s, worker_name="b"):
             await xadd_job(client, spec)
-            deadline = time.monotonic() + 30
-            while await status_of(client, "slow") != "running":
-                assert time.monotonic() < deadline, "job never started"
-                await asyncio.sleep(0.02)
+            await wait_until(lambda: has_status(client, "slow", "running"), "the job running")
             owner = (await client.hget(KEYS.job("slow"), "worker")).decode()
             watch_until = time.monotonic() + 4 * lease_s
             while time.monotonic() < watch_until:
@@ -169,10 +175,10 @@ async def test_live_worker_keeps_its_lease_beyond_the_lease_time(redis_url, tiny
                 await asyncio.sleep(0.1)
             await client.set(KEYS.cancel("slow"), "1")
             await client.publish(KEYS.control, msgpack.packb({"type": "cancel", "id": "slow"}))
-            views = await wait_terminal(client, ["slow"], timeout_s=30)
-    await asyncio.sleep(0.2)
-    listener.cancel()
-    await asyncio.gather(listener, return_exceptions=True)
+            views = await wait_terminal(client, ["slow"])
+    # Both workers are gone: every event they published reaches the listener before this one.
+    await client.publish(KEYS.events("slow"), msgpack.packb({"type": "end"}))
+    await asyncio.wait_for(listener, WAIT_S)
     await pubsub.aclose()
     view = views["slow"]
     assert view["status"] == "cancelled"
@@ -200,8 +206,8 @@ async def test_token_events_carry_text_deltas_that_add_up_to_the_output(redis_ur
     listener = asyncio.create_task(listen())
     async with running_worker(redis_url, engine_factory()):
         await xadd_job(client, spec)
-        views = await wait_terminal(client, ["stream"], timeout_s=60)
-        await asyncio.wait_for(listener, timeout=10)
+        views = await wait_terminal(client, ["stream"])
+        await asyncio.wait_for(listener, WAIT_S)
     await pubsub.aclose()
     output = views["stream"]["output"]
     tokens = [e for e in events if e["type"] == "token"]

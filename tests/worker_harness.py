@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -16,6 +17,13 @@ from scheduler.keys import Keys
 
 KEYS = Keys()
 TERMINAL = {s.value for s in TERMINAL_STATUSES}
+WAIT_S = 240.0
+"""How long a wait on a condition may take before the test fails: generous, since tests assert what happens,
+never how fast (a loaded CI box runs them many times slower than an idle laptop)."""
+POLL_S = 0.002
+"""Between two looks at state in this process."""
+REDIS_POLL_S = 0.005
+"""Between two looks at state in Redis."""
 
 
 async def xadd_job(client: aioredis.Redis, spec: JobSpec) -> str:
@@ -28,18 +36,77 @@ async def status_of(client: aioredis.Redis, job_id: str) -> str | None:
     return None if raw is None else raw.decode()
 
 
-async def wait_terminal(client: aioredis.Redis, ids: Iterable[str], timeout_s: float) -> dict[str, dict[str, Any]]:
+async def has_status(client: aioredis.Redis, job_id: str, status: str) -> bool:
+    return await status_of(client, job_id) == status
+
+
+async def wait_until(condition: Callable[[], bool | Awaitable[bool]], what: str, timeout_s: float = WAIT_S) -> None:
+    """Return once ``condition()`` (plain or awaitable) holds; fails the test, saying ``what``, on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = condition()
+        poll_s = POLL_S
+        if inspect.isawaitable(held):
+            held, poll_s = await held, REDIS_POLL_S
+        if held:
+            return
+        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
+        await asyncio.sleep(poll_s)
+
+
+async def wait_terminal(client: aioredis.Redis, ids: Iterable[str], timeout_s: float = WAIT_S) -> dict[str, dict[str, Any]]:
     """Every job's public view once all are terminal; fails the test on timeout."""
     pending = list(ids)
     deadline = time.monotonic() + timeout_s
     while True:
-        statuses = [await status_of(client, i) for i in pending]
+        async with client.pipeline(transaction=False) as pipe:
+            for job_id in pending:
+                pipe.hget(KEYS.job(job_id), "status")
+            statuses = [None if raw is None else raw.decode() for raw in await pipe.execute()]
         if all(s in TERMINAL for s in statuses):
             return {i: job_view(await client.hgetall(KEYS.job(i))) for i in pending}
         if time.monotonic() > deadline:
             left = {i: s for i, s in zip(pending, statuses) if s not in TERMINAL}
             raise AssertionError(f"{len(left)} jobs not finished in {timeout_s}s: {dict(list(left.items())[:5])}")
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(REDIS_POLL_S)
+
+
+class StepLog:
+    """An engine runner that ticks a real in-process engine on its thread and notes engine steps per job.
+
+    ``added_at[id]`` is the engine step that first ran a job, ``finished_at[id]`` the step that ended it,
+    so a test can count a job's life in engine steps, whatever the engine's speed.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        from worker.engine_tick import EngineThread
+
+        self.engine = engine
+        self.max_num_seqs: int = engine.max_num_seqs
+        self.added_at: dict[str, int] = {}
+        self.finished_at: dict[str, int] = {}
+        self._thread = EngineThread(engine)
+
+    def tick(self, adds: list[Any], aborts: list[str], do_step: bool) -> asyncio.Future[Any]:
+        future = self._thread.tick(adds, aborts, do_step)
+        added = [add[0] for add in adds]
+
+        def note(done: asyncio.Future[Any]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return
+            tick = done.result()
+            for job_id in added:
+                if job_id not in tick.rejected:
+                    self.added_at.setdefault(job_id, tick.stats.num_steps)
+            for out in tick.outputs:
+                if out.finished:
+                    self.finished_at[out.request_id] = tick.stats.num_steps
+
+        future.add_done_callback(note)
+        return future
+
+    async def aclose(self) -> None:
+        await self._thread.aclose()
 
 
 @asynccontextmanager
