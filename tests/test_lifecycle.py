@@ -30,7 +30,8 @@ async def gateway(redis_url: str) -> AsyncIterator[str]:
 def make_engine(tiny_model: Callable[..., str]) -> Callable[..., Any]:
     from worker.engine import Engine
 
-    return lambda **kw: Engine(model=tiny_model(), max_num_seqs=kw.pop("max_num_seqs", 4), **kw)
+    return lambda **kw: Engine(model=kw.pop("model", None) or tiny_model(), max_num_seqs=kw.pop("max_num_seqs", 4),
+                               **kw)
 
 
 async def _wait_checkpoint(client: aioredis.Redis, job_id: str, timeout_s: float = 60) -> None:
@@ -91,16 +92,20 @@ async def _attempts(client: aioredis.Redis, job_id: str, attempts: int, timeout_
         await asyncio.sleep(0.05)
 
 
+LONG_CONTEXT = 8192
 RESTARTS = {"checkpoint_tokens": 4, "shutdown_grace_s": 0.0, "max_deliveries": 2, "lease_s": 600.0}
 """Each worker hands back at once on shutdown; leases long enough that only a hand-back moves a job."""
 
 
 async def test_clean_hand_backs_do_not_count_towards_max_deliveries(
-    gateway: str, redis_url: str, make_engine: Callable[..., Any]
+    gateway: str, redis_url: str, make_engine: Callable[..., Any], tiny_model: Callable[..., str]
 ) -> None:
-    engine = make_engine()
+    # Far more tokens than four restarts' windows can produce, however fast the engine is (a window lasts from
+    # the progress seen to the worker's exit): the job is still running at the fourth start by construction.
+    engine = make_engine(model=tiny_model(max_position_embeddings=LONG_CONTEXT))
     client = aioredis.Redis.from_url(redis_url)
-    body = {"id": "restarted", "prompt": "a long story", "params": {"max_tokens": 300, "ignore_eos": True, "temperature": 0}}
+    body = {"id": "restarted", "prompt": "a long story",
+            "params": {"max_tokens": LONG_CONTEXT - 64, "ignore_eos": True, "temperature": 0}}
     try:
         async with ClientSession() as http:
             async with http.post(f"{gateway}/v1/jobs", json=body) as resp:
@@ -120,7 +125,8 @@ async def test_clean_hand_backs_do_not_count_towards_max_deliveries(
         await client.aclose()
     view = views["restarted"]
     assert view["status"] == "succeeded", view["error"]
-    (expected,) = engine.generate([body["prompt"]], SamplingParams(max_tokens=300, ignore_eos=True, temperature=0))
+    (expected,) = engine.generate([body["prompt"]], SamplingParams(max_tokens=LONG_CONTEXT - 64, ignore_eos=True,
+                                                                   temperature=0))
     assert view["output"]["token_ids"] == expected.token_ids and view["resumed_from"] > 0
 
 
