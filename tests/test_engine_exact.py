@@ -135,10 +135,17 @@ def test_static_and_dynamic_batching_give_the_same_tokens(
     assert_same(expected, actual)
 
 
-@pytest.mark.parametrize("attention_backend", ["torch", "triton"])
-def test_replayed_decode_steps_give_the_same_tokens(
-    reference: tuple[str, list[list[int]], list[list[int]]], attention_backend: str
-) -> None:
+def _replayed_tokens(path: str, prompts: list[list[int]], attention_backend: str) -> tuple[Engine, list[list[int]]]:
+    engine = Engine(model=path, block_size=BLOCK_SIZE, num_blocks=20, max_num_seqs=12,
+                    attention_backend=attention_backend)
+    assert engine.runner.capture_decode_graphs(ReplayCapture())
+    assert engine.runner.graph_sizes == [1, 2, 4, 8, 12]
+    tokens = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+    assert engine.runner.num_replayed_steps > 0
+    return engine, tokens
+
+
+def test_replayed_decode_steps_give_the_same_tokens(reference: tuple[str, list[list[int]], list[list[int]]]) -> None:
     """Decode steps recorded once per padded batch size and replayed, as CUDA graphs are, with preemptions.
 
     The CPU capture backend runs each replay again with the arguments it was
@@ -146,17 +153,23 @@ def test_replayed_decode_steps_give_the_same_tokens(
     it should have taken from the step buffers would fail or give other tokens.
     """
     path, prompts, expected = reference
-    if attention_backend == "triton":
-        prompts, expected = prompts[:6], expected[:6]  # the interpreter is slow
-    engine = Engine(model=path, block_size=BLOCK_SIZE, num_blocks=20, max_num_seqs=12,
-                    attention_backend=attention_backend)
-    assert engine.runner.capture_decode_graphs(ReplayCapture())
-    assert engine.runner.graph_sizes == [1, 2, 4, 8, 12]
-    results = engine.generate(prompts, GREEDY)
-    assert_same(expected, [r.token_ids for r in results])
-    assert engine.runner.num_replayed_steps > 0
-    if attention_backend == "torch":
-        assert engine.stats().num_preemptions > 0
+    engine, actual = _replayed_tokens(path, prompts, "torch")
+    assert_same(expected, actual)
+    assert engine.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_replayed_decode_steps_with_the_triton_kernels(tiny_model: Callable[..., str], arch: str) -> None:
+    """The same through the Triton kernels (under the CPU interpreter here: a few prompts, two architectures)."""
+    path = tiny_model(arch)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    prompts = make_prompts(model.config.vocab_size)[::5][:6]
+    with torch.inference_mode():
+        expected = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                   do_sample=False, max_new_tokens=MAX_NEW_TOKENS)[0, len(p):].tolist()
+                    for p in prompts]
+    assert_same(expected, _replayed_tokens(path, prompts, "triton")[1])
 
 
 @pytest.mark.parametrize("regime", ["preemption", "chunked prefill", "prefix hits", "static"])
