@@ -11,6 +11,10 @@ import redis
 import redis.asyncio as aioredis
 import torch
 
+from aiohttp.test_utils import TestServer
+
+from gateway.app import init_app
+from gateway.config import GatewayConfig
 from gateway.embedded_redis import EmbeddedRedis
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -32,6 +36,15 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), is_persistent=False).start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+async def gateway_url(redis_url: str) -> AsyncIterator[str]:
+    """Base URL of a real gateway (no webhook dispatcher) on a free 127.0.0.1 port, over the session's Redis."""
+    server = TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1")
+    await server.start_server()
+    yield str(server.make_url("")).rstrip("/")
+    await server.close()
 
 
 @pytest.fixture

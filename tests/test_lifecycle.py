@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import ClientSession
-from aiohttp.test_utils import TestServer
 
-from gateway.app import init_app
-from gateway.config import GatewayConfig
 from scheduler.params import SamplingParams
 from worker_harness import KEYS, running_worker, wait_terminal
-
-
-@pytest.fixture
-async def gateway(redis_url: str) -> AsyncIterator[str]:
-    server = TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1")
-    await server.start_server()
-    yield str(server.make_url("")).rstrip("/")
-    await server.close()
 
 
 @pytest.fixture
@@ -45,19 +34,19 @@ LONG = {"prompt": "tell me everything", "params": {"max_tokens": 1500, "ignore_e
 
 
 async def test_cancelling_a_running_job_keeps_its_partial_output(
-    gateway: str, redis_url: str, make_engine: Callable[..., Any]
+    gateway_url: str, redis_url: str, make_engine: Callable[..., Any]
 ) -> None:
     engine = make_engine()
     client = aioredis.Redis.from_url(redis_url)
     try:
         async with running_worker(redis_url, engine, checkpoint_tokens=4), ClientSession() as http:
-            async with http.post(f"{gateway}/v1/jobs", json={"id": "cancel-me", **LONG}) as resp:
+            async with http.post(f"{gateway_url}/v1/jobs", json={"id": "cancel-me", **LONG}) as resp:
                 assert resp.status == 202
             await _wait_checkpoint(client, "cancel-me")
-            async with http.delete(f"{gateway}/v1/jobs/cancel-me") as resp:
+            async with http.delete(f"{gateway_url}/v1/jobs/cancel-me") as resp:
                 assert resp.status in (200, 202), await resp.text()
             views = await wait_terminal(client, ["cancel-me"], timeout_s=30)
-            async with http.get(f"{gateway}/v1/jobs/cancel-me") as resp:
+            async with http.get(f"{gateway_url}/v1/jobs/cancel-me") as resp:
                 view = await resp.json()
     finally:
         await client.aclose()
@@ -98,7 +87,7 @@ RESTARTS = {"checkpoint_tokens": 4, "shutdown_grace_s": 0.0, "max_deliveries": 2
 
 
 async def test_clean_hand_backs_do_not_count_towards_max_deliveries(
-    gateway: str, redis_url: str, make_engine: Callable[..., Any], tiny_model: Callable[..., str]
+    gateway_url: str, redis_url: str, make_engine: Callable[..., Any], tiny_model: Callable[..., str]
 ) -> None:
     # Far more tokens than four restarts' windows can produce, however fast the engine is (a window lasts from
     # the progress seen to the worker's exit): the job is still running at the fourth start by construction.
@@ -108,7 +97,7 @@ async def test_clean_hand_backs_do_not_count_towards_max_deliveries(
             "params": {"max_tokens": LONG_CONTEXT - 64, "ignore_eos": True, "temperature": 0}}
     try:
         async with ClientSession() as http:
-            async with http.post(f"{gateway}/v1/jobs", json=body) as resp:
+            async with http.post(f"{gateway_url}/v1/jobs", json=body) as resp:
                 assert resp.status == 202
             done = 0
             for restart in range(4):  # four clean restarts: deliveries 1..4, max_deliveries 2
@@ -116,7 +105,7 @@ async def test_clean_hand_backs_do_not_count_towards_max_deliveries(
                     await _attempts(client, "restarted", restart + 1)
                     done = await _progress(client, "restarted", done + 4)
                     if restart:
-                        async with http.get(f"{gateway}/v1/jobs/restarted") as resp:
+                        async with http.get(f"{gateway_url}/v1/jobs/restarted") as resp:
                             running = await resp.json()
                         assert running["status"] == "running" and running["resumed_from"] > 0, running
             async with running_worker(redis_url, engine, **RESTARTS):

@@ -6,28 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
-from aiohttp.test_utils import TestServer
 
-from gateway.app import init_app
-from gateway.config import GatewayConfig
 from worker_harness import KEYS, running_worker, wait_terminal
 
 Event = tuple[str, str, dict[str, Any]]
 """(SSE id, event type, data)."""
-
-
-@pytest.fixture
-async def gateway(redis_url: str) -> AsyncIterator[str]:
-    server = TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1")
-    await server.start_server()
-    yield str(server.make_url("")).rstrip("/")
-    await server.close()
 
 
 @pytest.fixture
@@ -70,10 +59,10 @@ def _tokens(events: list[Event], start: int = 0) -> tuple[list[int], str]:
     return ids, text
 
 
-async def _submit(http: aiohttp.ClientSession, gateway: str, job_id: str, max_tokens: int) -> None:
+async def _submit(http: aiohttp.ClientSession, gateway_url: str, job_id: str, max_tokens: int) -> None:
     body = {"id": job_id, "prompt": "once upon a time",
             "params": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}}
-    async with http.post(f"{gateway}/v1/jobs", json=body) as resp:
+    async with http.post(f"{gateway_url}/v1/jobs", json=body) as resp:
         assert resp.status == 202
 
 
@@ -87,13 +76,13 @@ async def _checkpointed(client: aioredis.Redis, job_id: str, num_tokens: int = 1
 
 
 async def test_a_late_client_gets_the_whole_stream_and_can_resume(
-    gateway: str, redis_url: str, engine: Any
+    gateway_url: str, redis_url: str, engine: Any
 ) -> None:
     client = aioredis.Redis.from_url(redis_url)
-    url = f"{gateway}/v1/jobs/late/events"
+    url = f"{gateway_url}/v1/jobs/late/events"
     try:
         async with running_worker(redis_url, engine, checkpoint_tokens=16), aiohttp.ClientSession() as http:
-            await _submit(http, gateway, "late", 1900)
+            await _submit(http, gateway_url, "late", 1900)
             await _checkpointed(client, "late")  # tokens were produced before anyone listened
             first = await _events(http, url, limit=4)  # started, the catch-up, then live tokens; then drop
             assert first[0][1] == "started" and first[0][2]["attempt"] == 1
