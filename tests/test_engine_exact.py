@@ -11,9 +11,9 @@ import random
 from collections.abc import Callable
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig
 
+from model_reference import transformers_greedy
 from scheduler import SamplingParams
 from worker import Engine
 from worker.graph_runner import ReplayCapture
@@ -44,19 +44,8 @@ def make_prompts(vocab_size: int) -> list[list[int]]:
 def reference(request: pytest.FixtureRequest, tiny_model: Callable[..., str]) -> tuple[str, list[list[int]], list[list[int]]]:
     """(model path, prompts, transformers greedy outputs) for one architecture."""
     path = tiny_model(request.param)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    # EOS off, so every output runs to MAX_NEW_TOKENS as with ignore_eos.
-    model.generation_config.eos_token_id = None
-    prompts = make_prompts(model.config.vocab_size)
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW_TOKENS
-            )
-            outputs.append(out[0, len(prompt):].tolist())
+    prompts = make_prompts(AutoConfig.from_pretrained(path).vocab_size)
+    outputs = transformers_greedy(path, prompts, MAX_NEW_TOKENS)
     assert all(len(o) == MAX_NEW_TOKENS for o in outputs)
     return path, prompts, outputs
 
@@ -162,13 +151,8 @@ def test_replayed_decode_steps_give_the_same_tokens(reference: tuple[str, list[l
 def test_replayed_decode_steps_with_the_triton_kernels(tiny_model: Callable[..., str], arch: str) -> None:
     """The same through the Triton kernels (under the CPU interpreter here: a few prompts, two architectures)."""
     path = tiny_model(arch)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    prompts = make_prompts(model.config.vocab_size)[::5][:6]
-    with torch.inference_mode():
-        expected = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                   do_sample=False, max_new_tokens=MAX_NEW_TOKENS)[0, len(p):].tolist()
-                    for p in prompts]
+    prompts = make_prompts(AutoConfig.from_pretrained(path).vocab_size)[::5][:6]
+    expected = transformers_greedy(path, prompts, MAX_NEW_TOKENS)
     assert_same(expected, _replayed_tokens(path, prompts, "triton")[1])
 
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-import torch
-from transformers import AutoModelForCausalLM
-
+from model_reference import transformers_greedy
 from scheduler import SamplingParams
 from test_engine_exact import BLOCK_SIZE, assert_same
 from worker import Engine
@@ -20,20 +18,6 @@ from worker import Engine
 SLOTS = 4
 LOW_TOKENS = 24
 HIGH_TOKENS = 6
-
-
-def transformers_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    model.generation_config.eos_token_id = None
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
 
 
 def test_priority_preemption_keeps_greedy_outputs_exact(tiny_model: Callable[..., str]) -> None:

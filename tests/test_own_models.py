@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from model_reference import transformers_greedy
 from scheduler import SamplingParams
 from worker import Engine
 from worker.default_model import create_tiny_model
@@ -65,19 +66,6 @@ def _prompts(vocab_size: int, max_len: int) -> list[list[int]]:
     return prompts
 
 
-def _transformers_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=MAX_NEW_TOKENS)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_greedy_tokens_match_transformers_in_every_regime(tmp_path_factory: pytest.TempPathFactory,
                                                           variant: str) -> None:
@@ -87,7 +75,7 @@ def test_greedy_tokens_match_transformers_in_every_regime(tmp_path_factory: pyte
     # a longer prompt as a whole for its length (docs/internals.md), so its prompts stay within the original.
     longest = ORIGINAL_CONTEXT if variant == "llama-dynamic" else 2 * ORIGINAL_CONTEXT - MAX_NEW_TOKENS
     prompts = _prompts(262, longest)
-    expected = _transformers_greedy(path, prompts)
+    expected = transformers_greedy(path, prompts, MAX_NEW_TOKENS)
     regimes = {
         "queueing": {"max_num_seqs": 3, "enable_prefix_caching": False},
         "chunked prefill": {"max_num_batched_tokens": 10},
@@ -146,7 +134,7 @@ def test_auto_picks_by_architecture_and_says_so(tiny_model: Any, caplog: pytest.
 def test_transformers_path_still_matches_for_the_family(tiny_model: Any, tmp_path: Path) -> None:
     path = tiny_model("qwen2")
     prompts = _prompts(262, 40)[:6]
-    expected = _transformers_greedy(path, prompts)
+    expected = transformers_greedy(path, prompts, MAX_NEW_TOKENS)
     engine = Engine(model=path, block_size=8, num_blocks=64, max_num_seqs=4, model_impl="transformers")
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == expected
 
@@ -161,7 +149,7 @@ def test_fused_kernels_give_the_same_logits_and_tokens(tmp_path_factory: pytest.
     assert kernels.model.use_kernels, "the kernels passed their start-up check"  # type: ignore[attr-defined]
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokens = [random.Random(5).randrange(262) for _ in range(13)]
-    expected_tokens = _transformers_greedy(path, [tokens])[0]
+    expected_tokens = transformers_greedy(path, [tokens], MAX_NEW_TOKENS)[0]
     with torch.inference_mode():
         expected = reference(torch.tensor([tokens])).logits[0, -1].float()
     table = [6, 2, 11]
