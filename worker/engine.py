@@ -165,8 +165,7 @@ class Engine:
         """Cancel a request; its final output (finish_reason "abort") comes with the next step."""
         seq = self.scheduler.abort(request_id)
         state = self._requests.pop(request_id, None)
-        self.runner.release(request_id)
-        self.sampler.release(request_id)
+        self._release(request_id)
         if seq is None or state is None:
             return False
         state.detokenizer.flush()
@@ -206,11 +205,15 @@ class Engine:
         )
         return outputs
 
+    def _release(self, request_id: str) -> None:
+        """The request left the batch (finished, aborted, preempted): its block-table row and sampling row are free."""
+        self.runner.release(request_id)
+        self.sampler.release(request_id)
+
     def _launch(self, scheduled: SchedulerOutput) -> _InFlight:
         """Start the step's forward; on CUDA it runs on while the host goes on."""
         for seq in scheduled.preempted:
-            self.runner.release(seq.request_id)
-            self.sampler.release(seq.request_id)
+            self._release(seq.request_id)
         batch = [
             StepSeq(s.token_ids, s.start_pos, s.seq.block_table, s.needs_logits, s.seq.request_id)
             for s in scheduled.scheduled
@@ -255,9 +258,8 @@ class Engine:
             decision = state.on_token(token)
             if decision is not None:
                 self.scheduler.finish(seq, decision.reason, decision.stop_reason)
-                self.sampler.release(seq.request_id)
                 del self._requests[seq.request_id]
-                self.runner.release(seq.request_id)
+                self._release(seq.request_id)
             outputs.append(state.take_output())
         return outputs
 
