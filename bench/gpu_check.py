@@ -21,6 +21,8 @@ import random
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 KERNEL_TESTS = ["tests/test_kernels.py", "tests/test_kernels_paged_decode.py", "tests/test_kernels_torch.py",
@@ -30,10 +32,14 @@ IDENTITY_PROMPT_LENS = [100, 400, 1000, 2000, 3000, 4500, 6000, 7900]
 IDENTITY_NEW_TOKENS = 200
 
 
-def run_tests() -> str:
+def run_tests(timeout_s: float) -> str:
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
-                            capture_output=True, text=True)
+    try:
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
+                                capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as expired:
+        print(expired.stdout[-6000:] if expired.stdout else "")
+        return f"| compiled kernel and engine tests | stopped after {timeout_s:.0f} s | |"
     last = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
     if result.returncode != 0:
         print(result.stdout[-6000:], result.stderr[-3000:])
@@ -63,12 +69,22 @@ def graph_identity(model: str, dtype: str) -> str:
             f"identical ({replayed} replayed steps) | {detail} |")
 
 
+def guarded(row: Callable[[], str], name: str, width: int) -> str:
+    """One part's table row, or a row naming its error: a failing part never stops the parts after it."""
+    try:
+        return row()
+    except Exception as exc:  # the check reports every failure and goes on
+        traceback.print_exc()
+        return "| " + " | ".join([name, f"failed: {type(exc).__name__}: {str(exc)[:200]}"] + [""] * (width - 2)) + " |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="/tmp/m1b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--output", default="gpu-check")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--tests-timeout", type=float, default=300.0, help="seconds before the tests are stopped")
     args = parser.parse_args()
     import torch
 
@@ -84,9 +100,9 @@ def main() -> None:
     lines = [f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; model {args.model}, {args.dtype}", "",
              "| check | result | detail |", "|---|---|---|"]
     if not args.skip_tests:
-        lines.append(run_tests())
+        lines.append(run_tests(args.tests_timeout))
         print(lines[-1], flush=True)
-    lines.append(graph_identity(args.model, args.dtype))
+    lines.append(guarded(lambda: graph_identity(args.model, args.dtype), "graph vs eager greedy", 3))
     print(lines[-1], flush=True)
 
     from bench.skewed_gpu import skewed_tokens_per_s
@@ -97,15 +113,22 @@ def main() -> None:
     runs = [(impl, mode, batch) for impl, batches in (("carpool", (1, 8, 32, 128)), ("transformers", (32,)))
             for mode in ("eager", "graphs") for batch in batches]
     for impl, mode, batch in runs:
-        r = profile_batch(args.model, "cuda", args.dtype, batch, mode, model_impl=impl)
-        lines.append(f"| {r.model_impl} | {mode} | {batch} | {r.step_ms:.2f} | {r.kernel_ms:.2f} | "
-                     f"{100 * r.busy_share:.0f} % | {r.num_kernels:.0f} | {r.num_launches:.0f} |")
+        def profile_row(impl: str = impl, mode: str = mode, batch: int = batch) -> str:
+            r = profile_batch(args.model, "cuda", args.dtype, batch, mode, model_impl=impl)
+            print(r.top_kernels, flush=True)
+            return (f"| {r.model_impl} | {mode} | {batch} | {r.step_ms:.2f} | {r.kernel_ms:.2f} | "
+                    f"{100 * r.busy_share:.0f} % | {r.num_kernels:.0f} | {r.num_launches:.0f} |")
+
+        lines.append(guarded(profile_row, f"{impl} {mode} {batch}", 8))
         print(lines[-1], flush=True)
         torch.cuda.empty_cache()
     lines += ["", "| skewed, 32 slots, 64 requests | output tokens | output tok/s |", "|---|---|---|"]
     for mode in ("eager", "graphs"):
-        rate, num_tokens = skewed_tokens_per_s(args.model, 32, 64, "cuda", args.dtype, cuda_graphs=mode == "graphs")
-        lines.append(f"| {mode} | {num_tokens} | {rate:,.0f} |")
+        def skewed_row(mode: str = mode) -> str:
+            rate, num_tokens = skewed_tokens_per_s(args.model, 32, 64, "cuda", args.dtype, cuda_graphs=mode == "graphs")
+            return f"| {mode} | {num_tokens} | {rate:,.0f} |"
+
+        lines.append(guarded(skewed_row, mode, 3))
         print(lines[-1], flush=True)
         torch.cuda.empty_cache()
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
