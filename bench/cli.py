@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from bench.config import BATCHING_MODES, MODEL_DTYPES, BenchConfig
-from scheduler.checkpoint import check_local_checkpoint
+from scheduler.runtime.model_path import check_local_checkpoint
 
 
 _Default = TypeVar("_Default", str, None)
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
 
 def _default_model(quick: bool, output: Path) -> str:
-    from worker.default_model import create_tiny_model, default_model_path
+    from worker.engine.default_model import create_tiny_model, default_model_path
 
     if quick:
         path = output / "tiny-model"

@@ -33,10 +33,10 @@ import aiohttp
 import msgpack
 import redis.asyncio as aioredis
 
-from gateway.embedded_redis import EmbeddedRedis, free_port
-from scheduler.job_record import job_view
-from scheduler.keys import Keys
-from scheduler.redis_replies import read_hash
+from gateway.cli.embedded_redis import EmbeddedRedis, free_port
+from scheduler.protocol.job_record import job_view
+from scheduler.protocol.keys import Keys
+from scheduler.protocol.redis_replies import read_hash
 
 KEYS = Keys()
 REPO = Path(__file__).resolve().parents[1]

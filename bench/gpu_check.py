@@ -48,7 +48,7 @@ def run_tests(timeout_s: float) -> str:
 
 def graph_identity(model: str, dtype: str) -> str:
     from scheduler.params import SamplingParams
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in IDENTITY_PROMPT_LENS]

@@ -15,7 +15,7 @@ WARMUP_MAX_TOKENS = 8
 
 def make_engine(model: str, batching: str, max_num_seqs: int, max_wait_ms: float = 20.0, **engine_kwargs: Any) -> Any:
     """An engine, warmed up with a small batch so the first timed step pays no first-call costs."""
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     engine = Engine(model=model, batching=batching, max_num_seqs=max_num_seqs, max_wait_ms=max_wait_ms,
                     **engine_kwargs)

@@ -30,8 +30,8 @@ from bench.records import RequestTiming, RunResult, Sample
 from bench.workloads import Workload
 from gateway.app import init_app
 from gateway.config import GatewayConfig
-from gateway.embedded_redis import EmbeddedRedis, free_port
-from scheduler.redis_replies import stream_entries
+from gateway.cli.embedded_redis import EmbeddedRedis, free_port
+from scheduler.protocol.redis_replies import stream_entries
 
 WORKER_READY_TIMEOUT_S = 300.0
 RESULTS_TIMEOUT_S = 900.0

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from scheduler.params import SamplingParams
-from worker.sampler import SampleRequest, Sampler
+from worker.engine.sampler import SampleRequest, Sampler
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "seeded T=1": {"temperature": 1.0},

@@ -20,11 +20,11 @@ import redis.asyncio as aioredis
 
 from gateway.config import GatewayConfig
 from gateway.context_length import ContextLength
-from scheduler.job import JobSpec, JobStatus, JobValidationError, new_job_id
-from scheduler.job_record import F_CREATED_AT, F_ID, F_LANE, F_PRIORITY, F_SPEC, F_STATUS, F_STREAM_ENTRY
-from scheduler.keys import CONSUMER_GROUP, Keys
-from scheduler.lanes import Lane
-from scheduler.redis_replies import as_bytes, as_optional_bytes
+from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, new_job_id
+from scheduler.protocol.job_record import F_CREATED_AT, F_ID, F_LANE, F_PRIORITY, F_SPEC, F_STATUS, F_STREAM_ENTRY
+from scheduler.protocol.keys import CONSUMER_GROUP, Keys
+from scheduler.protocol.lanes import Lane
+from scheduler.protocol.redis_replies import as_bytes, as_optional_bytes
 
 MAX_IDEMPOTENCY_KEY_LEN = 255
 

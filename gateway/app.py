@@ -27,13 +27,13 @@ from gateway.openai.batches import routes as batch_routes
 from gateway.openai.files import routes as file_routes
 from gateway.openai.online import routes as openai_routes
 from gateway.metrics import GatewayMetrics, telemetry_middleware
-from gateway.results import EventHub
+from gateway.event_hub import EventHub
 from gateway.webhooks import check_webhook_url_async
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher
-from scheduler.keys import Keys
-from scheduler.tasks import cancel_and_reap
-from scheduler.telemetry import Telemetry
+from scheduler.protocol.keys import Keys
+from scheduler.runtime.tasks import cancel_and_reap
+from scheduler.telemetry.otel import Telemetry
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from gateway.admission import Admission
 from gateway.cancel import Canceller
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
-from gateway.results import EventHub
-from scheduler.keys import Keys
+from gateway.event_hub import EventHub
+from scheduler.protocol.keys import Keys
 
 CONFIG = web.AppKey("config", GatewayConfig)
 KEYS = web.AppKey("keys", Keys)

@@ -18,11 +18,11 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 
-from scheduler.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
-from scheduler.job_record import F_ERROR, F_FINISHED_AT, F_SPEC, F_STATUS, job_view
-from scheduler.keys import DEFAULT_REPLY_MAXLEN, Keys
-from scheduler.redis_replies import read_hash
-from scheduler.webhooks import delivery_fields, should_send
+from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
+from scheduler.protocol.job_record import F_ERROR, F_FINISHED_AT, F_SPEC, F_STATUS, job_view
+from scheduler.protocol.keys import DEFAULT_REPLY_MAXLEN, Keys
+from scheduler.protocol.redis_replies import read_hash
+from scheduler.protocol.webhooks import delivery_fields, should_send
 
 # Returns '+cancelled' or '+cancelling' when it acted, 'missing', or the status it found otherwise.
 # A reply key that exists with another type than stream gets no reply; its type is checked before any write.

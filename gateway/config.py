@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.webhooks.config import WebhookConfig
-from scheduler.keys import DEFAULT_FILE_TTL_S, DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S
-from scheduler.lanes import LANES, Lane
+from scheduler.protocol.keys import DEFAULT_FILE_TTL_S, DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S
+from scheduler.protocol.lanes import LANES, Lane
 
 DEFAULT_MAX_LANE_DEPTH: dict[str, int] = {
     Lane.INTERACTIVE.value: 1_000,

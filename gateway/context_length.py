@@ -12,8 +12,8 @@ import time
 import msgpack
 import redis.asyncio as aioredis
 
-from scheduler.keys import Keys
-from scheduler.redis_replies import read_hash
+from scheduler.protocol.keys import Keys
+from scheduler.protocol.redis_replies import read_hash
 
 REFRESH_S = 2.0
 """How long a learned context length is trusted before the heartbeats are read again."""

@@ -17,11 +17,11 @@ from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.errors import REDIS_UNAVAILABLE, error_response
 from gateway.metrics import CONTENT_TYPE
-from gateway.results import wait_for_terminal
+from gateway.event_hub import wait_for_terminal
 from gateway.sse import stream_events
-from scheduler.job_record import job_view, json_default
-from scheduler.lanes import LANES
-from scheduler.redis_replies import read_hash
+from scheduler.protocol.job_record import job_view, json_default
+from scheduler.protocol.lanes import LANES
+from scheduler.protocol.redis_replies import read_hash
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from gateway.webhooks.metrics import WebhookMetrics
-from scheduler import metric_schema as M
-from scheduler.job import JobSpec
-from scheduler.lanes import LANES
-from scheduler.log_format import job_context
-from scheduler.process_metrics import ProcessMetrics
-from scheduler.telemetry import (
+from scheduler.telemetry import metric_schema as M
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.lanes import LANES
+from scheduler.telemetry.log_format import job_context
+from scheduler.telemetry.process_metrics import ProcessMetrics
+from scheduler.telemetry.otel import (
     PROMETHEUS_CONTENT_TYPE,
     Telemetry,
     context_from_traceparent,

@@ -20,10 +20,10 @@ import msgpack
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.results import EventHub, is_terminal
-from scheduler.job_record import job_view, json_default
-from scheduler.keys import Keys
-from scheduler.redis_replies import read_hash
+from gateway.event_hub import EventHub, is_terminal
+from scheduler.protocol.job_record import job_view, json_default
+from scheduler.protocol.keys import Keys
+from scheduler.protocol.redis_replies import read_hash
 
 
 @dataclass

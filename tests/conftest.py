@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestServer
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
-from gateway.embedded_redis import EmbeddedRedis
+from gateway.cli.embedded_redis import EmbeddedRedis
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -64,7 +64,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     which writes a transformers config, random weights and a byte-level
     tokenizer with `save_pretrained`; tests load it back by path.
     """
-    from worker.default_model import create_tiny_model
+    from worker.engine.default_model import create_tiny_model
 
     cache: dict[tuple[str, tuple[tuple[str, object], ...]], str] = {}
     root = tmp_path_factory.mktemp("models")

@@ -98,7 +98,7 @@ def k8s_objects(kind: str) -> dict[str, dict[str, Any]]:
 
 def verb_help(verb: str) -> str:
     """What `carpool <verb> --help` prints, through the real entry point."""
-    from gateway.cli import main
+    from gateway.cli.main import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
@@ -116,11 +116,11 @@ def verb_env_names(verb: str) -> set[str]:
 
 def parse_verb(verb: str, env: Mapping[str, str]) -> argparse.Namespace:
     """Parse `carpool <verb>` with `env` as its environment and build (so validate) its config."""
-    from gateway.flags import config_from_args
+    from scheduler.runtime.flags import config_from_args
     from gateway.webhooks.config import WebhookConfig
 
     if verb == "gateway":
-        from gateway.cli import build_parser
+        from gateway.cli.main import build_parser
         from gateway.config import GatewayConfig
 
         args = build_parser(env).parse_args(["gateway"])

@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.telemetry import Telemetry, TelemetryConfig
+from scheduler.telemetry.otel import Telemetry, TelemetryConfig
 
 
 def in_memory_telemetry(service_name: str) -> tuple[Telemetry, InMemorySpanExporter]:

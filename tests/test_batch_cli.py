@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from gateway.cli import main
+from gateway.cli.main import main
 from gateway_process import gateway_process
 from openai_support import MODEL_NAME
 from worker_harness import running_worker
@@ -17,7 +17,7 @@ def line(i: int) -> str:
 
 
 async def test_batch_submit_waits_with_progress_and_writes_the_output(redis_url, tiny_model, tmp_path, capsys) -> None:
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join([line(i) for i in range(20)] + ["not json"]) + "\n")

@@ -15,7 +15,7 @@ from bench.config import BenchConfig
 from bench.records import percentile
 from bench.suite import build_workloads
 from bench.workloads import SKEWED_OUTPUT_LENS, BenchRequest, Workload, mixed_lanes, poisson_arrivals, shared_prefix, sharegpt_like, skewed
-from gateway.cli import main as carpool_main
+from gateway.cli.main import main as carpool_main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.results import EventHub
-from scheduler.keys import Keys
-from scheduler.stream_stats import StreamStats
-from scheduler.tasks import cancel_and_reap, raise_if_cancelled
+from gateway.event_hub import EventHub
+from scheduler.protocol.keys import Keys
+from scheduler.telemetry.stream_stats import StreamStats
+from scheduler.runtime.tasks import cancel_and_reap, raise_if_cancelled
 
 NUM_ROUNDS = 60
 STOP_WITHIN_S = 2.0

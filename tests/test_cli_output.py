@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import build_parser
-from gateway.submit import job_body, printable
+from gateway.cli.main import build_parser
+from gateway.cli.submit import job_body
+from scheduler.runtime.terminal import printable
 from up_stack import UpStack, carpool, start_up
 
 NOTICE = "built-in random-weight model"

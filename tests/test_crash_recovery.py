@@ -12,8 +12,8 @@ from pathlib import Path
 import msgpack
 import redis.asyncio as aioredis
 
-from scheduler.job import JobSpec
-from scheduler.lanes import LANES
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.lanes import LANES
 from scheduler.params import SamplingParams
 from worker_harness import KEYS, WAIT_S, wait_terminal, wait_until, xadd_job
 from child_env import child_pythonpath
@@ -33,7 +33,7 @@ def start_worker(redis_url: str, model: str, name: str, log_path: Path) -> subpr
 
 
 async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_model, tmp_path):
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     model = tiny_model()
     # Far more tokens than pass while the test looks for jobs mid-generation, so the jobs it sees running are still

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from worker.default_model import (
+from worker.engine.default_model import (
     DEFAULT_MODEL_NAME,
     build_tokenizer,
     create_tiny_model,

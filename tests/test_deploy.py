@@ -163,7 +163,7 @@ def test_observability_config_is_wired() -> None:
     otlp_http = collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"].rsplit(":", 1)[1]
     for name in ("gateway", "worker", "webhooks"):
         assert services[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == f"http://otel-collector:{otlp_http}"
-    telemetry_source = (REPO / "scheduler" / "telemetry.py").read_text()
+    telemetry_source = (REPO / "scheduler" / "telemetry" / "otel.py").read_text()
     for name in ("gateway", "worker", "webhooks"):
         for key in services[name]["environment"]:
             if key.startswith("OTEL_"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from deploy_files import K8S, REPO, k8s_documents, k8s_objects, parse_verb, verb_env_names
-from scheduler.keys import CONSUMER_GROUP, Keys
-from scheduler.lanes import LANES
+from scheduler.protocol.keys import CONSUMER_GROUP, Keys
+from scheduler.protocol.lanes import LANES
 
 NAMESPACE = "carpool"
 DEPLOYMENT_VERBS = {"carpool-gateway": "gateway", "carpool-worker": "worker", "carpool-webhooks": "webhooks"}

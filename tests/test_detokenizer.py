@@ -7,8 +7,8 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from worker.default_model import build_tokenizer
-from worker.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
+from worker.engine.default_model import build_tokenizer
+from worker.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
 
 
 @pytest.fixture(scope="module")

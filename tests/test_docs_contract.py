@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from aiohttp import ClientSession
 
 from worker.config import WorkerConfig
-from worker.engine import Engine
+from worker.engine.engine import Engine
 from worker.service import WorkerService
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()

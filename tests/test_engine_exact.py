@@ -16,7 +16,7 @@ from transformers import AutoConfig
 from model_reference import transformers_greedy
 from scheduler import SamplingParams
 from worker import Engine
-from worker.graph_runner import ReplayCapture
+from worker.engine.graph_runner import ReplayCapture
 
 # qwen3 and the Llama family run carpool's own models; phi, outside it, runs through transformers.
 ARCHS = ["llama", "qwen2", "mistral", "qwen3", "phi"]

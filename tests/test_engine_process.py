@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from scheduler.job import JobSpec
+from scheduler.protocol.job import JobSpec
 from scheduler.params import SamplingParams
 from child_env import child_pythonpath
-from worker.engine_process import EngineProcess, EngineStartError
-from worker.engine_tick import EngineFailed
+from worker.engine.process import EngineProcess, EngineStartError
+from worker.engine.tick import EngineFailed
 from worker_harness import KEYS, WAIT_S, running_worker, wait_terminal, wait_until, xadd_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def _accumulate(ticks: list[Any]) -> dict[str, dict[str, Any]]:
 
 
 async def test_ticks_match_the_in_process_engine_and_a_failing_tick_reports_its_traceback(tiny_model):
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     model = tiny_model()
     prompts = ["the engine process", "runs its own steps", "in order"]
@@ -79,7 +79,7 @@ async def test_ticks_match_the_in_process_engine_and_a_failing_tick_reports_its_
         assert all(len(out.new_token_ids) <= 1 for t in ticks for out in t.outputs)
         assert tick.stats.num_running == 0 and tick.stats.num_steps >= 8
         # Nothing in a reply may need torch to unpickle: the worker process never imports it.
-        assert {type(out).__module__ for out in tick.outputs} == {"worker.engine_tick"}
+        assert {type(out).__module__ for out in tick.outputs} == {"worker.engine.tick"}
         assert type(tick.stats).__module__ == "types"
 
         # Ticks asked for ahead of their replies run in order; a request far larger than the socket's buffers
@@ -105,7 +105,7 @@ async def test_ticks_match_the_in_process_engine_and_a_failing_tick_reports_its_
 
 
 async def test_a_killed_engine_process_fails_the_worker_and_its_jobs_finish_elsewhere(redis_url, tiny_model):
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     model = tiny_model()
     # Far more tokens than pass between a job's fourth token and the kill, so none can finish first.

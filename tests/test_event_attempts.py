@@ -11,7 +11,7 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 
-from scheduler.job import JobSpec
+from scheduler.protocol.job import JobSpec
 from scheduler.params import SamplingParams
 from worker_harness import KEYS, running_worker, wait_terminal, xadd_job
 
@@ -19,7 +19,7 @@ SETTINGS = {"lease_s": 600.0, "shutdown_grace_s": 0.0, "checkpoint_tokens": 4}
 
 
 async def test_events_carry_their_attempt_across_a_hand_back(redis_url: str, tiny_model: Callable[..., str]) -> None:
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     engine = Engine(model=tiny_model(), max_num_seqs=2)
     client = aioredis.Redis.from_url(redis_url)

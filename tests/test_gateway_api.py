@@ -16,8 +16,8 @@ from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
-from scheduler.job import JobSpec
-from scheduler.keys import Keys
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.keys import Keys
 
 KEYS = Keys()
 SECRET = generate_secret()
@@ -182,7 +182,7 @@ async def test_health_readiness_and_metrics(client: TestClient, redis: aioredis.
 
 
 async def test_readyz_is_503_without_redis() -> None:
-    from gateway.embedded_redis import free_port
+    from gateway.cli.embedded_redis import free_port
 
     config = GatewayConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0", no_webhooks=True)
     async with TestClient(TestServer(init_app(config))) as client:

@@ -16,9 +16,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
-from gateway.embedded_redis import EmbeddedRedis
+from gateway.cli.embedded_redis import EmbeddedRedis
 from gateway_process import gateway_process
-from scheduler.keys import Keys
+from scheduler.protocol.keys import Keys
 
 KEYS = Keys()
 

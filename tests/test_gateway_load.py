@@ -19,8 +19,8 @@ import msgpack
 import redis.asyncio as aioredis
 
 from gateway_process import gateway_process, raise_fd_limit
-from scheduler.job_record import job_view
-from scheduler.keys import Keys
+from scheduler.protocol.job_record import job_view
+from scheduler.protocol.keys import Keys
 
 KEYS = Keys()
 NUM_CONCURRENT = 300

@@ -17,9 +17,9 @@ from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
-from scheduler.job_record import job_view
+from scheduler.protocol.job_record import job_view
 from gateway import appkeys as K
-from scheduler.keys import Keys
+from scheduler.protocol.keys import Keys
 from worker_harness import WAIT_S, wait_until
 
 KEYS = Keys()
@@ -250,7 +250,7 @@ async def test_cancel_flag_lives_as_long_as_the_result(configured_client: TestCl
 
 
 async def test_every_waiter_gets_its_subscription_only_once_redis_confirmed_it(redis: aioredis.Redis) -> None:
-    from gateway.results import EventHub, wait_for_terminal
+    from gateway.event_hub import EventHub, wait_for_terminal
 
     await redis.hset(KEYS.job("j"), mapping={"id": "j", "status": "queued"})
     hub = EventHub(redis)  # its reader is not started yet: no subscribe confirmation is seen

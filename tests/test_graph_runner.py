@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.default_model import create_tiny_model
-from worker.graph_runner import DecodeGraphs, HostReadError, ReplayCapture, forbid_host_reads, graph_batch_sizes
-from worker.model_runner import ModelRunner
-from worker.step_inputs import StepInputs, StepSeq
+from worker.engine.default_model import create_tiny_model
+from worker.engine.graph_runner import DecodeGraphs, HostReadError, ReplayCapture, forbid_host_reads, graph_batch_sizes
+from worker.engine.model_runner import ModelRunner
+from worker.engine.step_inputs import StepInputs, StepSeq
 
 ATOL = 1e-4
 
@@ -95,7 +95,7 @@ def test_replayed_steps_match_eager_ones_and_padding_writes_nowhere(tiny_model: 
 def test_dynamic_rope_runs_eager(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = create_tiny_model(tmp_path / "dynamic-rope", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     runner = ModelRunner(str(path), block_size=4, num_blocks=16, max_num_seqs=2)
-    with caplog.at_level(logging.WARNING, logger="worker.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="worker.engine.model_runner"):
         assert not runner.capture_decode_graphs(ReplayCapture())
     assert runner.graph_sizes == []
     assert "dynamic RoPE" in caplog.text

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from scheduler.job import JobSpec
+from scheduler.protocol.job import JobSpec
 from scheduler.params import SamplingParams
 from worker_harness import KEYS, running_worker, status_of, xadd_job
 
@@ -22,7 +22,7 @@ ONE_SLOT = {"lease_s": LEASE_S, "shutdown_grace_s": 0.0, "checkpoint_tokens": 4,
 
 @pytest.fixture
 def make_engine(tiny_model: Callable[..., str]) -> Callable[[], Any]:
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     return lambda: Engine(model=tiny_model(), max_num_seqs=1)
 

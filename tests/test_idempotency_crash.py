@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from redis_proxy import RedisProxy
-from scheduler.keys import Keys
+from scheduler.protocol.keys import Keys
 
 KEYS = Keys()
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from scheduler.job import JobSpec
-from scheduler.keys import CONSUMER_GROUP
-from scheduler.lanes import Lane
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.keys import CONSUMER_GROUP
+from scheduler.protocol.lanes import Lane
 from scheduler.params import SamplingParams
 from worker.config import WorkerConfig
 from worker_harness import KEYS, StepLog, has_status, running_worker, status_of, wait_terminal, wait_until, xadd_job
@@ -34,7 +34,7 @@ def test_reserve_defaults_and_is_off_where_the_engine_would_not_preempt() -> Non
 
 
 async def test_interactive_job_preempts_a_full_batch_backlog(redis_url, tiny_model):
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     model = tiny_model()
     batch_params = SamplingParams(max_tokens=BATCH_TOKENS, temperature=0.0, ignore_eos=True)
@@ -95,7 +95,7 @@ async def _blocked_on_the_lanes(client: aioredis.Redis) -> bool:
 
 
 async def test_an_idle_worker_gets_the_interactive_job_before_a_busy_workers_reserve(redis_url, tiny_model):
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     model = tiny_model()
     # Long enough to hold every busy slot until the chats are done: a busy worker whose batch job ends has a

@@ -74,7 +74,7 @@ def test_rope_store_kv(dtype: torch.dtype, num_heads: int, num_kv_heads: int, he
 
 
 def test_start_up_checks_pass_for_working_kernels() -> None:
-    from worker.kernel_checks import check_model_kernels, check_paged_attention
+    from worker.engine.kernel_checks import check_model_kernels, check_paged_attention
 
     assert check_paged_attention(DEVICE, torch.float32, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16) is None
     assert check_model_kernels(DEVICE, torch.float32, hidden=64, intermediate=96, num_heads=4, num_kv_heads=2,
@@ -82,7 +82,7 @@ def test_start_up_checks_pass_for_working_kernels() -> None:
 
 
 def test_start_up_check_reports_a_kernel_that_cannot_run() -> None:
-    from worker.kernel_checks import check_model_kernels
+    from worker.engine.kernel_checks import check_model_kernels
 
     # An odd head_dim cannot be rotated in halves: the check says so instead of raising.
     failure = check_model_kernels(DEVICE, torch.float32, hidden=64, intermediate=96, num_heads=4, num_kv_heads=2,

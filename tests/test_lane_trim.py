@@ -9,7 +9,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
-from scheduler.keys import Keys
+from scheduler.protocol.keys import Keys
 
 KEYS = Keys()
 NUM_BACKLOG = 100_500

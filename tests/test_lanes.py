@@ -6,8 +6,8 @@ import statistics
 
 import redis.asyncio as aioredis
 
-from scheduler.job import JobSpec
-from scheduler.lanes import DEFAULT_LANE_WEIGHTS, Lane
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.lanes import DEFAULT_LANE_WEIGHTS, Lane
 from scheduler.params import SamplingParams
 from worker.consumer import LaneConsumer, LaneShares
 from worker_harness import KEYS, TERMINAL, running_worker, wait_terminal, wait_until, xadd_job
@@ -52,7 +52,7 @@ async def num_finished(client: aioredis.Redis, specs: list[JobSpec]) -> int:
 
 
 async def test_interactive_jobs_overtake_a_batch_backlog(redis_url, tiny_model):
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     client = aioredis.Redis.from_url(redis_url)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from scheduler.keys import CONSUMER_GROUP
-from scheduler.lanes import DEFAULT_LANE_WEIGHTS, Lane
+from scheduler.protocol.keys import CONSUMER_GROUP
+from scheduler.protocol.lanes import DEFAULT_LANE_WEIGHTS, Lane
 from worker.consumer import LaneConsumer
-from worker.results import EntryRef
+from worker.job_store import EntryRef
 from worker_harness import KEYS
 
 LANE = KEYS.lane(Lane.STANDARD)

@@ -17,7 +17,7 @@ from worker_harness import KEYS, running_worker, wait_terminal
 
 @pytest.fixture
 def make_engine(tiny_model: Callable[..., str]) -> Callable[..., Any]:
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     return lambda **kw: Engine(model=kw.pop("model", None) or tiny_model(), max_num_seqs=kw.pop("max_num_seqs", 4),
                                **kw)
@@ -62,7 +62,7 @@ async def test_cancelling_a_running_job_keeps_its_partial_output(
 
 async def _progress(client: aioredis.Redis, job_id: str, beyond: int, timeout_s: float = 60) -> int:
     """Wait until the job's checkpoint holds more than `beyond` tokens; returns how many it holds."""
-    from worker.results import unpack_checkpoint
+    from worker.job_store import unpack_checkpoint
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -122,8 +122,8 @@ async def test_clean_hand_backs_do_not_count_towards_max_deliveries(
 async def test_a_job_failed_for_too_many_deliveries_keeps_its_checkpointed_output(
     redis_url: str, make_engine: Callable[..., Any]
 ) -> None:
-    from scheduler.job import JobSpec
-    from scheduler.keys import CONSUMER_GROUP
+    from scheduler.protocol.job import JobSpec
+    from scheduler.protocol.keys import CONSUMER_GROUP
     from worker_harness import xadd_job
 
     engine = make_engine()
@@ -139,7 +139,7 @@ async def test_a_job_failed_for_too_many_deliveries_keeps_its_checkpointed_outpu
             await client.xclaim(KEYS.lane(spec.lane), CONSUMER_GROUP, "died", 0, [entry_id], idle=10**9)
         async with running_worker(redis_url, engine, **settings):
             views = await wait_terminal(client, ["doomed"], timeout_s=60)
-        from worker.results import unpack_checkpoint
+        from worker.job_store import unpack_checkpoint
 
         checkpoint, _ = unpack_checkpoint(await client.hget(KEYS.job("doomed"), "checkpoint"))
     finally:

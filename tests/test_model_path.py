@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.embedded_redis import free_port
+from gateway.cli.embedded_redis import free_port
 from up_stack import REPO, carpool, carpool_env
 
 ONE_LINE = "carpool never downloads models"
@@ -42,7 +42,7 @@ def test_bench_refuses_a_hub_id(tmp_path: Path) -> None:
 
 
 def test_the_cli_runs_offline_before_transformers_loads() -> None:
-    probe = ("import sys; from gateway.cli import main; main(['redis-cli', '--help']); "
+    probe = ("import sys; from gateway.cli.main import main; main(['redis-cli', '--help']); "
              "import os, transformers.utils.hub as hub; "
              "print(os.environ['HF_HUB_OFFLINE'], os.environ['TRANSFORMERS_OFFLINE'], hub.is_offline_mode())")
     done = subprocess.run([sys.executable, "-c", probe], env=carpool_env(), cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from worker.model_runner import GIB, ModelRunner, StepSeq
+from worker.engine.model_runner import GIB, ModelRunner, StepSeq
 
 ATOL = 1e-4
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.noise import exponential_noise, neg_log_, seeded_exponential_noise, token_keys, uniform_noise
+from worker.engine.noise import exponential_noise, neg_log_, seeded_exponential_noise, token_keys, uniform_noise
 
 VOCAB = 4096
 

@@ -47,8 +47,8 @@ EXPECTED_CODES = ["invalid_json", "invalid_json", "missing_custom_id", "missing_
 def offline_chat(model: str, indices: list[int], max_tokens: int) -> dict[str, str]:
     from transformers import AutoTokenizer
 
-    from worker.engine import Engine
-    from worker.prompt_input import apply_chat_template
+    from worker.engine.engine import Engine
+    from worker.engine.prompt_input import apply_chat_template
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = [apply_chat_template(tokenizer, chat_line(i)["body"]["messages"]) for i in indices]
@@ -83,7 +83,7 @@ async def upload(client: openai.AsyncOpenAI, lines: list[str]) -> str:
 
 
 async def test_a_batch_with_bad_lines_runs_the_rest_like_the_offline_engine(redis_url, tiny_model) -> None:
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     model = tiny_model()
     good = [json.dumps(chat_line(i)) for i in range(190)]
@@ -124,7 +124,7 @@ async def test_a_batch_with_bad_lines_runs_the_rest_like_the_offline_engine(redi
 
 
 async def test_cancelling_a_batch_keeps_finished_results(redis_url, tiny_model) -> None:
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     model = tiny_model()
     lines = [json.dumps(chat_line(i, max_tokens=24)) for i in range(200)]

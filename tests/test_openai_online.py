@@ -10,7 +10,7 @@ import pytest
 import msgpack
 
 from openai_support import MODEL_NAME, openai_service
-from scheduler.keys import Keys
+from scheduler.protocol.keys import Keys
 from scheduler.params import SamplingParams
 
 KEYS = Keys()
@@ -25,13 +25,13 @@ def model(tiny_model) -> str:
 
 @pytest.fixture
 def engine(model):
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     return Engine(model=model, max_num_seqs=8)
 
 
 def offline(model: str, prompt: str | list[int], max_tokens: int):
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     return Engine(model=model, max_num_seqs=8).generate([prompt], params)[0]
@@ -40,7 +40,7 @@ def offline(model: str, prompt: str | list[int], max_tokens: int):
 def chat_prompt_ids(model: str) -> list[int]:
     from transformers import AutoTokenizer
 
-    from worker.prompt_input import apply_chat_template
+    from worker.engine.prompt_input import apply_chat_template
 
     return apply_chat_template(AutoTokenizer.from_pretrained(model), MESSAGES)
 

@@ -21,9 +21,9 @@ from transformers import AutoModelForCausalLM
 from model_reference import transformers_greedy
 from scheduler import SamplingParams
 from worker import Engine
-from worker.default_model import create_tiny_model
-from worker.model_runner import ModelRunner, StepSeq
-from worker.models import ModelImpl, choose_model_impl
+from worker.engine.default_model import create_tiny_model
+from worker.engine.model_runner import ModelRunner, StepSeq
+from worker.engine.models import ModelImpl, choose_model_impl
 
 MAX_NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -116,7 +116,7 @@ def test_logits_match_transformers(tmp_path_factory: pytest.TempPathFactory, var
 
 
 def test_auto_picks_by_architecture_and_says_so(tiny_model: Any, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="worker.model_runner"):
+    with caplog.at_level(logging.INFO, logger="worker.engine.model_runner"):
         llama = ModelRunner(tiny_model("llama"), num_blocks=8)
         phi = ModelRunner(tiny_model("phi"), num_blocks=8)
     assert llama.model_choice.impl is ModelImpl.CARPOOL

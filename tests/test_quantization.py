@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM
 from scheduler import SamplingParams
 from worker import Engine
 from worker.config import WorkerConfig
-from worker.model_runner import ModelRunner, StepSeq
-from worker.models.quantization import (
+from worker.engine.model_runner import ModelRunner, StepSeq
+from worker.engine.models.quantization import (
     Quantization,
     QuantizedWeight,
     check_device_supports,
@@ -134,7 +134,7 @@ def test_quantized_weights_take_a_fraction_of_the_bytes(tiny_model: Callable[...
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_stay_near_full_precision(tmp_path_factory: pytest.TempPathFactory, variant: str, dtype_name: str,
                                          quantization: Quantization) -> None:
-    from worker.default_model import create_tiny_model
+    from worker.engine.default_model import create_tiny_model
 
     arch, overrides = VARIANTS[variant]
     path = str(create_tiny_model(tmp_path_factory.mktemp(variant) / "model", arch=arch, **overrides))
@@ -153,7 +153,7 @@ def test_logits_stay_near_full_precision(tmp_path_factory: pytest.TempPathFactor
                          + [("llama-gqa", Quantization.FP8)], ids=_name)
 def test_greedy_tokens_match_the_dequantized_reference_in_every_regime(
         tmp_path_factory: pytest.TempPathFactory, variant: str, quantization: Quantization) -> None:
-    from worker.default_model import create_tiny_model
+    from worker.engine.default_model import create_tiny_model
 
     arch, overrides = VARIANTS[variant]
     path = str(create_tiny_model(tmp_path_factory.mktemp(variant) / "model", arch=arch, **overrides))
@@ -181,7 +181,7 @@ def test_greedy_tokens_match_the_dequantized_reference_in_every_regime(
 
 
 def test_the_start_up_log_names_the_weights(tiny_model: Callable[..., str], caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="worker.model_runner"):
+    with caplog.at_level(logging.INFO, logger="worker.engine.model_runner"):
         ModelRunner(tiny_model("llama"), num_blocks=8, quantization="int8")
         ModelRunner(tiny_model("llama"), dtype="bfloat16", num_blocks=8)
     assert "carpool implementation (LlamaForCausalLM is in the Llama family), int8 weights" in caplog.text

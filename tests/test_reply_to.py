@@ -10,9 +10,9 @@ from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
-from scheduler.job import JobSpec, WebhookSpec
-from scheduler.keys import CONSUMER_GROUP
-from scheduler.lanes import Lane
+from scheduler.protocol.job import JobSpec, WebhookSpec
+from scheduler.protocol.keys import CONSUMER_GROUP
+from scheduler.protocol.lanes import Lane
 from scheduler.params import SamplingParams
 from worker_harness import KEYS, running_worker, wait_terminal, xadd_job
 
@@ -21,7 +21,7 @@ OWN_KEYS = ["carpool:workers", "carpool:lane:standard", "carpool:webhooks", "car
 
 @pytest.fixture
 def engine(tiny_model):
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     return Engine(model=tiny_model(), max_num_seqs=4)
 

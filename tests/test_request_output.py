@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from scheduler.params import SamplingParams
-from worker.engine import Engine
+from worker.engine.engine import Engine
 
 
 def test_each_output_keeps_the_tokens_and_logprobs_of_its_own_step(tiny_model) -> None:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from scheduler.params import SamplingParams
-from worker.noise import seeded_exponential_noise
-from worker.penalties import apply_penalties
-from worker.sampler import SampleRequest, Sampler, filter_logits
+from worker.engine.noise import seeded_exponential_noise
+from worker.engine.penalties import apply_penalties
+from worker.engine.sampler import SampleRequest, Sampler, filter_logits
 
 VOCAB = 8
 

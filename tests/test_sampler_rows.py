@@ -11,8 +11,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from scheduler.params import SamplingParams
-from worker.penalties import apply_penalties, penalise_rows
-from worker.sampler import SampleRequest, Sampler
+from worker.engine.penalties import apply_penalties, penalise_rows
+from worker.engine.sampler import SampleRequest, Sampler
 
 VOCAB = 16  # small enough that logprobs=16 reports the whole distribution
 

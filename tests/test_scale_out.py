@@ -26,9 +26,9 @@ import msgpack
 import pytest
 import redis
 
-from gateway.embedded_redis import EmbeddedRedis, free_port
-from scheduler.job_record import job_view
-from scheduler.keys import CONSUMER_GROUP, Keys
+from gateway.cli.embedded_redis import EmbeddedRedis, free_port
+from scheduler.protocol.job_record import job_view
+from scheduler.protocol.keys import CONSUMER_GROUP, Keys
 from child_env import child_pythonpath
 
 REPO = Path(__file__).resolve().parent.parent

@@ -19,8 +19,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
-from scheduler.job import JobSpec
-from scheduler.lanes import LANES
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.lanes import LANES
 from worker_harness import running_worker, wait_terminal, xadd_job
 
 NUM_PER_SOURCE = 40
@@ -56,7 +56,7 @@ async def gateway(redis_url: str) -> AsyncIterator[TestClient]:
 async def test_forty_over_http_and_forty_xadded_all_succeed_like_the_offline_engine(
     redis_url: str, gateway: TestClient, tiny_model
 ) -> None:
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     model = tiny_model()
     specs = [JobSpec.from_wire(body) for body in BODIES]

@@ -21,7 +21,7 @@ Event = tuple[str, str, dict[str, Any]]
 
 @pytest.fixture
 def engine(tiny_model: Callable[..., str]) -> Any:
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     return Engine(model=tiny_model(), max_num_seqs=2)
 
@@ -67,7 +67,7 @@ async def _submit(http: aiohttp.ClientSession, gateway_url: str, job_id: str, ma
 
 
 async def _checkpointed(client: aioredis.Redis, job_id: str, num_tokens: int = 16) -> None:
-    from worker.results import unpack_checkpoint
+    from worker.job_store import unpack_checkpoint
 
     deadline = time.monotonic() + 60
     while len(unpack_checkpoint(await client.hget(KEYS.job(job_id), "checkpoint") or b"")[0]) < num_tokens:

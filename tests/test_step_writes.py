@@ -7,9 +7,9 @@ import asyncio
 import msgpack
 import redis.asyncio as aioredis
 
-from scheduler.keys import Keys
-from scheduler.redis_replies import read_hash
-from worker.results import unpack_checkpoint
+from scheduler.protocol.keys import Keys
+from scheduler.protocol.redis_replies import read_hash
+from worker.job_store import unpack_checkpoint
 from worker.step_writes import (
     CHECKPOINT_CANCEL_FLAGGED,
     CHECKPOINT_NOT_OURS,

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from scheduler.metric_schema import GATEWAY_METRICS, WORKER_METRICS
+from scheduler.telemetry.metric_schema import GATEWAY_METRICS, WORKER_METRICS
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "dashboards" / "carpool.json"
 REQUIRED_PANELS = ("Tokens per second", "Jobs per second", "Time to first token", "Inter-token latency",

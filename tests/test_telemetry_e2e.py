@@ -19,7 +19,7 @@ from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
-from scheduler.metric_schema import GATEWAY_METRICS, WORKER_METRICS
+from scheduler.telemetry.metric_schema import GATEWAY_METRICS, WORKER_METRICS
 from test_telemetry_dashboard import load_dashboard, queries, series_in
 from telemetry_support import in_memory_telemetry, is_connected, sample_names, spans_by_trace, value
 from webhook_receiver import Receiver
@@ -50,7 +50,7 @@ async def wait_for(client: TestClient, name: str, expected: float, **labels: str
 
 
 async def test_metrics_and_traces_from_gateway_to_worker(redis_url: str, tiny_model: Any) -> None:
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     gw_telemetry, gw_spans = in_memory_telemetry("carpool-gateway")
     wk_telemetry, wk_spans = in_memory_telemetry("carpool-worker")

@@ -12,10 +12,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from gateway import appkeys as K
 from gateway.app import init_app
 from gateway.config import GatewayConfig
-from scheduler.job import JobSpec
-from scheduler.keys import Keys
-from scheduler.metric_schema import GATEWAY_METRICS
-from scheduler.telemetry import Telemetry
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.keys import Keys
+from scheduler.telemetry.metric_schema import GATEWAY_METRICS
+from scheduler.telemetry.otel import Telemetry
 from telemetry_support import in_memory_telemetry, sample_names, value
 
 KEYS = Keys()

@@ -7,7 +7,7 @@ import io
 import json
 import logging
 
-from scheduler.log_format import JsonFormatter, configure_logging, job_context
+from scheduler.telemetry.log_format import JsonFormatter, configure_logging, job_context
 from telemetry_support import in_memory_telemetry
 
 

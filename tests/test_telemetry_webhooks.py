@@ -14,13 +14,13 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from gateway.embedded_redis import free_port
+from gateway.cli.embedded_redis import free_port
 from gateway.metrics import GatewayMetrics
 from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher
-from scheduler.keys import Keys
-from scheduler.webhooks import delivery_fields
+from scheduler.protocol.keys import Keys
+from scheduler.protocol.webhooks import delivery_fields
 from telemetry_support import in_memory_telemetry, value
 from webhook_receiver import Answer, Receiver
 from child_env import child_pythonpath

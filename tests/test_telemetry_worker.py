@@ -13,10 +13,10 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
-from scheduler.job import JobSpec
-from scheduler.keys import CONSUMER_GROUP
-from scheduler.lanes import LANES, Lane
-from scheduler.log_format import JsonFormatter
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.keys import CONSUMER_GROUP
+from scheduler.protocol.lanes import LANES, Lane
+from scheduler.telemetry.log_format import JsonFormatter
 from scheduler.params import SamplingParams
 from telemetry_support import value
 from worker_harness import KEYS, running_worker, wait_terminal, wait_until, xadd_job
@@ -24,7 +24,7 @@ from worker_harness import KEYS, running_worker, wait_terminal, wait_until, xadd
 
 @pytest.fixture
 def engine(tiny_model):
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     return Engine(model=tiny_model(), max_num_seqs=4)
 

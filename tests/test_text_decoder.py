@@ -7,9 +7,9 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from worker.default_model import build_tokenizer
-from worker.detokenizer import IncrementalDetokenizer
-from worker.text_decoder import ByteTableDecoder, TokenizerDecoder, text_decoder_for
+from worker.engine.default_model import build_tokenizer
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.text_decoder import ByteTableDecoder, TokenizerDecoder, text_decoder_for
 
 
 @pytest.fixture(scope="module")

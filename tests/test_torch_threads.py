@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from gateway.flags import config_from_args
+from scheduler.runtime.flags import config_from_args
 from worker.cli import build_parser
 from worker.config import WorkerConfig
 from child_env import child_pythonpath

@@ -12,9 +12,9 @@ import msgpack
 import pytest
 import redis
 
-from gateway.cli import build_parser
-from gateway.flags import config_from_args
-from gateway.up import UpConfig
+from gateway.cli.main import build_parser
+from scheduler.runtime.flags import config_from_args
+from gateway.cli.up import UpConfig
 from up_stack import UpStack, carpool, carpool_env, start_up
 
 

@@ -12,9 +12,9 @@ import redis.asyncio as aioredis
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher
 from gateway.webhooks.signing import generate_secret
-from scheduler.job_record import job_view
-from scheduler.keys import Keys
-from scheduler.webhooks import delivery_fields
+from scheduler.protocol.job_record import job_view
+from scheduler.protocol.keys import Keys
+from scheduler.protocol.webhooks import delivery_fields
 from webhook_receiver import Answer, Receiver
 from worker_harness import WAIT_S, wait_until
 

@@ -16,8 +16,8 @@ from gateway.config import GatewayConfig
 from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.safety import is_public
-from scheduler.job_record import job_view
-from scheduler.keys import Keys
+from scheduler.protocol.job_record import job_view
+from scheduler.protocol.keys import Keys
 from webhook_receiver import Answer, Receiver
 from worker_harness import running_worker, wait_until
 
@@ -51,7 +51,7 @@ async def strict_gateway(redis_url: str) -> AsyncIterator[TestClient]:
 
 
 async def test_receiver_gets_started_outputs_completed_in_order(redis_url, gateway, tiny_model) -> None:
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     receiver = await Receiver(SECRET, [Answer(503)], then=Answer(200)).start()
     try:

@@ -8,7 +8,7 @@ import pytest
 
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.signing import generate_secret
-from scheduler.webhooks import (
+from scheduler.protocol.webhooks import (
     DEFAULT_MAX_ATTEMPTS,
     AttemptOutcome,
     OutputThrottle,

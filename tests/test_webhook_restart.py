@@ -13,8 +13,8 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from gateway.webhooks.signing import generate_secret
-from scheduler.keys import Keys
-from scheduler.webhooks import delivery_fields
+from scheduler.protocol.keys import Keys
+from scheduler.protocol.webhooks import delivery_fields
 from webhook_receiver import Answer, Receiver
 from child_env import child_pythonpath
 from worker_harness import WAIT_S, wait_until

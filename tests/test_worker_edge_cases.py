@@ -9,9 +9,9 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
-from scheduler.job import JobSpec
-from scheduler.keys import CONSUMER_GROUP
-from scheduler.lanes import Lane
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.keys import CONSUMER_GROUP
+from scheduler.protocol.lanes import Lane
 from scheduler.params import SamplingParams
 from worker_harness import KEYS, has_status, running_worker, status_of, wait_terminal, wait_until, xadd_job
 
@@ -22,7 +22,7 @@ Redis round trips and a reclaim period), however fast the engine."""
 
 @pytest.fixture
 def engine(tiny_model):
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     return Engine(model=tiny_model(), max_num_seqs=8, policy="priority")
 
@@ -30,7 +30,7 @@ def engine(tiny_model):
 @pytest.fixture
 def long_engine(tiny_model):
     """An engine on a long-context model, for a job that must still be running when it is cancelled."""
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     return Engine(model=tiny_model(max_position_embeddings=16384), max_num_seqs=8, policy="priority")
 

@@ -10,7 +10,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from gateway.embedded_redis import free_port
+from gateway.cli.embedded_redis import free_port
 from up_stack import REPO, carpool_env
 
 

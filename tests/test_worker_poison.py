@@ -11,9 +11,9 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
-from scheduler.job import JobSpec
-from scheduler.keys import CONSUMER_GROUP
-from scheduler.lanes import Lane
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.keys import CONSUMER_GROUP
+from scheduler.protocol.lanes import Lane
 from scheduler.params import SamplingParams
 from worker_harness import KEYS, running_worker, wait_terminal, xadd_job
 
@@ -23,7 +23,7 @@ DEPTH = 100_000
 
 @pytest.fixture
 def engine(tiny_model):
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     return Engine(model=tiny_model(), max_num_seqs=4)
 

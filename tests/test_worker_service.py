@@ -9,9 +9,9 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
-from scheduler.job import JobSpec
-from scheduler.keys import CONSUMER_GROUP
-from scheduler.lanes import LANES, Lane
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.keys import CONSUMER_GROUP
+from scheduler.protocol.lanes import LANES, Lane
 from scheduler.params import SamplingParams
 from worker_harness import KEYS, WAIT_S, has_status, running_worker, status_of, wait_terminal, wait_until, xadd_job
 
@@ -22,7 +22,7 @@ LONG_TOKENS = 16000
 
 @pytest.fixture
 def engine_factory(tiny_model):
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     def make(**kwargs):
         kwargs.setdefault("max_num_seqs", 16)
@@ -140,7 +140,7 @@ async def test_cancel_running_job_frees_its_blocks(redis_url, engine_factory, ti
 
 async def test_live_worker_keeps_its_lease_beyond_the_lease_time(redis_url, tiny_model):
     """A job running for several lease periods on a live worker is never handed to the other worker."""
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     lease_s = 1.0
     # A context long enough that the job cannot finish within the observation window, however fast the CPU.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from child_env import child_pythonpath
-from gateway.embedded_redis import free_port
+from gateway.cli.embedded_redis import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from scheduler.job import TERMINAL_STATUSES, JobSpec
-from scheduler.job_record import job_view
-from scheduler.keys import Keys
+from scheduler.protocol.job import TERMINAL_STATUSES, JobSpec
+from scheduler.protocol.job_record import job_view
+from scheduler.protocol.keys import Keys
 
 KEYS = Keys()
 TERMINAL = {s.value for s in TERMINAL_STATUSES}
@@ -79,7 +79,7 @@ class StepLog:
     """
 
     def __init__(self, engine: Any) -> None:
-        from worker.engine_tick import EngineThread
+        from worker.engine.tick import EngineThread
 
         self.engine = engine
         self.max_num_seqs: int = engine.max_num_seqs

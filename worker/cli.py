@@ -1,6 +1,6 @@
 """`carpool worker` and `carpool generate`: flags in, a running worker (or one completion) out.
 
-`main(argv)` takes the verb and its flags; ``gateway.cli`` dispatches here, and
+`main(argv)` takes the verb and its flags; ``gateway.cli.main`` dispatches here, and
 ``python -m worker.cli worker ...`` works on its own. Configuration is read
 once here (flags, then ``CARPOOL_<FLAG>`` variables) and passed down.
 """
@@ -16,15 +16,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gateway.flags import add_config_flags, config_from_args
-from gateway.submit import printable
-from scheduler.checkpoint import BUILTIN_MODEL_NOTICE, OFFLINE_ENV
-from scheduler.log_format import configure_logging
+from scheduler.runtime.flags import add_config_flags, config_from_args
+from scheduler.runtime.terminal import printable
+from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE, OFFLINE_ENV
+from scheduler.telemetry.log_format import configure_logging
 from scheduler.params import SamplingParams
-from scheduler.telemetry import Telemetry, TelemetryConfig, telemetry_config_from_env
+from scheduler.telemetry.otel import Telemetry, TelemetryConfig, telemetry_config_from_env
 from worker.config import WorkerConfig
-from worker.engine_process import EngineProcess, EngineStartError
-from worker.torch_threads import apply_torch_threads
+from worker.engine.process import EngineProcess, EngineStartError
+from worker.engine.torch_threads import apply_torch_threads
 
 log = logging.getLogger("worker")
 
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
 
 def generate(config: WorkerConfig, prompt: str, params: SamplingParams) -> int:
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     apply_torch_threads(config.torch_threads, config.device)
     engine = Engine(**config.engine_kwargs())
@@ -95,7 +95,7 @@ async def start_engine(config: WorkerConfig) -> Any:
     if config.engine_process:
         log.info("loading model %s on %s in an engine process", model, config.device)
         return await EngineProcess.start(config.engine_kwargs(), config.torch_threads, config.device)
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     threads = apply_torch_threads(config.torch_threads, config.device)
     log.info("loading model %s on %s (%d torch threads)", model, config.device, threads)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from scheduler.log_format import job_context
-from scheduler.telemetry import span_of_traceparent
+from scheduler.telemetry.log_format import job_context
+from scheduler.telemetry.otel import span_of_traceparent
 from worker.metrics import WorkerMetrics
-from worker.results import Outcome, ResultStore
+from worker.job_store import Outcome, ResultStore
 
 log = logging.getLogger(__name__)
 

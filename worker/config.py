@@ -1,7 +1,7 @@
 """The worker process's configuration: every engine setting plus the service settings.
 
 One dataclass, validated once in ``__post_init__`` and passed down. Each field
-becomes a ``carpool worker`` flag (``gateway/flags.py``) with a
+becomes a ``carpool worker`` flag (``scheduler/runtime/flags.py``) with a
 ``CARPOOL_<FLAG>`` environment fallback. Imports no torch.
 """
 
@@ -13,15 +13,15 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.checkpoint import check_local_checkpoint
-from scheduler.keys import DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S, DEFAULT_DEAD_MAXLEN
-from scheduler.lanes import DEFAULT_LANE_WEIGHTS, Lane
+from scheduler.runtime.model_path import check_local_checkpoint
+from scheduler.protocol.keys import DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S, DEFAULT_DEAD_MAXLEN
+from scheduler.protocol.lanes import DEFAULT_LANE_WEIGHTS, Lane
 
 BATCHING_MODES = ("continuous", "dynamic", "static")
 POLICIES = ("fcfs", "priority")
-# The engine's model implementations (worker.models.ModelImpl; named here so this module imports no torch).
+# The engine's model implementations (worker.engine.models.ModelImpl; named here so this module imports no torch).
 MODEL_IMPLS = ("auto", "carpool", "transformers")
-# Weight quantizations (worker.models.quantization.Quantization).
+# Weight quantizations (worker.engine.models.quantization.Quantization).
 QUANTIZATIONS = ("int8", "fp8")
 
 
@@ -187,7 +187,7 @@ class WorkerConfig:
             check_local_checkpoint(self.model)
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``worker.engine.Engine``."""
+        """Keyword arguments of ``worker.engine.engine.Engine``."""
         return {
             "model": self.model,
             "device": self.device,

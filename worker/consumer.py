@@ -17,11 +17,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 from redis.typing import XReadGroupResponse
 
-from scheduler.job_record import F_HANDBACKS
-from scheduler.keys import CONSUMER_GROUP, Keys
-from scheduler.lanes import LANES, Lane
-from scheduler.redis_replies import stream_entries
-from worker.results import EntryRef
+from scheduler.protocol.job_record import F_HANDBACKS
+from scheduler.protocol.keys import CONSUMER_GROUP, Keys
+from scheduler.protocol.lanes import LANES, Lane
+from scheduler.protocol.redis_replies import stream_entries
+from worker.job_store import EntryRef
 
 log = logging.getLogger(__name__)
 

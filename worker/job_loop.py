@@ -1,8 +1,8 @@
 """The bridge between jobs and the engine.
 
 The engine's steps are long, so they run off the event loop: in a child
-process (``worker.engine_process``) or on one dedicated thread
-(``worker.engine_tick.EngineThread``). The event loop keeps Redis I/O and
+process (``worker.engine.process``) or on one dedicated thread
+(``worker.engine.tick.EngineThread``). The event loop keeps Redis I/O and
 lease renewal going meanwhile; it hands each tick the requests to add and
 abort, and gets back the outputs of one step. After each step: token events
 and due checkpoints go out in one pipeline, then finished jobs are committed;
@@ -22,19 +22,19 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from scheduler.job import JobSpec, JobStatus, WebhookEvent
-from scheduler.job_record import job_view
-from scheduler.keys import Keys
-from scheduler.redis_replies import read_hash
-from scheduler.tasks import raise_if_cancelled
-from scheduler.lanes import LANE_RANK
-from scheduler.webhooks import OutputThrottle, delivery_fields, running_view
+from scheduler.protocol.job import JobSpec, JobStatus, WebhookEvent
+from scheduler.protocol.job_record import job_view
+from scheduler.protocol.keys import Keys
+from scheduler.protocol.redis_replies import read_hash
+from scheduler.runtime.tasks import raise_if_cancelled
+from scheduler.protocol.lanes import LANE_RANK
+from scheduler.protocol.webhooks import OutputThrottle, delivery_fields, running_view
 from worker.commit_tasks import CommitTasks
 from worker.config import WorkerConfig
-from worker.engine_tick import EngineFailed, EngineRunner, Tick
-from scheduler.log_format import job_context
+from worker.engine.tick import EngineFailed, EngineRunner, Tick
+from scheduler.telemetry.log_format import job_context
 from worker.metrics import WorkerMetrics
-from worker.results import EntryRef, Outcome, ResultStore, pack
+from worker.job_store import EntryRef, Outcome, ResultStore, pack
 from worker.running_job import RunningJob, outcome_of, output_of
 from worker.step_writes import CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NOT_OURS, StepWriter, StepWrites
 

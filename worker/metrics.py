@@ -25,11 +25,11 @@ from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from scheduler import metric_schema as M
-from scheduler.job import JobSpec, JobStatus
-from scheduler.lanes import LANES
-from scheduler.process_metrics import ProcessMetrics
-from scheduler.telemetry import (
+from scheduler.telemetry import metric_schema as M
+from scheduler.protocol.job import JobSpec, JobStatus
+from scheduler.protocol.lanes import LANES
+from scheduler.telemetry.process_metrics import ProcessMetrics
+from scheduler.telemetry.otel import (
     PROMETHEUS_CONTENT_TYPE,
     Telemetry,
     context_from_traceparent,
@@ -38,7 +38,7 @@ from scheduler.telemetry import (
 )
 
 if TYPE_CHECKING:
-    from worker.results import Outcome
+    from worker.job_store import Outcome
 
 A_JOB_ID = "carpool.job.id"
 DEAD_LETTER_REASONS = ("no_job_field", "invalid_job", "too_many_deliveries")

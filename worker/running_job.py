@@ -6,10 +6,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.job import JobSpec, JobStatus
-from scheduler.webhooks import OutputThrottle
+from scheduler.protocol.job import JobSpec, JobStatus
+from scheduler.protocol.webhooks import OutputThrottle
 from worker.metrics import JobTrace
-from worker.results import EntryRef, Outcome
+from worker.job_store import EntryRef, Outcome
 
 
 @dataclass

@@ -18,17 +18,17 @@ import msgpack
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from scheduler.keys import Keys
-from scheduler.lanes import Lane
-from scheduler.telemetry import Telemetry
-from scheduler.tasks import raise_if_cancelled
-from worker.admission import REDIS_DOWN, EntryAdmitter
+from scheduler.protocol.keys import Keys
+from scheduler.protocol.lanes import Lane
+from scheduler.telemetry.otel import Telemetry
+from scheduler.runtime.tasks import raise_if_cancelled
+from worker.intake import REDIS_DOWN, EntryAdmitter
 from worker.config import WorkerConfig
 from worker.consumer import Entry, LaneConsumer
-from worker.engine_tick import as_runner
+from worker.engine.tick import as_runner
 from worker.job_loop import JobLoop
 from worker.metrics import METRICS_KEY, WorkerMetrics, metrics_handler
-from worker.results import ResultStore, pack
+from worker.job_store import ResultStore, pack
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from scheduler.keys import EVENTS_LOG_TTL_S, Keys
-from worker.results import pack_checkpoint
+from scheduler.protocol.keys import EVENTS_LOG_TTL_S, Keys
+from worker.job_store import pack_checkpoint
 
 # KEYS: webhook stream, then (job, cancel flag) per checkpoint.
 # ARGV: worker, n events, n webhook deliveries, events log ttl_s, then (channel, events log, message) per

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from worker.default_model import create_tiny_model
+from worker.engine.default_model import create_tiny_model
 
 
 def main() -> None:

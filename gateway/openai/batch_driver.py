@@ -33,9 +33,9 @@ from gateway.openai.batch_lines import LineError, custom_id_of, error_line, pars
 from gateway.openai.batches import BatchStatus, batch_store
 from gateway.openai.files import PAGE_LINES, file_store
 from gateway.openai.schema import Endpoint
-from scheduler.job_record import job_view
-from scheduler.redis_replies import as_bytes
-from scheduler.tasks import raise_if_cancelled
+from scheduler.protocol.job_record import job_view
+from scheduler.protocol.redis_replies import as_bytes
+from scheduler.runtime.tasks import raise_if_cancelled
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 from gateway.openai import responses
 from gateway.openai.errors import OpenAIError
 from gateway.openai.schema import Endpoint, parse_request
-from scheduler.lanes import Lane
+from scheduler.protocol.lanes import Lane
 
 ID_PREFIXES = {Endpoint.CHAT: "chatcmpl-", Endpoint.COMPLETIONS: "cmpl-"}
 

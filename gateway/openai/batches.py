@@ -28,8 +28,8 @@ from gateway.openai.errors import OpenAIError, invalid, unsupported
 from gateway.openai.files import file_store
 from gateway.openai.online import read_json
 from gateway.openai.schema import Endpoint
-from scheduler.keys import Keys
-from scheduler.redis_replies import read_hash
+from scheduler.protocol.keys import Keys
+from scheduler.protocol.redis_replies import read_hash
 
 routes = web.RouteTableDef()
 

@@ -18,11 +18,11 @@ from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.openai.errors import OpenAIError
 from gateway.openai.schema import OpenAIRequest
-from gateway.results import EventHub, Subscription, is_terminal
-from scheduler.job_record import job_view
-from scheduler.keys import Keys
-from scheduler.redis_replies import read_hash
-from scheduler.tasks import cancel_and_reap
+from gateway.event_hub import EventHub, Subscription, is_terminal
+from scheduler.protocol.job_record import job_view
+from scheduler.protocol.keys import Keys
+from scheduler.protocol.redis_replies import read_hash
+from scheduler.runtime.tasks import cancel_and_reap
 
 # A job field named by admission -> the OpenAI parameter it came from.
 _PARAM_OF_FIELD = {"params.max_tokens": "max_tokens", "prompt_token_ids": "prompt"}

@@ -20,8 +20,8 @@ from redis.typing import EncodableT, FieldT
 
 from gateway import appkeys as K
 from gateway.openai.errors import OpenAIError, invalid
-from scheduler.keys import Keys
-from scheduler.redis_replies import as_bytes, read_hash
+from scheduler.protocol.keys import Keys
+from scheduler.protocol.redis_replies import as_bytes, read_hash
 
 routes = web.RouteTableDef()
 

@@ -23,7 +23,7 @@ from gateway.openai.choices import ChoiceWatch, cancel_jobs, check_model, client
 from gateway.openai.errors import OpenAIError, invalid
 from gateway.openai.schema import Endpoint, parse_request
 from gateway.openai.streaming import CLIENT_CHECK_S, stream_choices
-from scheduler.lanes import Lane
+from scheduler.protocol.lanes import Lane
 
 routes = web.RouteTableDef()
 

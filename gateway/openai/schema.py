@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Any
 
 from gateway.openai.errors import invalid, unsupported
-from scheduler.lanes import Lane
+from scheduler.protocol.lanes import Lane
 from scheduler.params import MAX_SEED, SamplingParams
 
 

@@ -20,9 +20,9 @@ from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher
 from gateway.webhooks.metrics import WebhookMetrics, dispatcher_http_app
 from gateway.webhooks.signing import generate_secret
-from scheduler.keys import DEFAULT_PREFIX, Keys
-from scheduler.tasks import cancel_and_reap
-from scheduler.telemetry import Telemetry
+from scheduler.protocol.keys import DEFAULT_PREFIX, Keys
+from scheduler.runtime.tasks import cancel_and_reap
+from scheduler.telemetry.otel import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ DEFAULT_METRICS_PORT = 9465
 
 
 def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespace:
-    from gateway.flags import add_config_flags
+    from scheduler.runtime.flags import add_config_flags
 
     parser = argparse.ArgumentParser(
         prog="carpool webhooks", description="Send signed webhook callbacks queued in Redis, with retries."
@@ -89,9 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.generate_secret:
         print(generate_secret())
         return 0
-    from gateway.flags import config_from_args
-    from scheduler.log_format import configure_logging
-    from scheduler.telemetry import telemetry_config_from_env
+    from scheduler.runtime.flags import config_from_args
+    from scheduler.telemetry.log_format import configure_logging
+    from scheduler.telemetry.otel import telemetry_config_from_env
 
     try:
         config = config_from_args(WebhookConfig, args)

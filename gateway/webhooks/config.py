@@ -1,4 +1,4 @@
-"""Webhook dispatcher settings: one dataclass, turned into flags by `gateway.flags.add_config_flags`."""
+"""Webhook dispatcher settings: one dataclass, turned into flags by `scheduler.runtime.flags.add_config_flags`."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from gateway.webhooks.safety import Allowlist
 from gateway.webhooks.signing import parse_secret
-from scheduler.keys import DEFAULT_RESULT_TTL_S
-from scheduler.webhooks import (
+from scheduler.protocol.keys import DEFAULT_RESULT_TTL_S
+from scheduler.protocol.webhooks import (
     DEFAULT_JITTER_FRACTION,
     DEFAULT_MAX_RETRY_AFTER_S,
     DEFAULT_RETRY_SCHEDULE_S,

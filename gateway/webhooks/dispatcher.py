@@ -31,8 +31,8 @@ from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.safety import VettingResolver, WebhookUrlError, check_webhook_url
 from gateway.webhooks.signing import signed_headers
 from gateway.webhooks.store import Claimed, DeliveryStore
-from scheduler.keys import Keys
-from scheduler.webhooks import AttemptOutcome, AttemptRecord, decide, parse_retry_after
+from scheduler.protocol.keys import Keys
+from scheduler.protocol.webhooks import AttemptOutcome, AttemptRecord, decide, parse_retry_after
 
 log = logging.getLogger(__name__)
 

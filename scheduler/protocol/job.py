@@ -1,0 +1,253 @@
+"""The job message (schema version 1).
+
+A job arrives as a map — the JSON body of ``POST /v1/jobs`` or the msgpack
+``job`` field of a lane stream entry — and is validated once into a
+``JobSpec``. The job record it is stored in is described in
+``scheduler.protocol.job_record``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import msgpack
+
+from scheduler.protocol.lanes import DEFAULT_LANE, Lane
+from scheduler.params import SamplingParams
+from scheduler.protocol.wire_values import first_bad_value, key_path
+
+SCHEMA_VERSION = 1
+MAX_ID_LEN = 128
+MAX_MESSAGES = 256
+
+
+class JobStatus(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+TERMINAL_STATUSES: frozenset[JobStatus] = frozenset(
+    {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED}
+)
+
+
+class WebhookEvent(str, Enum):
+    STARTED = "started"
+    OUTPUT = "output"
+    COMPLETED = "completed"
+
+
+class JobValidationError(ValueError):
+    """A job message field is missing or wrong; ``field`` names it (dotted path)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass
+class WebhookSpec:
+    url: str
+    events: list[WebhookEvent] = field(
+        default_factory=lambda: [WebhookEvent.STARTED, WebhookEvent.OUTPUT, WebhookEvent.COMPLETED]
+    )
+
+    def wants(self, event: WebhookEvent) -> bool:
+        return event in self.events
+
+
+@dataclass
+class JobSpec:
+    id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    lane: Lane = DEFAULT_LANE
+    priority: int = 0
+    deadline: float | None = None
+    webhook: WebhookSpec | None = None
+    reply_to: str | None = None
+    metadata: dict[str, Any] | None = None
+    traceparent: str | None = None
+    v: int = SCHEMA_VERSION
+
+    @classmethod
+    def from_wire(cls, data: object, *, default_id: str | None = None) -> JobSpec:
+        """Validate a wire map. Raises ``JobValidationError`` naming the first bad field."""
+        if not isinstance(data, dict):
+            raise JobValidationError("body", "must be a map (JSON object / msgpack map)")
+        data = {_as_str_key(k): v for k, v in data.items()}
+        known = {
+            "v", "id", "prompt", "prompt_token_ids", "messages", "params", "lane", "priority",
+            "deadline", "webhook", "reply_to", "metadata", "traceparent",
+        }
+        unknown = sorted(k for k in data if k not in known)
+        if unknown:
+            raise JobValidationError(key_path("", unknown[0]), "unknown field")
+        bad = first_bad_value(data)
+        if bad is not None:
+            raise JobValidationError(*bad)
+        v = data.get("v", SCHEMA_VERSION)
+        if v != SCHEMA_VERSION:
+            raise JobValidationError("v", f"unsupported schema version {v!r}; this server speaks {SCHEMA_VERSION}")
+        job_id = data.get("id", default_id)
+        if job_id is None:
+            raise JobValidationError("id", "required")
+        if not isinstance(job_id, str) or not job_id or len(job_id) > MAX_ID_LEN:
+            raise JobValidationError("id", f"must be a non-empty string of at most {MAX_ID_LEN} characters")
+        if any(c.isspace() or not c.isprintable() for c in job_id):
+            raise JobValidationError("id", "must not contain whitespace or control characters")
+
+        given = [k for k in ("prompt", "prompt_token_ids", "messages") if data.get(k) is not None]
+        if len(given) != 1:
+            raise JobValidationError("prompt", "give exactly one of prompt, prompt_token_ids, messages")
+        prompt = data.get("prompt")
+        if prompt is not None and (not isinstance(prompt, str) or not prompt):
+            raise JobValidationError("prompt", "must be a non-empty string")
+        token_ids = data.get("prompt_token_ids")
+        if token_ids is not None:
+            if not isinstance(token_ids, list) or not token_ids:
+                raise JobValidationError("prompt_token_ids", "must be a non-empty list of integers")
+            for t in token_ids:
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise JobValidationError("prompt_token_ids", "every token id must be a non-negative integer")
+        messages = _parse_messages(data.get("messages"))
+
+        try:
+            params = SamplingParams.from_dict(data.get("params"))
+        except ValueError as e:
+            name = str(e).split(":", 1)[0]
+            field_name = name if name.startswith("params") else f"params.{name}"
+            raise JobValidationError(field_name, str(e).split(":", 1)[-1].strip()) from e
+
+        try:
+            lane = Lane(data.get("lane", DEFAULT_LANE.value))
+        except ValueError as e:
+            raise JobValidationError("lane", f"must be one of {[l.value for l in Lane]}") from e
+        priority = data.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
+            raise JobValidationError("priority", "must be an integer in [-1000, 1000]")
+        deadline = data.get("deadline")
+        if deadline is not None:
+            if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
+                raise JobValidationError("deadline", "must be unix seconds (a number)")
+            deadline = float(deadline)
+        webhook = _parse_webhook(data.get("webhook"))
+        reply_to = data.get("reply_to")
+        if reply_to is not None and (not isinstance(reply_to, str) or not reply_to or len(reply_to) > 256):
+            raise JobValidationError("reply_to", "must be a non-empty stream name of at most 256 characters")
+        metadata = data.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise JobValidationError("metadata", "must be a map")
+        traceparent = data.get("traceparent")
+        if traceparent is not None and not isinstance(traceparent, str):
+            raise JobValidationError("traceparent", "must be a W3C traceparent string")
+        return cls(
+            id=job_id, prompt=prompt, prompt_token_ids=token_ids, messages=messages, params=params,
+            lane=lane, priority=priority, deadline=deadline, webhook=webhook, reply_to=reply_to,
+            metadata=metadata, traceparent=traceparent,
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The wire map; optional fields that are unset are left out."""
+        out: dict[str, Any] = {"v": self.v, "id": self.id, "params": self.params.to_dict(), "lane": self.lane.value}
+        for name in ("prompt", "prompt_token_ids", "messages", "deadline", "reply_to", "metadata", "traceparent"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.priority:
+            out["priority"] = self.priority
+        if self.webhook is not None:
+            out["webhook"] = {"url": self.webhook.url, "events": [e.value for e in self.webhook.events]}
+        return out
+
+    def pack(self) -> bytes:
+        return msgpack.packb(self.to_wire(), use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> JobSpec:
+        """Decode a lane entry's ``job`` field: a msgpack map, or a JSON object.
+
+        JSON is accepted so producers without a msgpack library (``redis-cli``)
+        can XADD jobs; the two cannot be confused, since a msgpack map never
+        starts with ``{``.
+        """
+        if raw[:1] == b"{":
+            try:
+                data = json.loads(raw)
+            except ValueError as e:
+                raise JobValidationError("job", f"not valid JSON: {e}") from e
+            except RecursionError as e:
+                raise JobValidationError("job", "not valid JSON: nested too deeply") from e
+            return cls.from_wire(data)
+        try:
+            data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except Exception as e:  # msgpack raises several unrelated types for garbage
+            raise JobValidationError("job", f"not a msgpack map: {e}") from e
+        return cls.from_wire(data)
+
+    def is_expired(self, now_s: float | None = None) -> bool:
+        return self.deadline is not None and (time.time() if now_s is None else now_s) > self.deadline
+
+
+def new_job_id() -> str:
+    return "job_" + secrets.token_hex(12)
+
+
+def _as_str_key(key: object) -> str:
+    if isinstance(key, bytes):
+        return key.decode("utf-8", "replace")
+    return str(key)
+
+
+def _parse_messages(value: object) -> list[dict[str, str]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or len(value) > MAX_MESSAGES:
+        raise JobValidationError("messages", f"must be a non-empty list of at most {MAX_MESSAGES} messages")
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise JobValidationError(f"messages[{i}]", "must be a map with role and content")
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "user", "assistant"):
+            raise JobValidationError(f"messages[{i}].role", "must be system, user or assistant")
+        if not isinstance(content, str):
+            raise JobValidationError(f"messages[{i}].content", "must be a string")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _parse_webhook(value: object) -> WebhookSpec | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise JobValidationError("webhook", "must be a map with url and events")
+    url = value.get("url")
+    if not isinstance(url, str) or not url:
+        raise JobValidationError("webhook.url", "required string")
+    unknown = sorted(str(k) for k in value if k not in ("url", "events"))
+    if unknown:
+        raise JobValidationError(f"webhook.{unknown[0]}", "unknown field")
+    events = value.get("events")
+    if events is None:
+        return WebhookSpec(url=url)
+    if not isinstance(events, list) or not events:
+        raise JobValidationError("webhook.events", "must be a non-empty list")
+    try:
+        parsed = [WebhookEvent(e) for e in events]
+    except ValueError as e:
+        raise JobValidationError("webhook.events", f"each must be one of {[x.value for x in WebhookEvent]}") from e
+    return WebhookSpec(url=url, events=list(dict.fromkeys(parsed)))

@@ -1,0 +1,165 @@
+"""The whole Redis schema: every key name, group name and TTL carpool uses.
+
+Nothing else in the code base spells a Redis key. Every name hangs off a
+configurable prefix (default ``carpool``) so several deployments can share one
+Redis server. Units are in the names: ``*_s`` seconds, ``*_ms`` milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.protocol.lanes import LANES, Lane
+
+DEFAULT_PREFIX = "carpool"
+
+CONSUMER_GROUP = "carpool-workers"
+"""Consumer group every worker joins on every lane stream."""
+
+DEFAULT_RESULT_TTL_S = 24 * 3600
+"""How long a finished job record (and its idempotency key) lives."""
+
+DEFAULT_DEAD_MAXLEN = 10_000
+"""Approximate MAXLEN of the dead-letter streams."""
+
+EVENTS_LOG_TTL_S = 600
+"""How long a job's event log lives after its last event; once the job ends, its record replaces the log."""
+
+DEFAULT_REPLY_MAXLEN = 10_000
+"""Approximate MAXLEN applied to a job's ``reply_to`` stream on each result."""
+
+DEFAULT_FILE_TTL_S = 7 * 24 * 3600
+"""How long an uploaded file, a batch and the batch's output files live (OpenAI routes)."""
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix. Build once from config and pass it down."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def is_own(self, key: str) -> bool:
+        """Whether `key` lies inside this prefix, where only carpool writes (a ``reply_to`` may not name one)."""
+        return key == self.prefix or key.startswith(f"{self.prefix}:")
+
+    def check_reply_to(self, reply_to: str | None) -> str | None:
+        """Why `reply_to` may not be used (it names one of carpool's own keys), or None when it may."""
+        if reply_to is not None and self.is_own(reply_to):
+            return f"must not name a key under carpool's prefix {self.prefix!r} (use a stream of your own)"
+        return None
+
+    def lane(self, lane: Lane | str) -> str:
+        """Stream of queued jobs for one lane (field ``job`` = msgpack map)."""
+        return f"{self.prefix}:lane:{Lane(lane).value}"
+
+    def lanes(self) -> list[str]:
+        """Every lane stream, highest priority first."""
+        return [self.lane(lane) for lane in LANES]
+
+    def job(self, job_id: str) -> str:
+        """Hash holding one job's record (status, timestamps, result, error)."""
+        return f"{self.prefix}:job:{job_id}"
+
+    def events(self, job_id: str) -> str:
+        """Pub/sub channel of one job's live events (started, tokens, final)."""
+        return f"{self.prefix}:events:{job_id}"
+
+    def idempotency(self, key: str) -> str:
+        """String mapping an ``Idempotency-Key`` header to the job id it created."""
+        return f"{self.prefix}:idem:{key}"
+
+    def events_log(self, job_id: str) -> str:
+        """Stream of a running job's events (field ``e`` = the same msgpack as on ``events``), so a late
+        SSE client catches up from the start; expires ``EVENTS_LOG_TTL_S`` after its last entry."""
+        return f"{self.prefix}:events-log:{job_id}"
+
+    def cancel(self, job_id: str) -> str:
+        """Flag set when a job is cancelled; workers check it before and while running."""
+        return f"{self.prefix}:cancel:{job_id}"
+
+    @property
+    def control(self) -> str:
+        """Pub/sub channel of control messages to workers: ``cancel`` (a job) and ``handback`` (reclaim now)."""
+        return f"{self.prefix}:control"
+
+    @property
+    def dead(self) -> str:
+        """Stream of lane entries that could not be processed, with the reason."""
+        return f"{self.prefix}:dead"
+
+    @property
+    def webhooks(self) -> str:
+        """Stream of pending webhook deliveries (consumer group ``carpool-webhooks``)."""
+        return f"{self.prefix}:webhooks"
+
+    @property
+    def webhooks_retry(self) -> str:
+        """Sorted set of deliveries waiting for their next attempt, scored by due unix time."""
+        return f"{self.prefix}:webhooks:retry"
+
+    def webhook_delivery(self, delivery_id: str) -> str:
+        """Hash holding one webhook delivery's state (payload, attempts, next attempt)."""
+        return f"{self.prefix}:webhook:{delivery_id}"
+
+    def webhook_chain(self, job_id: str) -> str:
+        """List of one job's undelivered webhook delivery ids, oldest first; only the head is sent."""
+        return f"{self.prefix}:webhook-chain:{job_id}"
+
+    @property
+    def webhooks_dead(self) -> str:
+        """Stream of webhook deliveries that exhausted their retry schedule."""
+        return f"{self.prefix}:webhooks:dead"
+
+    @property
+    def workers(self) -> str:
+        """Hash of live workers: name -> msgpack heartbeat (time, running, capacity)."""
+        return f"{self.prefix}:workers"
+
+    # --- OpenAI Batch API: files and batches. Large content is a list of lines, never one value. ---
+
+    def file(self, file_id: str) -> str:
+        """Hash of one file's metadata (id, bytes, filename, purpose, created_at, num_lines)."""
+        return f"{self.prefix}:file:{file_id}"
+
+    def file_lines(self, file_id: str) -> str:
+        """List of the file's JSONL lines in order, one element per line (no newline)."""
+        return f"{self.prefix}:file:{file_id}:lines"
+
+    @property
+    def files(self) -> str:
+        """Sorted set of file ids, scored by creation unix time."""
+        return f"{self.prefix}:files"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash of one batch: status, timestamps, request counts, file ids, the driver's cursors."""
+        return f"{self.prefix}:batch:{batch_id}"
+
+    @property
+    def batches(self) -> str:
+        """Sorted set of batch ids, scored by creation unix time (listing, newest first)."""
+        return f"{self.prefix}:batches"
+
+    @property
+    def batches_active(self) -> str:
+        """Set of batch ids not yet in a final status: what gateways drive."""
+        return f"{self.prefix}:batches:active"
+
+    def batch_custom_ids(self, batch_id: str) -> str:
+        """List of the input lines' custom_id, by line number ('' where the line had none)."""
+        return f"{self.prefix}:batch:{batch_id}:custom-ids"
+
+    def batch_errors(self, batch_id: str) -> str:
+        """Hash line number -> msgpack {code, message} of lines refused while validating."""
+        return f"{self.prefix}:batch:{batch_id}:errors"
+
+    def batch_settled(self, batch_id: str) -> str:
+        """Bitmap, bit = line number: set once that line's request is counted (done, failed or dropped)."""
+        return f"{self.prefix}:batch:{batch_id}:settled"
+
+    def batch_lock(self, batch_id: str) -> str:
+        """String naming the gateway driving the batch now; expires unless renewed."""
+        return f"{self.prefix}:batch:{batch_id}:lock"
+
+
+WEBHOOK_GROUP = "carpool-webhooks"
+"""Consumer group of webhook dispatchers on the webhook stream."""

@@ -1,0 +1,272 @@
+"""Telemetry shared by the gateway and the worker: the metric schema, the SDK set-up, trace propagation.
+
+The one place in ``scheduler`` that imports something besides stdlib and
+msgpack: the OpenTelemetry API and SDK (never torch). Every metric either
+process exports is declared here as data (``MetricSpec``), so documentation,
+the Grafana dashboard test and the instruments all read the same list.
+
+A ``Telemetry`` object owns one MeterProvider and one TracerProvider and
+never installs them globally: two of them in one process (a test modelling the
+gateway and the worker) do not see each other's data. Metrics go to a
+Prometheus reader on a private ``CollectorRegistry`` (rendered by ``/metrics``)
+and, when an OTLP endpoint is configured, to an OTLP/HTTP exporter as well.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+from urllib.parse import unquote
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CollectorRegistry, generate_latest
+
+from scheduler.telemetry.metric_schema import MetricSpec
+
+INSTRUMENTATION_SCOPE = "carpool"
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class OtlpProtocol(str, Enum):
+    HTTP_PROTOBUF = "http/protobuf"
+
+
+@dataclass
+class TelemetryConfig:
+    """What one process exports. Built once at start-up (see ``telemetry_config_from_env``)."""
+
+    service_name: str
+    service_instance_id: str | None = None
+    resource_attributes: dict[str, str] = field(default_factory=dict)
+    otlp_traces_endpoint: str | None = None  # full URL, e.g. http://collector:4318/v1/traces
+    otlp_metrics_endpoint: str | None = None  # full URL, e.g. http://collector:4318/v1/metrics
+    otlp_headers: dict[str, str] = field(default_factory=dict)
+    metric_export_interval_ms: int = 15_000
+
+    def __post_init__(self) -> None:
+        if not self.service_name:
+            raise ValueError("service_name: must be non-empty")
+        if self.metric_export_interval_ms < 100:
+            raise ValueError(f"metric_export_interval_ms: must be at least 100, got {self.metric_export_interval_ms}")
+        for name in ("otlp_traces_endpoint", "otlp_metrics_endpoint"):
+            url = getattr(self, name)
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ValueError(f"{name}: expected an http:// or https:// URL, got {url!r}")
+
+
+def _parse_key_values(text: str, variable: str) -> dict[str, str]:
+    """``k1=v1,k2=v2`` (values URL-encoded) as the OTel spec writes headers and resource attributes."""
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{variable}: expected key=value pairs separated by commas, got {part!r}")
+        out[unquote(key.strip())] = unquote(value.strip())
+    return out
+
+
+def telemetry_config_from_env(
+    env: Mapping[str, str], *, service_name: str, service_instance_id: str | None = None
+) -> TelemetryConfig:
+    """Read the standard ``OTEL_*`` variables once, at the edge.
+
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` is a base URL (``/v1/traces`` and
+    ``/v1/metrics`` are appended); the per-signal ``..._TRACES_ENDPOINT`` /
+    ``..._METRICS_ENDPOINT`` are used as given; ``OTEL_TRACES_EXPORTER`` /
+    ``OTEL_METRICS_EXPORTER`` = ``none`` turn a signal's OTLP export off.
+    """
+    protocol = env.get("OTEL_EXPORTER_OTLP_PROTOCOL", OtlpProtocol.HTTP_PROTOBUF.value)
+    if protocol != OtlpProtocol.HTTP_PROTOBUF.value:
+        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL: only http/protobuf is supported, got {protocol!r}")
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").rstrip("/")
+    traces = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or (f"{base}/v1/traces" if base else None)
+    metrics = env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or (f"{base}/v1/metrics" if base else None)
+    if env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() == "none":
+        traces = None
+    if env.get("OTEL_METRICS_EXPORTER", "otlp").strip().lower() == "none":
+        metrics = None
+    headers = _parse_key_values(env.get("OTEL_EXPORTER_OTLP_HEADERS", ""), "OTEL_EXPORTER_OTLP_HEADERS")
+    attributes = _parse_key_values(env.get("OTEL_RESOURCE_ATTRIBUTES", ""), "OTEL_RESOURCE_ATTRIBUTES")
+    interval = env.get("OTEL_METRIC_EXPORT_INTERVAL", "15000")
+    try:
+        interval_ms = int(interval)
+    except ValueError as e:
+        raise ValueError(f"OTEL_METRIC_EXPORT_INTERVAL: expected milliseconds, got {interval!r}") from e
+    return TelemetryConfig(
+        service_name=env.get("OTEL_SERVICE_NAME") or service_name,
+        service_instance_id=service_instance_id,
+        resource_attributes=attributes,
+        otlp_traces_endpoint=traces,
+        otlp_metrics_endpoint=metrics,
+        otlp_headers=headers,
+        metric_export_interval_ms=interval_ms,
+    )
+
+
+class Telemetry:
+    """One process's meter and tracer, their exporters, and its Prometheus text.
+
+    ``span_processors`` and ``metric_readers`` add to what the config asks for;
+    tests pass a ``SimpleSpanProcessor(InMemorySpanExporter())`` here.
+    """
+
+    def __init__(
+        self,
+        config: TelemetryConfig,
+        *,
+        span_processors: Sequence[SpanProcessor] = (),
+        metric_readers: Sequence[MetricReader] = (),
+    ) -> None:
+        self.config = config
+        attributes: dict[str, str] = {**config.resource_attributes, "service.name": config.service_name}
+        if config.service_instance_id:
+            attributes["service.instance.id"] = config.service_instance_id
+        # Resource(...) rather than Resource.create(...): the latter reads OTEL_* from os.environ itself.
+        self.resource = Resource(attributes)
+        self.registry = CollectorRegistry(auto_describe=False)
+        readers: list[MetricReader] = [
+            PrometheusMetricReader(scope_info_enabled=False, registry=self.registry),
+            *metric_readers,
+        ]
+        if config.otlp_metrics_endpoint:
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+            metric_exporter = OTLPMetricExporter(endpoint=config.otlp_metrics_endpoint, headers=config.otlp_headers)
+            readers.append(
+                PeriodicExportingMetricReader(metric_exporter, export_interval_millis=config.metric_export_interval_ms)
+            )
+        self.meter_provider = MeterProvider(metric_readers=readers, resource=self.resource, shutdown_on_exit=False)
+        self.meter = self.meter_provider.get_meter(INSTRUMENTATION_SCOPE)
+        self.tracer_provider = TracerProvider(
+            resource=self.resource, sampler=ParentBased(ALWAYS_ON), shutdown_on_exit=False
+        )
+        if config.otlp_traces_endpoint:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            span_exporter = OTLPSpanExporter(endpoint=config.otlp_traces_endpoint, headers=config.otlp_headers)
+            self.tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+        for processor in span_processors:
+            self.tracer_provider.add_span_processor(processor)
+        self.tracer = self.tracer_provider.get_tracer(INSTRUMENTATION_SCOPE)
+        self._is_shut_down = False
+
+    def counter(self, spec: MetricSpec) -> Any:
+        spec.check_kind("counter")
+        return self.meter.create_counter(spec.name, unit=spec.unit, description=spec.description)
+
+    def up_down_counter(self, spec: MetricSpec) -> Any:
+        spec.check_kind("up_down_counter")
+        return self.meter.create_up_down_counter(spec.name, unit=spec.unit, description=spec.description)
+
+    def histogram(self, spec: MetricSpec) -> Any:
+        spec.check_kind("histogram")
+        return self.meter.create_histogram(
+            spec.name,
+            unit=spec.unit,
+            description=spec.description,
+            explicit_bucket_boundaries_advisory=list(spec.buckets) if spec.buckets else None,
+        )
+
+    def observable(self, spec: MetricSpec, callback: Any) -> Any:
+        """An observable gauge or counter; ``callback(options) -> Iterable[Observation]`` must not block."""
+        if spec.kind == "observable_gauge":
+            return self.meter.create_observable_gauge(
+                spec.name, callbacks=[callback], unit=spec.unit, description=spec.description
+            )
+        spec.check_kind("observable_counter")
+        return self.meter.create_observable_counter(
+            spec.name, callbacks=[callback], unit=spec.unit, description=spec.description
+        )
+
+    def render_metrics(self) -> bytes:
+        """Prometheus text exposition of everything this process's meter holds (runs the gauge callbacks)."""
+        return generate_latest(self.registry)
+
+    def force_flush(self) -> None:
+        self.tracer_provider.force_flush()
+        self.meter_provider.force_flush()
+
+    def shutdown(self) -> None:
+        """Flush and stop the exporters; safe to call twice."""
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+# W3C trace context ----------------------------------------------------------------
+
+_PROPAGATOR = TraceContextTextMapPropagator()  # stateless; holds no data between calls
+TRACEPARENT_RE = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+def context_from_traceparent(traceparent: str | None, tracestate: str | None = None) -> Context | None:
+    """The remote parent a ``traceparent`` names, or ``None`` when it is absent or malformed."""
+    if not traceparent or not TRACEPARENT_RE.match(traceparent.strip().lower()):
+        return None
+    carrier = {"traceparent": traceparent.strip().lower()}
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    ctx = _PROPAGATOR.extract(carrier)
+    if not trace.get_current_span(ctx).get_span_context().is_valid:
+        return None
+    return ctx
+
+
+def span_of_traceparent(traceparent: str | None) -> trace.Span | None:
+    """The remote span a ``traceparent`` names (non-recording), to put a job's trace id on log lines."""
+    ctx = context_from_traceparent(traceparent)
+    return None if ctx is None else trace.get_current_span(ctx)
+
+
+def traceparent_of(span: trace.Span | None = None) -> str | None:
+    """The ``traceparent`` that makes a span (default: the current one) the parent of remote work."""
+    ctx = trace.set_span_in_context(span) if span is not None else otel_context.get_current()
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=ctx)
+    return carrier.get("traceparent")
+
+
+def trace_id_of(span: trace.Span | None = None) -> str | None:
+    """Hex trace id of a span (default: the current one), ``None`` outside any trace."""
+    span_context = (span or trace.get_current_span()).get_span_context()
+    return format(span_context.trace_id, "032x") if span_context.is_valid else None
+
+
+def s_to_ns(t_s: float) -> int:
+    """Unix seconds to the integer nanoseconds span timestamps take."""
+    return int(t_s * 1e9)
+
+
+@contextmanager
+def attached(ctx: Context | None) -> Iterator[None]:
+    """Make ``ctx`` current inside the block (no-op for ``None``)."""
+    if ctx is None:
+        yield
+        return
+    token = otel_context.attach(ctx)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+def metric_names(specs: Iterable[MetricSpec]) -> list[str]:
+    return [spec.name for spec in specs]

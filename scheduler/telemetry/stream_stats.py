@@ -1,0 +1,104 @@
+"""Lane depth, pending entries and dead letters, read from Redis in the background for gauges.
+
+Gauge callbacks run inside a ``/metrics`` scrape and must not wait on Redis,
+so a poller owned by the process refreshes a snapshot every few seconds
+(XLEN and XPENDING per lane, XLEN of the dead-letter stream) and the
+callbacks read the snapshot. Takes any asyncio Redis client (redis-py's
+``redis.asyncio.Redis``) by duck typing, so this module imports no client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from scheduler.protocol.keys import CONSUMER_GROUP, Keys
+from scheduler.protocol.lanes import LANES, Lane
+from scheduler.telemetry.metric_schema import A_LANE
+from scheduler.runtime.tasks import cancel_and_reap, raise_if_cancelled
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLL_INTERVAL_S = 5.0
+
+
+@dataclass
+class StreamSnapshot:
+    depth: dict[Lane, int] = field(default_factory=lambda: {lane: 0 for lane in LANES})
+    pending: dict[Lane, int] = field(default_factory=lambda: {lane: 0 for lane in LANES})
+    dead: int = 0
+
+
+class StreamStats:
+    """Owns one polling task; ``start()`` it once the Redis client exists, ``await aclose()`` at shutdown."""
+
+    def __init__(self, redis: Any, keys: Keys, *, interval_s: float = DEFAULT_POLL_INTERVAL_S) -> None:
+        assert interval_s > 0
+        self._redis = redis
+        self._keys = keys
+        self._interval_s = interval_s
+        self.snapshot = StreamSnapshot()
+        self._task: asyncio.Task[None] | None = None
+
+    async def refresh(self) -> StreamSnapshot:
+        """Read every count in one round trip and swap the snapshot in."""
+        pipe = self._redis.pipeline(transaction=False)
+        for lane in LANES:
+            pipe.xlen(self._keys.lane(lane))
+            # XPENDING's summary form; fails with NOGROUP before any worker created the group.
+            pipe.xpending(self._keys.lane(lane), CONSUMER_GROUP)
+        pipe.xlen(self._keys.dead)
+        results = await pipe.execute(raise_on_error=False)
+        snapshot = StreamSnapshot(dead=_as_count(results[-1]))
+        for i, lane in enumerate(LANES):
+            snapshot.depth[lane] = _as_count(results[2 * i])
+            pending = results[2 * i + 1]
+            snapshot.pending[lane] = _as_count(pending.get("pending", 0) if isinstance(pending, dict) else pending)
+        self.snapshot = snapshot
+        return snapshot
+
+    def start(self) -> None:
+        assert self._task is None, "StreamStats already started"
+        self._task = asyncio.create_task(self._poll(), name="carpool-stream-stats")
+
+    async def aclose(self) -> None:
+        """Stop polling; re-raises whatever ended the task other than cancellation."""
+        task, self._task = self._task, None
+        if task is not None:
+            await cancel_and_reap(task)
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except (ConnectionError, OSError, TimeoutError) as e:
+                # A Redis outage must not end monitoring; the gauges keep their last values.
+                log.warning("stream stats refresh failed: %s", e)
+            except Exception as e:  # redis-py's own error types, which this module does not import
+                if type(e).__module__.split(".")[0] != "redis":
+                    raise
+                log.warning("stream stats refresh failed: %s", e)
+            raise_if_cancelled()
+            await asyncio.sleep(self._interval_s)
+
+    # Gauge callbacks: read the snapshot only.
+    def observe_depth(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {A_LANE: lane.value}) for lane, n in self.snapshot.depth.items()]
+
+    def observe_pending(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {A_LANE: lane.value}) for lane, n in self.snapshot.pending.items()]
+
+    def observe_dead(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self.snapshot.dead)]
+
+
+def _as_count(value: object) -> int:
+    """A count from a pipeline reply; an error reply (missing stream or group) counts as 0."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return 0
+    return value

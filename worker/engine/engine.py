@@ -1,0 +1,333 @@
+"""The engine: continuous batching over a paged KV cache, offline and step by step.
+
+``Engine.step()`` is ``schedule → run → postprocess``: the scheduler picks
+the tokens to compute, the model runner computes them in one forward, the
+sampler draws a token for every sequence whose known tokens are now all
+computed, and the stop rules decide who finishes. ``generate`` drives
+``step`` until its prompts are done. The engine is not thread-safe: callers
+use it from one thread.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from typing_extensions import TypeIs
+
+from scheduler.block_manager import BlockManager
+from scheduler.params import SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import SchedulerConfig
+from scheduler.scheduler_output import SchedulerOutput
+from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.records import EngineConfig, EngineStats
+from worker.engine.model_runner import ModelRunner, StepSeq
+from worker.engine.prompt_input import check_token_ids, prompt_token_ids
+from worker.engine.request_state import Completion, RequestOutput, RequestState
+from worker.engine.sampler import SampledToken, SampleRequest, Sampler
+from worker.engine.text_decoder import text_decoder_for
+
+__all__ = ["Completion", "Engine", "EngineConfig", "EngineStats", "RequestOutput"]
+
+# How long generate() sleeps when a step had nothing to run (dynamic batching gathering a group).
+IDLE_SLEEP_S = 0.001
+
+
+@dataclass
+class _InFlight:
+    """A step whose forward was launched and whose tokens are not sampled yet."""
+
+    scheduled: SchedulerOutput
+    logits: torch.Tensor
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str = "cpu",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        batching: str = "continuous",
+        policy: str = "fcfs",
+        attention_backend: str | None = None,
+        max_wait_ms: float = 20.0,
+        dtype: str | None = None,
+        kv_cache_memory_gb: float | None = None,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        cuda_graphs: bool | None = None,
+        model_impl: str = "auto",
+        async_scheduling: bool | None = None,
+        quantization: str | None = None,
+    ) -> None:
+        if model is None:
+            from worker.engine.default_model import default_model_path
+
+            model = str(default_model_path())
+        self.config = EngineConfig(
+            str(model), device, block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
+            batching, policy, attention_backend, max_wait_ms, dtype, kv_cache_memory_gb,
+            max_model_len, enable_prefix_caching, cuda_graphs, model_impl, async_scheduling, quantization,
+        )
+        self.runner = ModelRunner(
+            str(model), device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
+            kv_cache_memory_gb=kv_cache_memory_gb, attention_backend=attention_backend,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs,
+            model_impl=model_impl, quantization=quantization,
+        )
+        self.tokenizer = self.runner.tokenizer
+        # Chosen once here, not per request: the choice checks the tokenizer over its whole vocabulary.
+        self.text_decoder = text_decoder_for(self.tokenizer)
+        if max_model_len is not None and max_model_len > self.runner.max_model_len:
+            raise ValueError(
+                f"max_model_len: {max_model_len} exceeds the model's context length {self.runner.max_model_len}"
+            )
+        # One sequence of max_model_len must always fit alone, or preemption could never make room.
+        self.max_model_len = min(
+            max_model_len or self.runner.max_model_len, self.runner.num_blocks * self.runner.block_size
+        )
+        self.max_num_seqs = max_num_seqs
+        self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                batching=batching,
+                policy=policy,
+                max_wait_ms=max_wait_ms,
+            ),
+            self.block_manager,
+        )
+        self.sampler = Sampler(self.runner.vocab_size, max_num_seqs, device)
+        # On CUDA the host prepares the next step while the device computes this one; on a CPU both are the
+        # same cores, so there it would only delay each step's outputs by one step.
+        self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling
+        self._in_flight: _InFlight | None = None
+        self._requests: dict[str, RequestState] = {}
+        self._pending: list[RequestOutput] = []
+        """Outputs decided outside a step (aborts, already-complete resumes), sent with the next one."""
+        self._num_generate_calls = 0
+        self._num_steps = 0
+        self._last_step = (0, 0, 0.0)
+
+    # ---- step API -------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        priority: int = 0,
+        resume_token_ids: list[int] | None = None,
+    ) -> int:
+        """Queue a request; returns its number of prompt tokens. Bad input raises ValueError."""
+        if request_id in self._requests:
+            raise ValueError(f"id: request {request_id!r} is already running")
+        # An earlier request of this id, aborted since the last step, has its final output still queued; it
+        # belongs to that request, so it must not reach the caller as this one's.
+        self._pending = [o for o in self._pending if o.request_id != request_id]
+        params = params if params is not None else SamplingParams()
+        prompt_ids = prompt_token_ids(self.tokenizer, self.runner.vocab_size, prompt, messages)
+        resumed = list(resume_token_ids or [])
+        check_token_ids("resume_token_ids", resumed, self.runner.vocab_size)
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        seq = Sequence(request_id, prompt_ids, params, priority=priority, output_token_ids=resumed)
+        state = RequestState(seq, IncrementalDetokenizer(self.tokenizer, prompt_ids, decoder=self.text_decoder), self.runner.eos_token_ids)
+        if resumed:
+            state.detokenizer.push(resumed)
+        if len(resumed) >= params.max_tokens:
+            # Crashed after its last token but before its result was written: done already.
+            seq.finish_reason = FinishReason.LENGTH
+            seq.status = SequenceStatus.FINISHED
+            state.detokenizer.flush()
+            self._pending.append(state.take_output())
+            return len(prompt_ids)
+        self.scheduler.add(seq)
+        self._requests[request_id] = state
+        return len(prompt_ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request; its final output (finish_reason "abort") comes with the next step."""
+        seq = self.scheduler.abort(request_id)
+        state = self._requests.pop(request_id, None)
+        self._release(request_id)
+        if seq is None or state is None:
+            return False
+        state.detokenizer.flush()
+        self._pending.append(state.take_output())
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; one output per request that got a token or finished.
+
+        With `async_scheduling` the forward of the step scheduled here runs on
+        the device while the host turns the previous step's tokens into
+        outputs (detokenization, stop checks); a request that stops is then
+        computed one token further, and that token is dropped.
+        """
+        start_s = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        if self.async_scheduling:
+            done = self._complete(self._in_flight) if self._in_flight is not None else []
+            self._in_flight = None
+            scheduled = self.scheduler.schedule()
+            if not scheduled.is_empty:
+                self._in_flight = self._launch(scheduled)
+            outputs.extend(self._postprocess(done))
+        else:
+            scheduled = self.scheduler.schedule()
+            if not scheduled.is_empty:
+                outputs.extend(self._postprocess(self._complete(self._launch(scheduled))))
+        self._num_steps += 1
+        self._last_step = (
+            scheduled.num_batched_tokens, len(scheduled.scheduled), time.perf_counter() - start_s
+        )
+        return outputs
+
+    def _release(self, request_id: str) -> None:
+        """The request left the batch (finished, aborted, preempted): its block-table row and sampling row are free."""
+        self.runner.release(request_id)
+        self.sampler.release(request_id)
+
+    def _launch(self, scheduled: SchedulerOutput) -> _InFlight:
+        """Start the step's forward; on CUDA it runs on while the host goes on."""
+        for seq in scheduled.preempted:
+            self._release(seq.request_id)
+        batch = [
+            StepSeq(s.token_ids, s.start_pos, s.seq.block_table, s.needs_logits, s.seq.request_id)
+            for s in scheduled.scheduled
+        ]
+        return _InFlight(scheduled, self.runner.execute(batch))
+
+    def _complete(self, step: _InFlight) -> list[tuple[Sequence, RequestState, SampledToken]]:
+        """Sample the step's tokens and advance its sequences; those that finished or were aborted since it was
+        launched (only with async scheduling) are left out, their token dropped."""
+        scheduled = step.scheduled.scheduled
+        with_logits = [s for s in scheduled if s.needs_logits]
+        rows = [i for i, s in enumerate(with_logits) if s.is_sampling and not s.seq.is_finished]
+        sampling = [with_logits[i].seq for i in rows]
+        states = [self._requests[seq.request_id] for seq in sampling]
+        sampled: list[SampledToken] = []
+        if sampling:
+            requests = [
+                SampleRequest(
+                    request_id=seq.request_id,
+                    params=seq.params,
+                    prompt_token_ids=seq.prompt_token_ids,
+                    output_token_ids=seq.output_token_ids,
+                    position=seq.num_tokens,
+                    suppress_token_ids=state.suppress_token_ids(),
+                )
+                for seq, state in zip(sampling, states)
+            ]
+            logits = step.logits
+            # Usually every row samples (all decodes): no gather of the rows then.
+            sampled = self.sampler.sample(logits if len(rows) == logits.shape[0] else logits[rows], requests)
+        # A sequence finished since the launch is gone from the running set, unless it stays as a static
+        # group's padding, which still moves on.
+        live = [s for s in scheduled if not s.seq.is_finished or s.seq.is_padding]
+        self.scheduler.advance(SchedulerOutput(scheduled=live),
+                               {seq.request_id: t.token_id for seq, t in zip(sampling, sampled)})
+        return list(zip(sampling, states, sampled))
+
+    def _postprocess(self, done: list[tuple[Sequence, RequestState, SampledToken]]) -> list[RequestOutput]:
+        """Stop checks and detokenization of sampled tokens; finished requests leave the scheduler."""
+        outputs = []
+        for seq, state, token in done:
+            decision = state.on_token(token)
+            if decision is not None:
+                self.scheduler.finish(seq, decision.reason, decision.stop_reason)
+                del self._requests[seq.request_id]
+                self._release(seq.request_id)
+            outputs.append(state.take_output())
+        return outputs
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        num_tokens, num_seqs, step_s = self._last_step
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks=bm.num_blocks,
+            num_kv_blocks_used=bm.num_used_blocks,
+            kv_usage=bm.num_used_blocks / bm.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_priority_preemptions=self.scheduler.num_priority_preemptions,
+            prefix_cache_query_tokens=bm.prefix_cache_query_tokens,
+            prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens,
+            num_steps=self._num_steps,
+            last_step_num_tokens=num_tokens,
+            last_step_num_seqs=num_seqs,
+            last_step_s=step_s,
+        )
+
+    # ---- offline API ----------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run every prompt to completion; results in input order."""
+        batch: collections.abc.Sequence[str | list[int]]
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            batch = [prompts]
+        else:
+            batch = prompts
+        if isinstance(params, list):
+            if len(params) != len(batch):
+                raise ValueError(f"params: {len(params)} given for {len(batch)} prompts")
+            per_prompt = params
+        else:
+            per_prompt = [params or SamplingParams()] * len(batch)
+        self._num_generate_calls += 1
+        ids = [f"generate-{self._num_generate_calls}-{i}" for i in range(len(batch))]
+        prompt_ids: dict[str, list[int]] = {}
+        for request_id, prompt, p in zip(ids, batch, per_prompt):
+            self.add_request(request_id, prompt, p)
+            prompt_ids[request_id] = self._requests[request_id].seq.prompt_token_ids
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            outputs = self.step()
+            done.update((o.request_id, o) for o in outputs if o.finished and o.request_id in prompt_ids)
+            if not outputs and self._last_step[1] == 0:
+                time.sleep(IDLE_SLEEP_S)
+        return [
+            Completion(
+                request_id=rid,
+                prompt_token_ids=prompt_ids[rid],
+                token_ids=done[rid].token_ids,
+                text=done[rid].text,
+                finish_reason=done[rid].finish_reason,
+                stop_reason=done[rid].stop_reason,
+                logprobs=done[rid].logprobs,
+                num_cached_tokens=done[rid].num_cached_tokens,
+            )
+            for rid in ids
+        ]
+
+
+def _is_token_ids(prompts: list[int] | list[str] | list[list[int]]) -> TypeIs[list[int]]:
+    """One prompt given as token ids, rather than a batch of prompts."""
+    return bool(prompts) and isinstance(prompts[0], int)

@@ -1,0 +1,318 @@
+"""All tensor work of a step: a transformers model over a paged KV cache.
+
+`ModelRunner.execute` takes the sequences of one step (each a run of new
+tokens plus its block table), stages them into persistent device buffers
+(`worker.engine.step_inputs`), runs one forward with paged attention and returns
+the logits of the last token of each sequence that asked for them. On CUDA,
+decode steps replay CUDA graphs recorded at start-up (`worker.engine.graph_runner`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+
+from kernels import get_backend
+from kernels.paged_attention_torch import plan_decode_groups
+from kernels.split_kv import MAX_SPLITS, num_multiprocessors, plan_kv_splits
+from kernels.workspace import Workspace
+from worker.engine.attention import PagedAttentionMetadata
+from worker.engine.kernel_checks import check_paged_attention
+from worker.engine.graph_runner import (
+    HOST_BRANCHING_ROPE,
+    CaptureBackend,
+    CudaGraphCapture,
+    DecodeGraphs,
+    graph_batch_sizes,
+    rope_type,
+)
+from worker.engine.models import CausalLM, choose_model_impl, load_causal_lm
+from worker.engine.models.quantization import check_device_supports, parse_quantization
+from worker.engine.step_inputs import StepInputs, StepSeq, StepShape
+
+__all__ = ["ModelRunner", "StepSeq"]
+
+log = logging.getLogger(__name__)
+
+GIB = 1024**3
+# CPU default cache budget, allocated (zeroed) up front.
+CPU_KV_CACHE_GB = 0.25
+# On CUDA the cache takes this share of the memory still free after loading.
+CUDA_KV_CACHE_FRACTION = 0.7
+# Without an explicit size, never allocate more than this many full-length sequences' worth.
+MAX_DEFAULT_SEQS_CPU = 16
+MAX_DEFAULT_SEQS_CUDA = 512
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cpu",
+        dtype: str | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory_gb: float | None = None,
+        attention_backend: str | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        cuda_graphs: bool | None = None,
+        model_impl: str = "auto",
+        model_kernels: bool | None = None,
+        quantization: str | None = None,
+    ) -> None:
+        """`cuda_graphs` records decode steps as CUDA graphs (None: on for CUDA with the Triton backend);
+        `model_impl` picks carpool's own model (`carpool`, the Llama family), transformers' (`transformers`),
+        or the first by the checkpoint's architecture (`auto`); `model_kernels` has carpool's models use their
+        fused Triton kernels (default: on CUDA; on CPU only under TRITON_INTERPRET=1, for tests); `quantization`
+        (`int8`, `fp8`) holds carpool's models' linear weights quantized per output channel (None: in `dtype`)."""
+        if block_size <= 0:
+            raise ValueError(f"block_size: must be positive, got {block_size}")
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.quantization = parse_quantization(quantization)
+        check_device_supports(self.quantization, self.device)
+        self.backend = get_backend(attention_backend or ("triton" if self.device.type == "cuda" else "torch"))
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+            config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        except OSError as e:
+            raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
+        self.dtype: torch.dtype = _model_dtype(config, dtype)
+        self.vocab_size: int = config.vocab_size
+        self.max_model_len: int = _max_model_len(config)
+        self.model_choice = choose_model_impl(config, model_impl)
+        weights = self.quantization.value if self.quantization else str(self.dtype).removeprefix("torch.")
+        log.info("model %s: %s implementation (%s), %s weights", model_path, self.model_choice.impl.value,
+                 self.model_choice.reason, weights)
+        try:
+            self.model: CausalLM = load_causal_lm(model_path, config, self.model_choice.impl, self.dtype, self.device,
+                                                  self.max_model_len, model_kernels, self.quantization)
+        except OSError as e:
+            raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
+        self.config = config
+        self.eos_token_ids: set[int] = _eos_token_ids(model_path, config)
+        if self.backend.name == "triton" and self.device.type == "cuda":
+            failure = check_paged_attention(self.device, self.dtype, config.num_attention_heads,
+                                            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                                            getattr(config, "head_dim", None)
+                                            or config.hidden_size // config.num_attention_heads, block_size)
+            if failure is not None:
+                log.warning("the Triton attention kernels failed their start-up check (%s); attention runs on the "
+                            "torch backend", failure)
+                self.backend = get_backend("torch")
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_blocks = num_blocks if num_blocks is not None else self._default_num_blocks(kv_cache_memory_gb)
+        if self.num_blocks <= 0:
+            raise ValueError(f"num_blocks: the KV cache must hold at least one block, got {self.num_blocks}")
+        cache_shape = (self.num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        # Zeroed, not empty: a kernel that masks unused slots must never meet NaN garbage.
+        self.k_caches = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_caches = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self._workspace = Workspace()
+        self.num_heads: int = config.num_attention_heads
+        self._num_multiprocessors = num_multiprocessors(self.device)
+        max_blocks_per_seq = min(-(-self.max_model_len // block_size), self.num_blocks)
+        self.inputs = StepInputs(max_num_seqs, max(max_num_batched_tokens, max_num_seqs), max_blocks_per_seq,
+                                 block_size, self.device)
+        self._graphs: DecodeGraphs | None = None
+        self.num_replayed_steps = 0
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and self.backend.name == "triton"
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, got {self.device}")
+            self.capture_decode_graphs(CudaGraphCapture())
+
+    def capture_decode_graphs(self, backend: CaptureBackend) -> bool:
+        """Record decode steps at every padded batch size; False (and a log line) when this model cannot be.
+
+        A model whose RoPE branches on host values runs eager; so does any
+        model whose recording fails, rather than the worker.
+        """
+        kind = rope_type(self.config)
+        if kind in HOST_BRANCHING_ROPE:
+            log.warning("decode steps run eager: %s RoPE reads positions on the host, which a graph cannot replay",
+                        kind)
+            return False
+        if self.backend.name == "triton":
+            # Split buffers for the most splits any recorded size plans, before any recording needs them.
+            self._workspace.reserve("split_out", (MAX_SPLITS, self.inputs.max_num_seqs, self.num_heads,
+                                                  self.head_dim), torch.float32, self.device)
+            self._workspace.reserve("split_ml", (MAX_SPLITS, self.inputs.max_num_seqs, self.num_heads, 2),
+                                    torch.float32, self.device)
+        sizes = graph_batch_sizes(self.inputs.max_num_seqs)
+        try:
+            with torch.inference_mode():  # as the steps it replays run
+                self._graphs = DecodeGraphs(self._decode_forward, sizes, backend)
+        except Exception:
+            log.exception("recording decode graphs failed; decode steps run eager")
+            self._graphs = None
+            return False
+        log.info("decode steps replay recorded graphs at batch sizes %s", sizes)
+        return True
+
+    @property
+    def graph_sizes(self) -> list[int]:
+        """The batch sizes decode steps replay at; empty when every step runs eager."""
+        return self._graphs.sizes if self._graphs is not None else []
+
+    def release(self, key: str) -> None:
+        """A sequence left the batch: its block-table row is free again."""
+        self.inputs.release(key)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes across all layers, keys and values."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+
+    def _default_num_blocks(self, kv_cache_memory_gb: float | None) -> int:
+        is_cuda = self.device.type == "cuda"
+        if kv_cache_memory_gb is not None:
+            if kv_cache_memory_gb <= 0:
+                raise ValueError(f"kv_cache_memory_gb: must be positive, got {kv_cache_memory_gb}")
+            return int(kv_cache_memory_gb * GIB) // self.block_bytes
+        if is_cuda:
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free_bytes * CUDA_KV_CACHE_FRACTION)
+        else:
+            budget = int(CPU_KV_CACHE_GB * GIB)
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        max_seqs = MAX_DEFAULT_SEQS_CUDA if is_cuda else MAX_DEFAULT_SEQS_CPU
+        return min(budget // self.block_bytes, max_seqs * blocks_per_seq)
+
+    @torch.inference_mode()
+    def execute(self, batch: list[StepSeq]) -> torch.Tensor:
+        """One forward over every sequence's new tokens; float32 logits `[num needs_logits, vocab]`.
+
+        The logits of a replayed step live in the graph's own buffer: read them before the next step.
+        """
+        assert batch, "a step runs at least one sequence"
+        graphs = self._graphs
+        if graphs is not None and all(len(seq.token_ids) == 1 and seq.needs_logits for seq in batch):
+            padded = graphs.padded_size(len(batch))
+            if padded is not None:
+                self.inputs.prepare(batch, pad_to=padded, gather_table=False)
+                self.num_replayed_steps += 1
+                return graphs.replay(padded)[: len(batch)]
+        shape = self.inputs.prepare(batch)
+        return self._forward(shape, batch)
+
+    def _forward(self, shape: StepShape, batch: list[StepSeq]) -> torch.Tensor:
+        inputs = self.inputs
+        block_tables = inputs.step_table[: shape.num_seqs]
+        metadata = PagedAttentionMetadata(
+            backend=self.backend,
+            k_caches=self.k_caches,
+            v_caches=self.v_caches,
+            slot_mapping=inputs.view("slot_mapping", shape.num_tokens),
+            block_tables=block_tables,
+            cu_seqlens_q=inputs.view("cu_seqlens_q", shape.num_seqs + 1),
+            seq_lens=inputs.view("seq_lens", shape.num_seqs),
+            max_query_len=shape.max_query_len,
+            max_seq_len=shape.max_seq_len,
+            backend_hints=self._backend_hints(batch, block_tables, shape),
+        )
+        # Only the rows sampled from go through lm_head (all of them: None).
+        logit_rows = None if shape.num_logits == shape.num_tokens else inputs.view("logit_rows", shape.num_logits)
+        logits = self.model(inputs.view("input_ids", shape.num_tokens), inputs.view("positions", shape.num_tokens),
+                            metadata, logit_rows)
+        return logits.float()
+
+    def _decode_forward(self, num_seqs: int) -> torch.Tensor:
+        """The recorded decode step over the first `num_seqs` rows of the buffers: reads nothing on the host."""
+        inputs = self.inputs
+        inputs.gather_table(num_seqs)
+        hints: dict[str, Any] = {"workspace": self._workspace}
+        if self.backend.name == "triton":
+            hints["num_kv_splits"] = self._num_kv_splits(num_seqs)
+        elif self.backend.name == "torch":
+            hints["is_graphed"] = True
+        metadata = PagedAttentionMetadata(
+            backend=self.backend,
+            k_caches=self.k_caches,
+            v_caches=self.v_caches,
+            slot_mapping=inputs.view("slot_mapping", num_seqs),
+            block_tables=inputs.step_table[:num_seqs],
+            cu_seqlens_q=inputs.view("cu_seqlens_q", num_seqs + 1),
+            seq_lens=inputs.view("seq_lens", num_seqs),
+            max_query_len=1,
+            max_seq_len=inputs.max_blocks_per_seq * self.block_size,
+            is_graphed=True,
+            backend_hints=hints,
+        )
+        logits = self.model(inputs.view("input_ids", num_seqs), inputs.view("positions", num_seqs), metadata, None)
+        return logits.float()
+
+    def _num_kv_splits(self, num_seqs: int) -> int:
+        return plan_kv_splits(self._num_multiprocessors, num_seqs * self.num_kv_heads)
+
+    def _backend_hints(self, batch: list[StepSeq], block_tables: torch.Tensor, shape: StepShape) -> dict[str, Any]:
+        """Per-step settings the backend would otherwise derive per layer."""
+        if self.backend.name == "triton":
+            return {"num_kv_splits": self._num_kv_splits(shape.num_seqs), "workspace": self._workspace}
+        if self.backend.name != "torch":
+            return {}
+        # The torch backend's decode groups, planned once per step rather than once per layer.
+        decodes = [i for i, seq in enumerate(batch) if len(seq.token_ids) == 1]
+        # Keys and values of one block in fp32, the precision the backend attends in.
+        block_row_bytes = 2 * self.block_size * self.num_kv_heads * self.head_dim * 4
+        groups = plan_decode_groups(decodes, [batch[i].start_pos + 1 for i in decodes], block_tables,
+                                    self.block_size, block_row_bytes) if decodes else []
+        return {"decode_groups": groups, "workspace": self._workspace}
+
+
+def _model_dtype(config: PretrainedConfig, dtype: str | None) -> torch.dtype:
+    """The dtype asked for, or the checkpoint's (`auto` or None), as transformers reads it; fp32 when unset."""
+    if dtype is None or dtype == "auto":
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(stored, torch.dtype):
+            return stored
+        return _DTYPES.get(str(stored).removeprefix("torch."), torch.float32) if stored else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: unknown dtype {dtype!r}, expected one of {sorted(_DTYPES)} or 'auto'")
+    return _DTYPES[dtype]
+
+
+def _max_model_len(config: PretrainedConfig) -> int:
+    max_len = int(config.max_position_embeddings)
+    if rope_type(config) == "dynamic":
+        # Dynamic NTK scaling exists to stretch the trained context by its factor.
+        params = getattr(config, "rope_parameters", None) or {}
+        max_len = int(max_len * float(params.get("factor", 1.0)))
+    window = getattr(config, "sliding_window", None)
+    # The kernels attend to the whole context; within the window that equals sliding-window attention.
+    if window and getattr(config, "use_sliding_window", True):
+        max_len = min(max_len, int(window))
+    return max_len
+
+
+def _eos_token_ids(model_path: str, config: PretrainedConfig) -> set[int]:
+    ids: set[int] = set()
+    try:
+        generation_config: GenerationConfig | None = GenerationConfig.from_pretrained(model_path, local_files_only=True)
+    except OSError:
+        generation_config = None
+    for source in (generation_config, config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(v) for v in value)
+    return ids

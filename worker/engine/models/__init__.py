@@ -1,0 +1,103 @@
+"""The models a model runner can run: carpool's own for the Llama family, transformers' for the rest.
+
+`load_causal_lm` picks the implementation by `config.architectures`
+(`auto`), or as forced (`carpool`, `transformers`), and returns a callable
+`model(input_ids [T], positions [T], metadata, logit_rows) -> logits`.
+Weight quantization (`worker.engine.models.quantization`) covers carpool's own
+models only; the transformers path refuses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from worker.engine.attention import METADATA_KWARG, PagedAttentionMetadata, register_paged_attention
+from worker.engine.graph_runner import rope_type
+from worker.engine.models.llama_family import ARCHITECTURES, LlamaFamilyModel, read_safetensors
+from worker.engine.models.quantization import Quantization
+from worker.engine.models.rope import SUPPORTED_ROPE_TYPES
+
+
+class ModelImpl(str, Enum):
+    AUTO = "auto"
+    CARPOOL = "carpool"
+    TRANSFORMERS = "transformers"
+
+
+MODEL_IMPLS = tuple(m.value for m in ModelImpl)
+
+
+class CausalLM(Protocol):
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
+                 logit_rows: torch.Tensor | None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    impl: ModelImpl
+    reason: str
+
+
+def choose_model_impl(config: PretrainedConfig, requested: str) -> ModelChoice:
+    """Which implementation runs `config`'s model, and why (for the start-up log)."""
+    try:
+        wanted = ModelImpl(requested)
+    except ValueError:
+        raise ValueError(f"model_impl: must be one of {', '.join(MODEL_IMPLS)}, got {requested!r}") from None
+    arch = (getattr(config, "architectures", None) or ["unknown"])[0]
+    rope = rope_type(config)
+    fits = arch in ARCHITECTURES and rope in SUPPORTED_ROPE_TYPES and getattr(config, "hidden_act", "silu") == "silu"
+    if wanted is ModelImpl.TRANSFORMERS:
+        return ModelChoice(ModelImpl.TRANSFORMERS, "asked for")
+    if wanted is ModelImpl.CARPOOL:
+        if not fits:
+            raise ValueError(f"model_impl: carpool's models cover {sorted(ARCHITECTURES)} with "
+                             f"{sorted(SUPPORTED_ROPE_TYPES)} RoPE and SiLU; this model is {arch} with {rope} RoPE")
+        return ModelChoice(ModelImpl.CARPOOL, "asked for")
+    if fits:
+        return ModelChoice(ModelImpl.CARPOOL, f"{arch} is in the Llama family")
+    return ModelChoice(ModelImpl.TRANSFORMERS, f"{arch} with {rope} RoPE is not among carpool's own models")
+
+
+class TransformersModel:
+    """A transformers model with carpool's paged attention plugged in, behind the `CausalLM` call."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
+                 logit_rows: torch.Tensor | None) -> torch.Tensor:
+        output = self.model(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            use_cache=False,
+            # A tensor of row indices: lm_head runs only on the rows sampled from (0 keeps every row).
+            logits_to_keep=0 if logit_rows is None else logit_rows,
+            **{METADATA_KWARG: metadata},
+        )
+        return output.logits[0]
+
+
+def load_causal_lm(path: str, config: PretrainedConfig, impl: ModelImpl, dtype: torch.dtype,
+                   device: torch.device, max_positions: int, use_kernels: bool | None = None,
+                   quantization: Quantization | None = None) -> CausalLM:
+    """`use_kernels`: carpool's models use the fused Triton kernels (default: on CUDA); `quantization`: how their
+    linear weights are held (None: in `dtype`)."""
+    if impl is ModelImpl.CARPOOL:
+        return LlamaFamilyModel(config, read_safetensors(path), dtype, device, max_positions, use_kernels,
+                                quantization)
+    if quantization is not None:
+        raise ValueError(f"quantization: {quantization.value} weights cover carpool's own models (the Llama "
+                         f"family, --model-impl carpool); this model runs through transformers")
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
+                                                 attn_implementation=register_paged_attention())
+    # transformers declares PreTrainedModel.to through functools.wraps, and typeshed's `_Wrapped` binds no
+    # `self`, so mypy takes the device for the model.
+    model.to(device).eval()  # type: ignore[arg-type]
+    model.requires_grad_(False)
+    return TransformersModel(model)

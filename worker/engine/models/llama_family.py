@@ -1,0 +1,198 @@
+"""carpool's own decoder for the Llama family: Llama, Mistral, Qwen2 and Qwen3.
+
+Built from a checkpoint directory's `config.json` (parsed by transformers)
+and its safetensors weights, with q/k/v fused into one matrix and gate/up
+into another at load time, so a layer is five matrix products: qkv, o,
+gate_up, down, and the step's one lm_head product over the sampled rows.
+Residual adds are fused into the RMSNorm that follows them, and on CUDA
+RoPE is applied by the kernel that writes the KV cache (`kernels/norm_act.py`,
+`kernels/rope_kv.py`; their torch references run on CPU). With a
+`quantization` the four layer matrices are held as int8 or fp8 with per-row
+scales (`worker.engine.models.quantization`); embeddings, norms and lm_head stay in
+the model's dtype. Attention goes
+through the same paged attention as the transformers path
+(`worker.engine.attention`). The arithmetic follows transformers' modules step for
+step (fp32 RMSNorm, RoPE tables computed the same way, the same roundings),
+so greedy tokens match theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from transformers import PretrainedConfig
+
+from kernels import norm_act
+from kernels.rope_kv import rope_store_kv
+from worker.engine.attention import PagedAttentionMetadata, attend_cached, paged_attention
+from worker.engine.kernel_checks import check_model_kernels
+from worker.engine.models.quantization import LinearWeight, Quantization, linear, quantize_weight
+from worker.engine.models.rope import RotaryEmbedding, apply_rope
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm over the last axis (Qwen3's per-head q/k norms)."""
+    return norm_act.add_rms_norm_reference(x, None, weight, eps)[0]
+
+
+@dataclass
+class _Layer:
+    qkv: LinearWeight
+    qkv_bias: torch.Tensor | None
+    o: LinearWeight
+    o_bias: torch.Tensor | None
+    gate_up: LinearWeight
+    down: LinearWeight
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class LlamaFamilyModel:
+    """Callable as `model(input_ids [T], positions [T], metadata, logit_rows) -> logits [rows, vocab]`."""
+
+    def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, max_positions: int, use_kernels: bool | None = None,
+                 quantization: Quantization | None = None) -> None:
+        """`use_kernels`: the fused Triton kernels of `kernels/norm_act.py` and `kernels/rope_kv.py` (default:
+        on CUDA); otherwise their plain-torch references. `quantization`: how qkv, o, gate_up and down are
+        held (None: in `dtype`)."""
+        arch = (config.architectures or [""])[0]
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"model: carpool's models cover {sorted(ARCHITECTURES)}, not {arch!r}")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"model: carpool's models use SiLU, not {config.hidden_act!r}")
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.quantization = quantization
+        self.use_kernels = device.type == "cuda" if use_kernels is None else use_kernels
+        if self.use_kernels:
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            failure = check_model_kernels(device, dtype, config.hidden_size, config.intermediate_size,
+                                          config.num_attention_heads,
+                                          getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                                          head_dim)
+            if failure is not None:
+                log.warning("the fused model kernels failed their start-up check (%s); running their torch "
+                            "references instead", failure)
+                self.use_kernels = False
+        self._add_rms_norm = norm_act.add_rms_norm if self.use_kernels else norm_act.add_rms_norm_reference
+        self._silu_and_mul = norm_act.silu_and_mul if self.use_kernels else norm_act.silu_and_mul_reference
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps: float = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.rope = RotaryEmbedding(config, self.head_dim, max_positions, dtype, device)
+
+        def take(name: str) -> torch.Tensor:
+            return weights.pop(name).to(device=device, dtype=dtype)
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return take(name) if name in weights else None
+
+        def fused(*names: str) -> torch.Tensor:
+            return torch.cat([weights.pop(n) for n in names]).to(device=device, dtype=dtype)
+
+        def matrix(weight: torch.Tensor) -> LinearWeight:
+            # Quantized from the checkpoint's values, not from their rounding to `dtype`.
+            if quantization is None:
+                return weight.to(device=device, dtype=dtype)
+            return quantize_weight(weight.to(device=device), quantization, dtype)
+
+        def fused_matrix(*names: str) -> LinearWeight:
+            return matrix(torch.cat([weights.pop(n) for n in names]))
+
+        self.embed = take("embed_tokens.weight")
+        self.layers: list[_Layer] = []
+        for i in range(config.num_hidden_layers):
+            p = f"layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            has_bias = attn + "q_proj.bias" in weights
+            self.layers.append(_Layer(
+                qkv=fused_matrix(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                qkv_bias=fused(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias") if has_bias else None,
+                o=matrix(weights.pop(attn + "o_proj.weight")),
+                o_bias=maybe(attn + "o_proj.bias"),
+                gate_up=fused_matrix(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                down=matrix(weights.pop(mlp + "down_proj.weight")),
+                input_norm=take(p + "input_layernorm.weight"),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                q_norm=maybe(attn + "q_norm.weight"),
+                k_norm=maybe(attn + "k_norm.weight"),
+            ))
+            if mlp + "gate_proj.bias" in weights:
+                raise ValueError("model: carpool's models have no MLP biases (mlp_bias)")
+        self.norm = take("norm.weight")
+        if getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights:
+            weights.pop("lm_head.weight", None)
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight")
+        self.vocab_size = self.lm_head.shape[0]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
+                 logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits of `logit_rows` (every token when None), in the model's dtype."""
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope(positions)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            x, residual = self._add_rms_norm(hidden, residual, layer.input_norm, self.eps)
+            x = self._attention(i, layer, x, cos, sin, metadata)
+            x, residual = self._add_rms_norm(x, residual, layer.post_norm, self.eps)
+            hidden = linear(self._silu_and_mul(linear(x, layer.gate_up)), layer.down)
+        assert residual is not None, "a model has at least one layer"
+        if logit_rows is not None:
+            hidden, residual = hidden.index_select(0, logit_rows), residual.index_select(0, logit_rows)
+        hidden, _ = self._add_rms_norm(hidden, residual, self.norm, self.eps)
+        return F.linear(hidden, self.lm_head)
+
+    def _attention(self, index: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   metadata: PagedAttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = linear(x, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
+        if self.use_kernels:
+            # RoPE applied where the keys are written: one kernel for both rotations and the KV store.
+            q = rope_store_kv(q, k, v, cos, sin, metadata.k_caches[index], metadata.v_caches[index],
+                              metadata.slot_mapping)
+            out = attend_cached(index, q, metadata, self.scale)
+        else:
+            out = paged_attention(index, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, metadata, self.scale)
+        return linear(out.view(num_tokens, q_size), layer.o, layer.o_bias)
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory's safetensors files (sharded or not), `model.` prefix dropped."""
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({root / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no safetensors weights in {str(root)!r}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                weights[name.removeprefix("model.")] = handle.get_tensor(name)
+    return weights

@@ -1,0 +1,279 @@
+"""The engine in a child process, so its steps never wait for the GIL of the worker's event loop.
+
+On one thread, the engine's step and the event loop's Redis I/O, leases,
+metrics and token events take turns holding the GIL: a worker then uses one
+core however many it has. Here the child builds the engine and serves ticks
+over a socket pair; per tick the parent only pickles the request and
+unpickles the reply.
+
+Ticks are pipelined: the parent may send the next tick before the reply to
+the last one has arrived, so the child starts its next step the moment it
+has sent a reply. The parent's side of the socket is an asyncio transport:
+its writes are buffered and never block the event loop, and replies are
+read while a large request is still going out, so a large request and a
+large reply cannot wait on each other.
+
+The child is started with ``spawn`` (forking a process that loaded torch is
+unsafe). It exits when told to, when the socket reaches EOF (its parent
+died), or, on Linux, by SIGKILL the moment its parent dies. It ignores
+SIGINT and SIGTERM: a Ctrl-C to the process group must not kill the engine
+while the parent still drains through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import traceback
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+from worker.engine.tick import Add, EngineFailed, StepOutput, Tick, run_tick
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 10.0
+"""How long a stopping child may take to finish its ticks and exit before it is killed."""
+PR_SET_PDEATHSIG = 1
+FRAME_HEADER = struct.Struct("!Q")
+"""Each message on the socket: its pickle's length, then the pickle."""
+
+
+class EngineStartError(RuntimeError):
+    """The child could not build the engine (bad model path, bad setting); the message says why."""
+
+
+def frame(message: Any) -> bytes:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return FRAME_HEADER.pack(len(data)) + data
+
+
+class _Channel(asyncio.Protocol):
+    """The parent's end of the socket: cuts the byte stream into messages and hands each to ``on_message``."""
+
+    def __init__(self, on_message: Any, on_lost: Any) -> None:
+        self.on_message = on_message
+        self.on_lost = on_lost
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while len(self._buffer) >= FRAME_HEADER.size:
+            (size,) = FRAME_HEADER.unpack_from(self._buffer)
+            end = FRAME_HEADER.size + size
+            if len(self._buffer) < end:
+                return
+            message = pickle.loads(self._buffer[FRAME_HEADER.size:end])
+            del self._buffer[:end]
+            self.on_message(message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.on_lost(exc)
+
+
+class EngineProcess:
+    """The parent's handle on an engine child: ``tick`` round trips, ``aclose`` stops it.
+
+    Requests go out as soon as they are asked for; the child answers them one at a time, in order.
+    """
+
+    def __init__(self, process: Any, max_num_seqs: int = 0, max_model_len: int = 0) -> None:
+        self.process = process
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self._channel: _Channel | None = None
+        self._ready: asyncio.Future[tuple[int, int]] | None = None
+        self._waiting: deque[asyncio.Future[Tick] | None] = deque()
+        """Requests sent and not yet answered, oldest first; None: the stop message."""
+        self._failure: EngineFailed | None = None
+        self._stopping = False
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid)
+
+    @classmethod
+    async def start(cls, engine_kwargs: dict[str, Any], torch_threads: int, device: str) -> EngineProcess:
+        """Spawn the child and wait until its engine is built; raises ``EngineStartError`` if it cannot be."""
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        context = multiprocessing.get_context("spawn")
+        process = context.Process(target=serve_engine, name="carpool-engine", daemon=True,
+                                  args=(theirs, engine_kwargs, torch_threads, device, os.getpid()))
+        # Started from the event loop's thread, the main one: Linux sends the death signal when the thread
+        # that started the child ends, so a short-lived thread must not start it.
+        try:
+            process.start()
+        finally:
+            theirs.close()  # only the child holds its end now: its death is EOF here
+        engine = cls(process)
+        engine._ready = loop.create_future()
+        try:
+            _, channel = await loop.create_unix_connection(lambda: _Channel(engine._on_message, engine._on_lost),
+                                                           sock=ours)
+            engine._channel = channel
+            engine.max_num_seqs, engine.max_model_len = await engine._ready
+        except BaseException as e:
+            process.kill()
+            await loop.run_in_executor(None, process.join, STOP_TIMEOUT_S)
+            if engine._channel is None:
+                ours.close()
+            engine._close_channel()
+            if isinstance(e, EOFError):
+                raise EngineStartError(
+                    f"the engine process exited with code {process.exitcode} before it was ready") from None
+            raise
+        return engine
+
+    def tick(self, adds: list[Add], aborts: list[str], do_step: bool) -> asyncio.Future[Tick]:
+        future: asyncio.Future[Tick] = asyncio.get_running_loop().create_future()
+        if self._failure is not None:
+            future.set_exception(self._failure)
+            return future
+        if self._stopping:
+            future.set_exception(EngineFailed(f"the engine process (pid {self.pid}) is stopping"))
+            return future
+        self._waiting.append(future)
+        self._send((adds, aborts, do_step))
+        return future
+
+    def _send(self, message: Any) -> None:
+        assert self._channel is not None and self._channel.transport is not None
+        self._channel.transport.write(frame(message))  # buffered: never blocks the event loop
+
+    def _on_message(self, message: tuple[str, Any]) -> None:
+        kind, payload = message
+        if self._ready is not None and not self._ready.done():
+            if kind == "ready":
+                self._ready.set_result((int(payload[0]), int(payload[1])))
+            else:
+                self._ready.set_exception(EngineStartError(payload))
+            return
+        future = self._waiting.popleft()
+        if future is None or future.done():
+            return
+        if kind == "error":
+            future.set_exception(EngineFailed(f"the engine raised in its process (pid {self.pid}):\n{payload}"))
+        else:
+            assert kind == "tick" and isinstance(payload, Tick), kind
+            future.set_result(payload)
+
+    def _on_lost(self, exc: Exception | None) -> None:
+        """EOF or a socket error: the child is gone (or exiting as asked)."""
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(EOFError("the engine process closed its socket before it was ready"))
+            return
+        if self._waiting and self._waiting[0] is None:
+            return  # every tick asked for is answered: the child exits as asked
+        self.process.join(0.5)  # for its exit code; a closed socket means it is exiting
+        failure = EngineFailed(f"the engine process (pid {self.pid}) exited with code {self.process.exitcode}")
+        failure.__cause__ = exc
+        self._failure = failure
+        while self._waiting:
+            future = self._waiting.popleft()
+            if future is not None and not future.done():
+                future.set_exception(failure)
+
+    def _close_channel(self) -> None:
+        if self._channel is not None and self._channel.transport is not None:
+            self._channel.transport.close()
+
+    async def aclose(self) -> None:
+        """Stop the child after the ticks already asked for; kill it if it takes longer than ``STOP_TIMEOUT_S``."""
+        loop = asyncio.get_running_loop()
+        if self._failure is None and not self._stopping:
+            self._stopping = True
+            self._waiting.append(None)  # after the ticks in flight, not between them
+            self._send(None)
+        await loop.run_in_executor(None, self.process.join, STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            log.warning("the engine process (pid %d) did not stop in %.0fs; killing it", self.pid, STOP_TIMEOUT_S)
+            self.process.kill()
+            await loop.run_in_executor(None, self.process.join, STOP_TIMEOUT_S)
+        self._close_channel()
+        self._waiting.clear()
+
+
+def serve_engine(sock: socket.socket, engine_kwargs: dict[str, Any], torch_threads: int, device: str,
+                 parent_pid: int) -> None:
+    """The child's body: build the engine, report ready (or why not), then answer ticks until told to stop."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from worker.engine.torch_threads import apply_torch_threads
+
+    with sock:
+        try:
+            apply_torch_threads(torch_threads, device)
+            from worker.engine.engine import Engine
+
+            engine = Engine(**engine_kwargs)
+        except Exception as e:
+            sock.sendall(frame(("error", f"{type(e).__name__}: {e}")))
+            return
+        sock.sendall(frame(("ready", (engine.max_num_seqs, engine.max_model_len))))
+        while True:
+            try:
+                request = _receive(sock)
+            except (EOFError, OSError):
+                return  # the parent is gone
+            if request is None:
+                return
+            try:
+                reply: tuple[str, Any] = ("tick", _portable(run_tick(engine, *request)))
+            except Exception:
+                reply = ("error", traceback.format_exc())
+            try:
+                sock.sendall(frame(reply))
+            except OSError:
+                return
+
+
+def _receive(sock: socket.socket) -> Any:
+    (size,) = FRAME_HEADER.unpack(_read_exactly(sock, FRAME_HEADER.size))
+    return pickle.loads(_read_exactly(sock, size))
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytearray:
+    data = bytearray(size)
+    view = memoryview(data)
+    while view:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise EOFError("the engine's parent closed the socket")
+        view = view[n:]
+    return data
+
+
+def _portable(tick: Tick) -> Tick:
+    """The tick with torch-free outputs and stats: unpickling engine classes would import torch into the
+    parent, on its event loop's thread, for seconds (long enough to lose leases)."""
+    outputs = [StepOutput(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
+                          out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens) for out in tick.outputs]
+    return Tick(tick.rejected, outputs, tick.num_unfinished, SimpleNamespace(**dataclasses.asdict(tick.stats)))
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Best effort: have Linux SIGKILL this process when its parent dies, even before the socket is read."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(0)  # the parent died before the setting took effect

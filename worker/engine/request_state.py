@@ -1,0 +1,179 @@
+"""What the engine keeps per request besides its Sequence: text, stop rules, logprobs.
+
+Stop rules follow vLLM's SamplingParams: nothing stops the output before
+``min_tokens`` outputs exist (EOS and stop ids are also suppressed in the
+sampler until then); EOS stops unless ``ignore_eos``; a stop token id stops
+with that id as ``stop_reason``; a stop string stops with the string as
+``stop_reason`` and is trimmed from the text unless
+``include_stop_str_in_output``; ``max_tokens`` ends with ``"length"``. EOS and
+stop tokens stay in ``token_ids`` but never reach the text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.sequence import FinishReason, Sequence
+from worker.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
+from worker.engine.sampler import SampledToken
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request.
+
+    ``token_ids`` and ``logprobs`` are read from the request's own lists,
+    which only ever grow, up to their lengths at this step: a step costs no
+    copy of the whole output, and a reader on another thread still sees
+    exactly this step's prefix (each read returns a fresh list).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    """All output text so far: stop strings trimmed, a possible partial stop string held back."""
+    new_text: str
+    """What ``text`` gained since the request's last output (the text only ever grows)."""
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    all_token_ids: list[int] = field(repr=False)
+    num_token_ids: int
+    all_logprobs: list[dict[str, Any]] | None = field(repr=False)
+    num_logprobs: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every output token so far (resumed ones included)."""
+        return self.all_token_ids[: self.num_token_ids]
+
+    @property
+    def logprobs(self) -> list[dict[str, Any]] | None:
+        """Per sampled token ``{"token_id", "logprob", "top_logprobs": [{"token_id", "logprob"}]}``."""
+        return self.all_logprobs[: self.num_logprobs] if self.all_logprobs is not None else None
+
+    @property
+    def new_logprobs(self) -> list[dict[str, Any]] | None:
+        """The logprobs of ``new_token_ids`` (each sampled token has one)."""
+        if self.all_logprobs is None:
+            return None
+        return self.all_logprobs[self.num_logprobs - len(self.new_token_ids): self.num_logprobs]
+
+
+@dataclass
+class Completion:
+    """The final result of one ``Engine.generate`` prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: list[dict[str, Any]] | None
+    num_cached_tokens: int
+
+
+@dataclass
+class StopDecision:
+    reason: FinishReason
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestState:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    eos_token_ids: set[int]
+    logprobs: list[dict[str, Any]] | None = None
+    final_text: str | None = None
+    """Set once a stop string cut the text; later text is never shown."""
+    new_token_ids: list[int] = field(default_factory=list)
+    text_reported: int = 0
+    """Length of the text in the last output."""
+
+    def __post_init__(self) -> None:
+        if self.seq.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def text(self) -> str:
+        if self.final_text is not None:
+            return self.final_text
+        text = self.detokenizer.text
+        if self.seq.is_finished:
+            return text
+        return text[: len(text) - partial_stop_len(text, self.seq.params.stop)]
+
+    def suppress_token_ids(self) -> list[int]:
+        """Ids the sampler must not draw: stop tokens (and EOS) before min_tokens."""
+        params = self.seq.params
+        if self.seq.num_output_tokens >= params.min_tokens:
+            return []
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids |= self.eos_token_ids
+        return sorted(ids)
+
+    def on_token(self, sampled: SampledToken) -> StopDecision | None:
+        """Account for the token just appended to the sequence; the stop it causes, if any."""
+        seq, params = self.seq, self.seq.params
+        token = sampled.token_id
+        self.new_token_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(_logprob_entry(sampled))
+        can_stop = seq.num_output_tokens >= params.min_tokens
+        decision: StopDecision | None = None
+        if can_stop and not params.ignore_eos and token in self.eos_token_ids:
+            decision = StopDecision(FinishReason.STOP)
+        elif can_stop and token in params.stop_token_ids:
+            decision = StopDecision(FinishReason.STOP, token)
+        if decision is not None:
+            self.detokenizer.flush()
+            return decision
+        new_text = self.detokenizer.push([token])
+        if can_stop and params.stop and new_text:
+            found = find_stop(self.detokenizer.text, params.stop, len(new_text))
+            if found is not None:
+                index, stop = found
+                end = index + len(stop) if params.include_stop_str_in_output else index
+                self.final_text = self.detokenizer.text[:end]
+                return StopDecision(FinishReason.STOP, stop)
+        if seq.num_output_tokens >= params.max_tokens:
+            self.detokenizer.flush()
+            return StopDecision(FinishReason.LENGTH)
+        return None
+
+    def take_output(self) -> RequestOutput:
+        """The output for this step; clears the new tokens."""
+        seq = self.seq
+        new, self.new_token_ids = self.new_token_ids, []
+        text = self.text
+        new_text, self.text_reported = text[self.text_reported:], len(text)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new,
+            text=text,
+            new_text=new_text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            all_token_ids=seq.output_token_ids,
+            num_token_ids=len(seq.output_token_ids),
+            all_logprobs=self.logprobs,
+            num_logprobs=len(self.logprobs) if self.logprobs is not None else 0,
+        )
+
+
+def _logprob_entry(sampled: SampledToken) -> dict[str, Any]:
+    top = sampled.top_logprobs or {}
+    return {
+        "token_id": sampled.token_id,
+        "logprob": sampled.logprob,
+        "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in top.items()],
+    }

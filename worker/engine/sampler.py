@@ -1,0 +1,229 @@
+"""Turning a step's logits into one token per sequence.
+
+Order of work per row: penalties (repetition over prompt+output, presence
+and frequency over output), suppression of the given ids, then either argmax
+(temperature 0) or temperature → top-k → top-p → min-p and one random draw.
+
+The draw is an exponential race: with `E_i ~ Exp(1)` i.i.d.,
+`argmax_i p_i / E_i` is distributed as `p`. The noise `E` is a hash of
+`(seed, position, token)` computed on the logits' device (worker/engine/noise.py),
+so a seeded request's token is a pure function of `(seed, position, logits)`
+whatever the batch. Unseeded rows draw their noise from the Sampler's own
+generator on the device in one pass (the hash takes about forty).
+
+All of it runs on the logits' device; the host learns the step's results by
+one copy at the end (`Sampler._fetch`), and waits only there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.params import SamplingParams
+from worker.engine.noise import exponential_noise, token_keys
+from worker.engine.penalties import penalise_rows
+from worker.engine.sampling_rows import (
+    FREQUENCY, IS_PENALISED, MIN_P, PRESENCE, REPETITION, SEED, TEMPERATURE, TOP_K, TOP_P, SamplingRows, to_device,
+)
+
+# Noise elements computed at once on a CPU: 4 MiB of int64, so the hash's passes stay in cache.
+CPU_NOISE_CHUNK_ELEMENTS = 1 << 19
+
+
+@dataclass
+class SampleRequest:
+    request_id: str
+    """Keys the request's device row; the same id must mean the same request until released."""
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    position: int
+    """Absolute position of the token being sampled; keys the seeded draw."""
+    suppress_token_ids: list[int]
+    """Ids that must not be drawn this step (stop/EOS tokens before min_tokens)."""
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None
+    """Log-probability of the token under the final distribution, when logprobs were asked for."""
+    top_logprobs: dict[int, float] | None
+    """The most likely alternatives under that distribution (tokens ruled out are left off)."""
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Set to -inf every token outside top-k, then outside the top-p nucleus, then below min-p.
+
+    `logits` `[n, vocab]` (already divided by temperature); `top_k` `[n]`
+    (0 keeps all), `top_p` `[n]`, `min_p` `[n]`. The most likely token always stays.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(-1)
+    is_cut = ranks >= k
+    sorted_logits = sorted_logits.masked_fill(is_cut, float("-inf"))
+    # Nucleus on the top-k distribution: drop a token once the mass before it reaches top_p.
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    is_cut |= mass_before >= top_p.unsqueeze(-1)
+    # Min-p relative to the most likely token's probability.
+    is_cut |= sorted_probs < min_p.unsqueeze(-1) * sorted_probs[:, :1]
+    is_cut[:, 0] = False
+    cut = torch.zeros_like(is_cut).scatter(-1, sorted_idx, is_cut)
+    return logits.masked_fill(cut, float("-inf"))
+
+
+class Sampler:
+    """Samples a step's tokens on the logits' device, with one copy of the results to the host.
+
+    Per-request parameters and penalty counts live in device rows (worker/engine/sampling_rows.py), keyed
+    by request id: `release` a request's row when it finishes, aborts or is preempted.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_num_seqs: int = 64,
+        device: str | torch.device = "cpu",
+        seed: int | None = None,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._rows = SamplingRows(vocab_size, max_num_seqs, self.device)
+        # The noise of unseeded rows; never the process-wide generators.
+        self._generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+        self._token_keys = token_keys(vocab_size, self.device)
+        self._noise_rows_per_chunk = None if self.device.type == "cuda" else CPU_NOISE_CHUNK_ELEMENTS // vocab_size
+        self._host = torch.empty(0, dtype=torch.float64)
+        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+
+    def release(self, request_id: str) -> None:
+        """Free the request's row (no-op for an unknown id)."""
+        self._rows.release(request_id)
+
+    def sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampledToken]:
+        assert logits.ndim == 2 and logits.shape == (len(requests), self.vocab_size), (logits.shape, len(requests))
+        params = [r.params for r in requests]
+        row_index = self._rows.assign(requests)
+        # Everything the step needs from the host in one transfer: rows, positions, suppressed (row, id) pairs.
+        suppress_rows = [i for i, r in enumerate(requests) for _ in r.suppress_token_ids]
+        suppress_ids = [t for r in requests for t in r.suppress_token_ids]
+        parts = [row_index, [r.position for r in requests], suppress_rows, suppress_ids]
+        step = to_device([v for part in parts for v in part], torch.int64, self.device)
+        rows, positions, suppress_rows_t, suppress_ids_t = step.split([len(p) for p in parts])
+        floats, ints = self._rows.floats[rows], self._rows.ints[rows]
+
+        logits = logits.float()
+        has_penalties = any(p.has_penalties for p in params)
+        if has_penalties:
+            assert self._rows.prompt_seen is not None and self._rows.output_counts is not None
+            logits = penalise_rows(
+                logits, self._rows.prompt_seen[rows], self._rows.output_counts[rows],
+                floats[:, REPETITION:REPETITION + 1], floats[:, PRESENCE:PRESENCE + 1],
+                floats[:, FREQUENCY:FREQUENCY + 1],
+            )
+        if suppress_ids:
+            if not has_penalties:
+                logits = logits.clone()  # the caller's logits stay as they were
+            logits.index_put_((suppress_rows_t, suppress_ids_t), torch.full((), float("-inf"), device=self.device))
+
+        if all(p.is_greedy for p in params):
+            final, token_ids = logits, logits.argmax(dim=-1)
+        else:
+            final, token_ids = self._draw(logits, params, floats, ints, positions)
+        if has_penalties:
+            self._rows.count_sampled(rows, token_ids, ints[:, IS_PENALISED])
+        num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        values = self._fetch(_packed(final, token_ids, num_top))
+        ids = [int(v) for v in values[: len(requests)]]
+        self._rows.note_sampled(requests, ids)
+        if num_top is None:
+            return [SampledToken(token_id=t, logprob=None, top_logprobs=None) for t in ids]
+        return _unpacked(values, ids, params, num_top)
+
+    def _draw(
+        self, logits: torch.Tensor, params: list[SamplingParams],
+        floats: torch.Tensor, ints: torch.Tensor, positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distribution each row samples from and its token: the race for sampled rows, argmax for greedy ones.
+
+        Greedy rows go through the same batched ops (tempered by 1, their draw then discarded), so a
+        mixed step has no per-subset gathers.
+        """
+        temperature = floats[:, TEMPERATURE:TEMPERATURE + 1]
+        is_greedy = temperature == 0.0
+        filtered = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature)
+        # top_p 1 keeps every token (transformers skips its top-p warper there too), so a step
+        # whose sampled rows ask for no filter skips the sort over the vocabulary.
+        if any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params):
+            filtered = filter_logits(filtered, ints[:, TOP_K], floats[:, TOP_P], floats[:, MIN_P])
+        # The exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is distributed as p.
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if len(seeded) == len(params):
+            noise = exponential_noise(ints[:, SEED], positions, self._token_keys, self._noise_rows_per_chunk)
+        else:
+            noise = torch.empty_like(filtered).exponential_(generator=self._generator)
+            if seeded:
+                index = to_device(seeded, torch.int64, self.device)
+                noise[index] = exponential_noise(ints[index, SEED], positions[index], self._token_keys,
+                                                 self._noise_rows_per_chunk)
+        race = filtered.softmax(dim=-1).div_(noise)
+        drawn = race.argmax(dim=-1)
+        if not any(p.is_greedy for p in params):
+            return filtered, drawn
+        return torch.where(is_greedy, logits, filtered), torch.where(is_greedy.squeeze(-1), logits.argmax(dim=-1), drawn)
+
+    def _fetch(self, packed: torch.Tensor) -> list[float]:
+        """The step's one device-to-host copy, and the wait for it."""
+        if self._copied is None:
+            return packed.tolist()
+        if self._host.numel() < packed.numel():
+            self._host = torch.empty(2 * packed.numel(), dtype=torch.float64, pin_memory=True)
+        # Reusing the buffer is safe: the last step read it after waiting for its copy.
+        host = self._host[: packed.numel()]
+        host.copy_(packed, non_blocking=True)
+        self._copied.record()
+        self._copied.synchronize()
+        return host.tolist()
+
+
+def _packed(final: torch.Tensor, token_ids: torch.Tensor, num_top: int | None) -> torch.Tensor:
+    """Token ids, then (when logprobs are asked for) each row's logprob and top values and ids, as float64.
+
+    Ids below 2^53 and float32 logprobs are exact in float64, so one tensor carries them all.
+    """
+    if num_top is None:
+        return token_ids.to(torch.float64)
+    logprobs = final.log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    parts = [token_ids.to(torch.float64), chosen.to(torch.float64)]
+    if num_top:
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        parts += [top_values.to(torch.float64).flatten(), top_ids.to(torch.float64).flatten()]
+    return torch.cat(parts)
+
+
+def _unpacked(values: list[float], ids: list[int], params: list[SamplingParams], num_top: int) -> list[SampledToken]:
+    n = len(ids)
+    chosen = values[n: 2 * n]
+    top_values, top_ids = values[2 * n: 2 * n + n * num_top], values[2 * n + n * num_top:]
+    tokens = []
+    for i, (token, p) in enumerate(zip(ids, params)):
+        if p.logprobs is None:
+            tokens.append(SampledToken(token_id=token, logprob=None, top_logprobs=None))
+            continue
+        row = range(i * num_top, i * num_top + p.logprobs)
+        # Tokens ruled out (-inf) are left off.
+        top = {int(top_ids[j]): top_values[j] for j in row if top_values[j] != float("-inf")}
+        tokens.append(SampledToken(token_id=token, logprob=chosen[i], top_logprobs=top))
+    return tokens

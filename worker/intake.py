@@ -1,0 +1,239 @@
+"""Admission of stream entries: each becomes a running job, or the outcome it gets without running.
+
+An entry that cannot be read as a job is dead-lettered (and, when its id can be
+recovered, its record marked failed); one delivered too often fails; one whose
+record is already terminal, cancelled or past its deadline is settled here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from typing import Any
+
+import msgpack
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
+from scheduler.protocol import job_record as J
+from scheduler.protocol.job_record import job_view
+from scheduler.protocol.keys import EVENTS_LOG_TTL_S, Keys
+from scheduler.telemetry.log_format import job_context
+from scheduler.protocol.redis_replies import as_optional_bytes
+from scheduler.telemetry.otel import span_of_traceparent
+from scheduler.protocol.webhooks import delivery_fields
+from worker.config import WorkerConfig
+from worker.consumer import Entry
+from worker.job_loop import JobLoop
+from worker.metrics import WorkerMetrics
+from worker.job_store import Admission, Outcome, ResultStore, checkpoint_output, pack
+
+log = logging.getLogger(__name__)
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+"""A dropped or unreachable Redis: whatever was being written is retried later, never given up on."""
+
+
+class EntryAdmitter:
+    def __init__(self, config: WorkerConfig, client: aioredis.Redis, keys: Keys, store: ResultStore, loop: JobLoop,
+                 metrics: WorkerMetrics, lane_of: dict[str, str]) -> None:
+        """``lane_of``: each lane's stream key to its lane name, for the metrics' labels."""
+        self.config = config
+        self.client = client
+        self.keys = keys
+        self.store = store
+        self.loop = loop
+        self.metrics = metrics
+        self._lane_of = lane_of
+
+    async def admit(self, entry: Entry) -> None:
+        try:
+            await self._admit_one(entry)
+        except Exception as e:
+            if entry.deliveries < self.config.max_deliveries or isinstance(e, REDIS_DOWN):
+                # Left pending and unrenewed: redelivered after the lease, counted against max_deliveries.
+                log.exception("admitting %s failed (delivery %d of at most %d)", entry.ref, entry.deliveries,
+                              self.config.max_deliveries)
+            else:
+                log.exception("admitting %s failed on its last delivery; dead-lettering it", entry.ref,
+                              extra={"entry": str(entry.ref), "dead_letter": "unadmittable"})
+                await self._dead_letter_unadmittable(entry, e)
+        finally:
+            self.loop.release(1)
+
+    async def _dead_letter_unadmittable(self, entry: Entry, error: Exception) -> None:
+        """The last resort for an entry whose admission keeps failing: fail its job if its id can be read,
+        and put the entry on the dead stream. Only the raw fields are copied, so no content can break it."""
+        reason = _safe_text(f"could not be admitted: {type(error).__name__}: {error}")
+        lane = self._lane_of.get(entry.ref.stream, "unknown")
+        self.metrics.dead_lettered(lane, "unadmittable")
+        raw = (entry.fields or {}).get(b"job")
+        job_id = None if raw is None else _recover_id(raw)
+        try:
+            if job_id is not None:
+                try:
+                    await self.store.commit(Outcome(job_id, JobStatus.FAILED, entry.ref, dead_reason=reason,
+                                                    dead_payload=raw,
+                                                    error={"type": "unadmittable", "message": reason}))
+                    return
+                except REDIS_DOWN:
+                    raise
+                except Exception:
+                    log.exception("job %s: its record cannot take the failure; dead-lettering the entry alone", job_id)
+            await self.store.dead_letter_entry(entry.ref, reason, entry.fields or {})
+        except REDIS_DOWN:
+            log.warning("dead-lettering %s failed with Redis unavailable; it will be redelivered", entry.ref)
+
+    async def _admit_one(self, entry: Entry) -> None:
+        ref = entry.ref
+        if entry.fields is None:
+            await self.store.ack(ref)  # deleted while pending: nothing left to run
+            return
+        created_at = int(ref.entry_id.split("-", 1)[0]) / 1000  # the stream entry id is its XADD time
+        raw = entry.fields.get(b"job")
+        if raw is None:
+            await self.store.dead_letter_entry(ref, "entry has no 'job' field", entry.fields)
+            self.metrics.dead_lettered(self._lane_of.get(ref.stream, "unknown"), "no_job_field")
+            return
+        try:
+            spec = JobSpec.unpack(raw)
+            reply_problem = self.keys.check_reply_to(spec.reply_to)
+            if reply_problem is not None:
+                raise JobValidationError("reply_to", reply_problem)
+        except JobValidationError as e:
+            job_id, traceparent = _recover_id(raw), _recover_traceparent(raw)
+            reason = f"invalid job: {e}"
+            lane = self._lane_of.get(ref.stream, "unknown")
+            self.metrics.dead_lettered(lane, "invalid_job")
+            if job_id is None:
+                log.warning("%s: %s; dead-lettered", ref, reason, extra={"entry": str(ref), "dead_letter": "invalid_job"})
+                await self.store.dead_letter_entry(ref, reason, entry.fields)
+                return
+            with job_context(job_id, span_of_traceparent(traceparent)):
+                # Only an id nobody used yet gets a failed record: a real job with this id is left as it is.
+                won = await self.store.commit(Outcome(job_id, JobStatus.FAILED, ref, dead_reason=reason,
+                                                      dead_payload=raw, traceparent=traceparent, is_new_record_only=True,
+                                                      error={"type": "invalid_job", "field": e.field, "message": str(e)}))
+                log.warning("job %s: %s; dead-lettered%s", job_id, reason,
+                            " and failed" if won else " (the id names an existing job, which is left alone)",
+                            extra={"entry": str(ref), "lane": lane, "dead_letter": "invalid_job"})
+                if won:
+                    self.metrics.job_finished_unrun(lane, JobStatus.FAILED, created_at)
+            return
+        if spec.lane != entry.lane:
+            # The stream it waited in is its lane: a direct producer may leave `lane` out (standard by default).
+            spec = dataclasses.replace(spec, lane=entry.lane)
+        # Every line about this job names it and its trace (the message's context until the job's own span opens).
+        with job_context(spec.id, span_of_traceparent(spec.traceparent)):
+            await self._admit_spec(spec, entry, raw, created_at)
+
+    async def _admit_spec(self, spec: JobSpec, entry: Entry, raw: bytes, created_at: float) -> None:
+        ref = entry.ref
+        lane = spec.lane.value
+        running = self.loop.jobs.get(spec.id)
+        if running is not None and running.entry == ref:
+            # Our own reclaim took our entry after a late renewal: the job still runs here, and the claim renewed it.
+            log.info("job %s: reclaimed our own running entry %s; it keeps running", spec.id, ref)
+            return
+        if entry.deliveries > 1:
+            log.info("job %s: reclaimed from %s (delivery %d): its previous worker stopped renewing or handed it back",
+                     spec.id, ref, entry.deliveries, extra={"entry": str(ref), "lane": lane, "delivery": entry.deliveries})
+        if entry.deliveries > self.config.max_deliveries:
+            # Only deliveries whose worker died or gave up count: a clean hand-back is no sign of poison.
+            raw_checkpoint, raw_handbacks = await self.client.hmget(
+                self.keys.job(spec.id), [J.F_CHECKPOINT, J.F_HANDBACKS])
+            handbacks = int(raw_handbacks or 0)
+            if entry.deliveries - handbacks > self.config.max_deliveries:
+                await self._fail_too_many(spec, entry, raw, created_at, handbacks, as_optional_bytes(raw_checkpoint))
+                return
+        admission = await self.store.admit(spec, ref, created_at, time.time())
+        if admission.verdict != "run":
+            log.info("job %s: not run (%s, was %s)", spec.id, admission.verdict, admission.previous_status or "new",
+                     extra={"entry": str(ref), "lane": lane, "verdict": admission.verdict})
+        if admission.verdict in ("terminal", "duplicate"):
+            await self.store.ack(ref)
+        elif admission.verdict == "cancel":
+            await self.store.commit(Outcome(spec.id, JobStatus.CANCELLED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
+                                            traceparent=spec.traceparent,
+                                            error={"type": "cancelled", "message": "cancelled before it started"}))
+            self.metrics.job_finished_unrun(spec.lane.value, JobStatus.CANCELLED, created_at)
+        elif admission.verdict == "expire":
+            await self.store.commit(Outcome(spec.id, JobStatus.EXPIRED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
+                                            traceparent=spec.traceparent,
+                                            error={"type": "expired", "message": "deadline passed before the job started"}))
+            self.metrics.job_finished_unrun(spec.lane.value, JobStatus.EXPIRED, created_at)
+        else:
+            assert admission.verdict == "run", admission.verdict
+            await self._announce_start(spec, admission)
+            self.loop.start(spec, ref, admission.checkpoint, admission.record, admission.checkpoint_logprobs,
+                            attempt=admission.attempts)
+            log.info("job %s: admitted from %s (attempt %d, resuming after %d tokens)", spec.id, ref,
+                     admission.attempts, len(admission.checkpoint),
+                     extra={"entry": str(ref), "lane": lane, "attempt": admission.attempts,
+                            "resumed_from": len(admission.checkpoint)})
+
+    async def _fail_too_many(self, spec: JobSpec, entry: Entry, raw: bytes, created_at: float, handbacks: int,
+                             raw_checkpoint: bytes | None) -> None:
+        """Dead-letter a job delivered too often and fail it, keeping the output it had checkpointed."""
+        counted = entry.deliveries - handbacks
+        reason = (f"delivered {entry.deliveries} times, {counted} of them not handed back cleanly "
+                  f"(max_deliveries {self.config.max_deliveries})")
+        log.warning("job %s: %s; dead-lettered and failed", spec.id, reason,
+                    extra={"entry": str(entry.ref), "lane": spec.lane.value, "dead_letter": "too_many_deliveries"})
+        self.metrics.dead_lettered(spec.lane.value, "too_many_deliveries")
+        output = checkpoint_output(raw_checkpoint)
+        usage = None if output is None else {"prompt_tokens": 0, "completion_tokens": len(output["token_ids"]),
+                                             "cached_tokens": 0}
+        if await self.store.commit(Outcome(spec.id, JobStatus.FAILED, entry.ref, reply_to=spec.reply_to,
+                                           webhook=spec.webhook, traceparent=spec.traceparent, dead_reason=reason,
+                                           dead_payload=raw, output=output, usage=usage,
+                                           error={"type": "too_many_deliveries", "message": reason})):
+            self.metrics.job_finished_unrun(spec.lane.value, JobStatus.FAILED, created_at)
+
+    async def _announce_start(self, spec: JobSpec, admission: Admission) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        # Shown while it runs: how many output tokens this attempt took over from a checkpoint.
+        pipe.hset(self.keys.job(spec.id), J.F_RESUMED_FROM, len(admission.checkpoint))
+        started = pack({
+            "type": "started", "id": spec.id, "worker": self.config.worker_name, "attempts": admission.attempts,
+            "attempt": admission.attempts, "resumed_from": len(admission.checkpoint)})
+        pipe.publish(self.keys.events(spec.id), started)
+        pipe.xadd(self.keys.events_log(spec.id), {"e": started})
+        pipe.expire(self.keys.events_log(spec.id), EVENTS_LOG_TTL_S)
+        if admission.is_first_start and spec.webhook is not None and spec.webhook.wants(WebhookEvent.STARTED):
+            view = job_view(admission.record)
+            pipe.xadd(self.keys.webhooks, delivery_fields(spec.id, WebhookEvent.STARTED, spec.webhook.url, view,
+                                                          traceparent=spec.traceparent))
+        await pipe.execute()
+
+
+def _loose_map(raw: bytes) -> dict[Any, Any] | None:
+    """An invalid ``job`` field read as loosely as possible: JSON (redis-cli producers) or msgpack."""
+    try:
+        data = json.loads(raw) if raw[:1] == b"{" else msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _recover_traceparent(raw: bytes) -> str | None:
+    """The ``traceparent`` of an invalid message, when one can be read, so its lines join the producer's trace."""
+    traceparent = (_loose_map(raw) or {}).get("traceparent")
+    return traceparent if isinstance(traceparent, str) else None
+
+
+def _recover_id(raw: bytes) -> str | None:
+    """The job id of an invalid message, when one can be read, so its record can be marked failed."""
+    job_id = (_loose_map(raw) or {}).get("id")
+    if isinstance(job_id, str) and job_id and len(job_id) <= 128 and job_id.isprintable() and " " not in job_id:
+        return job_id
+    return None
+
+
+def _safe_text(text: str) -> str:
+    """`text` with anything UTF-8 cannot carry (a lone surrogate from the payload) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

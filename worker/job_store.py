@@ -1,0 +1,298 @@
+"""Every write a worker makes to a job record, each one atomic (a Lua script).
+
+- ``admit``: create the record of a directly XADDed job, drop entries whose job
+  is already terminal (or running from another entry of the same id), spot a
+  cancel flag or a passed deadline, else move the job to ``running`` (a
+  reclaiming worker takes running -> running) and hand back its checkpoint.
+- ``checkpoint``: store the output tokens so far, only while we still own it.
+- ``commit``: the one place a job's outcome is written. The record is
+  persisted first, then the final event, the reply entry, XACK + XDEL of the
+  lane entry, the ``completed`` webhook delivery and the dead-letter entry —
+  all in one script, so a dropped connection leaves either nothing (the entry
+  stays pending and is redelivered) or all of it. Only the first terminal
+  write wins; a loser publishes, replies and calls back nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT
+
+from scheduler.protocol import job_record as J
+from scheduler.protocol.job import JobSpec, JobStatus, WebhookEvent, WebhookSpec
+from scheduler.protocol.job_record import job_view
+from scheduler.protocol.keys import CONSUMER_GROUP, Keys
+from scheduler.protocol.redis_replies import read_hash
+from scheduler.protocol.webhooks import delivery_fields
+
+log = logging.getLogger(__name__)
+
+_TERMINAL_LUA = "local function terminal(s) return s == 'succeeded' or s == 'failed' or s == 'cancelled' or s == 'expired' end\n"
+
+# KEYS: job, cancel flag. ARGV: worker, now, spec, lane, priority, created_at, stream_entry, id, deadline|''.
+_ADMIT = _TERMINAL_LUA + """
+local st = redis.call('HGET', KEYS[1], 'status')
+if terminal(st) then return {'terminal', st} end
+if not st then
+  redis.call('HSET', KEYS[1], 'id', ARGV[8], 'status', 'queued', 'lane', ARGV[4], 'priority', ARGV[5],
+             'spec', ARGV[3], 'created_at', ARGV[6], 'stream_entry', ARGV[7])
+  st = 'queued'
+end
+if st == 'running' then
+  local owner_entry = redis.call('HGET', KEYS[1], 'stream_entry')
+  if owner_entry and owner_entry ~= ARGV[7] then return {'duplicate', st} end
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'cancel', st} end
+if ARGV[9] ~= '' and st ~= 'running' and tonumber(ARGV[2]) > tonumber(ARGV[9]) then return {'expire', st} end
+local fresh = redis.call('HSETNX', KEYS[1], 'started_at', ARGV[2])
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'stream_entry', ARGV[7])
+local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+local record, flat = {}, redis.call('HGETALL', KEYS[1])
+for k = 1, #flat, 2 do
+  if flat[k] ~= 'checkpoint' then record[#record + 1] = flat[k]; record[#record + 1] = flat[k + 1] end
+end
+return {'run', st, tostring(fresh), tostring(attempts), redis.call('HGET', KEYS[1], 'checkpoint') or '', record}
+"""
+
+# KEYS: job, lane stream, reply stream, webhook stream, dead stream.
+# ARGV: status, group, entry id|'', channel, final message, reply result|'', reply maxlen, ttl_s,
+#       dead maxlen, n webhook fields, n dead fields, '1' to write only a record that does not exist yet|'',
+#       then webhook pairs, dead pairs, record pairs.
+# Returns {won, the reply key's type when it is not a stream (no reply was added) | ''}. The type is
+# checked before any write, so a reply key of another type cannot fail the script half-way.
+_COMMIT = _TERMINAL_LUA + """
+local won = 0
+local reply_type = ''
+if ARGV[6] ~= '' then
+  local t = redis.call('TYPE', KEYS[3])['ok']
+  if t ~= 'none' and t ~= 'stream' then reply_type = t end
+end
+local nwh, ndead = tonumber(ARGV[10]), tonumber(ARGV[11])
+local i = 13
+local wh, dead, rec = {}, {}, {}
+for k = 1, nwh * 2 do wh[k] = ARGV[i]; i = i + 1 end
+for k = 1, ndead * 2 do dead[k] = ARGV[i]; i = i + 1 end
+while i <= #ARGV do rec[#rec + 1] = ARGV[i]; i = i + 1 end
+local may_write
+if ARGV[12] == '1' then may_write = redis.call('EXISTS', KEYS[1]) == 0
+else may_write = not terminal(redis.call('HGET', KEYS[1], 'status')) end
+if may_write then
+  redis.call('HSET', KEYS[1], 'status', ARGV[1], unpack(rec))
+  if tonumber(ARGV[8]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[8]) end
+  redis.call('PUBLISH', ARGV[4], ARGV[5])
+  if ARGV[6] ~= '' and reply_type == '' then
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'result', ARGV[6])
+  end
+  won = 1
+end
+if ARGV[3] ~= '' then
+  redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
+  redis.call('XDEL', KEYS[2], ARGV[3])
+end
+if won == 1 and nwh > 0 then redis.call('XADD', KEYS[4], '*', unpack(wh)) end
+if ndead > 0 then redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', unpack(dead)) end
+return {won, reply_type}
+"""
+
+
+def pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def pack_checkpoint(token_ids: list[int], logprobs: list[dict[str, Any]] | None, text: str | None = None) -> bytes:
+    """The output tokens so far, with their text (kept on the record should the job fail before it ends);
+    a job that asked for logprobs keeps theirs beside them, for its resume."""
+    if logprobs is None and text is None:
+        return pack(token_ids)
+    data: dict[str, Any] = {"token_ids": token_ids}
+    if logprobs is not None:
+        data["logprobs"] = logprobs
+    if text is not None:
+        data["text"] = text
+    return pack(data)
+
+
+def unpack_checkpoint(raw: bytes) -> tuple[list[int], list[dict[str, Any]] | None]:
+    if not raw:
+        return [], None
+    data = msgpack.unpackb(raw)
+    if isinstance(data, dict):
+        logprobs = data.get("logprobs")
+        return list(data["token_ids"]), None if logprobs is None else list(logprobs)
+    return list(data), None
+
+
+def checkpoint_output(raw: bytes | None) -> dict[str, Any] | None:
+    """A checkpoint as a record's ``output`` (``finish_reason`` None: the job never finished), or None."""
+    if not raw:
+        return None
+    token_ids, logprobs = unpack_checkpoint(raw)
+    data = msgpack.unpackb(raw)
+    output: dict[str, Any] = {"text": data.get("text") if isinstance(data, dict) else None,
+                              "token_ids": token_ids, "finish_reason": None}
+    if logprobs is not None:
+        output["logprobs"] = logprobs
+    return output
+
+
+@dataclass(frozen=True)
+class EntryRef:
+    """Where a job's message sits: its lane stream and entry id."""
+
+    stream: str
+    entry_id: str
+
+    def __str__(self) -> str:
+        return f"{self.stream} {self.entry_id}"
+
+
+@dataclass
+class Admission:
+    verdict: str  # run | terminal | duplicate | cancel | expire
+    previous_status: str
+    is_first_start: bool = False
+    attempts: int = 0
+    checkpoint: list[int] = field(default_factory=list)
+    checkpoint_logprobs: list[dict[str, Any]] | None = None
+    """The logprobs of the checkpoint's tokens, when the job asked for logprobs."""
+    record: dict[bytes, bytes] = field(default_factory=dict)
+    """The job record as the job starts (without the checkpoint), so its view needs no read."""
+
+
+@dataclass
+class Outcome:
+    """A job's decided fate, ready to be committed once."""
+
+    job_id: str
+    status: JobStatus
+    entry: EntryRef | None
+    reply_to: str | None = None
+    webhook: WebhookSpec | None = None
+    output: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+    error: dict[str, str] | None = None
+    first_token_at: float | None = None
+    resumed_from: int | None = None
+    dead_reason: str | None = None
+    dead_payload: bytes | None = None
+    """Original ``job`` field, copied to the dead-letter entry."""
+    worker: str | None = None
+    trace: Any = None
+    """The job's ``worker.metrics.JobTrace`` when it ran here: closed with the job's spans and metrics."""
+    traceparent: str | None = None
+    """The job message's trace context: the parent of its webhook delivery when it did not run here."""
+    is_new_record_only: bool = False
+    """Write the outcome only if no record exists for the id (an invalid message must not decide a real job)."""
+
+
+class ResultStore:
+    """The worker's writes to job records, with the scripts registered once."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, *, worker: str, result_ttl_s: int,
+                 reply_maxlen: int, dead_maxlen: int) -> None:
+        self.client = client
+        self.keys = keys
+        self.worker = worker
+        self.result_ttl_s = result_ttl_s
+        self.reply_maxlen = reply_maxlen
+        self.dead_maxlen = dead_maxlen
+        self._admit = client.register_script(_ADMIT)
+        self._commit = client.register_script(_COMMIT)
+
+    async def admit(self, spec: JobSpec, entry: EntryRef, created_at: float, now: float) -> Admission:
+        reply = await self._admit(
+            keys=[self.keys.job(spec.id), self.keys.cancel(spec.id)],
+            args=[self.worker, repr(now), spec.pack(), spec.lane.value, spec.priority, repr(created_at), str(entry),
+                  spec.id, "" if spec.deadline is None else repr(spec.deadline)],
+        )
+        verdict, previous = _s(reply[0]), _s(reply[1]) if reply[1] else ""
+        if verdict != "run":
+            return Admission(verdict, previous)
+        checkpoint, checkpoint_logprobs = unpack_checkpoint(reply[4])
+        flat = reply[5]
+        return Admission("run", previous, is_first_start=_s(reply[2]) == "1", attempts=int(reply[3]),
+                         checkpoint=checkpoint, checkpoint_logprobs=checkpoint_logprobs,
+                         record=dict(zip(flat[::2], flat[1::2])))
+
+    async def commit(self, outcome: Outcome) -> bool:
+        """Write the outcome if the job is not terminal yet; True when this call decided the job."""
+        now = time.time()
+        job_key = self.keys.job(outcome.job_id)
+        fields: dict[str, Any] = {J.F_FINISHED_AT: repr(now), J.F_WORKER: outcome.worker or self.worker}
+        if outcome.output is not None:
+            fields[J.F_OUTPUT] = pack(outcome.output)
+        if outcome.usage is not None:
+            fields[J.F_USAGE] = pack(outcome.usage)
+        if outcome.error is not None:
+            fields[J.F_ERROR] = pack(outcome.error)
+        if outcome.resumed_from is not None:
+            fields[J.F_RESUMED_FROM] = str(outcome.resumed_from)
+        record = await read_hash(self.client, job_key)
+        if outcome.first_token_at is not None and J.F_FIRST_TOKEN_AT.encode() not in record:
+            fields[J.F_FIRST_TOKEN_AT] = repr(outcome.first_token_at)
+        if J.F_ID.encode() not in record:
+            fields[J.F_ID] = outcome.job_id
+        merged = dict(record)
+        merged.update({k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()})
+        merged[J.F_STATUS.encode()] = outcome.status.value.encode()
+        view = job_view(merged)
+        final = pack({"type": "final", "id": outcome.job_id, "attempt": view["attempts"], "job": view})
+        webhook: list[Any] = []
+        if outcome.webhook is not None and outcome.webhook.wants(WebhookEvent.COMPLETED):
+            traceparent = outcome.trace.traceparent if outcome.trace is not None else outcome.traceparent
+            for k, v in delivery_fields(outcome.job_id, WebhookEvent.COMPLETED.value, outcome.webhook.url, view,
+                                        traceparent=traceparent).items():
+                webhook += [k, v]
+        dead: list[Any] = []
+        if outcome.dead_reason is not None:
+            dead = ["reason", outcome.dead_reason, "job_id", outcome.job_id, "worker", self.worker]
+            if outcome.entry is not None:
+                dead += ["stream", outcome.entry.stream, "entry_id", outcome.entry.entry_id]
+            if outcome.dead_payload is not None:
+                dead += ["job", outcome.dead_payload]
+        record_pairs: list[Any] = []
+        for k, v in fields.items():
+            record_pairs += [k, v]
+        entry = outcome.entry
+        # Admission refuses reply streams inside carpool's prefix; one admitted before that gets no reply.
+        reply_to = None if self.keys.check_reply_to(outcome.reply_to) else outcome.reply_to
+        won, reply_type = await self._commit(
+            keys=[job_key, entry.stream if entry else self.keys.dead, reply_to or self.keys.dead,
+                  self.keys.webhooks, self.keys.dead],
+            args=[outcome.status.value, CONSUMER_GROUP, entry.entry_id if entry else "",
+                  self.keys.events(outcome.job_id), final, pack(view) if reply_to else "",
+                  self.reply_maxlen, self.result_ttl_s, self.dead_maxlen, len(webhook) // 2, len(dead) // 2,
+                  "1" if outcome.is_new_record_only else "", *webhook, *dead, *record_pairs],
+        )
+        if reply_type:
+            log.warning("job %s: reply_to %r is a %s, not a stream: no reply was added", outcome.job_id,
+                        outcome.reply_to, _s(reply_type))
+        return bool(won)
+
+    async def dead_letter_entry(self, entry: EntryRef, reason: str, raw_fields: dict[bytes, bytes]) -> None:
+        """An entry with no usable job id: keep it on the dead stream and let it go from the lane."""
+        pipe = self.client.pipeline(transaction=True)
+        dead: dict[FieldT, EncodableT] = {
+            "reason": reason, "stream": entry.stream, "entry_id": entry.entry_id, "worker": self.worker}
+        for k, v in raw_fields.items():
+            dead.setdefault(k, v)
+        pipe.xadd(self.keys.dead, dead, maxlen=self.dead_maxlen, approximate=True)
+        pipe.xack(entry.stream, CONSUMER_GROUP, entry.entry_id)
+        pipe.xdel(entry.stream, entry.entry_id)
+        await pipe.execute()
+
+    async def ack(self, entry: EntryRef) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(entry.stream, CONSUMER_GROUP, entry.entry_id)
+        pipe.xdel(entry.stream, entry.entry_id)
+        await pipe.execute()
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
