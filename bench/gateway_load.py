@@ -34,7 +34,7 @@ import msgpack
 import redis.asyncio as aioredis
 
 from gateway.cli.embedded_redis import EmbeddedRedis, free_port
-from scheduler.protocol.job_record import job_view
+from scheduler.protocol.job_record import final_event, job_view
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import read_hash
 
@@ -115,7 +115,7 @@ async def _finish(redis: aioredis.Redis, ids: list[str]) -> None:
         pipe = redis.pipeline(transaction=False)
         for job_id in chunk:
             view = job_view(await read_hash(redis, KEYS.job(job_id)))
-            pipe.publish(KEYS.events(job_id), msgpack.packb({"type": "final", "id": job_id, "job": view}))
+            pipe.publish(KEYS.events(job_id), msgpack.packb(final_event(job_id, view, view["attempts"])))
         await pipe.execute()
 
 

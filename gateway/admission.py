@@ -20,8 +20,9 @@ import redis.asyncio as aioredis
 
 from gateway.config import GatewayConfig
 from gateway.context_length import ContextLength
+from scheduler.protocol import state_machine
 from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, new_job_id
-from scheduler.protocol.job_record import F_CREATED_AT, F_ID, F_LANE, F_PRIORITY, F_SPEC, F_STATUS, F_STREAM_ENTRY
+from scheduler.protocol.job_record import F_CREATED_AT, F_ID, F_LANE, F_PRIORITY, F_SPEC, F_STATUS
 from scheduler.protocol.keys import CONSUMER_GROUP, Keys
 from scheduler.protocol.lanes import Lane
 from scheduler.protocol.redis_replies import as_bytes, as_optional_bytes
@@ -34,42 +35,6 @@ WebhookCheck = Callable[[str], Awaitable[None]]
 EnqueueSpan = Callable[[JobSpec], AbstractContextManager[object]]
 """Wraps the enqueue in a trace span and sets the spec's ``traceparent`` before it is packed."""
 
-# One atomic step, so no failure (a killed gateway, a lost connection) can leave an idempotency key
-# naming a job that was never enqueued: the key is claimed together with the record and lane entry.
-# KEYS: job record, lane stream, idempotency key (the job record again when the request has none).
-# ARGV: ttl_s, '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id,
-#       packed spec, then the record's field/value pairs.
-# Returns {'claimed', id} when the idempotency key already names a job, {'exists', status} when a record
-# exists for this id (the key, if any, then names it), {'full'} when the lane refuses, {'enqueued', entry}.
-_ENQUEUE_LUA = """
-local has_key = ARGV[3] == '1'
-if has_key then
-  local owner = redis.call('GET', KEYS[3])
-  if owner then return {'claimed', owner} end
-end
-local status = redis.call('HGET', KEYS[1], '@status@')
-if status then
-  if has_key then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1]) end
-  return {'exists', status}
-end
-if ARGV[2] == '1' then return {'full'} end
--- Never trimmed: an accepted job stays until a worker acknowledges and deletes it (the depth check bounds the lane).
-local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[5])
-local fields = {}
-for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
-fields[#fields + 1] = '@stream_entry@'
-fields[#fields + 1] = KEYS[2] .. ' ' .. entry
-redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-if has_key then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1]) end
-return {'enqueued', entry}
-""".replace("@status@", F_STATUS).replace("@stream_entry@", F_STREAM_ENTRY)
-
-# Forget an idempotency key only if it still names the job whose record has gone.
-_RELEASE_IDEMPOTENCY_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 MAX_CLAIM_TRIES = 3
 """Tries to admit past keys that name expired jobs before a request is told another one holds its key."""
@@ -130,8 +95,8 @@ class Admission:
         self._context = ContextLength(redis, keys, config.max_model_len)
         self._check_webhook = check_webhook
         self._enqueue_span = enqueue_span
-        self._enqueue = redis.register_script(_ENQUEUE_LUA)
-        self._release = redis.register_script(_RELEASE_IDEMPOTENCY_LUA)
+        self._enqueue = redis.register_script(state_machine.ENQUEUE)
+        self._release = redis.register_script(state_machine.RELEASE_KEY)
 
     async def validate(self, body: object) -> JobSpec:
         default_id = new_job_id()

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway import appkeys as K
+from gateway import appkeys
 from gateway.admission import Admission, WebhookCheck
 from gateway.cancel import Canceller
 from gateway.config import GatewayConfig
@@ -41,13 +41,14 @@ log = logging.getLogger(__name__)
 def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.Application:
     """``telemetry`` (built by the CLI from the OTEL_* variables) stays the caller's to shut down."""
     # The telemetry middleware is outermost, so it sees the status the error middleware answered.
+    metrics = GatewayMetrics(telemetry)
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[telemetry_middleware, error_middleware(config.retry_after_s)],
+        middlewares=[telemetry_middleware(metrics), error_middleware(config.retry_after_s)],
     )
-    app[K.CONFIG] = config
-    app[K.KEYS] = Keys(config.key_prefix)
-    app[K.METRICS] = GatewayMetrics(telemetry)
+    app[appkeys.CONFIG] = config
+    app[appkeys.KEYS] = Keys(config.key_prefix)
+    app[appkeys.METRICS] = metrics
     app.cleanup_ctx.append(_metrics_ctx)
     app.cleanup_ctx.append(_redis_ctx)
     app.cleanup_ctx.append(_hub_ctx)
@@ -65,7 +66,7 @@ def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.A
 
 
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
-    config = app[K.CONFIG]
+    config = app[appkeys.CONFIG]
     # A bounded pool that makes a command wait for a free connection, up to the timeout (then the
     # request is answered 503): a burst of requests queues instead of failing past the pool size.
     pool = aioredis.BlockingConnectionPool.from_url(
@@ -73,36 +74,36 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
         health_check_interval=30,
     )
     client = aioredis.Redis(connection_pool=pool)
-    app[K.REDIS] = client
+    app[appkeys.REDIS] = client
     yield
     await client.aclose()
 
 
 async def _metrics_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
-    app[K.METRICS].close()
+    app[appkeys.METRICS].close()
 
 
 async def _streams_ctx(app: web.Application) -> AsyncIterator[None]:
-    streams = app[K.METRICS].watch_streams(app[K.REDIS], app[K.KEYS])
+    streams = app[appkeys.METRICS].watch_streams(app[appkeys.REDIS], app[appkeys.KEYS])
     yield
     await streams.aclose()
 
 
 async def _hub_ctx(app: web.Application) -> AsyncIterator[None]:
-    hub = EventHub(app[K.REDIS])
+    hub = EventHub(app[appkeys.REDIS])
     hub.start()
-    app[K.HUB] = hub
+    app[appkeys.HUB] = hub
     yield
     await hub.stop()
 
 
 async def _domain_ctx(app: web.Application) -> AsyncIterator[None]:
-    config, redis, keys = app[K.CONFIG], app[K.REDIS], app[K.KEYS]
-    app[K.ADMISSION] = Admission(
-        redis, keys, config, _webhook_check(config.webhooks), enqueue_span=app[K.METRICS].enqueue_span
+    config, redis, keys = app[appkeys.CONFIG], app[appkeys.REDIS], app[appkeys.KEYS]
+    app[appkeys.ADMISSION] = Admission(
+        redis, keys, config, _webhook_check(config.webhooks), enqueue_span=app[appkeys.METRICS].enqueue_span
     )
-    app[K.CANCELLER] = Canceller(redis, keys, flag_ttl_s=config.result_ttl_s, reply_maxlen=config.reply_maxlen)
+    app[appkeys.CANCELLER] = Canceller(redis, keys, flag_ttl_s=config.result_ttl_s, reply_maxlen=config.reply_maxlen)
     yield
 
 
@@ -114,7 +115,7 @@ async def _batches_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _webhooks_ctx(app: web.Application) -> AsyncIterator[None]:
-    async with WebhookDispatcher(app[K.REDIS], app[K.KEYS], app[K.CONFIG].webhooks, observer=app[K.METRICS]):
+    async with WebhookDispatcher(app[appkeys.REDIS], app[appkeys.KEYS], app[appkeys.CONFIG].webhooks, observer=app[appkeys.METRICS]):
         yield
 
 
@@ -135,4 +136,4 @@ def _webhook_check(config: WebhookConfig) -> WebhookCheck:
 
 
 async def _wake_waiters(app: web.Application) -> None:
-    app[K.HUB].close_waiters()
+    app[appkeys.HUB].close_waiters()

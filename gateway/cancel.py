@@ -18,39 +18,12 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 
+from scheduler.protocol import state_machine
 from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
-from scheduler.protocol.job_record import F_ERROR, F_FINISHED_AT, F_SPEC, F_STATUS, job_view
+from scheduler.protocol.job_record import F_ERROR, F_FINISHED_AT, F_SPEC, F_STATUS, final_event, job_view
 from scheduler.protocol.keys import DEFAULT_REPLY_MAXLEN, Keys
 from scheduler.protocol.redis_replies import read_hash
 from scheduler.protocol.webhooks import delivery_fields, should_send
-
-# Returns '+cancelled' or '+cancelling' when it acted, 'missing', or the status it found otherwise.
-# A reply key that exists with another type than stream gets no reply; its type is checked before any write.
-# KEYS: job record, cancel flag, reply stream, webhook stream.
-# ARGV: now, packed error, flag ttl_s, control channel, packed control message, events channel,
-#       packed final event, packed reply result|'', reply maxlen, then the webhook delivery's field pairs.
-_CANCEL_LUA = """
-local status = redis.call('HGET', KEYS[1], '@status@')
-if not status then return 'missing' end
-if status == 'queued' then
-  local reply_type = redis.call('TYPE', KEYS[3])['ok']
-  local reply_is_stream = reply_type == 'none' or reply_type == 'stream'
-  redis.call('HSET', KEYS[1], '@status@', 'cancelled', '@finished_at@', ARGV[1], '@error@', ARGV[2])
-  redis.call('SET', KEYS[2], '1', 'EX', ARGV[3])
-  redis.call('PUBLISH', ARGV[6], ARGV[7])
-  if ARGV[8] ~= '' and reply_is_stream then
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[9], '*', 'result', ARGV[8])
-  end
-  if #ARGV > 9 then redis.call('XADD', KEYS[4], '*', unpack(ARGV, 10)) end
-  return '+cancelled'
-end
-if status == 'running' then
-  redis.call('SET', KEYS[2], '1', 'EX', ARGV[3])
-  redis.call('PUBLISH', ARGV[4], ARGV[5])
-  return '+cancelling'
-end
-return status
-""".replace("@status@", F_STATUS).replace("@finished_at@", F_FINISHED_AT).replace("@error@", F_ERROR)
 
 
 class JobNotFound(Exception):
@@ -77,7 +50,7 @@ class Canceller:
         self._keys = keys
         self._flag_ttl_s = flag_ttl_s
         self._reply_maxlen = reply_maxlen
-        self._cancel = redis.register_script(_CANCEL_LUA)
+        self._cancel = redis.register_script(state_machine.CANCEL)
 
     async def cancel(self, job_id: str) -> CancelOutcome:
         outcome, view = await self.transition(job_id)
@@ -115,7 +88,7 @@ class Canceller:
             for k, v in delivery_fields(spec.id, WebhookEvent.COMPLETED, spec.webhook.url, view,
                                         traceparent=spec.traceparent).items():
                 webhook += [k, v]
-        final = msgpack.packb({"type": "final", "id": job_id, "attempt": view["attempts"], "job": view})
+        final = msgpack.packb(final_event(job_id, view, view["attempts"]))
         # A reply key inside carpool's prefix (admitted before such names were refused) gets no reply.
         reply_to = None if spec is None or self._keys.check_reply_to(spec.reply_to) else spec.reply_to
         outcome = (

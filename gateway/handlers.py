@@ -12,7 +12,7 @@ import msgpack
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from gateway import appkeys as K
+from gateway import appkeys
 from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.errors import REDIS_UNAVAILABLE, error_response
@@ -32,7 +32,7 @@ _dumps = functools.partial(json.dumps, default=json_default)
 
 @routes.post("/v1/jobs")
 async def post_job(request: web.Request) -> web.Response:
-    metrics = request.app[K.METRICS]
+    metrics = request.app[appkeys.METRICS]
     try:
         body = await request.json(loads=json.loads)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -40,13 +40,13 @@ async def post_job(request: web.Request) -> web.Response:
         reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
         return error_response(400, "invalid_request", f"body is not valid JSON: {reason}", field="body")
     try:
-        admitted = await request.app[K.ADMISSION].submit(body, request.headers.get("Idempotency-Key"))
+        admitted = await request.app[appkeys.ADMISSION].submit(body, request.headers.get("Idempotency-Key"))
     except InvalidJob as e:
         metrics.job_rejected("invalid")
         return error_response(400, "invalid_request", e.message, field=e.field)
     except LaneFull as e:
         metrics.job_rejected("lane_full", e.lane.value)
-        retry_after = str(request.app[K.CONFIG].retry_after_s)
+        retry_after = str(request.app[appkeys.CONFIG].retry_after_s)
         return error_response(429, "lane_full", str(e), field="lane", **{"Retry-After": retry_after})
     except IdempotencyInFlight as e:
         return error_response(409, "conflict", f"a request with this Idempotency-Key is still creating job {e}",
@@ -74,11 +74,11 @@ async def get_job(request: web.Request) -> web.Response:
             return error_response(400, "invalid_request", "must be a number of seconds", field="wait")
         if not 0 <= wait_s < float("inf"):
             return error_response(400, "invalid_request", "must be a non-negative number of seconds", field="wait")
-    wait_s = min(wait_s, app[K.CONFIG].max_wait_s)
-    metrics = app[K.METRICS]
+    wait_s = min(wait_s, app[appkeys.CONFIG].max_wait_s)
+    metrics = app[appkeys.METRICS]
     metrics.waiter_opened()
     try:
-        record = await wait_for_terminal(app[K.REDIS], app[K.HUB], app[K.KEYS], job_id, wait_s)
+        record = await wait_for_terminal(app[appkeys.REDIS], app[appkeys.HUB], app[appkeys.KEYS], job_id, wait_s)
     finally:
         metrics.waiter_closed()
     if not record:
@@ -89,16 +89,16 @@ async def get_job(request: web.Request) -> web.Response:
 @routes.get("/v1/jobs/{id}/events")
 async def job_events(request: web.Request) -> web.StreamResponse:
     app = request.app
-    redis, keys = app[K.REDIS], app[K.KEYS]
+    redis, keys = app[appkeys.REDIS], app[appkeys.KEYS]
     job_id = request.match_info["id"]
     if not await redis.exists(keys.job(job_id)):
         return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
     })
-    app[K.METRICS].waiter_opened()
+    app[appkeys.METRICS].waiter_opened()
     try:
-        await stream_events(request, response, redis, keys, app[K.HUB], job_id, app[K.CONFIG].sse_heartbeat_s)
+        await stream_events(request, response, redis, keys, app[appkeys.HUB], job_id, app[appkeys.CONFIG].sse_heartbeat_s)
     except ConnectionResetError:
         # The client went away mid-stream (it may come back with Last-Event-ID): an ordinary end.
         log.debug("event stream of job %s: client disconnected", job_id)
@@ -107,7 +107,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
             raise  # answered 503 by the error middleware
         log.warning("event stream of job %s: ended early, Redis unavailable: %s", job_id, e)
     finally:
-        app[K.METRICS].waiter_closed()
+        app[appkeys.METRICS].waiter_closed()
     return response
 
 
@@ -115,12 +115,12 @@ async def job_events(request: web.Request) -> web.StreamResponse:
 async def delete_job(request: web.Request) -> web.Response:
     job_id = request.match_info["id"]
     try:
-        outcome = await request.app[K.CANCELLER].cancel(job_id)
+        outcome = await request.app[appkeys.CANCELLER].cancel(job_id)
     except JobNotFound:
         return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
     except AlreadyFinished as e:
         return error_response(409, "conflict", f"job {job_id!r} already {e.status}", field="id")
-    request.app[K.METRICS].job_cancelled("queued" if outcome.is_cancelled_now else "running")
+    request.app[appkeys.METRICS].job_cancelled("queued" if outcome.is_cancelled_now else "running")
     return web.json_response(outcome.view, status=202, dumps=_dumps)
 
 
@@ -132,7 +132,7 @@ async def healthz(request: web.Request) -> web.Response:
 @routes.get("/readyz")
 async def readyz(request: web.Request) -> web.Response:
     app = request.app
-    redis, keys, admission = app[K.REDIS], app[K.KEYS], app[K.ADMISSION]
+    redis, keys, admission = app[appkeys.REDIS], app[appkeys.KEYS], app[appkeys.ADMISSION]
     try:
         await redis.ping()
         lanes = {lane.value: await admission.lane_depth(lane) for lane in LANES}
@@ -145,7 +145,7 @@ async def readyz(request: web.Request) -> web.Response:
             workers[name.decode()] = msgpack.unpackb(raw, raw=False, strict_map_key=False)
         except Exception:  # a heartbeat in an unknown format is still a worker we can name
             workers[name.decode()] = None
-    max_depth = app[K.CONFIG].max_lane_depth
+    max_depth = app[appkeys.CONFIG].max_lane_depth
     return web.json_response({
         "status": "ready",
         "time": time.time(),
@@ -156,6 +156,6 @@ async def readyz(request: web.Request) -> web.Response:
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
-    response = web.Response(body=request.app[K.METRICS].render())
+    response = web.Response(body=request.app[appkeys.METRICS].render())
     response.headers["Content-Type"] = CONTENT_TYPE
     return response

@@ -15,11 +15,12 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from gateway.webhooks.metrics import WebhookMetrics
-from scheduler.telemetry import metric_schema as M
+from scheduler.telemetry import metric_schema
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.lanes import LANES
 from scheduler.telemetry.log_format import job_context
@@ -41,36 +42,36 @@ class GatewayMetrics(ProcessMetrics):
     def __init__(self, telemetry: Telemetry | None = None) -> None:
         super().__init__(telemetry, "carpool-gateway")
         t = self.telemetry
-        self._submitted = t.counter(M.JOBS_SUBMITTED)
-        self._rejected = t.counter(M.JOBS_REJECTED)
-        self._deduplicated = t.counter(M.JOBS_DEDUPLICATED)
-        self._cancelled = t.counter(M.JOBS_CANCELLED)
-        self._open_waiters = t.up_down_counter(M.OPEN_WAITERS)
-        self._http_duration = t.histogram(M.HTTP_SERVER_DURATION)
+        self._submitted = t.counter(metric_schema.JOBS_SUBMITTED)
+        self._rejected = t.counter(metric_schema.JOBS_REJECTED)
+        self._deduplicated = t.counter(metric_schema.JOBS_DEDUPLICATED)
+        self._cancelled = t.counter(metric_schema.JOBS_CANCELLED)
+        self._open_waiters = t.up_down_counter(metric_schema.OPEN_WAITERS)
+        self._http_duration = t.histogram(metric_schema.HTTP_SERVER_DURATION)
         self.webhooks = WebhookMetrics(t)
         # Zero series for every known label set, so dashboards and rate() see them before the first event.
         for lane in LANES:
-            self._submitted.add(0, {M.A_LANE: lane.value})
-            self._rejected.add(0, {M.A_LANE: lane.value, M.A_REJECT_REASON: "lane_full"})
-        self._rejected.add(0, {M.A_LANE: UNKNOWN_LANE, M.A_REJECT_REASON: "invalid"})
+            self._submitted.add(0, {metric_schema.A_LANE: lane.value})
+            self._rejected.add(0, {metric_schema.A_LANE: lane.value, metric_schema.A_REJECT_REASON: "lane_full"})
+        self._rejected.add(0, {metric_schema.A_LANE: UNKNOWN_LANE, metric_schema.A_REJECT_REASON: "invalid"})
         self._deduplicated.add(0)
         self._open_waiters.add(0)
         for state in ("queued", "running"):
-            self._cancelled.add(0, {M.A_CANCEL_STATE: state})
+            self._cancelled.add(0, {metric_schema.A_CANCEL_STATE: state})
 
     # --- recording --------------------------------------------------------------------
 
     def job_submitted(self, lane: str) -> None:
-        self._submitted.add(1, {M.A_LANE: lane})
+        self._submitted.add(1, {metric_schema.A_LANE: lane})
 
     def job_rejected(self, reason: str, lane: str | None = None) -> None:
-        self._rejected.add(1, {M.A_LANE: lane or UNKNOWN_LANE, M.A_REJECT_REASON: reason})
+        self._rejected.add(1, {metric_schema.A_LANE: lane or UNKNOWN_LANE, metric_schema.A_REJECT_REASON: reason})
 
     def job_deduplicated(self) -> None:
         self._deduplicated.add(1)
 
     def job_cancelled(self, state: str) -> None:
-        self._cancelled.add(1, {M.A_CANCEL_STATE: state})
+        self._cancelled.add(1, {metric_schema.A_CANCEL_STATE: state})
 
     def waiter_opened(self) -> None:
         """A long-poll or event stream started waiting on a job (pair with ``waiter_closed``)."""
@@ -96,7 +97,7 @@ class GatewayMetrics(ProcessMetrics):
         incoming ``traceparent`` header).
         """
         parent = context_from_traceparent(spec.traceparent)
-        attributes = {"carpool.job.id": spec.id, M.A_LANE: spec.lane.value}
+        attributes = {"carpool.job.id": spec.id, metric_schema.A_LANE: spec.lane.value}
         with self.tracer.start_as_current_span(
             "carpool.enqueue", context=parent, kind=SpanKind.PRODUCER, attributes=attributes
         ) as span:
@@ -113,15 +114,21 @@ class GatewayMetrics(ProcessMetrics):
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@web.middleware
-async def telemetry_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Server span (continuing a ``traceparent`` header) and duration histogram for every request."""
-    from gateway import appkeys as K  # appkeys imports this module
+def telemetry_middleware(metrics: GatewayMetrics) -> Middleware:
+    """The middleware recording into ``metrics``: a server span (continuing a ``traceparent`` header) and
+    the duration histogram for every request."""
 
-    metrics = request.app[K.METRICS]
+    @web.middleware
+    async def telemetry(request: web.Request, handler: Handler) -> web.StreamResponse:
+        return await _record_request(metrics, request, handler)
+
+    return telemetry
+
+
+async def _record_request(metrics: GatewayMetrics, request: web.Request, handler: Handler) -> web.StreamResponse:
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
-    attributes: dict[str, Any] = {M.A_HTTP_METHOD: request.method, M.A_HTTP_ROUTE: route}
+    attributes: dict[str, Any] = {metric_schema.A_HTTP_METHOD: request.method, metric_schema.A_HTTP_ROUTE: route}
     start = time.perf_counter()
     status = 500
     if route in UNTRACED_ROUTES:
@@ -143,9 +150,9 @@ async def telemetry_middleware(request: web.Request, handler: Handler) -> web.St
             status = e.status
             raise
         finally:
-            metrics.record_http(time.perf_counter() - start, {**attributes, M.A_HTTP_STATUS: status})
+            metrics.record_http(time.perf_counter() - start, {**attributes, metric_schema.A_HTTP_STATUS: status})
             if span is not None:
-                span.set_attribute(M.A_HTTP_STATUS, status)
+                span.set_attribute(metric_schema.A_HTTP_STATUS, status)
                 if status >= 500:
                     span.set_status(Status(StatusCode.ERROR))
 

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from gateway.event_hub import EventHub, is_terminal
-from scheduler.protocol.job_record import job_view, json_default
+from scheduler.protocol.job_record import final_event, job_view, json_default
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import read_hash
 
@@ -105,7 +105,7 @@ def from_view(view: dict[str, Any], cursor: Cursor, final: dict[str, Any] | None
                        "attempt": attempts})
         cursor.tokens += len(ids)
         cursor.text_chars += len(text)
-    events.append(final or {"type": "final", "id": view["id"], "attempt": attempts, "job": view})
+    events.append(final or final_event(view["id"], view, attempts))
     return events
 
 

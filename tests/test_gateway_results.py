@@ -18,7 +18,7 @@ from gateway.config import GatewayConfig
 from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
 from scheduler.protocol.job_record import job_view
-from gateway import appkeys as K
+from gateway import appkeys
 from scheduler.protocol.keys import Keys
 from worker_harness import WAIT_S, wait_until
 
@@ -55,7 +55,7 @@ async def finish_like_a_worker(redis: aioredis.Redis, job_id: str, text: str, de
 async def test_long_poll_returns_when_the_job_finishes(client: TestClient, redis: aioredis.Redis) -> None:
     job_id = await new_job(client)
     poll = asyncio.create_task(client.get(f"/v1/jobs/{job_id}?wait=60"))
-    await wait_until(lambda: client.app[K.HUB].num_waiters == 1, "the long poll waiting")
+    await wait_until(lambda: client.app[appkeys.HUB].num_waiters == 1, "the long poll waiting")
     assert not poll.done()  # it waits for the job rather than answering with the queued record
     await finish_like_a_worker(redis, job_id, "done!", delay_s=0)
     finished = time.monotonic()
@@ -78,7 +78,7 @@ async def test_long_poll_gives_the_current_record_after_the_wait(client: TestCli
 async def test_many_long_polls_share_one_subscription(client: TestClient, redis: aioredis.Redis) -> None:
     job_id = await new_job(client)
     polls = [asyncio.create_task(client.get(f"/v1/jobs/{job_id}?wait=60")) for _ in range(5)]
-    await wait_until(lambda: client.app[K.HUB].num_waiters == 5, "all 5 long polls waiting")
+    await wait_until(lambda: client.app[appkeys.HUB].num_waiters == 5, "all 5 long polls waiting")
     assert (await redis.pubsub_numsub(KEYS.events(job_id)))[0][1] == 1
     await finish_like_a_worker(redis, job_id, "all", delay_s=0)
     views = [await (await poll).json() for poll in polls]
@@ -155,7 +155,7 @@ async def test_sse_notices_a_missed_final_on_its_heartbeat(client: TestClient, r
 async def test_cancel_a_queued_job(client: TestClient, redis: aioredis.Redis) -> None:
     job_id = await new_job(client, reply_to="replies", webhook={"url": "https://hooks.test/cb", "events": ["completed"]})
     waiter = asyncio.create_task(client.get(f"/v1/jobs/{job_id}?wait=60"))
-    await wait_until(lambda: client.app[K.HUB].num_waiters == 1, "the long poll waiting")
+    await wait_until(lambda: client.app[appkeys.HUB].num_waiters == 1, "the long poll waiting")
 
     resp = await client.delete(f"/v1/jobs/{job_id}")
     assert resp.status == 202

@@ -14,7 +14,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway import appkeys as K
+from gateway import appkeys
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.webhooks import generate_secret
@@ -93,7 +93,7 @@ async def test_metrics_and_traces_from_gateway_to_worker(redis_url: str, tiny_mo
 
         await worker.metrics.streams.refresh()
         wk_text = await wait_for(worker_http, "carpool_jobs_finished_total", NUM_JOBS)
-        await gateway.app[K.METRICS].streams.refresh()
+        await gateway.app[appkeys.METRICS].streams.refresh()
         gw_text = await scrape(gateway)
         stats = engine.stats()
     finally:

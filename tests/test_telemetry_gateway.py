@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway import appkeys as K
+from gateway import appkeys
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from scheduler.protocol.job import JobSpec
@@ -54,7 +54,7 @@ async def test_scrape_counts_submissions_and_rejections(
     resp = await client.post("/v1/jobs", json={"id": "same", "prompt": "x"})
     assert resp.status == 202
     assert (await client.post("/v1/jobs", json={"id": "same", "prompt": "x"})).status == 200
-    await client.app[K.METRICS].streams.refresh()
+    await client.app[appkeys.METRICS].streams.refresh()
 
     resp = await client.get("/metrics")
     assert resp.status == 200

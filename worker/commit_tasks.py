@@ -7,14 +7,14 @@ import logging
 
 from scheduler.telemetry.log_format import job_context
 from scheduler.telemetry.otel import span_of_traceparent
+from worker.job_store import JobStore, Outcome
 from worker.metrics import WorkerMetrics
-from worker.job_store import Outcome, ResultStore
 
 log = logging.getLogger(__name__)
 
 
 class CommitTasks:
-    def __init__(self, store: ResultStore, metrics: WorkerMetrics) -> None:
+    def __init__(self, store: JobStore, metrics: WorkerMetrics) -> None:
         self.store = store
         self.metrics = metrics
         self.num_finished = 0
@@ -26,11 +26,10 @@ class CommitTasks:
         task.add_done_callback(self._reap)
 
     async def _commit(self, outcome: Outcome) -> None:
-        # Shielded: once decided, a shutdown must not cut the commit in half.
         span = outcome.trace.span if outcome.trace is not None else span_of_traceparent(outcome.traceparent)
         with job_context(outcome.job_id, span):
             with self.metrics.publish_span(outcome.trace):
-                won = await asyncio.shield(self.store.commit(outcome))
+                won = await self.store.commit(outcome)  # shielded inside
             self.num_finished += 1
             if outcome.trace is not None:
                 self.metrics.job_committed(outcome, won)

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 from redis.typing import XReadGroupResponse
 
-from scheduler.protocol.job_record import F_HANDBACKS
+from scheduler.protocol import state_machine
 from scheduler.protocol.keys import CONSUMER_GROUP, Keys
 from scheduler.protocol.lanes import LANES, Lane
 from scheduler.protocol.redis_replies import stream_entries
@@ -25,36 +25,6 @@ from worker.job_store import EntryRef
 
 log = logging.getLogger(__name__)
 
-# KEYS: stream. ARGV: group, consumer, entry ids. -> the ids this consumer no longer owns.
-# One script, so no other worker's claim can fall between the ownership check and our claim.
-_RENEW_LUA = """
-local lost = {}
-for i = 3, #ARGV do
-  local info = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if info[1] and info[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  else
-    lost[#lost + 1] = ARGV[i]
-  end
-end
-return lost
-"""
-
-# KEYS: stream. ARGV: group, consumer, idle ms, then (entry id, job record key) pairs.
-# Each entry still ours is made to look long idle, and its job counts one clean hand-back (a delivery
-# that does not count against max_deliveries: the job did nothing wrong). -> how many were handed back.
-_HAND_BACK_LUA = """
-local n = 0
-for i = 4, #ARGV, 2 do
-  local info = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if info[1] and info[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
-    redis.call('HINCRBY', ARGV[i + 1], '@handbacks@', 1)
-    n = n + 1
-  end
-end
-return n
-""".replace("@handbacks@", F_HANDBACKS)
 
 HANDBACK_IDLE_MS = 365 * 24 * 3600 * 1000
 """Idle time given to handed-back entries, past any worker's lease, so the next XAUTOCLAIM takes them."""
@@ -102,8 +72,8 @@ class LaneConsumer:
         self.read_block_ms = read_block_ms
         self.max_deliveries = max_deliveries
         self._lane_of = {keys.lane(lane): lane for lane in LANES}
-        self._renew = client.register_script(_RENEW_LUA)
-        self._hand_back = client.register_script(_HAND_BACK_LUA)
+        self._renew = client.register_script(state_machine.RENEW_LEASE)
+        self._hand_back = client.register_script(state_machine.HAND_BACK)
 
     async def ensure_groups(self) -> None:
         for lane in LANES:

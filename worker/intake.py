@@ -1,4 +1,4 @@
-"""Admission of stream entries: each becomes a running job, or the outcome it gets without running.
+"""Intake of stream entries: each becomes a running job, or the outcome it gets without running.
 
 An entry that cannot be read as a job is dead-lettered (and, when its id can be
 recovered, its record marked failed); one delivered too often fails; one whose
@@ -19,18 +19,19 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
-from scheduler.protocol import job_record as J
+from scheduler.protocol import job_record
 from scheduler.protocol.job_record import job_view
 from scheduler.protocol.keys import EVENTS_LOG_TTL_S, Keys
 from scheduler.telemetry.log_format import job_context
 from scheduler.protocol.redis_replies import as_optional_bytes
 from scheduler.telemetry.otel import span_of_traceparent
 from scheduler.protocol.webhooks import delivery_fields
+from scheduler.protocol.state_machine import StartVerdict
 from worker.config import WorkerConfig
 from worker.consumer import Entry
 from worker.job_loop import JobLoop
 from worker.metrics import WorkerMetrics
-from worker.job_store import Admission, Outcome, ResultStore, checkpoint_output, pack
+from worker.job_store import JobStart, Outcome, JobStore, checkpoint_output, pack
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,8 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 """A dropped or unreachable Redis: whatever was being written is retried later, never given up on."""
 
 
-class EntryAdmitter:
-    def __init__(self, config: WorkerConfig, client: aioredis.Redis, keys: Keys, store: ResultStore, loop: JobLoop,
+class EntryIntake:
+    def __init__(self, config: WorkerConfig, client: aioredis.Redis, keys: Keys, store: JobStore, loop: JobLoop,
                  metrics: WorkerMetrics, lane_of: dict[str, str]) -> None:
         """``lane_of``: each lane's stream key to its lane name, for the metrics' labels."""
         self.config = config
@@ -50,9 +51,9 @@ class EntryAdmitter:
         self.metrics = metrics
         self._lane_of = lane_of
 
-    async def admit(self, entry: Entry) -> None:
+    async def take(self, entry: Entry) -> None:
         try:
-            await self._admit_one(entry)
+            await self._take_one(entry)
         except Exception as e:
             if entry.deliveries < self.config.max_deliveries or isinstance(e, REDIS_DOWN):
                 # Left pending and unrenewed: redelivered after the lease, counted against max_deliveries.
@@ -66,7 +67,7 @@ class EntryAdmitter:
             self.loop.release(1)
 
     async def _dead_letter_unadmittable(self, entry: Entry, error: Exception) -> None:
-        """The last resort for an entry whose admission keeps failing: fail its job if its id can be read,
+        """The last resort for an entry whose start keeps failing: fail its job if its id can be read,
         and put the entry on the dead stream. Only the raw fields are copied, so no content can break it."""
         reason = _safe_text(f"could not be admitted: {type(error).__name__}: {error}")
         lane = self._lane_of.get(entry.ref.stream, "unknown")
@@ -88,7 +89,7 @@ class EntryAdmitter:
         except REDIS_DOWN:
             log.warning("dead-lettering %s failed with Redis unavailable; it will be redelivered", entry.ref)
 
-    async def _admit_one(self, entry: Entry) -> None:
+    async def _take_one(self, entry: Entry) -> None:
         ref = entry.ref
         if entry.fields is None:
             await self.store.ack(ref)  # deleted while pending: nothing left to run
@@ -129,9 +130,9 @@ class EntryAdmitter:
             spec = dataclasses.replace(spec, lane=entry.lane)
         # Every line about this job names it and its trace (the message's context until the job's own span opens).
         with job_context(spec.id, span_of_traceparent(spec.traceparent)):
-            await self._admit_spec(spec, entry, raw, created_at)
+            await self._take_spec(spec, entry, raw, created_at)
 
-    async def _admit_spec(self, spec: JobSpec, entry: Entry, raw: bytes, created_at: float) -> None:
+    async def _take_spec(self, spec: JobSpec, entry: Entry, raw: bytes, created_at: float) -> None:
         ref = entry.ref
         lane = spec.lane.value
         running = self.loop.jobs.get(spec.id)
@@ -145,36 +146,36 @@ class EntryAdmitter:
         if entry.deliveries > self.config.max_deliveries:
             # Only deliveries whose worker died or gave up count: a clean hand-back is no sign of poison.
             raw_checkpoint, raw_handbacks = await self.client.hmget(
-                self.keys.job(spec.id), [J.F_CHECKPOINT, J.F_HANDBACKS])
+                self.keys.job(spec.id), [job_record.F_CHECKPOINT, job_record.F_HANDBACKS])
             handbacks = int(raw_handbacks or 0)
             if entry.deliveries - handbacks > self.config.max_deliveries:
                 await self._fail_too_many(spec, entry, raw, created_at, handbacks, as_optional_bytes(raw_checkpoint))
                 return
-        admission = await self.store.admit(spec, ref, created_at, time.time())
-        if admission.verdict != "run":
-            log.info("job %s: not run (%s, was %s)", spec.id, admission.verdict, admission.previous_status or "new",
-                     extra={"entry": str(ref), "lane": lane, "verdict": admission.verdict})
-        if admission.verdict in ("terminal", "duplicate"):
+        start = await self.store.start(spec, ref, created_at, time.time())
+        if start.verdict is not StartVerdict.RUN:
+            log.info("job %s: not run (%s, was %s)", spec.id, start.verdict, start.previous_status or "new",
+                     extra={"entry": str(ref), "lane": lane, "verdict": start.verdict})
+        if start.verdict in (StartVerdict.TERMINAL, StartVerdict.DUPLICATE):
             await self.store.ack(ref)
-        elif admission.verdict == "cancel":
+        elif start.verdict is StartVerdict.CANCEL:
             await self.store.commit(Outcome(spec.id, JobStatus.CANCELLED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
                                             traceparent=spec.traceparent,
                                             error={"type": "cancelled", "message": "cancelled before it started"}))
             self.metrics.job_finished_unrun(spec.lane.value, JobStatus.CANCELLED, created_at)
-        elif admission.verdict == "expire":
+        elif start.verdict is StartVerdict.EXPIRE:
             await self.store.commit(Outcome(spec.id, JobStatus.EXPIRED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
                                             traceparent=spec.traceparent,
                                             error={"type": "expired", "message": "deadline passed before the job started"}))
             self.metrics.job_finished_unrun(spec.lane.value, JobStatus.EXPIRED, created_at)
         else:
-            assert admission.verdict == "run", admission.verdict
-            await self._announce_start(spec, admission)
-            self.loop.start(spec, ref, admission.checkpoint, admission.record, admission.checkpoint_logprobs,
-                            attempt=admission.attempts)
+            assert start.verdict is StartVerdict.RUN, start.verdict
+            await self._announce_start(spec, start)
+            self.loop.start(spec, ref, start.checkpoint, start.record, start.checkpoint_logprobs,
+                            attempt=start.attempts)
             log.info("job %s: admitted from %s (attempt %d, resuming after %d tokens)", spec.id, ref,
-                     admission.attempts, len(admission.checkpoint),
-                     extra={"entry": str(ref), "lane": lane, "attempt": admission.attempts,
-                            "resumed_from": len(admission.checkpoint)})
+                     start.attempts, len(start.checkpoint),
+                     extra={"entry": str(ref), "lane": lane, "attempt": start.attempts,
+                            "resumed_from": len(start.checkpoint)})
 
     async def _fail_too_many(self, spec: JobSpec, entry: Entry, raw: bytes, created_at: float, handbacks: int,
                              raw_checkpoint: bytes | None) -> None:
@@ -194,18 +195,18 @@ class EntryAdmitter:
                                            error={"type": "too_many_deliveries", "message": reason})):
             self.metrics.job_finished_unrun(spec.lane.value, JobStatus.FAILED, created_at)
 
-    async def _announce_start(self, spec: JobSpec, admission: Admission) -> None:
+    async def _announce_start(self, spec: JobSpec, start: JobStart) -> None:
         pipe = self.client.pipeline(transaction=False)
         # Shown while it runs: how many output tokens this attempt took over from a checkpoint.
-        pipe.hset(self.keys.job(spec.id), J.F_RESUMED_FROM, len(admission.checkpoint))
+        pipe.hset(self.keys.job(spec.id), job_record.F_RESUMED_FROM, len(start.checkpoint))
         started = pack({
-            "type": "started", "id": spec.id, "worker": self.config.worker_name, "attempts": admission.attempts,
-            "attempt": admission.attempts, "resumed_from": len(admission.checkpoint)})
+            "type": "started", "id": spec.id, "worker": self.config.worker_name, "attempts": start.attempts,
+            "attempt": start.attempts, "resumed_from": len(start.checkpoint)})
         pipe.publish(self.keys.events(spec.id), started)
         pipe.xadd(self.keys.events_log(spec.id), {"e": started})
         pipe.expire(self.keys.events_log(spec.id), EVENTS_LOG_TTL_S)
-        if admission.is_first_start and spec.webhook is not None and spec.webhook.wants(WebhookEvent.STARTED):
-            view = job_view(admission.record)
+        if start.is_first_start and spec.webhook is not None and spec.webhook.wants(WebhookEvent.STARTED):
+            view = job_view(start.record)
             pipe.xadd(self.keys.webhooks, delivery_fields(spec.id, WebhookEvent.STARTED, spec.webhook.url, view,
                                                           traceparent=spec.traceparent))
         await pipe.execute()

@@ -34,7 +34,7 @@ from worker.config import WorkerConfig
 from worker.engine.tick import EngineFailed, EngineRunner, Tick
 from scheduler.telemetry.log_format import job_context
 from worker.metrics import WorkerMetrics
-from worker.job_store import EntryRef, Outcome, ResultStore, pack
+from worker.job_store import EntryRef, Outcome, JobStore, pack
 from worker.running_job import RunningJob, outcome_of, output_of
 from worker.step_writes import CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NOT_OURS, StepWriter, StepWrites
 
@@ -49,7 +49,7 @@ LANE_PRIORITY_STRIDE = 1_000_000
 
 
 class JobLoop:
-    def __init__(self, runner: EngineRunner, store: ResultStore, client: aioredis.Redis, keys: Keys,
+    def __init__(self, runner: EngineRunner, store: JobStore, client: aioredis.Redis, keys: Keys,
                  config: WorkerConfig, metrics: WorkerMetrics | None = None) -> None:
         self.runner = runner
         self.metrics = metrics or WorkerMetrics(max_num_seqs=runner.max_num_seqs)

@@ -1,6 +1,6 @@
 """Every write a worker makes to a job record, each one atomic (a Lua script).
 
-- ``admit``: create the record of a directly XADDed job, drop entries whose job
+- ``start``: create the record of a directly XADDed job, drop entries whose job
   is already terminal (or running from another entry of the same id), spot a
   cancel flag or a passed deadline, else move the job to ``running`` (a
   reclaiming worker takes running -> running) and hand back its checkpoint.
@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,81 +25,17 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from scheduler.protocol import job_record as J
+from scheduler.protocol import job_record
+from scheduler.protocol import state_machine
 from scheduler.protocol.job import JobSpec, JobStatus, WebhookEvent, WebhookSpec
-from scheduler.protocol.job_record import job_view
+from scheduler.protocol.job_record import final_event, job_view
 from scheduler.protocol.keys import CONSUMER_GROUP, Keys
 from scheduler.protocol.redis_replies import read_hash
+from scheduler.protocol.state_machine import StartVerdict
 from scheduler.protocol.webhooks import delivery_fields
+from worker.job_trace import JobTrace
 
 log = logging.getLogger(__name__)
-
-_TERMINAL_LUA = "local function terminal(s) return s == 'succeeded' or s == 'failed' or s == 'cancelled' or s == 'expired' end\n"
-
-# KEYS: job, cancel flag. ARGV: worker, now, spec, lane, priority, created_at, stream_entry, id, deadline|''.
-_ADMIT = _TERMINAL_LUA + """
-local st = redis.call('HGET', KEYS[1], 'status')
-if terminal(st) then return {'terminal', st} end
-if not st then
-  redis.call('HSET', KEYS[1], 'id', ARGV[8], 'status', 'queued', 'lane', ARGV[4], 'priority', ARGV[5],
-             'spec', ARGV[3], 'created_at', ARGV[6], 'stream_entry', ARGV[7])
-  st = 'queued'
-end
-if st == 'running' then
-  local owner_entry = redis.call('HGET', KEYS[1], 'stream_entry')
-  if owner_entry and owner_entry ~= ARGV[7] then return {'duplicate', st} end
-end
-if redis.call('EXISTS', KEYS[2]) == 1 then return {'cancel', st} end
-if ARGV[9] ~= '' and st ~= 'running' and tonumber(ARGV[2]) > tonumber(ARGV[9]) then return {'expire', st} end
-local fresh = redis.call('HSETNX', KEYS[1], 'started_at', ARGV[2])
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'stream_entry', ARGV[7])
-local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-local record, flat = {}, redis.call('HGETALL', KEYS[1])
-for k = 1, #flat, 2 do
-  if flat[k] ~= 'checkpoint' then record[#record + 1] = flat[k]; record[#record + 1] = flat[k + 1] end
-end
-return {'run', st, tostring(fresh), tostring(attempts), redis.call('HGET', KEYS[1], 'checkpoint') or '', record}
-"""
-
-# KEYS: job, lane stream, reply stream, webhook stream, dead stream.
-# ARGV: status, group, entry id|'', channel, final message, reply result|'', reply maxlen, ttl_s,
-#       dead maxlen, n webhook fields, n dead fields, '1' to write only a record that does not exist yet|'',
-#       then webhook pairs, dead pairs, record pairs.
-# Returns {won, the reply key's type when it is not a stream (no reply was added) | ''}. The type is
-# checked before any write, so a reply key of another type cannot fail the script half-way.
-_COMMIT = _TERMINAL_LUA + """
-local won = 0
-local reply_type = ''
-if ARGV[6] ~= '' then
-  local t = redis.call('TYPE', KEYS[3])['ok']
-  if t ~= 'none' and t ~= 'stream' then reply_type = t end
-end
-local nwh, ndead = tonumber(ARGV[10]), tonumber(ARGV[11])
-local i = 13
-local wh, dead, rec = {}, {}, {}
-for k = 1, nwh * 2 do wh[k] = ARGV[i]; i = i + 1 end
-for k = 1, ndead * 2 do dead[k] = ARGV[i]; i = i + 1 end
-while i <= #ARGV do rec[#rec + 1] = ARGV[i]; i = i + 1 end
-local may_write
-if ARGV[12] == '1' then may_write = redis.call('EXISTS', KEYS[1]) == 0
-else may_write = not terminal(redis.call('HGET', KEYS[1], 'status')) end
-if may_write then
-  redis.call('HSET', KEYS[1], 'status', ARGV[1], unpack(rec))
-  if tonumber(ARGV[8]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[8]) end
-  redis.call('PUBLISH', ARGV[4], ARGV[5])
-  if ARGV[6] ~= '' and reply_type == '' then
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'result', ARGV[6])
-  end
-  won = 1
-end
-if ARGV[3] ~= '' then
-  redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
-  redis.call('XDEL', KEYS[2], ARGV[3])
-end
-if won == 1 and nwh > 0 then redis.call('XADD', KEYS[4], '*', unpack(wh)) end
-if ndead > 0 then redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', unpack(dead)) end
-return {won, reply_type}
-"""
 
 
 def pack(value: Any) -> bytes:
@@ -153,8 +90,8 @@ class EntryRef:
 
 
 @dataclass
-class Admission:
-    verdict: str  # run | terminal | duplicate | cancel | expire
+class JobStart:
+    verdict: StartVerdict
     previous_status: str
     is_first_start: bool = False
     attempts: int = 0
@@ -183,15 +120,15 @@ class Outcome:
     dead_payload: bytes | None = None
     """Original ``job`` field, copied to the dead-letter entry."""
     worker: str | None = None
-    trace: Any = None
-    """The job's ``worker.metrics.JobTrace`` when it ran here: closed with the job's spans and metrics."""
+    trace: JobTrace | None = None
+    """The job's run here, when it ran here: closed with the job's spans and metrics."""
     traceparent: str | None = None
     """The job message's trace context: the parent of its webhook delivery when it did not run here."""
     is_new_record_only: bool = False
     """Write the outcome only if no record exists for the id (an invalid message must not decide a real job)."""
 
 
-class ResultStore:
+class JobStore:
     """The worker's writes to job records, with the scripts registered once."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, *, worker: str, result_ttl_s: int,
@@ -202,47 +139,54 @@ class ResultStore:
         self.result_ttl_s = result_ttl_s
         self.reply_maxlen = reply_maxlen
         self.dead_maxlen = dead_maxlen
-        self._admit = client.register_script(_ADMIT)
-        self._commit = client.register_script(_COMMIT)
+        self._start = client.register_script(state_machine.START)
+        self._commit = client.register_script(state_machine.COMMIT)
 
-    async def admit(self, spec: JobSpec, entry: EntryRef, created_at: float, now: float) -> Admission:
-        reply = await self._admit(
+    async def start(self, spec: JobSpec, entry: EntryRef, created_at: float, now: float) -> JobStart:
+        reply = await self._start(
             keys=[self.keys.job(spec.id), self.keys.cancel(spec.id)],
             args=[self.worker, repr(now), spec.pack(), spec.lane.value, spec.priority, repr(created_at), str(entry),
                   spec.id, "" if spec.deadline is None else repr(spec.deadline)],
         )
-        verdict, previous = _s(reply[0]), _s(reply[1]) if reply[1] else ""
-        if verdict != "run":
-            return Admission(verdict, previous)
+        verdict, previous = StartVerdict(_s(reply[0])), _s(reply[1]) if reply[1] else ""
+        if verdict is not StartVerdict.RUN:
+            return JobStart(verdict, previous)
         checkpoint, checkpoint_logprobs = unpack_checkpoint(reply[4])
         flat = reply[5]
-        return Admission("run", previous, is_first_start=_s(reply[2]) == "1", attempts=int(reply[3]),
+        return JobStart(StartVerdict.RUN, previous, is_first_start=_s(reply[2]) == "1", attempts=int(reply[3]),
                          checkpoint=checkpoint, checkpoint_logprobs=checkpoint_logprobs,
                          record=dict(zip(flat[::2], flat[1::2])))
 
     async def commit(self, outcome: Outcome) -> bool:
-        """Write the outcome if the job is not terminal yet; True when this call decided the job."""
+        """Write the outcome if the job is not terminal yet; True when this call decided the job.
+
+        Shielded, on every path that ends a job: once decided, a cancelled caller (a shutdown) does not
+        cut the commit in half.
+        """
+        return await asyncio.shield(self._commit_outcome(outcome))
+
+    async def _commit_outcome(self, outcome: Outcome) -> bool:
         now = time.time()
         job_key = self.keys.job(outcome.job_id)
-        fields: dict[str, Any] = {J.F_FINISHED_AT: repr(now), J.F_WORKER: outcome.worker or self.worker}
+        fields: dict[str, Any] = {job_record.F_FINISHED_AT: repr(now), job_record.F_WORKER: outcome.worker or self.worker}
         if outcome.output is not None:
-            fields[J.F_OUTPUT] = pack(outcome.output)
+            fields[job_record.F_OUTPUT] = pack(outcome.output)
         if outcome.usage is not None:
-            fields[J.F_USAGE] = pack(outcome.usage)
+            fields[job_record.F_USAGE] = pack(outcome.usage)
         if outcome.error is not None:
-            fields[J.F_ERROR] = pack(outcome.error)
+            fields[job_record.F_ERROR] = pack(outcome.error)
         if outcome.resumed_from is not None:
-            fields[J.F_RESUMED_FROM] = str(outcome.resumed_from)
+            fields[job_record.F_RESUMED_FROM] = str(outcome.resumed_from)
         record = await read_hash(self.client, job_key)
-        if outcome.first_token_at is not None and J.F_FIRST_TOKEN_AT.encode() not in record:
-            fields[J.F_FIRST_TOKEN_AT] = repr(outcome.first_token_at)
-        if J.F_ID.encode() not in record:
-            fields[J.F_ID] = outcome.job_id
+        if outcome.first_token_at is not None and job_record.F_FIRST_TOKEN_AT.encode() not in record:
+            fields[job_record.F_FIRST_TOKEN_AT] = repr(outcome.first_token_at)
+        if job_record.F_ID.encode() not in record:
+            fields[job_record.F_ID] = outcome.job_id
         merged = dict(record)
         merged.update({k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()})
-        merged[J.F_STATUS.encode()] = outcome.status.value.encode()
+        merged[job_record.F_STATUS.encode()] = outcome.status.value.encode()
         view = job_view(merged)
-        final = pack({"type": "final", "id": outcome.job_id, "attempt": view["attempts"], "job": view})
+        final = pack(final_event(outcome.job_id, view, view["attempts"]))
         webhook: list[Any] = []
         if outcome.webhook is not None and outcome.webhook.wants(WebhookEvent.COMPLETED):
             traceparent = outcome.trace.traceparent if outcome.trace is not None else outcome.traceparent
@@ -260,7 +204,7 @@ class ResultStore:
         for k, v in fields.items():
             record_pairs += [k, v]
         entry = outcome.entry
-        # Admission refuses reply streams inside carpool's prefix; one admitted before that gets no reply.
+        # The gateway refuses reply streams inside carpool's prefix; one admitted before that gets no reply.
         reply_to = None if self.keys.check_reply_to(outcome.reply_to) else outcome.reply_to
         won, reply_type = await self._commit(
             keys=[job_key, entry.stream if entry else self.keys.dead, reply_to or self.keys.dead,

@@ -25,7 +25,7 @@ from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from scheduler.telemetry import metric_schema as M
+from scheduler.telemetry import metric_schema
 from scheduler.protocol.job import JobSpec, JobStatus
 from scheduler.protocol.lanes import LANES
 from scheduler.telemetry.process_metrics import ProcessMetrics
@@ -36,6 +36,7 @@ from scheduler.telemetry.otel import (
     s_to_ns,
     traceparent_of,
 )
+from worker.job_trace import JobTrace
 
 if TYPE_CHECKING:
     from worker.job_store import Outcome
@@ -44,28 +45,6 @@ A_JOB_ID = "carpool.job.id"
 DEAD_LETTER_REASONS = ("no_job_field", "invalid_job", "too_many_deliveries")
 
 
-@dataclass
-class JobTrace:
-    """One job's run on this worker: its lane, timestamps (unix s) and open ``carpool.job`` span."""
-
-    job_id: str
-    lane: str
-    created_s: float
-    started_s: float
-    span: trace.Span
-    admitted_s: float | None = None
-    resumed_from: int = 0
-    attributes: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def traceparent(self) -> str | None:
-        """Parent for work this job causes elsewhere (webhook deliveries)."""
-        return traceparent_of(self.span)
-
-    def admitted(self, now_s: float) -> None:
-        if self.admitted_s is None:
-            self.admitted_s = now_s
-
 
 class WorkerMetrics(ProcessMetrics):
     def __init__(self, telemetry: Telemetry | None = None, *, max_num_seqs: int = 1) -> None:
@@ -73,35 +52,35 @@ class WorkerMetrics(ProcessMetrics):
         super().__init__(telemetry, "carpool-worker")
         self.max_num_seqs = max_num_seqs
         t = self.telemetry
-        self._finished = t.counter(M.JOBS_FINISHED)
-        self._queue_wait = t.histogram(M.QUEUE_WAIT)
-        self._ttft = t.histogram(M.TIME_TO_FIRST_TOKEN)
-        self._tpot = t.histogram(M.TIME_PER_OUTPUT_TOKEN)
-        self._itl = t.histogram(M.INTER_TOKEN_LATENCY)
-        self._lane_attributes = {lane.value: {M.A_LANE: lane.value} for lane in LANES}  # read-only once built
-        self._e2e = t.histogram(M.REQUEST_DURATION)
-        self._tokens = t.histogram(M.TOKEN_USAGE)
-        self._step_s = t.histogram(M.STEP_DURATION)
-        self._step_tokens = t.histogram(M.STEP_TOKENS)
-        self._reclaimed = t.counter(M.LEASES_RECLAIMED)
-        self._dead = t.counter(M.DEAD_LETTERED)
+        self._finished = t.counter(metric_schema.JOBS_FINISHED)
+        self._queue_wait = t.histogram(metric_schema.QUEUE_WAIT)
+        self._ttft = t.histogram(metric_schema.TIME_TO_FIRST_TOKEN)
+        self._tpot = t.histogram(metric_schema.TIME_PER_OUTPUT_TOKEN)
+        self._itl = t.histogram(metric_schema.INTER_TOKEN_LATENCY)
+        self._lane_attributes = {lane.value: {metric_schema.A_LANE: lane.value} for lane in LANES}  # read-only once built
+        self._e2e = t.histogram(metric_schema.REQUEST_DURATION)
+        self._tokens = t.histogram(metric_schema.TOKEN_USAGE)
+        self._step_s = t.histogram(metric_schema.STEP_DURATION)
+        self._step_tokens = t.histogram(metric_schema.STEP_TOKENS)
+        self._reclaimed = t.counter(metric_schema.LEASES_RECLAIMED)
+        self._dead = t.counter(metric_schema.DEAD_LETTERED)
         self._stats: Any = None  # the engine's last EngineStats; replaced whole, never mutated
         self._last_step = 0
         for spec, read in (
-            (M.SEQS_RUNNING, lambda s: s.num_running),
-            (M.SEQS_WAITING, lambda s: s.num_waiting),
-            (M.KV_CACHE_USAGE, lambda s: s.kv_usage),
-            (M.BATCH_OCCUPANCY, lambda s: s.num_running / self.max_num_seqs),
-            (M.PREEMPTIONS, lambda s: s.num_preemptions),
-            (M.PREFIX_CACHE_QUERIES, lambda s: s.prefix_cache_query_tokens),
-            (M.PREFIX_CACHE_HITS, lambda s: s.prefix_cache_hit_tokens),
-            (M.PREFIX_CACHE_HIT_RATE, _hit_rate),
+            (metric_schema.SEQS_RUNNING, lambda s: s.num_running),
+            (metric_schema.SEQS_WAITING, lambda s: s.num_waiting),
+            (metric_schema.KV_CACHE_USAGE, lambda s: s.kv_usage),
+            (metric_schema.BATCH_OCCUPANCY, lambda s: s.num_running / self.max_num_seqs),
+            (metric_schema.PREEMPTIONS, lambda s: s.num_preemptions),
+            (metric_schema.PREFIX_CACHE_QUERIES, lambda s: s.prefix_cache_query_tokens),
+            (metric_schema.PREFIX_CACHE_HITS, lambda s: s.prefix_cache_hit_tokens),
+            (metric_schema.PREFIX_CACHE_HIT_RATE, _hit_rate),
         ):
             t.observable(spec, self._observer(read))
         for lane in LANES:
-            self._reclaimed.add(0, {M.A_LANE: lane.value})
+            self._reclaimed.add(0, {metric_schema.A_LANE: lane.value})
             for reason in DEAD_LETTER_REASONS:
-                self._dead.add(0, {M.A_LANE: lane.value, M.A_DEAD_LETTER_REASON: reason})
+                self._dead.add(0, {metric_schema.A_LANE: lane.value, metric_schema.A_DEAD_LETTER_REASON: reason})
 
     # --- engine ------------------------------------------------------------------------
 
@@ -126,7 +105,7 @@ class WorkerMetrics(ProcessMetrics):
         One inter-token sample per token after the first: the first new token
         waited ``gap_s``, the others of the same step came with it (gap 0).
         """
-        attributes = self._lane_attributes.get(lane) or {M.A_LANE: lane}
+        attributes = self._lane_attributes.get(lane) or {metric_schema.A_LANE: lane}
         if gap_s is not None:
             self._itl.record(max(0.0, gap_s), attributes)
         for _ in range(num_tokens - 1):
@@ -139,9 +118,9 @@ class WorkerMetrics(ProcessMetrics):
         now_s = time.time() if now_s is None else now_s
         lane = spec.lane.value
         created_s = min(created_s, now_s)
-        self._queue_wait.record(now_s - created_s, {M.A_LANE: lane})
+        self._queue_wait.record(now_s - created_s, {metric_schema.A_LANE: lane})
         parent = context_from_traceparent(spec.traceparent)
-        attributes = {A_JOB_ID: spec.id, M.A_LANE: lane}
+        attributes = {A_JOB_ID: spec.id, metric_schema.A_LANE: lane}
         self.tracer.start_span(
             "carpool.queue_wait", context=parent, kind=SpanKind.INTERNAL, attributes=attributes,
             start_time=s_to_ns(created_s),
@@ -169,18 +148,18 @@ class WorkerMetrics(ProcessMetrics):
     ) -> None:
         """The job's result is committed: closes its spans and records its latencies and tokens."""
         now_s = time.time() if now_s is None else now_s
-        lane = {M.A_LANE: job.lane}
-        self._finished.add(1, {**lane, M.A_JOB_STATUS: status.value})
-        self._e2e.record(now_s - job.created_s, {**lane, M.A_JOB_STATUS: status.value})
-        self._tokens.record(prompt_tokens, {**lane, M.A_TOKEN_TYPE: "input"})
-        self._tokens.record(completion_tokens, {**lane, M.A_TOKEN_TYPE: "output"})
+        lane = {metric_schema.A_LANE: job.lane}
+        self._finished.add(1, {**lane, metric_schema.A_JOB_STATUS: status.value})
+        self._e2e.record(now_s - job.created_s, {**lane, metric_schema.A_JOB_STATUS: status.value})
+        self._tokens.record(prompt_tokens, {**lane, metric_schema.A_TOKEN_TYPE: "input"})
+        self._tokens.record(completion_tokens, {**lane, metric_schema.A_TOKEN_TYPE: "output"})
         generated_here = completion_tokens - job.resumed_from
         if status == JobStatus.SUCCEEDED and first_token_s is not None:
             self._ttft.record(max(0.0, first_token_s - job.created_s), lane)
             if generated_here > 1:
                 self._tpot.record(max(0.0, now_s - first_token_s) / (generated_here - 1), lane)
         self._phase_spans(job, first_token_s, now_s)
-        job.span.set_attribute(M.A_JOB_STATUS, status.value)
+        job.span.set_attribute(metric_schema.A_JOB_STATUS, status.value)
         job.span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         job.span.set_attribute("gen_ai.usage.output_tokens", completion_tokens)
         if status == JobStatus.FAILED:
@@ -217,15 +196,15 @@ class WorkerMetrics(ProcessMetrics):
     def job_finished_unrun(self, lane: str, status: JobStatus, created_s: float, now_s: float | None = None) -> None:
         """A job decided without running (expired, cancelled while queued, invalid, dead-lettered)."""
         now_s = time.time() if now_s is None else now_s
-        self._finished.add(1, {M.A_LANE: lane, M.A_JOB_STATUS: status.value})
-        self._e2e.record(max(0.0, now_s - created_s), {M.A_LANE: lane, M.A_JOB_STATUS: status.value})
+        self._finished.add(1, {metric_schema.A_LANE: lane, metric_schema.A_JOB_STATUS: status.value})
+        self._e2e.record(max(0.0, now_s - created_s), {metric_schema.A_LANE: lane, metric_schema.A_JOB_STATUS: status.value})
 
     def leases_reclaimed(self, lanes: Iterable[str]) -> None:
         for lane in lanes:
-            self._reclaimed.add(1, {M.A_LANE: lane})
+            self._reclaimed.add(1, {metric_schema.A_LANE: lane})
 
     def dead_lettered(self, lane: str, reason: str) -> None:
-        self._dead.add(1, {M.A_LANE: lane, M.A_DEAD_LETTER_REASON: reason})
+        self._dead.add(1, {metric_schema.A_LANE: lane, metric_schema.A_DEAD_LETTER_REASON: reason})
 
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from scheduler.protocol.job import JobSpec, JobStatus
 from scheduler.protocol.webhooks import OutputThrottle
-from worker.metrics import JobTrace
+from worker.job_trace import JobTrace
 from worker.job_store import EntryRef, Outcome
 
 

@@ -22,13 +22,13 @@ from scheduler.protocol.keys import Keys
 from scheduler.protocol.lanes import Lane
 from scheduler.telemetry.otel import Telemetry
 from scheduler.runtime.tasks import raise_if_cancelled
-from worker.intake import REDIS_DOWN, EntryAdmitter
+from worker.intake import REDIS_DOWN, EntryIntake
 from worker.config import WorkerConfig
 from worker.consumer import Entry, LaneConsumer
 from worker.engine.tick import as_runner
 from worker.job_loop import JobLoop
 from worker.metrics import METRICS_KEY, WorkerMetrics, metrics_handler
-from worker.job_store import ResultStore, pack
+from worker.job_store import JobStore, pack
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class WorkerService:
         self.runner = as_runner(engine)
         self.client = client
         self.keys = Keys(config.key_prefix)
-        self.store = ResultStore(client, self.keys, worker=config.worker_name, result_ttl_s=config.result_ttl_s,
+        self.store = JobStore(client, self.keys, worker=config.worker_name, result_ttl_s=config.result_ttl_s,
                                  reply_maxlen=config.reply_maxlen, dead_maxlen=config.dead_maxlen)
         self.consumer = LaneConsumer(client, self.keys, config.worker_name, {lane: config.weight(lane) for lane in Lane},
                                      lease_ms=config.lease_ms, read_block_ms=config.read_block_ms,
@@ -56,7 +56,7 @@ class WorkerService:
         self.metrics = WorkerMetrics(telemetry, max_num_seqs=self.runner.max_num_seqs)
         self._lane_of = {self.keys.lane(lane): lane.value for lane in Lane}
         self.loop = JobLoop(self.runner, self.store, client, self.keys, config, self.metrics)
-        self.admitter = EntryAdmitter(config, client, self.keys, self.store, self.loop, self.metrics, self._lane_of)
+        self.intake = EntryIntake(config, client, self.keys, self.store, self.loop, self.metrics, self._lane_of)
         self.is_ready = False
         self.is_draining = False
         self.stopped = asyncio.Event()
@@ -176,7 +176,7 @@ class WorkerService:
                 await _redis_down("intake", e)  # entries already taken are still admitted below
             if entries:
                 self.loop.reserve(len(entries))
-                await asyncio.gather(*(self.admitter.admit(entry) for entry in entries))
+                await asyncio.gather(*(self.intake.take(entry) for entry in entries))
 
     async def _intake_reserve(self) -> None:
         """Every slot is busy: take interactive entries only, for the engine to preempt a lower lane for.
@@ -200,7 +200,7 @@ class WorkerService:
             return
         if entries:
             self.loop.reserve(len(entries))
-            await asyncio.gather(*(self.admitter.admit(entry) for entry in entries))
+            await asyncio.gather(*(self.intake.take(entry) for entry in entries))
 
     # --- leases, cancellation, heartbeat ----------------------------------------------------------
 

@@ -21,42 +21,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
+from scheduler.protocol import state_machine
 from scheduler.protocol.keys import EVENTS_LOG_TTL_S, Keys
 from worker.job_store import pack_checkpoint
 
-# KEYS: webhook stream, then (job, cancel flag) per checkpoint.
-# ARGV: worker, n events, n webhook deliveries, events log ttl_s, then (channel, events log, message) per
-#       event, (n fields, field pairs...) per delivery, (checkpoint, first_token_at|'') per checkpoint.
-# -> per checkpoint: 1 stored, 0 not ours, 2 cancel flagged.
-_STEP_LUA = """
-local nevents, ndeliveries = tonumber(ARGV[2]), tonumber(ARGV[3])
-local i = 5
-for _ = 1, nevents do
-  redis.call('PUBLISH', ARGV[i], ARGV[i + 2])
-  redis.call('XADD', ARGV[i + 1], '*', 'e', ARGV[i + 2])
-  redis.call('EXPIRE', ARGV[i + 1], ARGV[4])
-  i = i + 3
-end
-for _ = 1, ndeliveries do
-  local nfields, entry = tonumber(ARGV[i]), {}
-  i = i + 1
-  for k = 1, nfields * 2 do entry[k] = ARGV[i]; i = i + 1 end
-  redis.call('XADD', KEYS[1], '*', unpack(entry))
-end
-local replies = {}
-for k = 2, #KEYS, 2 do
-  local job, cancel = KEYS[k], KEYS[k + 1]
-  if redis.call('HGET', job, 'status') ~= 'running' or redis.call('HGET', job, 'worker') ~= ARGV[1] then
-    replies[#replies + 1] = 0
-  else
-    redis.call('HSET', job, 'checkpoint', ARGV[i])
-    if ARGV[i + 1] ~= '' then redis.call('HSETNX', job, 'first_token_at', ARGV[i + 1]) end
-    replies[#replies + 1] = redis.call('EXISTS', cancel) == 1 and 2 or 1
-  end
-  i = i + 2
-end
-return replies
-"""
 
 CHECKPOINT_STORED, CHECKPOINT_NOT_OURS, CHECKPOINT_CANCEL_FLAGGED = 1, 0, 2
 
@@ -96,7 +64,7 @@ class StepWriter:
         self.keys = keys
         self.worker = worker
         self.client = client
-        self._script = client.register_script(_STEP_LUA)
+        self._script = client.register_script(state_machine.STEP)
 
     async def write(self, writes: StepWrites) -> list[int]:
         """Run the step's writes; returns one reply per checkpoint, in order."""

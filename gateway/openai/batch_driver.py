@@ -25,7 +25,7 @@ import msgpack
 from aiohttp import web
 from redis.typing import EncodableT, FieldT
 
-from gateway import appkeys as K
+from gateway import appkeys
 from gateway.admission import InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.errors import REDIS_UNAVAILABLE
@@ -33,6 +33,7 @@ from gateway.openai.batch_lines import LineError, custom_id_of, error_line, pars
 from gateway.openai.batches import BatchStatus, batch_store
 from gateway.openai.files import PAGE_LINES, file_store
 from gateway.openai.schema import Endpoint
+from scheduler.protocol import state_machine
 from scheduler.protocol.job_record import job_view
 from scheduler.protocol.redis_replies import as_bytes
 from scheduler.runtime.tasks import raise_if_cancelled
@@ -44,32 +45,15 @@ MAX_ENQUEUE_PER_ROUND = 2000
 SETTLE_WINDOW = 4000
 """Unsettled requests (from the oldest) whose job status one round reads."""
 
-# Count lines once. KEYS: batch hash, settled bitmap. ARGV: line, outcome pairs (completed, failed, expired, dropped).
-_SETTLE_LUA = """
-local n = 0
-for i = 1, #ARGV, 2 do
-  if redis.call('SETBIT', KEYS[2], ARGV[i], 1) == 0 then
-    n = n + 1
-    redis.call('HINCRBY', KEYS[1], 'settled', 1)
-    local o = ARGV[i + 1]
-    if o == 'completed' or o == 'failed' then redis.call('HINCRBY', KEYS[1], o, 1) end
-    if o == 'expired' then
-      redis.call('HINCRBY', KEYS[1], 'failed', 1)
-      redis.call('HINCRBY', KEYS[1], 'expired', 1)
-    end
-  end
-end
-return n
-"""
 _OUTCOME_OF_STATUS = {"succeeded": "completed", "failed": "failed", "expired": "expired"}
 
 
 class BatchDriver:
     def __init__(self, app: web.Application) -> None:
         self._app = app
-        self._redis, self._keys, self._config = app[K.REDIS], app[K.KEYS], app[K.CONFIG]
+        self._redis, self._keys, self._config = app[appkeys.REDIS], app[appkeys.KEYS], app[appkeys.CONFIG]
         self._batches, self._files = batch_store(app), file_store(app)
-        self._settle = self._redis.register_script(_SETTLE_LUA)
+        self._settle = self._redis.register_script(state_machine.BATCH_SETTLE)
         self._name = secrets.token_hex(8)
 
     async def run(self) -> None:
@@ -159,7 +143,7 @@ class BatchDriver:
 
     async def _enqueue(self, batch_id: str, b: dict[str, str]) -> None:
         cursor, total, endpoint = int(b["enqueued"]), int(b["total"]), Endpoint(b["endpoint"])
-        admission = self._app[K.ADMISSION]
+        admission = self._app[appkeys.ADMISSION]
         stop = min(total, cursor + MAX_ENQUEUE_PER_ROUND)
         if time.time() >= int(b["expires_at"]):
             await self._mark(batch_id, [(n, "expired") for n in range(cursor, total)])
@@ -196,7 +180,7 @@ class BatchDriver:
             await self._redis.hset(self._keys.batch(batch_id), "enqueued", total)
         if b.get("cancel_sent"):
             return
-        canceller = self._app[K.CANCELLER]
+        canceller = self._app[appkeys.CANCELLER]
         low = int(b["low"])
         settled = await self._settled_bits(batch_id, low, enqueued)
         for offset, is_settled in enumerate(settled):

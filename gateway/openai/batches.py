@@ -23,11 +23,12 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from redis.typing import EncodableT, FieldT
 
-from gateway import appkeys as K
+from gateway import appkeys
 from gateway.openai.errors import OpenAIError, invalid, unsupported
 from gateway.openai.files import file_store
 from gateway.openai.online import read_json
 from gateway.openai.schema import Endpoint
+from scheduler.protocol import state_machine
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import read_hash
 
@@ -56,25 +57,11 @@ TIME_FIELDS = {BatchStatus.IN_PROGRESS: "in_progress_at", BatchStatus.FINALIZING
                BatchStatus.CANCELLED: "cancelled_at"}
 _COUNTERS = ("total", "completed", "failed", "expired", "settled", "enqueued", "low")
 
-# Compare-and-set of a batch's status. KEYS: batch hash. ARGV: allowed current statuses (comma-separated),
-# new status, then field/value pairs to set with it. Returns the status found.
-_MOVE_LUA = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return false end
-for allowed in string.gmatch(ARGV[1], '[^,]+') do
-  if allowed == status then
-    redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
-    return status
-  end
-end
-return status
-"""
-
 
 class BatchStore:
     def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: int) -> None:
         self._redis, self._keys, self.ttl_s = redis, keys, ttl_s
-        self._move = redis.register_script(_MOVE_LUA)
+        self._move = redis.register_script(state_machine.BATCH_MOVE)
 
     async def create(self, input_file_id: str, endpoint: Endpoint, window_s: int, window: str,
                      metadata: dict[str, str] | None) -> dict[str, Any]:
@@ -129,7 +116,7 @@ class BatchStore:
 
 
 def batch_store(app: web.Application) -> BatchStore:
-    return BatchStore(app[K.REDIS], app[K.KEYS], app[K.CONFIG].file_ttl_s)
+    return BatchStore(app[appkeys.REDIS], app[appkeys.KEYS], app[appkeys.CONFIG].file_ttl_s)
 
 
 @routes.post("/v1/batches")
@@ -163,7 +150,7 @@ async def create_batch(request: web.Request) -> web.Response:
 
 @routes.get("/v1/batches")
 async def list_batches(request: web.Request) -> web.Response:
-    redis, keys = request.app[K.REDIS], request.app[K.KEYS]
+    redis, keys = request.app[appkeys.REDIS], request.app[appkeys.KEYS]
     try:
         limit = int(request.query.get("limit", "20"))
     except ValueError as e:

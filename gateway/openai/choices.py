@@ -13,7 +13,7 @@ import msgpack
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway import appkeys as K
+from gateway import appkeys
 from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.openai.errors import OpenAIError
@@ -30,8 +30,8 @@ _PARAM_OF_FIELD = {"params.max_tokens": "max_tokens", "prompt_token_ids": "promp
 
 async def served_models(app: web.Application) -> dict[str, float]:
     """Model name -> latest heartbeat time, over workers heard from within the configured age."""
-    raw = await read_hash(app[K.REDIS], app[K.KEYS].workers)
-    oldest = time.time() - app[K.CONFIG].model_heartbeat_max_age_s
+    raw = await read_hash(app[appkeys.REDIS], app[appkeys.KEYS].workers)
+    oldest = time.time() - app[appkeys.CONFIG].model_heartbeat_max_age_s
     models: dict[str, float] = {}
     for value in raw.values():
         try:
@@ -54,7 +54,7 @@ async def check_model(app: web.Application, model: str) -> None:
 
 async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: Sequence[str]) -> None:
     """Enqueue one job per choice; all or none (a refusal cancels the ones already enqueued)."""
-    admission, metrics = app[K.ADMISSION], app[K.METRICS]
+    admission, metrics = app[appkeys.ADMISSION], app[appkeys.METRICS]
     done: list[str] = []
     try:
         for job_id, body in zip(job_ids, request.jobs):
@@ -70,7 +70,7 @@ async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: 
         metrics.job_rejected("lane_full", e.lane.value)
         await cancel_jobs(app, done)
         raise OpenAIError(429, f"{e}; retry later", code="lane_full",
-                          retry_after_s=app[K.CONFIG].retry_after_s) from e
+                          retry_after_s=app[appkeys.CONFIG].retry_after_s) from e
     except IdempotencyInFlight as e:  # ids are fresh, so only a collision gets here
         await cancel_jobs(app, done)
         raise OpenAIError(409, "request id collision; retry", code="conflict") from e
@@ -81,11 +81,11 @@ async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: 
 
 async def cancel_jobs(app: web.Application, job_ids: Sequence[str]) -> None:
     """Cancel every job not finished yet (a client that went away must leave no compute behind)."""
-    canceller = app[K.CANCELLER]
+    canceller = app[appkeys.CANCELLER]
     for job_id in job_ids:
         try:
             outcome = await canceller.cancel(job_id)
-            app[K.METRICS].job_cancelled("queued" if outcome.is_cancelled_now else "running")
+            app[appkeys.METRICS].job_cancelled("queued" if outcome.is_cancelled_now else "running")
         except (JobNotFound, AlreadyFinished):
             pass
 

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from aiohttp import BodyPartReader, web
 from redis.typing import EncodableT, FieldT
 
-from gateway import appkeys as K
+from gateway import appkeys
 from gateway.openai.errors import OpenAIError, invalid
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import as_bytes, read_hash
@@ -106,12 +106,12 @@ def new_file_id() -> str:
 
 
 def file_store(app: web.Application) -> FileStore:
-    return FileStore(app[K.REDIS], app[K.KEYS], app[K.CONFIG].file_ttl_s)
+    return FileStore(app[appkeys.REDIS], app[appkeys.KEYS], app[appkeys.CONFIG].file_ttl_s)
 
 
 @routes.post("/v1/files")
 async def upload(request: web.Request) -> web.Response:
-    config = request.app[K.CONFIG]
+    config = request.app[appkeys.CONFIG]
     if not request.content_type.startswith("multipart/"):
         raise invalid("file", "upload the file as multipart/form-data with fields file and purpose")
     reader = await request.multipart()
@@ -158,7 +158,7 @@ async def _read_limited(part: BodyPartReader, max_bytes: int) -> bytes:
 @routes.get("/v1/files")
 async def list_files(request: web.Request) -> web.Response:
     store = file_store(request.app)
-    ids = cast(list[bytes], await request.app[K.REDIS].zrevrange(request.app[K.KEYS].files, 0, 9999))
+    ids = cast(list[bytes], await request.app[appkeys.REDIS].zrevrange(request.app[appkeys.KEYS].files, 0, 9999))
     views = [v for v in [await store.get(i.decode()) for i in ids] if v is not None]
     return web.json_response({"object": "list", "data": views, "has_more": False})
 

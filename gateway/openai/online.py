@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import appkeys as K
+from gateway import appkeys
 from gateway.openai import responses
 from gateway.openai.choices import ChoiceWatch, cancel_jobs, check_model, client_gone, served_models, submit_choices
 from gateway.openai.errors import OpenAIError, invalid
@@ -69,15 +69,15 @@ async def read_json(request: web.Request) -> Any:
 async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     app = request.app
     req = parse_request(endpoint, await read_json(request), default_lane=DEFAULT_LANES[endpoint],
-                        max_model_len=await app[K.ADMISSION].context_length())
+                        max_model_len=await app[appkeys.ADMISSION].context_length())
     await check_model(app, req.model)
     request_id = ID_PREFIXES[endpoint] + secrets.token_hex(12)
     job_ids = [f"{request_id}-{i}" for i in range(len(req.jobs))]
     created = int(time.time())
-    metrics = app[K.METRICS]
+    metrics = app[appkeys.METRICS]
     metrics.waiter_opened()
     try:
-        async with ChoiceWatch(app[K.REDIS], app[K.HUB], app[K.KEYS], job_ids) as watch:
+        async with ChoiceWatch(app[appkeys.REDIS], app[appkeys.HUB], app[appkeys.KEYS], job_ids) as watch:
             await submit_choices(app, req, job_ids)
             try:
                 if req.is_stream:
@@ -95,7 +95,7 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
 
 async def _wait_all(request: web.Request, watch: ChoiceWatch) -> list[dict[str, Any]]:
     """Every choice's final view; raises if the client hangs up first (the caller cancels the jobs)."""
-    heartbeat_s = request.app[K.CONFIG].sse_heartbeat_s
+    heartbeat_s = request.app[appkeys.CONFIG].sse_heartbeat_s
     views: dict[int, dict[str, Any]] = {}
     last_check = time.monotonic()
     while len(views) < len(watch.job_ids):

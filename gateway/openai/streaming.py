@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import appkeys as K
+from gateway import appkeys
 from gateway.openai import responses
 from gateway.openai.choices import ChoiceWatch, cancel_jobs, client_gone
 from gateway.openai.schema import Endpoint, OpenAIRequest
@@ -54,7 +54,7 @@ async def stream_choices(request: web.Request, req: OpenAIRequest, watch: Choice
         if endpoint is Endpoint.CHAT:
             for index in range(len(watch.job_ids)):
                 await send(responses.chunk(endpoint, request_id, created, model, index, role="assistant"))
-        heartbeat_s = app[K.CONFIG].sse_heartbeat_s
+        heartbeat_s = app[appkeys.CONFIG].sse_heartbeat_s
         last_beat = time.monotonic()
         while len(views) < len(watch.job_ids):
             got = await watch.next(CLIENT_CHECK_S)

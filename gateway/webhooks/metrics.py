@@ -14,7 +14,7 @@ from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from scheduler.telemetry import metric_schema as M
+from scheduler.telemetry import metric_schema
 from scheduler.protocol.job import WebhookEvent
 from scheduler.telemetry.otel import PROMETHEUS_CONTENT_TYPE, Telemetry, context_from_traceparent
 from scheduler.protocol.webhooks import AttemptOutcome
@@ -26,17 +26,17 @@ class WebhookMetrics:
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
         self.tracer = telemetry.tracer
-        self._deliveries = telemetry.counter(M.WEBHOOK_DELIVERIES)
-        self._duration = telemetry.histogram(M.WEBHOOK_DURATION)
+        self._deliveries = telemetry.counter(metric_schema.WEBHOOK_DELIVERIES)
+        self._duration = telemetry.histogram(metric_schema.WEBHOOK_DURATION)
         # Zero series for every event and outcome, so rate() sees them before the first attempt.
         for event in WebhookEvent:
             for outcome in WEBHOOK_OUTCOMES:
-                self._deliveries.add(0, {M.A_WEBHOOK_EVENT: event.value, M.A_WEBHOOK_OUTCOME: outcome})
+                self._deliveries.add(0, {metric_schema.A_WEBHOOK_EVENT: event.value, metric_schema.A_WEBHOOK_OUTCOME: outcome})
 
     def webhook_attempt(self, event: str, outcome: str, duration_s: float | None = None) -> None:
-        self._deliveries.add(1, {M.A_WEBHOOK_EVENT: event, M.A_WEBHOOK_OUTCOME: outcome})
+        self._deliveries.add(1, {metric_schema.A_WEBHOOK_EVENT: event, metric_schema.A_WEBHOOK_OUTCOME: outcome})
         if duration_s is not None:
-            self._duration.record(duration_s, {M.A_WEBHOOK_OUTCOME: outcome})
+            self._duration.record(duration_s, {metric_schema.A_WEBHOOK_OUTCOME: outcome})
 
     @contextmanager
     def webhook_span(self, traceparent: str | None, event: str, url: str) -> Iterator[trace.Span]:
@@ -45,7 +45,7 @@ class WebhookMetrics:
             "carpool.webhook.deliver",
             context=context_from_traceparent(traceparent),
             kind=SpanKind.CLIENT,
-            attributes={M.A_WEBHOOK_EVENT: event, "url.full": url},
+            attributes={metric_schema.A_WEBHOOK_EVENT: event, "url.full": url},
         ) as span:
             yield span
 

@@ -32,6 +32,7 @@ F_ERROR = "error"  # msgpack {type, message}
 F_STREAM_ENTRY = "stream_entry"  # "<lane stream key> <entry id>"
 F_WEBHOOK_COUNT = "wh_count"
 WEBHOOK_ATTEMPT_PREFIX = "wh:"  # wh:<n> -> msgpack attempt record
+F_WEBHOOK_GONE = "wh_gone"  # set when a receiver answered 410: the job's later events are not sent
 
 
 def json_default(value: object) -> object:
@@ -99,3 +100,8 @@ def job_view(record: dict[bytes, bytes]) -> dict[str, Any]:
         "metadata": spec.get("metadata"),
         "webhooks": [a for _, a in sorted(attempts, key=lambda pair: pair[0])],
     }
+
+
+def final_event(job_id: str, view: dict[str, Any], attempt: int) -> dict[str, Any]:
+    """A job's ``final`` event: its terminal record's view, as its events channel and SSE stream carry it."""
+    return {"type": "final", "id": job_id, "attempt": attempt, "job": view}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.telemetry import metric_schema as M
+from scheduler.telemetry import metric_schema
 from scheduler.protocol.keys import Keys
 from scheduler.telemetry.stream_stats import DEFAULT_POLL_INTERVAL_S, StreamStats
 from scheduler.telemetry.otel import Telemetry, TelemetryConfig
@@ -27,9 +27,9 @@ class ProcessMetrics:
         """Start the lane/dead-letter gauges; the caller awaits ``streams.aclose()`` at shutdown."""
         assert self.streams is None, "streams already watched"
         self.streams = StreamStats(redis, keys, interval_s=interval_s)
-        self.telemetry.observable(M.QUEUE_DEPTH, self.streams.observe_depth)
-        self.telemetry.observable(M.QUEUE_PENDING, self.streams.observe_pending)
-        self.telemetry.observable(M.DEAD_LETTER_DEPTH, self.streams.observe_dead)
+        self.telemetry.observable(metric_schema.QUEUE_DEPTH, self.streams.observe_depth)
+        self.telemetry.observable(metric_schema.QUEUE_PENDING, self.streams.observe_pending)
+        self.telemetry.observable(metric_schema.DEAD_LETTER_DEPTH, self.streams.observe_dead)
         self.streams.start()
         return self.streams
 

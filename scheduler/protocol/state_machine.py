@@ -1,0 +1,478 @@
+"""Every Lua script carpool runs on Redis: the moves of a job record, a webhook delivery and a batch.
+
+Each script is one atomic step, so a process that dies or loses its connection
+mid-way leaves all of a move or none of it. This module holds their source;
+the code that calls a script (``register_script`` on its client) sits with the
+process that owns the move.
+
+Job record (``keys.job(id)``, fields ``job_record.F_*``)::
+
+    (none) ──ENQUEUE──▶ queued ──START──▶ running ──COMMIT──▶ succeeded | failed | cancelled | expired
+       │                  │                │  ▲
+       └──START (a job    ├──CANCEL───────▶│  └─START (an entry reclaimed after its worker's lease lapsed)
+          XADDed directly)│  cancelled     ├─STEP (checkpoint), HAND_BACK (handbacks + 1)
+                          └──COMMIT (cancel flag, passed deadline, invalid job): terminal
+                                           └─CANCEL raises the cancel flag; the worker COMMITs ``cancelled``
+
+=============  ========================  ====================================================================
+move           who                       what
+=============  ========================  ====================================================================
+ENQUEUE        gateway (admission)       create the record ``queued`` and XADD its lane entry, claiming the
+                                         ``Idempotency-Key`` in the same step
+RELEASE_KEY    gateway (admission)       forget an idempotency key that names a job whose record is gone
+START          worker (intake)           take a lane entry's job to ``running`` (creating the record of a
+                                         directly XADDed job), or say why not: terminal, another entry's,
+                                         cancel flagged, past its deadline
+STEP           worker (job loop)         one engine step's token events, ``output`` webhooks and
+                                         checkpoints; a checkpoint only while the job is ``running`` here
+RENEW_LEASE    worker (consumer)         keep this worker's lane entries pending and fresh
+HAND_BACK      worker (shutdown)         make this worker's entries look idle so another worker takes them
+COMMIT         worker (commit)           the job's terminal status, unless it has one already
+CANCEL         gateway (``DELETE``)      ``queued`` → ``cancelled``; a ``running`` job gets its cancel flag
+=============  ========================  ====================================================================
+
+A terminal status never changes: the first terminal write wins, and a loser
+publishes, replies and calls back nothing. Every terminal write goes through
+one Lua function, ``commit_terminal``: the record, then its ``final`` event,
+the reply entry and the ``completed`` webhook delivery (``COMMIT`` and
+``CANCEL`` both include it). Scripts name record fields and statuses as
+``@status@``, ``@queued@``…; ``_job_script`` fills them in from
+``job_record`` and ``JobStatus``, so a script cannot drift from the names the
+rest of the code reads.
+
+Webhook delivery (``keys.webhook_delivery(id)``): ``pending ──CLAIM──▶ sending
+──SETTLE──▶ delivered | retrying | dead | gone`` (``RELEASE``: back to
+``pending``), moved only by the dispatchers; ``INGEST`` turns the webhook
+stream's entries into deliveries on their job's chain.
+
+Batch (``keys.batch(id)``): ``BATCH_MOVE`` is a compare-and-set of its status
+by the gateway's batch driver and routes; ``BATCH_SETTLE`` counts each line's
+outcome once.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+from scheduler.protocol import job_record
+from scheduler.protocol.job import TERMINAL_STATUSES, JobStatus
+
+_FIELDS = {
+    name[2:].lower(): value for name, value in vars(job_record).items() if name.startswith("F_") and isinstance(value, str)
+} | {"webhook_attempt_prefix": job_record.WEBHOOK_ATTEMPT_PREFIX}
+_STATUSES = {status.value: status.value for status in JobStatus}
+_PLACEHOLDER = re.compile(r"@(\w+)@")
+
+_TERMINAL = (
+    "local function terminal(s) return "
+    + " or ".join(f"s == '{s.value}'" for s in sorted(TERMINAL_STATUSES, key=lambda s: list(JobStatus).index(s)))
+    + " end\n"
+)
+
+# The one terminal write. The caller has already decided that it may write (the record is not terminal),
+# and checked the reply key's type ('' for reply_result when there is no reply or the key is not a stream).
+_COMMIT_TERMINAL = """
+local function commit_terminal(job, status, record, ttl_s, channel, final, reply, reply_result, reply_maxlen,
+                               webhooks, webhook)
+  redis.call('HSET', job, '@status@', status, unpack(record))
+  if tonumber(ttl_s) > 0 then redis.call('EXPIRE', job, ttl_s) end
+  redis.call('PUBLISH', channel, final)
+  if reply_result ~= '' then redis.call('XADD', reply, 'MAXLEN', '~', reply_maxlen, '*', 'result', reply_result) end
+  if #webhook > 0 then redis.call('XADD', webhooks, '*', unpack(webhook)) end
+end
+"""
+
+
+def _job_script(source: str) -> str:
+    """``source`` with ``@field@`` and ``@status@`` names filled in; an unknown name is a bug here."""
+
+    def name(match: re.Match[str]) -> str:
+        key = match.group(1)
+        if key in _FIELDS:
+            return _FIELDS[key]
+        if key in _STATUSES:
+            return _STATUSES[key]
+        raise KeyError(f"unknown job record name @{key}@ in a script")
+
+    return _PLACEHOLDER.sub(name, source)
+
+
+# ---- job record: gateway ---------------------------------------------------------------------------
+
+ENQUEUE = _job_script("""
+local has_key = ARGV[3] == '1'
+if has_key then
+  local owner = redis.call('GET', KEYS[3])
+  if owner then return {'claimed', owner} end
+end
+local status = redis.call('HGET', KEYS[1], '@status@')
+if status then
+  if has_key then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1]) end
+  return {'exists', status}
+end
+if ARGV[2] == '1' then return {'full'} end
+-- Never trimmed: an accepted job stays until a worker acknowledges and deletes it (the depth check bounds the lane).
+local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[5])
+local fields = {}
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+fields[#fields + 1] = '@stream_entry@'
+fields[#fields + 1] = KEYS[2] .. ' ' .. entry
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+if has_key then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1]) end
+return {'enqueued', entry}
+""")
+"""Gateway: a new job enters its lane ``queued``, with its idempotency key, or is refused.
+
+KEYS: job record, lane stream, idempotency key (the job record again when the request has none).
+ARGV: ttl_s, '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id, packed spec,
+then the record's field/value pairs. Returns {'claimed', id} when the idempotency key already names a
+job, {'exists', status} when a record exists for this id (the key, if any, then names it), {'full'}
+when the lane refuses, {'enqueued', entry id}."""
+
+RELEASE_KEY = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+"""Gateway: forget an idempotency key only if it still names the job whose record has gone.
+KEYS: idempotency key. ARGV: job id."""
+
+CANCEL = _job_script(_TERMINAL + _COMMIT_TERMINAL + """
+local status = redis.call('HGET', KEYS[1], '@status@')
+if not status then return 'missing' end
+if status == '@queued@' then
+  local reply_type = redis.call('TYPE', KEYS[3])['ok']
+  local reply_result = ''
+  if reply_type == 'none' or reply_type == 'stream' then reply_result = ARGV[8] end
+  commit_terminal(KEYS[1], '@cancelled@', {'@finished_at@', ARGV[1], '@error@', ARGV[2]}, 0, ARGV[6], ARGV[7],
+                  KEYS[3], reply_result, ARGV[9], KEYS[4], {unpack(ARGV, 10)})
+  redis.call('SET', KEYS[2], '1', 'EX', ARGV[3])
+  return '+cancelled'
+end
+if status == '@running@' then
+  redis.call('SET', KEYS[2], '1', 'EX', ARGV[3])
+  redis.call('PUBLISH', ARGV[4], ARGV[5])
+  return '+cancelling'
+end
+return status
+""")
+"""Gateway: cancel a ``queued`` job on the spot (a terminal commit), or flag a ``running`` one for its worker.
+
+KEYS: job record, cancel flag, reply stream, webhook stream.
+ARGV: now, packed error, flag ttl_s, control channel, packed control message, events channel, packed
+final event, packed reply result|'', reply maxlen, then the webhook delivery's field pairs.
+Returns '+cancelled' or '+cancelling' when it acted, 'missing', or the status it found otherwise. A reply
+key of another type than stream gets no reply; its type is checked before any write."""
+
+# ---- job record: worker ----------------------------------------------------------------------------
+
+
+class StartVerdict(StrEnum):
+    """What ``START`` decided for a lane entry's job."""
+
+    RUN = "run"
+    """Now ``running`` here."""
+    TERMINAL = "terminal"
+    """Already decided: the entry is only acknowledged."""
+    DUPLICATE = "duplicate"
+    """Running from another entry of the same id: this one is only acknowledged."""
+    CANCEL = "cancel"
+    """Its cancel flag is up: it is committed ``cancelled`` without running."""
+    EXPIRE = "expire"
+    """Its deadline passed before it started: it is committed ``expired``."""
+
+
+START = _job_script(_TERMINAL + """
+local st = redis.call('HGET', KEYS[1], '@status@')
+if terminal(st) then return {'terminal', st} end
+if not st then
+  redis.call('HSET', KEYS[1], '@id@', ARGV[8], '@status@', '@queued@', '@lane@', ARGV[4], '@priority@', ARGV[5],
+             '@spec@', ARGV[3], '@created_at@', ARGV[6], '@stream_entry@', ARGV[7])
+  st = '@queued@'
+end
+if st == '@running@' then
+  local owner_entry = redis.call('HGET', KEYS[1], '@stream_entry@')
+  if owner_entry and owner_entry ~= ARGV[7] then return {'duplicate', st} end
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'cancel', st} end
+if ARGV[9] ~= '' and st ~= '@running@' and tonumber(ARGV[2]) > tonumber(ARGV[9]) then return {'expire', st} end
+local fresh = redis.call('HSETNX', KEYS[1], '@started_at@', ARGV[2])
+redis.call('HSET', KEYS[1], '@status@', '@running@', '@worker@', ARGV[1], '@stream_entry@', ARGV[7])
+local attempts = redis.call('HINCRBY', KEYS[1], '@attempts@', 1)
+local record, flat = {}, redis.call('HGETALL', KEYS[1])
+for k = 1, #flat, 2 do
+  if flat[k] ~= '@checkpoint@' then record[#record + 1] = flat[k]; record[#record + 1] = flat[k + 1] end
+end
+return {'run', st, tostring(fresh), tostring(attempts), redis.call('HGET', KEYS[1], '@checkpoint@') or '', record}
+""")
+"""Worker: take a lane entry's job to ``running`` (``running`` → ``running`` for a reclaimed entry).
+
+KEYS: job record, cancel flag. ARGV: worker, now, packed spec, lane, priority, created_at, stream entry,
+job id, deadline|''. Returns {verdict, status found, ...}: 'terminal', 'duplicate' (running from another
+entry), 'cancel', 'expire', or 'run' with whether this is its first start, its attempts, its checkpoint
+and the record (without the checkpoint)."""
+
+STEP = _job_script("""
+local nevents, ndeliveries = tonumber(ARGV[2]), tonumber(ARGV[3])
+local i = 5
+for _ = 1, nevents do
+  redis.call('PUBLISH', ARGV[i], ARGV[i + 2])
+  redis.call('XADD', ARGV[i + 1], '*', 'e', ARGV[i + 2])
+  redis.call('EXPIRE', ARGV[i + 1], ARGV[4])
+  i = i + 3
+end
+for _ = 1, ndeliveries do
+  local nfields, entry = tonumber(ARGV[i]), {}
+  i = i + 1
+  for k = 1, nfields * 2 do entry[k] = ARGV[i]; i = i + 1 end
+  redis.call('XADD', KEYS[1], '*', unpack(entry))
+end
+local replies = {}
+for k = 2, #KEYS, 2 do
+  local job, cancel = KEYS[k], KEYS[k + 1]
+  if redis.call('HGET', job, '@status@') ~= '@running@' or redis.call('HGET', job, '@worker@') ~= ARGV[1] then
+    replies[#replies + 1] = 0
+  else
+    redis.call('HSET', job, '@checkpoint@', ARGV[i])
+    if ARGV[i + 1] ~= '' then redis.call('HSETNX', job, '@first_token_at@', ARGV[i + 1]) end
+    replies[#replies + 1] = redis.call('EXISTS', cancel) == 1 and 2 or 1
+  end
+  i = i + 2
+end
+return replies
+""")
+"""Worker: everything one engine step writes, in order (a job's token events stay in order).
+
+KEYS: webhook stream, then (job record, cancel flag) per checkpoint.
+ARGV: worker, n events, n webhook deliveries, events log ttl_s, then (channel, events log, message) per
+event, (n fields, field pairs...) per delivery, (checkpoint, first_token_at|'') per checkpoint.
+Returns per checkpoint: 1 stored, 0 not ours (not running, or running elsewhere), 2 cancel flagged."""
+
+RENEW_LEASE = """
+local lost = {}
+for i = 3, #ARGV do
+  local info = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if info[1] and info[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
+"""Worker: reset the idle time of its own pending entries, so no other worker reclaims them.
+
+One script, so no other worker's claim can fall between the ownership check and ours.
+KEYS: lane stream. ARGV: group, consumer, entry ids. Returns the ids this consumer no longer owns."""
+
+HAND_BACK = _job_script("""
+local n = 0
+for i = 4, #ARGV, 2 do
+  local info = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if info[1] and info[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
+    redis.call('HINCRBY', ARGV[i + 1], '@handbacks@', 1)
+    n = n + 1
+  end
+end
+return n
+""")
+"""Worker (shutting down): each entry still its own is made to look long idle, and its job counts one
+clean hand-back (a delivery that does not count against max_deliveries: the job did nothing wrong).
+KEYS: lane stream. ARGV: group, consumer, idle ms, then (entry id, job record key) pairs.
+Returns how many were handed back."""
+
+COMMIT = _job_script(_TERMINAL + _COMMIT_TERMINAL + """
+local won = 0
+local reply_type = ''
+if ARGV[6] ~= '' then
+  local t = redis.call('TYPE', KEYS[3])['ok']
+  if t ~= 'none' and t ~= 'stream' then reply_type = t end
+end
+local nwh, ndead = tonumber(ARGV[10]), tonumber(ARGV[11])
+local i = 13
+local wh, dead, rec = {}, {}, {}
+for k = 1, nwh * 2 do wh[k] = ARGV[i]; i = i + 1 end
+for k = 1, ndead * 2 do dead[k] = ARGV[i]; i = i + 1 end
+while i <= #ARGV do rec[#rec + 1] = ARGV[i]; i = i + 1 end
+local may_write
+if ARGV[12] == '1' then may_write = redis.call('EXISTS', KEYS[1]) == 0
+else may_write = not terminal(redis.call('HGET', KEYS[1], '@status@')) end
+if may_write then
+  local reply_result = ''
+  if reply_type == '' then reply_result = ARGV[6] end
+  commit_terminal(KEYS[1], ARGV[1], rec, ARGV[8], ARGV[4], ARGV[5], KEYS[3], reply_result, ARGV[7], KEYS[4], wh)
+  won = 1
+end
+if ARGV[3] ~= '' then
+  redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
+  redis.call('XDEL', KEYS[2], ARGV[3])
+end
+if ndead > 0 then redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', unpack(dead)) end
+return {won, reply_type}
+""")
+"""Worker: the one place a job's outcome is written. The record is persisted, then the final event, the
+reply entry, the ``completed`` webhook delivery, XACK + XDEL of the lane entry and the dead-letter entry.
+
+KEYS: job record, lane stream, reply stream, webhook stream, dead stream.
+ARGV: status, group, entry id|'', events channel, packed final event, packed reply result|'', reply maxlen,
+ttl_s, dead maxlen, n webhook fields, n dead fields, '1' to write only a record that does not exist yet|'',
+then webhook pairs, dead pairs, record pairs. Returns {won, the reply key's type when it is not a stream
+(no reply was added) | ''}. The type is checked before any write, so a reply key of another type cannot
+fail the script half-way."""
+
+# ---- webhook deliveries: dispatchers --------------------------------------------------------------
+
+WEBHOOK_INGEST = _job_script("""
+local entries = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
+if not entries then return 0 end
+local n = 0
+for _, entry in ipairs(entries[1][2]) do
+  local eid, flat, f = entry[1], entry[2], {}
+  for i = 1, #flat, 2 do f[flat[i]] = flat[i + 1] end
+  local missing = nil
+  for _, name in ipairs({'id', 'job_id', 'event', 'url', 'payload'}) do
+    if not f[name] or f[name] == '' then missing = name break end
+  end
+  if missing then
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[9], '*', 'entry', eid, 'at', ARGV[4],
+      'reason', 'invalid webhook delivery entry: missing field ' .. missing)
+  else
+    local dkey = ARGV[6] .. f['id']
+    -- A delivery id seen before is the same delivery (a producer retrying its XADD).
+    if redis.call('EXISTS', dkey) == 0 then
+      redis.call('HSET', dkey, 'id', f['id'], 'job_id', f['job_id'], 'event', f['event'], 'url', f['url'],
+        'payload', f['payload'], 'created_at', f['created_at'] or ARGV[4], 'attempts', 0, 'state', 'pending',
+        'traceparent', f['traceparent'] or '')
+      if redis.call('HEXISTS', ARGV[8] .. f['job_id'], '@webhook_gone@') == 1 then
+        redis.call('HSET', dkey, 'state', 'gone')
+        redis.call('EXPIRE', dkey, ARGV[5])
+      else
+        local chain = ARGV[7] .. f['job_id']
+        local len = redis.call('RPUSH', chain, f['id'])
+        redis.call('EXPIRE', chain, ARGV[5])
+        if len == 1 then redis.call('ZADD', KEYS[2], ARGV[4], f['id']) end
+      end
+      n = n + 1
+    end
+  end
+  redis.call('XACK', KEYS[1], ARGV[1], eid)
+  redis.call('XDEL', KEYS[1], eid)
+end
+return n
+""")
+"""Dispatcher: move new webhook stream entries into delivery hashes (``pending``) on their job's chain;
+only a chain's head is scheduled, so a receiver sees ``started``, then the ``output``s, then ``completed``.
+KEYS: webhook stream, retry zset, webhook dead stream. ARGV: group, consumer, count, now, ttl_s, delivery
+key prefix, chain key prefix, job key prefix, dead maxlen. Returns how many were new."""
+
+WEBHOOK_CLAIM = """
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[3])
+local out = {}
+for _, id in ipairs(ids) do
+  local dkey = ARGV[4] .. id
+  if redis.call('EXISTS', dkey) == 0 then
+    redis.call('ZREM', KEYS[1], id)
+  else
+    redis.call('ZADD', KEYS[1], ARGV[2], id)
+    redis.call('HSET', dkey, 'claim', ARGV[5], 'state', 'sending')
+    local attempt = redis.call('HINCRBY', dkey, 'attempts', 1)
+    local d = redis.call('HMGET', dkey, 'job_id', 'event', 'url', 'payload', 'traceparent')
+    table.insert(out, {id, attempt, d[1], d[2], d[3], d[4], d[5] or ''})
+  end
+end
+return out
+"""
+"""Dispatcher: ``pending`` → ``sending`` for the due heads; their due time moves forward by a lease instead
+of leaving the retry zset, so a dispatcher that dies mid-attempt leaves the delivery to be retried.
+KEYS: retry zset. ARGV: now, lease until, limit, delivery key prefix, claim token."""
+
+WEBHOOK_SETTLE = _job_script("""
+if redis.call('HGET', KEYS[1], 'claim') ~= ARGV[2] then return 0 end
+local outcome = ARGV[3]
+redis.call('HDEL', KEYS[1], 'claim')
+redis.call('HSET', KEYS[1], 'state', outcome, 'last_at', ARGV[6])
+local has_job = redis.call('EXISTS', KEYS[3]) == 1
+if has_job then
+  local n = redis.call('HINCRBY', KEYS[3], '@webhook_count@', 1)
+  redis.call('HSET', KEYS[3], '@webhook_attempt_prefix@' .. n, ARGV[5])
+end
+if outcome == 'retrying' then
+  redis.call('HSET', KEYS[1], 'next_at', ARGV[4])
+  redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
+  return 1
+end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[1], 'next_at')
+redis.call('EXPIRE', KEYS[1], ARGV[7])
+if outcome == 'dead' then
+  local d = redis.call('HMGET', KEYS[1], 'job_id', 'event', 'url', 'attempts', 'payload')
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[8], '*', 'id', ARGV[1], 'job_id', d[1], 'event', d[2],
+    'url', d[3], 'attempts', d[4], 'reason', ARGV[9], 'at', ARGV[6], 'payload', d[5])
+end
+local gone = outcome == 'gone'
+if gone and has_job then redis.call('HSET', KEYS[3], '@webhook_gone@', ARGV[1]) end
+redis.call('LREM', KEYS[4], 1, ARGV[1])
+while true do
+  local nxt = redis.call('LINDEX', KEYS[4], 0)
+  if not nxt then break end
+  if not gone then
+    redis.call('ZADD', KEYS[2], ARGV[6], nxt)
+    break
+  end
+  redis.call('LPOP', KEYS[4])
+  redis.call('HSET', ARGV[10] .. nxt, 'state', 'gone')
+  redis.call('EXPIRE', ARGV[10] .. nxt, ARGV[7])
+end
+return 1
+""")
+"""Dispatcher holding the claim: ``sending`` → ``delivered`` | ``retrying`` | ``dead`` | ``gone``, the attempt
+recorded on the job record, the chain's next delivery scheduled (or, after a 410, all of them gone).
+KEYS: delivery, retry zset, job record, chain, webhook dead stream. ARGV: id, claim token, outcome, next_at,
+packed attempt record, now, ttl_s, dead maxlen, reason, delivery key prefix. Returns 0 when the claim lapsed."""
+
+WEBHOOK_RELEASE = """
+if redis.call('HGET', KEYS[1], 'claim') ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], 'claim')
+redis.call('HSET', KEYS[1], 'state', 'pending')
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+return 1
+"""
+"""Dispatcher holding the claim, shutting down: ``sending`` → ``pending``, due again at once.
+KEYS: delivery, retry zset. ARGV: id, claim token, now. Returns 0 when the claim lapsed."""
+
+# ---- batches: the gateway's batch routes and driver -----------------------------------------------
+
+BATCH_MOVE = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return false end
+for allowed in string.gmatch(ARGV[1], '[^,]+') do
+  if allowed == status then
+    redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
+    return status
+  end
+end
+return status
+"""
+"""Compare-and-set of a batch's status. KEYS: batch hash. ARGV: allowed current statuses (comma-separated),
+new status, then field/value pairs to set with it. Returns the status found (nil when there is no batch)."""
+
+BATCH_SETTLE = """
+local n = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('SETBIT', KEYS[2], ARGV[i], 1) == 0 then
+    n = n + 1
+    redis.call('HINCRBY', KEYS[1], 'settled', 1)
+    local o = ARGV[i + 1]
+    if o == 'completed' or o == 'failed' then redis.call('HINCRBY', KEYS[1], o, 1) end
+    if o == 'expired' then
+      redis.call('HINCRBY', KEYS[1], 'failed', 1)
+      redis.call('HINCRBY', KEYS[1], 'expired', 1)
+    end
+  end
+end
+return n
+"""
+"""Count each line of a batch once. KEYS: batch hash, settled bitmap. ARGV: line, outcome pairs (completed,
+failed, expired, dropped). Returns how many were new."""
