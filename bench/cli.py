@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
-from bench.config import BATCHING_MODES, MODEL_DTYPES, BenchConfig
+from bench.config import MODEL_DTYPES, SWEPT_MODES, BenchConfig
 from scheduler.runtime.model_path import check_local_checkpoint
 
 
@@ -54,7 +54,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--online-pairs", type=int, default=None,
                    help=f"the same for the online claim (default {base.online_pairs}; --quick: 2)")
     p.add_argument("--online-modes", default=None,
-                   help=f"comma-separated batching modes swept online (default: {','.join(BATCHING_MODES)})")
+                   help=f"comma-separated batching modes swept online (default: {','.join(SWEPT_MODES)})")
     p.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

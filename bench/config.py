@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-BATCHING_MODES = ("static", "dynamic", "continuous")
+from scheduler.scheduler_config import BatchingMode
+
+SWEPT_MODES: tuple[str, ...] = tuple(m.value for m in (BatchingMode.STATIC, BatchingMode.DYNAMIC, BatchingMode.CONTINUOUS))
+"""Every batching mode, in the order the benchmark runs and reports them: the padded ones first."""
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -26,7 +29,7 @@ class BenchConfig:
     mixed_interactive_rate: float = 2.0
     online_rate_fractions: tuple[float, ...] = (0.5, 0.8, math.inf)
     """Arrival rates as fractions of continuous's request rate at saturation online; inf is all at once."""
-    online_modes: tuple[str, ...] = BATCHING_MODES
+    online_modes: tuple[str, ...] = SWEPT_MODES
     peers: bool = True
     skewed_pairs: int = 3
     """How often the skewed claim's two sides (static, continuous) are measured; the claim is the median of
@@ -41,7 +44,7 @@ class BenchConfig:
     """Where every system runs: cpu, cuda or cuda:N (the engine, the peers, the worker process)."""
     dtype: str | None = None
     """Model dtype for every system (float32, float16, bfloat16); None is the checkpoint's."""
-    modes: tuple[str, ...] = field(default=BATCHING_MODES)
+    modes: tuple[str, ...] = field(default=SWEPT_MODES)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "threads", "skewed_requests", "sharegpt_requests", "shared_prefix_requests",
@@ -51,8 +54,8 @@ class BenchConfig:
         if not 0 < self.output_scale <= 1:
             raise ValueError(f"output_scale: must be in (0, 1], got {self.output_scale}")
         for mode in (*self.modes, *self.online_modes):
-            if mode not in BATCHING_MODES:
-                raise ValueError(f"modes: unknown batching mode {mode!r}; modes are {', '.join(BATCHING_MODES)}")
+            if mode not in SWEPT_MODES:
+                raise ValueError(f"modes: unknown batching mode {mode!r}; modes are {', '.join(SWEPT_MODES)}")
         if "continuous" not in self.modes:
             raise ValueError("modes: continuous is the baseline the others are compared with")
         if self.dtype is not None and self.dtype not in MODEL_DTYPES:

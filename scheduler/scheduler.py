@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 
 from scheduler.block_manager import BlockManager, CachedPrefix
-from scheduler.scheduler_config import SchedulerConfig
+from scheduler.scheduler_config import BatchingMode, Policy, SchedulerConfig
 from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -68,16 +68,16 @@ class Scheduler:
     # ---- ordering -------------------------------------------------------
 
     def _waiting_key(self, seq: Sequence) -> tuple[int, int]:
-        if self.config.policy == "priority":
+        if self.config.policy is Policy.PRIORITY:
             return (seq.priority, seq.arrival_order)
-        if self.config.policy == "sjf":
+        if self.config.policy is Policy.SJF:
             # The job's size as far as it is known up front: prompt plus the output it may ask for.
             return (seq.num_prompt_tokens + seq.params.max_tokens, seq.arrival_order)
         return (0, seq.arrival_order)
 
     def _running_key(self, seq: Sequence) -> tuple[int, int, int]:
         # Padding sorts last so it is always the first to give its blocks up.
-        priority = seq.priority if self.config.policy == "priority" else 0
+        priority = seq.priority if self.config.policy is Policy.PRIORITY else 0
         return (int(seq.is_padding), priority, seq.admit_order)
 
     # ---- requests -------------------------------------------------------
@@ -116,7 +116,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self.block_manager.free(seq)
             return
-        if self.config.batching != "continuous" and any(
+        if self.config.batching is not BatchingMode.CONTINUOUS and any(
             not s.is_finished for s in self.running if s is not seq
         ):
             self.running.remove(seq)
@@ -146,11 +146,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        if self.config.batching != "continuous" and not self.running and self._group_is_ready():
-            self._admit_group()
+        if self.config.batching is not BatchingMode.CONTINUOUS and not self.running and self._group_is_ready():
+            self._start_group()
         budget = self._schedule_running(out, budget)
-        if self.config.batching == "continuous":
-            self._admit_continuous(out, budget)
+        if self.config.batching is BatchingMode.CONTINUOUS:
+            self._start_waiting(out, budget)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -201,7 +201,7 @@ class Scheduler:
         out.preempted.append(seq)
         return refund
 
-    def _admit_continuous(self, out: SchedulerOutput, budget: int) -> None:
+    def _start_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -216,7 +216,7 @@ class Scheduler:
                     self.num_priority_preemptions += 1
                 # The victims sort after ``seq`` in the waiting order, so it is still first.
                 assert self.waiting[0] is seq
-            self._admit(seq)
+            self._start_running(seq)
             bm.take_prefix(seq, prefix)
             bm.allocate_for(seq, num_new)
             out.scheduled.append(ScheduledSeq(seq, num_new))
@@ -229,7 +229,7 @@ class Scheduler:
         lower priority (higher number), least urgent and latest admitted
         first. All or nothing: nobody is preempted unless ``seq`` then fits.
         """
-        if self.config.policy != "priority":
+        if self.config.policy is not Policy.PRIORITY:
             return []
         candidates: list[Sequence] = []
         for running in reversed(self.running):
@@ -251,12 +251,12 @@ class Scheduler:
     def _group_is_ready(self) -> bool:
         if not self.waiting:
             return False
-        if self.config.batching == "static" or len(self.waiting) >= self.config.max_num_seqs:
+        if self.config.batching is BatchingMode.STATIC or len(self.waiting) >= self.config.max_num_seqs:
             return True
         oldest = min(s.arrival_time for s in self.waiting)
         return (self.clock() - oldest) * 1000.0 >= self.config.max_wait_ms
 
-    def _admit_group(self) -> None:
+    def _start_group(self) -> None:
         """Admit up to max_num_seqs waiting sequences whose whole known tokens fit in blocks now.
 
         Only the prefix-cache hits are attached here; the prefill itself runs
@@ -270,11 +270,11 @@ class Scheduler:
             num_needed = bm.num_blocks_for(seq.num_tokens) - prefix.num_blocks
             if self.running and num_reserved + num_needed > bm.num_free_blocks:
                 break
-            self._admit(seq)
+            self._start_running(seq)
             bm.take_prefix(seq, prefix)
             num_reserved += num_needed
 
-    def _admit(self, seq: Sequence) -> None:
+    def _start_running(self, seq: Sequence) -> None:
         self.waiting.pop(0)
         seq.status = SequenceStatus.RUNNING
         seq.admit_order = self._num_admissions

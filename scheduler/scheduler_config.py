@@ -1,11 +1,56 @@
-"""The step scheduler's settings: batch size and token budget, batching mode, admission policy."""
+"""The step scheduler's settings: batch size and token budget, batching mode, admission policy.
+
+The batching modes and policies are defined here, once, for the whole of carpool: the engine's and the
+worker's configurations, the ``--batching`` and ``--policy`` flags and the benchmarks all take these.
+The one default policy is ``priority``, what a worker has always run: with every request at the same
+priority it admits and preempts exactly as ``fcfs`` does (arrival order, no preemption for priority), so
+``Engine.generate``, which gives every prompt priority 0, runs as it did under ``fcfs``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-BATCHING_MODES = ("continuous", "dynamic", "static")
-POLICIES = ("fcfs", "priority", "sjf")
+
+class BatchingMode(StrEnum):
+    CONTINUOUS = "continuous"
+    """Requests join and leave the running batch at every step."""
+    DYNAMIC = "dynamic"
+    """A group is admitted once the batch is full or the oldest waiter has waited ``max_wait_ms``."""
+    STATIC = "static"
+    """A group is admitted only when the running set is empty, and runs until its longest member ends."""
+
+
+class Policy(StrEnum):
+    FCFS = "fcfs"
+    """Arrival order; nobody is preempted for priority."""
+    PRIORITY = "priority"
+    """Lower priority numbers first; a waiting request may preempt running ones of strictly lower priority."""
+    SJF = "sjf"
+    """Shortest job (prompt + max_tokens) first."""
+
+
+BATCHING_MODES = tuple(BatchingMode)
+POLICIES = tuple(Policy)
+DEFAULT_BATCHING = BatchingMode.CONTINUOUS
+DEFAULT_POLICY = Policy.PRIORITY
+
+
+def batching_mode(value: str) -> BatchingMode:
+    """``value`` as a batching mode; ValueError naming the setting otherwise."""
+    try:
+        return BatchingMode(value)
+    except ValueError:
+        raise ValueError(f"batching: must be one of {', '.join(BATCHING_MODES)}, got {value!r}") from None
+
+
+def policy(value: str) -> Policy:
+    """``value`` as a policy; ValueError naming the setting otherwise."""
+    try:
+        return Policy(value)
+    except ValueError:
+        raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -13,8 +58,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
-    batching: str = "continuous"
-    policy: str = "fcfs"
+    batching: BatchingMode = DEFAULT_BATCHING
+    policy: Policy = DEFAULT_POLICY
     max_wait_ms: float = 20.0
 
     def __post_init__(self) -> None:
@@ -22,9 +67,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if self.batching not in BATCHING_MODES:
-            raise ValueError(f"batching: must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        # A plain string naming a mode or policy is accepted and kept as its enum member.
+        object.__setattr__(self, "batching", batching_mode(self.batching))
+        object.__setattr__(self, "policy", policy(self.policy))
         if not self.max_wait_ms >= 0:
             raise ValueError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms!r}")

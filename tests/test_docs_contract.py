@@ -12,6 +12,7 @@ from aiohttp import ClientSession
 
 from worker.config import WorkerConfig
 from worker.engine.engine import Engine
+from worker.engine.tick import EngineThread
 from worker.service import WorkerService
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -42,9 +43,9 @@ async def test_only_the_three_documented_lanes_are_read(redis_url: str, tiny_mod
     row = _row("lane")
     assert "Workers read only these three streams" in row and "`carpool:lane:urgent`" in row
     client = aioredis.Redis.from_url(redis_url)
-    config = WorkerConfig(redis_url=redis_url, model=tiny_model("llama"), metrics_port=0, engine_process=False,
+    config = WorkerConfig.of(redis_url=redis_url, model=tiny_model("llama"), metrics_port=0, engine_process=False,
                           read_block_ms=50)
-    service = WorkerService(config, Engine(**config.engine_kwargs()), client)
+    service = WorkerService(config, EngineThread(Engine(config.engine)), client)
     job = b'{"v":1,"id":"urgent-1","prompt":"hi","params":{"max_tokens":2}}'
     try:
         await service.start()

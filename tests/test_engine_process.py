@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from scheduler.protocol.job import JobSpec
 from scheduler.params import SamplingParams
 from child_env import child_pythonpath
+from worker.engine.config import EngineConfig
 from worker.engine.process import EngineProcess, EngineStartError
 from worker.engine.tick import EngineFailed
 from worker_harness import KEYS, WAIT_S, running_worker, wait_terminal, wait_until, xadd_job
@@ -59,7 +60,7 @@ async def test_ticks_match_the_in_process_engine_and_a_failing_tick_reports_its_
     with_logprobs = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     completions = Engine(model=model, max_num_seqs=4).generate(prompts, with_logprobs)
     expected = [c.token_ids for c in completions]
-    engine = await EngineProcess.start({"model": model, "max_num_seqs": 4}, 1, "cpu")
+    engine = await EngineProcess.start(EngineConfig(model=model, max_num_seqs=4), 1)
     try:
         assert engine.max_num_seqs == 4
         adds = [(f"r{i}", JobSpec(id=f"r{i}", prompt=p, params=with_logprobs), 0, []) for i, p in enumerate(prompts)]
@@ -80,7 +81,9 @@ async def test_ticks_match_the_in_process_engine_and_a_failing_tick_reports_its_
         assert tick.stats.num_running == 0 and tick.stats.num_steps >= 8
         # Nothing in a reply may need torch to unpickle: the worker process never imports it.
         assert {type(out).__module__ for out in tick.outputs} == {"worker.engine.tick"}
-        assert type(tick.stats).__module__ == "types"
+        assert type(tick.stats).__module__ == "worker.engine.records"
+        probe = "import sys, worker.engine.tick, worker.engine.records; assert 'torch' not in sys.modules"
+        assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT).returncode == 0
 
         # Ticks asked for ahead of their replies run in order; a request far larger than the socket's buffers
         # goes out while replies come back.
@@ -112,7 +115,7 @@ async def test_a_killed_engine_process_fails_the_worker_and_its_jobs_finish_else
     params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
     specs = [JobSpec(id=f"ep-{i}", prompt=f"engine process job {i}", params=params) for i in range(4)]
     client = aioredis.Redis.from_url(redis_url)
-    engine = await EngineProcess.start({"model": model, "max_num_seqs": 4}, 1, "cpu")
+    engine = await EngineProcess.start(EngineConfig(model=model, max_num_seqs=4), 1)
     async with running_worker(redis_url, engine, lease_s=1.0, checkpoint_tokens=4) as service:
         for spec in specs:
             await xadd_job(client, spec)
@@ -169,4 +172,4 @@ async def test_a_bad_model_path_fails_startup_with_a_clear_error(redis_url, tmp_
     assert worker.returncode == 1
     assert "cannot start the engine" in stderr.decode() and str(missing) in stderr.decode()
     with pytest.raises(EngineStartError):
-        await EngineProcess.start({"model": str(missing)}, 1, "cpu")
+        await EngineProcess.start(EngineConfig(model=str(missing)), 1)

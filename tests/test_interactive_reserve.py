@@ -25,12 +25,12 @@ INTERACTIVE_TOKENS = 4
 
 
 def test_reserve_defaults_and_is_off_where_the_engine_would_not_preempt() -> None:
-    assert WorkerConfig(max_num_seqs=4).reserve == 1
-    assert WorkerConfig(max_num_seqs=64).reserve == 8
-    assert WorkerConfig(max_num_seqs=64, interactive_reserve=0).reserve == 0
-    assert WorkerConfig(max_num_seqs=64, interactive_reserve=3).reserve == 3
-    assert WorkerConfig(max_num_seqs=64, policy="fcfs").reserve == 0
-    assert WorkerConfig(max_num_seqs=64, batching="static").reserve == 0
+    assert WorkerConfig.of(max_num_seqs=4).reserve == 1
+    assert WorkerConfig.of(max_num_seqs=64).reserve == 8
+    assert WorkerConfig.of(max_num_seqs=64, interactive_reserve=0).reserve == 0
+    assert WorkerConfig.of(max_num_seqs=64, interactive_reserve=3).reserve == 3
+    assert WorkerConfig.of(max_num_seqs=64, policy="fcfs").reserve == 0
+    assert WorkerConfig.of(max_num_seqs=64, batching="static").reserve == 0
 
 
 async def test_interactive_job_preempts_a_full_batch_backlog(redis_url, tiny_model):

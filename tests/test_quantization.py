@@ -196,8 +196,8 @@ def test_transformers_path_and_bad_settings_are_refused(tiny_model: Callable[...
     with pytest.raises(ValueError, match="quantization: must be one of int8, fp8"):
         ModelRunner(tiny_model("llama"), num_blocks=8, quantization="int4")
     with pytest.raises(ValueError, match="quantization: must be one of"):
-        WorkerConfig(quantization="int4")
-    assert WorkerConfig(quantization="fp8").engine_kwargs()["quantization"] == "fp8"
+        WorkerConfig.of(quantization="int4")
+    assert WorkerConfig.of(quantization="fp8").engine.quantization == "fp8"
 
 
 def test_fp8_is_refused_on_gpus_without_fp8() -> None:

@@ -152,7 +152,7 @@ def test_sjf_runs_shortest_job_first() -> None:
 
 
 def test_fcfs_runs_in_arrival_order() -> None:
-    sched = make_scheduler(max_num_seqs=1)
+    sched = make_scheduler(max_num_seqs=1, policy="fcfs")
     for name in ("c", "a", "b"):
         sched.add(make_seq(name, 3, max_tokens=1, priority=-ord(name)))
     order = [o.scheduled[0].seq.request_id for o in run_all(sched)]

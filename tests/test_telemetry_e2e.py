@@ -25,6 +25,7 @@ from telemetry_support import in_memory_telemetry, is_connected, sample_names, s
 from webhook_receiver import Receiver
 from worker_harness import WAIT_S, wait_until
 from worker.config import WorkerConfig
+from worker.engine.tick import EngineThread
 from worker.service import WorkerService
 
 NUM_JOBS = 4
@@ -55,9 +56,9 @@ async def test_metrics_and_traces_from_gateway_to_worker(redis_url: str, tiny_mo
     gw_telemetry, gw_spans = in_memory_telemetry("carpool-gateway")
     wk_telemetry, wk_spans = in_memory_telemetry("carpool-worker")
     engine = Engine(model=tiny_model(), max_num_seqs=8)
-    config = WorkerConfig(redis_url=redis_url, metrics_port=0, max_wait_ms=5.0, max_num_seqs=8)
+    config = WorkerConfig.of(redis_url=redis_url, metrics_port=0, max_wait_ms=5.0, max_num_seqs=8)
     redis_client = aioredis.Redis.from_url(redis_url)
-    worker = WorkerService(config, engine, redis_client, telemetry=wk_telemetry)
+    worker = WorkerService(config, EngineThread(engine), redis_client, telemetry=wk_telemetry)
     await worker.start()
     secret = generate_secret()
     receiver = await Receiver(secret).start()

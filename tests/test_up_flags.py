@@ -81,9 +81,11 @@ def test_an_over_long_text_prompt_fails_naming_the_prompt_with_its_length(stack:
 
 
 def test_up_takes_every_engine_setting_of_the_worker() -> None:
+    import dataclasses
+
     from worker.config import ENGINE_FLAGS, WorkerConfig
 
-    assert set(WorkerConfig().engine_kwargs()) <= set(ENGINE_FLAGS)
+    assert {f.name for f in dataclasses.fields(WorkerConfig().engine)} <= set(ENGINE_FLAGS)
     up_help = carpool("up", "--help").stdout
     for name in ENGINE_FLAGS:
         assert "--" + name.replace("_", "-") in up_help, name

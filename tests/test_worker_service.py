@@ -130,7 +130,7 @@ async def test_cancel_running_job_frees_its_blocks(redis_url, engine_factory, ti
         await client.set(KEYS.cancel("long"), "1")
         await client.publish(KEYS.control, msgpack.packb({"type": "cancel", "id": "long"}))
         views = await wait_terminal(client, ["long"])
-        await wait_until(lambda: not service.engine.stats().num_kv_blocks_used, "the job's blocks freed")
+        await wait_until(lambda: not engine.stats().num_kv_blocks_used, "the job's blocks freed")
         stats = engine.stats()
     assert views["long"]["status"] == "cancelled"
     assert views["long"]["usage"]["completion_tokens"] < LONG_TOKENS

@@ -113,14 +113,18 @@ class StepLog:
 async def running_worker(redis_url: str, engine: Any, **overrides: Any) -> AsyncIterator[Any]:
     """A WorkerService on `engine` inside this event loop; shut down (two phases) on exit."""
     from worker.config import WorkerConfig
+    from worker.engine.engine import Engine
+    from worker.engine.tick import EngineThread
     from worker.service import WorkerService
 
     settings: dict[str, Any] = {"redis_url": redis_url, "metrics_port": 0, "max_wait_ms": 5.0,
                                 "max_num_seqs": engine.max_num_seqs, "shutdown_grace_s": 5.0}
     settings.update(overrides)
-    config = WorkerConfig(**settings)
+    config = WorkerConfig.of(**settings)
     client = aioredis.Redis.from_url(redis_url)
-    service = WorkerService(config, engine, client)
+    # A real in-process engine runs on its thread, as `carpool worker --no-engine-process` runs it.
+    runner = EngineThread(engine) if isinstance(engine, Engine) else engine
+    service = WorkerService(config, runner, client)
     await service.start()
     try:
         yield service

@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from scheduler.runtime.flags import add_config_flags, config_from_args
 from scheduler.runtime.terminal import printable
@@ -24,6 +23,7 @@ from scheduler.params import SamplingParams
 from scheduler.telemetry.otel import Telemetry, TelemetryConfig, telemetry_config_from_env
 from worker.config import WorkerConfig
 from worker.engine.process import EngineProcess, EngineStartError
+from worker.engine.tick import EngineRunner, EngineThread
 from worker.engine.torch_threads import apply_torch_threads
 
 log = logging.getLogger("worker")
@@ -46,8 +46,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
 
 def _service_fields() -> list[str]:
-    engine = set(WorkerConfig().engine_kwargs()) | {"torch_threads"}
-    return [name for name in WorkerConfig.__dataclass_fields__ if name not in engine]
+    """What ``carpool generate`` does not take: everything but the engine's settings and the torch threads."""
+    return [name for name in WorkerConfig.__dataclass_fields__ if name not in ("engine", "torch_threads")]
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
@@ -78,31 +78,33 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 def generate(config: WorkerConfig, prompt: str, params: SamplingParams) -> int:
     from worker.engine.engine import Engine
 
-    apply_torch_threads(config.torch_threads, config.device)
-    engine = Engine(**config.engine_kwargs())
+    apply_torch_threads(config.torch_threads, config.engine.device)
+    engine = Engine(config.engine)
     (completion,) = engine.generate([prompt], params)
-    if config.model is None:
+    if config.engine.model is None:
         print(f"carpool generate: {BUILTIN_MODEL_NOTICE}", file=sys.stderr)
     print(printable(completion.text))
     return 0
 
 
-async def start_engine(config: WorkerConfig) -> Any:
-    """The engine in its own process (``engine_process``) or in this one; raises ``EngineStartError``."""
-    model = config.model or "(built-in tiny model)"
-    if config.quantization is not None:
-        model += f" with {config.quantization} weights"
+async def start_engine(config: WorkerConfig) -> EngineRunner:
+    """The engine in its own process (``engine_process``) or on a thread of this one; raises ``EngineStartError``."""
+    engine_config = config.engine
+    model = engine_config.model or "(built-in tiny model)"
+    if engine_config.quantization is not None:
+        model += f" with {engine_config.quantization} weights"
     if config.engine_process:
-        log.info("loading model %s on %s in an engine process", model, config.device)
-        return await EngineProcess.start(config.engine_kwargs(), config.torch_threads, config.device)
+        log.info("loading model %s on %s in an engine process", model, engine_config.device)
+        return await EngineProcess.start(engine_config, config.torch_threads)
     from worker.engine.engine import Engine
 
-    threads = apply_torch_threads(config.torch_threads, config.device)
-    log.info("loading model %s on %s (%d torch threads)", model, config.device, threads)
+    threads = apply_torch_threads(config.torch_threads, engine_config.device)
+    log.info("loading model %s on %s (%d torch threads)", model, engine_config.device, threads)
     try:
-        return await asyncio.get_running_loop().run_in_executor(None, lambda: Engine(**config.engine_kwargs()))
+        engine = await asyncio.get_running_loop().run_in_executor(None, lambda: Engine(engine_config))
     except Exception as e:
         raise EngineStartError(f"{type(e).__name__}: {e}") from e
+    return EngineThread(engine)
 
 
 async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None = None) -> int:
@@ -112,7 +114,7 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
     from worker.service import WorkerService
 
     try:
-        engine = await start_engine(config)
+        runner = await start_engine(config)
     except EngineStartError as e:
         log.error("cannot start the engine: %s", e)
         print(f"carpool worker: cannot start the engine: {e}", file=sys.stderr)
@@ -120,7 +122,7 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
     loop = asyncio.get_running_loop()
     client = aioredis.Redis.from_url(config.redis_url)
     telemetry = Telemetry(telemetry_config or TelemetryConfig(service_name="carpool-worker"))
-    service = WorkerService(config, engine, client, telemetry)
+    service = WorkerService(config, runner, client, telemetry)
     def on_signal() -> None:
         # The first signal starts the graceful drain; a second one (a second Ctrl-C) ends the wait.
         if service.stopped.is_set():

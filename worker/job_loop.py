@@ -31,6 +31,7 @@ from scheduler.protocol.lanes import LANE_RANK
 from scheduler.protocol.webhooks import OutputThrottle, delivery_fields, running_view
 from worker.commit_tasks import CommitTasks
 from worker.config import WorkerConfig
+from worker.engine.records import EngineStats
 from worker.engine.tick import EngineFailed, EngineRunner, Tick
 from scheduler.telemetry.log_format import job_context
 from worker.metrics import WorkerMetrics
@@ -59,7 +60,7 @@ class JobLoop:
         self.config = config
         self.step_writer = StepWriter(client, keys, store.worker)
         self.jobs: dict[str, RunningJob] = {}
-        self.stats: Any = None
+        self.stats: EngineStats | None = None
         self._reserved = 0
         self._adds: list[tuple[RunningJob, int]] = []
         self._aborts: list[str] = []
@@ -165,8 +166,8 @@ class JobLoop:
                     self._work.clear()
                     await self._work.wait()
                     # Admission window: an idle engine waits briefly so jobs arriving together start together.
-                    if self.config.max_wait_ms > 0 and self.free > 0:
-                        await asyncio.sleep(self.config.max_wait_ms / 1000)
+                    if self.config.engine.max_wait_ms > 0 and self.free > 0:
+                        await asyncio.sleep(self.config.engine.max_wait_ms / 1000)
                 while len(in_flight) < TICKS_IN_FLIGHT and (
                         not in_flight or num_unfinished or self._adds or self._aborts):
                     in_flight.append(self._send_tick())

@@ -36,6 +36,7 @@ from scheduler.telemetry.otel import (
     s_to_ns,
     traceparent_of,
 )
+from worker.engine.records import EngineStats
 from worker.job_trace import JobTrace
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class WorkerMetrics(ProcessMetrics):
         self._step_tokens = t.histogram(metric_schema.STEP_TOKENS)
         self._reclaimed = t.counter(metric_schema.LEASES_RECLAIMED)
         self._dead = t.counter(metric_schema.DEAD_LETTERED)
-        self._stats: Any = None  # the engine's last EngineStats; replaced whole, never mutated
+        self._stats: EngineStats | None = None  # the engine's last; replaced whole, never mutated
         self._last_step = 0
         for spec, read in (
             (metric_schema.SEQS_RUNNING, lambda s: s.num_running),

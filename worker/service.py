@@ -25,7 +25,7 @@ from scheduler.runtime.tasks import raise_if_cancelled
 from worker.intake import REDIS_DOWN, EntryIntake
 from worker.config import WorkerConfig
 from worker.consumer import Entry, LaneConsumer
-from worker.engine.tick import as_runner
+from worker.engine.tick import EngineRunner
 from worker.job_loop import JobLoop
 from worker.metrics import METRICS_KEY, WorkerMetrics, metrics_handler
 from worker.job_store import JobStore, pack
@@ -39,12 +39,11 @@ RESERVE_POLL_S = 0.02
 
 
 class WorkerService:
-    def __init__(self, config: WorkerConfig, engine: Any, client: aioredis.Redis,
+    def __init__(self, config: WorkerConfig, runner: EngineRunner, client: aioredis.Redis,
                  telemetry: Telemetry | None = None) -> None:
-        """``engine``: an ``EngineProcess`` (or other ``EngineRunner``), or an in-process ``Engine`` run on a thread."""
+        """``runner``: an ``EngineProcess``, or an in-process ``Engine`` on its thread (``EngineThread``)."""
         self.config = config
-        self.engine = engine
-        self.runner = as_runner(engine)
+        self.runner = runner
         self.client = client
         self.keys = Keys(config.key_prefix)
         self.store = JobStore(client, self.keys, worker=config.worker_name, result_ttl_s=config.result_ttl_s,
@@ -247,7 +246,7 @@ class WorkerService:
             try:
                 await self.client.hset(self.keys.workers, self.config.worker_name, pack({
                     "time": time.time(), "running": len(self.loop.jobs), "capacity": self.config.capacity,
-                    "max_model_len": self.runner.max_model_len, "builtin_model": self.config.model is None,
+                    "max_model_len": self.runner.max_model_len, "builtin_model": self.config.engine.model is None,
                     "model": self.config.model_name,
                     "draining": self.is_draining}))
             except REDIS_DOWN as e:

@@ -9,10 +9,12 @@ once, here: flags first, then `CARPOOL_<FLAG>` variables, then defaults.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway.cli.batch import add_batch_flags, run_batch
 from gateway.config import GatewayConfig
@@ -22,6 +24,9 @@ from gateway.cli.up import UpConfig, default_data_dir, run_up
 from gateway.cli.up_worker import WorkerChild
 from gateway.webhooks.config import WebhookConfig
 from scheduler.runtime.model_path import OFFLINE_ENV
+
+if TYPE_CHECKING:
+    from worker.config import WorkerConfig
 
 DELEGATED_VERBS: dict[str, str] = {
     "worker": "run a GPU/CPU worker: consume the lanes, batch jobs, write results",
@@ -40,7 +45,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     # `up` runs a worker, so it takes the worker's engine flags (worker.config imports no torch).
     from worker.config import ENGINE_FLAGS, WorkerConfig
 
-    add_config_flags(up, WorkerConfig, env, exclude=set(WorkerConfig.__dataclass_fields__) - set(ENGINE_FLAGS))
+    add_config_flags(up, WorkerConfig, env, exclude=_service_fields(WorkerConfig, ENGINE_FLAGS))
     add_config_flags(up, WebhookConfig, env)
     up.add_argument("--log-level", default=env.get("CARPOOL_LOG_LEVEL", "WARNING"),
                     help="log level of the gateway and the worker (default: WARNING) [env CARPOOL_LOG_LEVEL]")
@@ -61,6 +66,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     verbs.add_parser("bench", help="benchmark the batching modes and transformers peers; writes a report", add_help=False)
     verbs.add_parser("redis-cli", help="the bundled redis-cli, connected to carpool up's Redis", add_help=False)
     return parser
+
+
+def _service_fields(worker_config: type[WorkerConfig], engine_flags: tuple[str, ...]) -> set[str]:
+    """The worker's settings that `up` does not take: all but its engine (``engine``) and ``engine_flags``."""
+    return {f.name for f in dataclasses.fields(worker_config)} - set(engine_flags) - {"engine"}
 
 
 def _delegate(verb: str) -> Callable[[list[str], Mapping[str, str]], int]:
@@ -100,8 +110,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             from worker.config import ENGINE_FLAGS, WorkerConfig
 
             up = config_from_args(UpConfig, args)
-            engine = config_from_args(WorkerConfig, args, exclude=set(WorkerConfig.__dataclass_fields__) - set(ENGINE_FLAGS))
-            engine.check_model()
+            worker_config = config_from_args(WorkerConfig, args, exclude=_service_fields(WorkerConfig, ENGINE_FLAGS))
+            worker_config.check_model()
         else:
             gateway = config_from_args(GatewayConfig, args, webhooks=webhooks)
     except ValueError as e:
@@ -117,7 +127,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         # The same JSON logs and OTEL_* telemetry as `carpool gateway`; the worker child reads OTEL_* itself.
         telemetry_config = telemetry_config_from_env(environ, service_name="carpool-gateway")
         configure_logging(args.log_level.upper(), service=telemetry_config.service_name)
-        return run_up(up, WorkerChild(engine, ENGINE_FLAGS, args.log_level), webhooks, data_dir, telemetry_config)
+        return run_up(up, WorkerChild(worker_config, ENGINE_FLAGS, args.log_level), webhooks, data_dir, telemetry_config)
     return run_gateway(gateway, args.log_level, environ)
 
 

@@ -141,7 +141,7 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
         loop.add_signal_handler(sig, on_signal)
 
     gateway_config = GatewayConfig(
-        redis_url=redis_url, host=config.host, port=config.port, max_model_len=child.engine.max_model_len,
+        redis_url=redis_url, host=config.host, port=config.port, max_model_len=child.worker.engine.max_model_len,
         webhooks=webhooks,
     )
     runner = web.AppRunner(init_app(gateway_config, telemetry), shutdown_timeout=gateway_config.shutdown_grace_s)
@@ -158,7 +158,7 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
     # Its own session, so a terminal's Ctrl-C reaches only us and the shutdown keeps its order.
     worker = await asyncio.create_subprocess_exec(*child.argv(redis_url, metrics_port, config.worker_grace_s),
                                                   start_new_session=True)
-    engine = child.engine
+    engine = child.worker.engine
     print(f"carpool: worker     pid {worker.pid}, model {engine.model or '(built-in tiny model)'} on {engine.device}, "
           f"metrics http://127.0.0.1:{metrics_port}/metrics", flush=True)
     if engine.model is None:

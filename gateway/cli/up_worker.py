@@ -36,7 +36,8 @@ class StackError(RuntimeError):
 class WorkerChild:
     """What `carpool up` hands its worker: the engine settings (`worker.config.ENGINE_FLAGS`) and the log level."""
 
-    engine: WorkerConfig
+    worker: WorkerConfig
+    """The worker's settings; only ``engine_flags`` of them are handed on."""
     engine_flags: tuple[str, ...]
     log_level: str
 
@@ -44,7 +45,7 @@ class WorkerChild:
         return [
             sys.executable, "-m", "gateway.cli", "worker", "--redis-url", redis_url, "--log-level", self.log_level,
             "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--shutdown-grace-s", str(grace_s),
-            *config_argv(self.engine, self.engine_flags),
+            *config_argv(self.worker, self.engine_flags),
         ]
 
 

@@ -5,15 +5,18 @@ comes from the field's `metadata["help"]`. The environment is passed in, read
 once at the edge, so nothing deeper in the code looks at `os.environ`.
 Precedence: flag, then environment variable, then the dataclass default.
 
-Supported field types: `str`, `int`, `float`, `bool`, `X | None` of those,
+Supported field types: `str`, `int`, `float`, `bool`, `str` enums, `X | None` of those,
 `list[str]` / `list[int]` (comma-separated) and `dict[str, int]` / `dict[str, float]`
-(`key=value,...`). Fields whose metadata has `"flag": False` are skipped.
+(`key=value,...`). Fields whose metadata has `"flag": False` are skipped. A field whose type is
+itself a config dataclass (the worker's `engine`) contributes its own fields as flags, by their own
+names (`--max-num-seqs`, not `--engine-max-num-seqs`), and is built from them.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -23,6 +26,11 @@ ENV_PREFIX = "CARPOOL_"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+
+
+def help_text(text: str, **extra: Any) -> dict[str, Any]:
+    """A field's metadata giving its flag's help."""
+    return {"help": text, **extra}
 
 
 def env_name(field_name: str) -> str:
@@ -85,6 +93,8 @@ def _converter(tp: Any) -> Callable[[str], Any]:
         base = parse_bool
     elif inner in (str, int, float):
         base = inner
+    elif isinstance(inner, type) and issubclass(inner, enum.Enum) and issubclass(inner, str):
+        base = str  # the config's own __post_init__ names the setting and its choices when the text is wrong
     else:
         raise TypeError(f"no flag conversion for type {inner!r}")
     if not is_optional:
@@ -104,14 +114,35 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     return None
 
 
+def _is_config(tp: Any) -> bool:
+    """A field type that is itself a config dataclass, whose fields are flags of their own."""
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
 def _flag_fields(cls: type, exclude: Iterable[str]) -> list[tuple[dataclasses.Field[Any], Any]]:
     hints = typing.get_type_hints(cls)
     skip = set(exclude)
-    return [
-        (f, hints[f.name])
-        for f in dataclasses.fields(cls)
-        if f.init and f.name not in skip and f.metadata.get("flag", True)
-    ]
+    out: list[tuple[dataclasses.Field[Any], Any]] = []
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name in skip or not f.metadata.get("flag", True):
+            continue
+        if _is_config(hints[f.name]):
+            out += _flag_fields(hints[f.name], skip)
+        else:
+            out.append((f, hints[f.name]))
+    return out
+
+
+def _flat_values(config: Any) -> dict[str, tuple[Any, Any]]:
+    """name -> (value, default) of every field of `config`, nested config dataclasses flattened."""
+    hints = typing.get_type_hints(type(config))
+    out: dict[str, tuple[Any, Any]] = {}
+    for f in dataclasses.fields(config):
+        if _is_config(hints[f.name]):
+            out.update(_flat_values(getattr(config, f.name)))
+        else:
+            out[f.name] = (getattr(config, f.name), _default(f))
+    return out
 
 
 def add_config_flags(
@@ -161,7 +192,13 @@ def add_config_flags(
 
 def config_from_args(cls: type, args: argparse.Namespace, *, exclude: Iterable[str] = (), **extra: Any) -> Any:
     """Build the dataclass from parsed flags (plus `extra` values for excluded fields)."""
-    values = {f.name: getattr(args, f.name) for f, _ in _flag_fields(cls, exclude) if hasattr(args, f.name)}
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if _is_config(hints[f.name]) and f.name not in extra:
+            values[f.name] = config_from_args(hints[f.name], args, exclude=exclude)
+        elif f.init and f.name not in set(exclude) and f.metadata.get("flag", True) and hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
     values.update(extra)
     return cls(**values)
 
@@ -169,10 +206,10 @@ def config_from_args(cls: type, args: argparse.Namespace, *, exclude: Iterable[s
 def config_argv(config: Any, names: Iterable[str]) -> list[str]:
     """The flags that give a child process these fields of `config` (the inverse of `add_config_flags`)."""
     argv: list[str] = []
-    defaults = {f.name: _default(f) for f in dataclasses.fields(config)}
+    values = _flat_values(config)
     for name in names:
-        value = getattr(config, name)
-        if value is None or (isinstance(value, bool) and value == defaults[name]):
+        value, default = values[name]
+        if value is None or (isinstance(value, bool) and value == default):
             continue
         if isinstance(value, bool):
             # A switch off by default is a plain `--flag`; one on by default is turned off with `--no-flag`.

@@ -28,7 +28,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from worker.config import DEFAULT_MODEL_NAME
+from worker.engine.config import DEFAULT_MODEL_NAME
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"

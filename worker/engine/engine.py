@@ -11,6 +11,7 @@ use it from one thread.
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,8 @@ from scheduler.scheduler_config import SchedulerConfig
 from scheduler.scheduler_output import SchedulerOutput
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.records import EngineConfig, EngineStats
+from worker.engine.config import EngineConfig
+from worker.engine.records import EngineStats
 from worker.engine.model_runner import ModelRunner, StepSeq
 from worker.engine.prompt_input import check_token_ids, prompt_token_ids
 from worker.engine.request_state import Completion, RequestOutput, RequestState
@@ -47,45 +49,29 @@ class _InFlight:
 
 
 class Engine:
-    def __init__(
-        self,
-        model: str | None = None,
-        device: str = "cpu",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        batching: str = "continuous",
-        policy: str = "fcfs",
-        attention_backend: str | None = None,
-        max_wait_ms: float = 20.0,
-        dtype: str | None = None,
-        kv_cache_memory_gb: float | None = None,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        cuda_graphs: bool | None = None,
-        model_impl: str = "auto",
-        async_scheduling: bool | None = None,
-        quantization: str | None = None,
-    ) -> None:
-        if model is None:
+    def __init__(self, config: EngineConfig | None = None, **settings: Any) -> None:
+        """``Engine(EngineConfig(...))``, or the same settings as keywords: ``Engine(model=PATH, block_size=16)``."""
+        if config is None:
+            config = EngineConfig(**settings)
+        elif settings:
+            raise TypeError("Engine: give an EngineConfig or keyword settings, not both")
+        if config.model is None:
             from worker.engine.default_model import default_model_path
 
-            model = str(default_model_path())
-        self.config = EngineConfig(
-            str(model), device, block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
-            batching, policy, attention_backend, max_wait_ms, dtype, kv_cache_memory_gb,
-            max_model_len, enable_prefix_caching, cuda_graphs, model_impl, async_scheduling, quantization,
-        )
+            config = dataclasses.replace(config, model=str(default_model_path()))
+        assert config.model is not None
+        self.config = config
         self.runner = ModelRunner(
-            str(model), device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-            kv_cache_memory_gb=kv_cache_memory_gb, attention_backend=attention_backend,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs,
-            model_impl=model_impl, quantization=quantization,
+            config.model, device=config.device, dtype=config.dtype, block_size=config.block_size,
+            num_blocks=config.num_blocks, kv_cache_memory_gb=config.kv_cache_memory_gb,
+            attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, cuda_graphs=config.cuda_graphs,
+            model_impl=config.model_impl, quantization=config.quantization,
         )
         self.tokenizer = self.runner.tokenizer
         # Chosen once here, not per request: the choice checks the tokenizer over its whole vocabulary.
         self.text_decoder = text_decoder_for(self.tokenizer)
+        max_model_len = config.max_model_len
         if max_model_len is not None and max_model_len > self.runner.max_model_len:
             raise ValueError(
                 f"max_model_len: {max_model_len} exceeds the model's context length {self.runner.max_model_len}"
@@ -94,23 +80,25 @@ class Engine:
         self.max_model_len = min(
             max_model_len or self.runner.max_model_len, self.runner.num_blocks * self.runner.block_size
         )
-        self.max_num_seqs = max_num_seqs
-        self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
+        self.max_num_seqs = config.max_num_seqs
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
-                batching=batching,
-                policy=policy,
-                max_wait_ms=max_wait_ms,
+                batching=config.batching,
+                policy=config.policy,
+                max_wait_ms=config.max_wait_ms,
             ),
             self.block_manager,
         )
-        self.sampler = Sampler(self.runner.vocab_size, max_num_seqs, device)
+        self.sampler = Sampler(self.runner.vocab_size, config.max_num_seqs, config.device)
         # On CUDA the host prepares the next step while the device computes this one; on a CPU both are the
         # same cores, so there it would only delay each step's outputs by one step.
-        self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling
+        self.async_scheduling = (
+            self.runner.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
+        )
         self._in_flight: _InFlight | None = None
         self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -35,10 +34,20 @@ import struct
 import sys
 import traceback
 from collections import deque
-from types import SimpleNamespace
-from typing import Any
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 
-from worker.engine.tick import Add, EngineFailed, StepOutput, Tick, run_tick
+from worker.engine.config import EngineConfig
+from worker.engine.tick import (
+    Add,
+    EngineError,
+    EngineFailed,
+    EngineMessage,
+    EngineReady,
+    Tick,
+    TickRequest,
+    run_tick,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +62,7 @@ class EngineStartError(RuntimeError):
     """The child could not build the engine (bad model path, bad setting); the message says why."""
 
 
-def frame(message: Any) -> bytes:
+def frame(message: TickRequest | EngineMessage | None) -> bytes:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return FRAME_HEADER.pack(len(data)) + data
 
@@ -61,7 +70,7 @@ def frame(message: Any) -> bytes:
 class _Channel(asyncio.Protocol):
     """The parent's end of the socket: cuts the byte stream into messages and hands each to ``on_message``."""
 
-    def __init__(self, on_message: Any, on_lost: Any) -> None:
+    def __init__(self, on_message: Callable[[EngineMessage], None], on_lost: Callable[[Exception | None], None]) -> None:
         self.on_message = on_message
         self.on_lost = on_lost
         self.transport: asyncio.Transport | None = None
@@ -92,7 +101,7 @@ class EngineProcess:
     Requests go out as soon as they are asked for; the child answers them one at a time, in order.
     """
 
-    def __init__(self, process: Any, max_num_seqs: int = 0, max_model_len: int = 0) -> None:
+    def __init__(self, process: BaseProcess, max_num_seqs: int = 0, max_model_len: int = 0) -> None:
         self.process = process
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -105,16 +114,17 @@ class EngineProcess:
 
     @property
     def pid(self) -> int:
-        return int(self.process.pid)
+        assert self.process.pid is not None, "started in start()"
+        return self.process.pid
 
     @classmethod
-    async def start(cls, engine_kwargs: dict[str, Any], torch_threads: int, device: str) -> EngineProcess:
+    async def start(cls, config: EngineConfig, torch_threads: int) -> EngineProcess:
         """Spawn the child and wait until its engine is built; raises ``EngineStartError`` if it cannot be."""
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair()
         context = multiprocessing.get_context("spawn")
         process = context.Process(target=serve_engine, name="carpool-engine", daemon=True,
-                                  args=(theirs, engine_kwargs, torch_threads, device, os.getpid()))
+                                  args=(theirs, config, torch_threads, os.getpid()))
         # Started from the event loop's thread, the main one: Linux sends the death signal when the thread
         # that started the child ends, so a short-lived thread must not start it.
         try:
@@ -149,29 +159,29 @@ class EngineProcess:
             future.set_exception(EngineFailed(f"the engine process (pid {self.pid}) is stopping"))
             return future
         self._waiting.append(future)
-        self._send((adds, aborts, do_step))
+        self._send(TickRequest(adds, aborts, do_step))
         return future
 
-    def _send(self, message: Any) -> None:
+    def _send(self, message: TickRequest | None) -> None:
         assert self._channel is not None and self._channel.transport is not None
         self._channel.transport.write(frame(message))  # buffered: never blocks the event loop
 
-    def _on_message(self, message: tuple[str, Any]) -> None:
-        kind, payload = message
+    def _on_message(self, message: EngineMessage) -> None:
         if self._ready is not None and not self._ready.done():
-            if kind == "ready":
-                self._ready.set_result((int(payload[0]), int(payload[1])))
+            if isinstance(message, EngineReady):
+                self._ready.set_result((message.max_num_seqs, message.max_model_len))
             else:
-                self._ready.set_exception(EngineStartError(payload))
+                assert isinstance(message, EngineError), message
+                self._ready.set_exception(EngineStartError(message.message))
             return
         future = self._waiting.popleft()
         if future is None or future.done():
             return
-        if kind == "error":
-            future.set_exception(EngineFailed(f"the engine raised in its process (pid {self.pid}):\n{payload}"))
+        if isinstance(message, EngineError):
+            future.set_exception(EngineFailed(f"the engine raised in its process (pid {self.pid}):\n{message.message}"))
         else:
-            assert kind == "tick" and isinstance(payload, Tick), kind
-            future.set_result(payload)
+            assert isinstance(message, Tick), message
+            future.set_result(message)
 
     def _on_lost(self, exc: Exception | None) -> None:
         """EOF or a socket error: the child is gone (or exiting as asked)."""
@@ -209,8 +219,7 @@ class EngineProcess:
         self._waiting.clear()
 
 
-def serve_engine(sock: socket.socket, engine_kwargs: dict[str, Any], torch_threads: int, device: str,
-                 parent_pid: int) -> None:
+def serve_engine(sock: socket.socket, config: EngineConfig, torch_threads: int, parent_pid: int) -> None:
     """The child's body: build the engine, report ready (or why not), then answer ticks until told to stop."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -219,14 +228,14 @@ def serve_engine(sock: socket.socket, engine_kwargs: dict[str, Any], torch_threa
 
     with sock:
         try:
-            apply_torch_threads(torch_threads, device)
+            apply_torch_threads(torch_threads, config.device)
             from worker.engine.engine import Engine
 
-            engine = Engine(**engine_kwargs)
+            engine = Engine(config)
         except Exception as e:
-            sock.sendall(frame(("error", f"{type(e).__name__}: {e}")))
+            sock.sendall(frame(EngineError(f"{type(e).__name__}: {e}")))
             return
-        sock.sendall(frame(("ready", (engine.max_num_seqs, engine.max_model_len))))
+        sock.sendall(frame(EngineReady(engine.max_num_seqs, engine.max_model_len)))
         while True:
             try:
                 request = _receive(sock)
@@ -235,18 +244,19 @@ def serve_engine(sock: socket.socket, engine_kwargs: dict[str, Any], torch_threa
             if request is None:
                 return
             try:
-                reply: tuple[str, Any] = ("tick", _portable(run_tick(engine, *request)))
+                reply: EngineMessage = run_tick(engine, request.adds, request.aborts, request.do_step)
             except Exception:
-                reply = ("error", traceback.format_exc())
+                reply = EngineError(traceback.format_exc())
             try:
                 sock.sendall(frame(reply))
             except OSError:
                 return
 
 
-def _receive(sock: socket.socket) -> Any:
+def _receive(sock: socket.socket) -> TickRequest | None:
     (size,) = FRAME_HEADER.unpack(_read_exactly(sock, FRAME_HEADER.size))
-    return pickle.loads(_read_exactly(sock, size))
+    request: TickRequest | None = pickle.loads(_read_exactly(sock, size))
+    return request
 
 
 def _read_exactly(sock: socket.socket, size: int) -> bytearray:
@@ -258,14 +268,6 @@ def _read_exactly(sock: socket.socket, size: int) -> bytearray:
             raise EOFError("the engine's parent closed the socket")
         view = view[n:]
     return data
-
-
-def _portable(tick: Tick) -> Tick:
-    """The tick with torch-free outputs and stats: unpickling engine classes would import torch into the
-    parent, on its event loop's thread, for seconds (long enough to lose leases)."""
-    outputs = [StepOutput(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
-                          out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens) for out in tick.outputs]
-    return Tick(tick.rejected, outputs, tick.num_unfinished, SimpleNamespace(**dataclasses.asdict(tick.stats)))
 
 
 def _die_with_parent(parent_pid: int) -> None:

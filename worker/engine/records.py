@@ -1,42 +1,8 @@
-"""The engine's records: its settings as given, and its counters after a step."""
+"""The engine's counters after a step, as the worker reads them (in this process or across the engine process's socket)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine's settings as given; derived sizes live on the engine itself."""
-
-    model: str
-    device: str = "cpu"
-    block_size: int = 16
-    num_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    batching: str = "continuous"
-    policy: str = "fcfs"
-    attention_backend: str | None = None
-    max_wait_ms: float = 20.0
-    dtype: str | None = None
-    kv_cache_memory_gb: float | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    cuda_graphs: bool | None = None
-    """Replay decode steps as CUDA graphs; None: on for CUDA with the Triton backend."""
-    model_impl: str = "auto"
-    """carpool's own model (the Llama family), transformers', or the first that fits (auto)."""
-    async_scheduling: bool | None = None
-    """Prepare the next step on the host while the device runs this one; None: on for CUDA."""
-    quantization: str | None = None
-    """int8 or fp8 linear weights of carpool's models, per output channel; None: unquantized."""
-
-    def __post_init__(self) -> None:
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks: must be positive, got {self.num_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
 
 
 @dataclass

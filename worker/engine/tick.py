@@ -11,9 +11,14 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from scheduler.protocol.job import JobSpec
+from worker.engine.records import EngineStats
+
+if TYPE_CHECKING:
+    from worker.engine.engine import Engine
+    from worker.engine.request_state import RequestOutput
 
 Add = tuple[str, JobSpec, int, list[int]]
 """A request to add: request id, its job, engine priority, tokens to resume from."""
@@ -21,10 +26,9 @@ Add = tuple[str, JobSpec, int, list[int]]
 
 @dataclass
 class StepOutput:
-    """What the job loop reads of a ``RequestOutput``, in a module free of torch (for the engine process's parent).
-
-    Only what the step added: the job loop keeps the rest, so a reply's size does not grow with the output.
-    """
+    """What the job loop reads of a ``RequestOutput``: only what the step added (the job loop keeps the rest,
+    so a tick's size across the engine process's socket does not grow with the output), and nothing whose
+    unpickling would import torch into the parent."""
 
     request_id: str
     new_token_ids: list[int]
@@ -34,6 +38,11 @@ class StepOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> StepOutput:
+        return cls(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
+                   out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens)
 
 
 @dataclass
@@ -46,14 +55,41 @@ class Rejection:
 
 @dataclass
 class Tick:
-    """What one engine tick did."""
+    """What one engine tick did, the same from a thread or across the engine process's socket."""
 
     rejected: dict[str, Rejection]
-    outputs: list[Any]
-    """The step's ``RequestOutput``s (``StepOutput``s from an engine process)."""
+    outputs: list[StepOutput]
     num_unfinished: int
-    stats: Any
-    """The engine's ``EngineStats`` after the step (its fields in a ``SimpleNamespace`` from an engine process)."""
+    stats: EngineStats
+    """The engine's counters after the step."""
+
+
+@dataclass(frozen=True)
+class TickRequest:
+    """Parent to engine process: one tick to run (``None`` in its place: stop)."""
+
+    adds: list[Add]
+    aborts: list[str]
+    do_step: bool
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """Engine process to parent: the engine is built, with these limits."""
+
+    max_num_seqs: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class EngineError:
+    """Engine process to parent: the engine could not be built, or a tick raised; ``message`` says why."""
+
+    message: str
+
+
+EngineMessage = EngineReady | EngineError | Tick
+"""Everything the engine process sends its parent."""
 
 
 class EngineFailed(RuntimeError):
@@ -75,12 +111,7 @@ class EngineRunner(Protocol):
     async def aclose(self) -> None: ...
 
 
-def as_runner(engine: Any) -> EngineRunner:
-    """A runner as is; an in-process ``Engine`` wrapped to tick on its own thread."""
-    return engine if hasattr(engine, "tick") else EngineThread(engine)
-
-
-def run_tick(engine: Any, adds: list[Add], aborts: list[str], do_step: bool) -> Tick:
+def run_tick(engine: Engine, adds: list[Add], aborts: list[str], do_step: bool) -> Tick:
     rejected: dict[str, Rejection] = {}
     for request_id in aborts:
         engine.abort_request(request_id)
@@ -93,10 +124,10 @@ def run_tick(engine: Any, adds: list[Add], aborts: list[str], do_step: bool) -> 
         except ValueError as e:
             rejected[request_id] = _rejection(engine, spec, e)
     outputs = engine.step() if do_step and engine.has_unfinished_requests() else []
-    return Tick(rejected, outputs, engine.num_unfinished_requests(), engine.stats())
+    return Tick(rejected, [StepOutput.of(out) for out in outputs], engine.num_unfinished_requests(), engine.stats())
 
 
-def _rejection(engine: Any, spec: JobSpec, error: ValueError) -> Rejection:
+def _rejection(engine: Engine, spec: JobSpec, error: ValueError) -> Rejection:
     """The engine's refusal with the prompt's length, and a prompt that alone fills the context named as such.
 
     The engine checks prompt + max_tokens as one sum and names max_tokens; when the prompt leaves no room
@@ -120,7 +151,7 @@ def _rejection(engine: Any, spec: JobSpec, error: ValueError) -> Rejection:
 class EngineThread:
     """An in-process engine, ticked on one dedicated thread; the event loop stays free meanwhile."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.max_num_seqs: int = engine.max_num_seqs
         self.max_model_len: int = engine.max_model_len

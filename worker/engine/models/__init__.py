@@ -10,26 +10,16 @@ models only; the transformers path refuses it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from worker.engine.config import MODEL_IMPLS, ModelImpl, Quantization
 from worker.engine.attention import METADATA_KWARG, PagedAttentionMetadata, register_paged_attention
 from worker.engine.graph_runner import rope_type
 from worker.engine.models.llama_family import ARCHITECTURES, LlamaFamilyModel, read_safetensors
-from worker.engine.models.quantization import Quantization
 from worker.engine.models.rope import SUPPORTED_ROPE_TYPES
-
-
-class ModelImpl(str, Enum):
-    AUTO = "auto"
-    CARPOOL = "carpool"
-    TRANSFORMERS = "transformers"
-
-
-MODEL_IMPLS = tuple(m.value for m in ModelImpl)
 
 
 class CausalLM(Protocol):

@@ -20,18 +20,13 @@ a scalar loop, its CUDA one fp32-only and untiled). See docs/internals.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 import torch.nn.functional as F
 
-
-class Quantization(str, Enum):
-    INT8 = "int8"
-    FP8 = "fp8"
+from worker.engine.config import QUANTIZATIONS, Quantization
 
 
-QUANTIZATIONS = tuple(q.value for q in Quantization)
 # The largest magnitude each storage type holds; a row's largest weight maps onto it.
 _STORAGE: dict[Quantization, tuple[torch.dtype, float]] = {
     Quantization.INT8: (torch.int8, 127.0),

@@ -1,0 +1,101 @@
+"""The engine's settings: one dataclass, validated once, handed to ``Engine``. Imports no torch.
+
+``WorkerConfig`` holds one (each field is also a ``carpool worker`` flag, through
+``scheduler.runtime.flags``), and ``Engine(EngineConfig(...))`` or
+``Engine(model=PATH, ...)`` takes the same settings for offline use. Derived
+sizes (KV blocks, the context actually served) are the engine's, not written
+back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from scheduler.runtime.flags import help_text
+from scheduler.scheduler_config import (
+    DEFAULT_BATCHING,
+    DEFAULT_POLICY,
+    BatchingMode,
+    Policy,
+    batching_mode,
+    policy,
+)
+
+DEFAULT_MODEL_NAME = "carpool-tiny-llama-v1"
+"""The built-in model's name (its directory under the model cache too)."""
+
+
+class ModelImpl(StrEnum):
+    AUTO = "auto"
+    CARPOOL = "carpool"
+    TRANSFORMERS = "transformers"
+
+
+MODEL_IMPLS = tuple(m.value for m in ModelImpl)
+
+
+class Quantization(StrEnum):
+    INT8 = "int8"
+    FP8 = "fp8"
+
+
+QUANTIZATIONS = tuple(q.value for q in Quantization)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = field(default=None, metadata=help_text(
+        "local checkpoint directory; default: the built-in tiny Llama model"))
+    device: str = field(default="cpu", metadata=help_text("cpu, cuda or cuda:N"))
+    block_size: int = field(default=16, metadata=help_text("tokens per KV-cache block"))
+    num_blocks: int | None = field(default=None, metadata=help_text(
+        "KV-cache blocks; default: sized from --kv-cache-memory-gb"))
+    max_num_seqs: int = field(default=64, metadata=help_text(
+        "most sequences in one engine step (and most jobs a worker holds)"))
+    max_num_batched_tokens: int = field(default=2048, metadata=help_text("token budget of one engine step"))
+    batching: BatchingMode = field(default=DEFAULT_BATCHING, metadata=help_text("continuous, dynamic or static"))
+    policy: Policy = field(default=DEFAULT_POLICY, metadata=help_text(
+        "engine admission order: priority (lane, then job priority), fcfs (arrival) or sjf (shortest job first)"))
+    attention_backend: str | None = field(default=None, metadata=help_text(
+        "torch or triton; default: triton on CUDA, torch on CPU"))
+    max_wait_ms: float = field(default=20.0, metadata=help_text(
+        "dynamic-batching window: how long an idle worker waits for more jobs before its first step"))
+    dtype: str | None = field(default=None, metadata=help_text(
+        "model dtype (float32, float16, bfloat16); default: the checkpoint's"))
+    kv_cache_memory_gb: float | None = field(default=None, metadata=help_text("memory budget of the KV cache in GiB"))
+    max_model_len: int | None = field(default=None, metadata=help_text("longest prompt + output; default: the model's"))
+    enable_prefix_caching: bool = field(default=True, metadata=help_text("reuse KV blocks of shared prompt prefixes"))
+    cuda_graphs: bool | None = field(default=None, metadata=help_text(
+        "replay decode steps as CUDA graphs recorded at start-up; default: on for CUDA with the Triton backend"))
+    async_scheduling: bool | None = field(default=None, metadata=help_text(
+        "schedule and launch the next engine step before turning this one's tokens into outputs (a finishing "
+        "request then computes one token more, dropped); default: on for CUDA"))
+    model_impl: ModelImpl = field(default=ModelImpl.AUTO, metadata=help_text(
+        "auto, carpool or transformers: carpool's own fused model for the Llama family (Llama, Mistral, Qwen2, "
+        "Qwen3), transformers' for everything else; auto picks by the checkpoint's architecture"))
+    quantization: Quantization | None = field(default=None, metadata=help_text(
+        "int8 or fp8: hold carpool's models' linear weights (qkv, o, gate_up, down) quantized per output channel, "
+        "from an ordinary checkpoint at load; the KV cache and lm_head stay in --dtype; fp8 on CUDA needs "
+        "compute capability 8.9+; default: unquantized"))
+
+    def __post_init__(self) -> None:
+        # Plain strings naming a mode, policy, implementation or quantization are kept as their enum members.
+        object.__setattr__(self, "batching", batching_mode(self.batching))
+        object.__setattr__(self, "policy", policy(self.policy))
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl: must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        object.__setattr__(self, "model_impl", ModelImpl(self.model_impl))
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise ValueError(f"quantization: must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}")
+            object.__setattr__(self, "quantization", Quantization(self.quantization))
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks: must be positive, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms}")
