@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bench.config import BenchConfig
-from bench.records import summarize
-from bench.workloads import Workload
-
-if TYPE_CHECKING:
-    from bench.suite import BenchReport, Workloads
+from bench.records import BenchReport, summarize
+from bench.workloads import Workload, Workloads
 
 
 def step_count_ceiling(workload: Workload, max_num_seqs: int) -> dict[str, float]:

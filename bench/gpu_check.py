@@ -25,9 +25,9 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-KERNEL_TESTS = ["tests/test_kernels.py", "tests/test_kernels_paged_decode.py", "tests/test_kernels_torch.py",
-                "tests/test_kernels_model.py", "tests/test_engine_triton.py", "tests/test_graph_runner.py",
-                "tests/test_own_models.py"]
+KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_paged_decode.py", "tests/kernels/test_kernels_torch.py",
+                "tests/kernels/test_kernels_model.py", "tests/worker/engine/test_engine_triton.py", "tests/worker/engine/test_graph_runner.py",
+                "tests/worker/engine/test_own_models.py"]
 IDENTITY_PROMPT_LENS = [100, 400, 1000, 2000, 3000, 4500, 6000, 7900]
 IDENTITY_NEW_TOKENS = 200
 

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen before pyplot loads)
 
 from bench.records import RunResult, summarize  # noqa: E402
-from bench.suite import BenchReport  # noqa: E402
+from bench.records import BenchReport  # noqa: E402
 
 MODE_COLORS = {"static": "tab:red", "dynamic": "tab:orange", "continuous": "tab:blue",
                "hf-generate": "tab:gray", "hf-generate-batch": "tab:green"}

@@ -141,3 +141,25 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "num_steps": run.num_steps,
         **run.extra,
     }
+
+@dataclass
+class BenchReport:
+    config: dict[str, Any]
+    machine: dict[str, Any]
+    runs: list[RunResult] = field(default_factory=list)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    peer_errors: dict[str, str] = field(default_factory=dict)
+    repeats: dict[str, list[dict[str, float | None]]] = field(default_factory=dict)
+    """Each throughput claim's two sides measured again (``BenchConfig.skewed_pairs``, ``online_pairs``): "skewed" pairs of
+    saturated static / continuous tokens/s, "online" pairs of offline / online-at-saturation tokens/s."""
+    duration_s: float = 0.0
+
+    def summaries(self) -> list[dict[str, Any]]:
+        return [summarize(run) for run in self.runs]
+
+    def find(self, workload: str, mode: str, system: str, rate: str | None = None) -> RunResult | None:
+        for run in self.runs:
+            if (run.workload, run.mode, run.system) == (workload, mode, system) and (
+                    rate is None or run.extra.get("rate") == rate):
+                return run
+        return None

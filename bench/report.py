@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.suite import BenchReport
+from bench.records import BenchReport
 
 JSON_NAME = "results.json"
 MARKDOWN_NAME = "results.md"

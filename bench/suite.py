@@ -13,46 +13,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.checks import evaluate_checks
 from bench.config import BenchConfig
 from bench.offline import make_engine, run_offline
 from bench.online import OnlineStack, run_online
-from bench.records import RunResult, saturated_tokens_per_s, summarize
-from bench.workloads import Workload, mixed_lanes, poisson_arrivals, shared_prefix, sharegpt_like, skewed
+from bench.records import BenchReport, RunResult, saturated_tokens_per_s, summarize
+from bench.workloads import Workload, Workloads, mixed_lanes, poisson_arrivals, shared_prefix, sharegpt_like, skewed
 
 Progress = Callable[[str, int], None]
 """``progress(phase, num_new_output_tokens)``."""
 
 
-@dataclass
-class BenchReport:
-    config: dict[str, Any]
-    machine: dict[str, Any]
-    runs: list[RunResult] = field(default_factory=list)
-    checks: list[dict[str, Any]] = field(default_factory=list)
-    peer_errors: dict[str, str] = field(default_factory=dict)
-    repeats: dict[str, list[dict[str, float | None]]] = field(default_factory=dict)
-    """Each throughput claim's two sides measured again (``BenchConfig.skewed_pairs``, ``online_pairs``): "skewed" pairs of
-    saturated static / continuous tokens/s, "online" pairs of offline / online-at-saturation tokens/s."""
-    duration_s: float = 0.0
-
-    def summaries(self) -> list[dict[str, Any]]:
-        return [summarize(run) for run in self.runs]
-
-    def find(self, workload: str, mode: str, system: str, rate: str | None = None) -> RunResult | None:
-        for run in self.runs:
-            if (run.workload, run.mode, run.system) == (workload, mode, system) and (
-                    rate is None or run.extra.get("rate") == rate):
-                return run
-        return None
-
-
-@dataclass
-class Workloads:
-    skewed: Workload
-    sharegpt: Workload
-    shared_prefix: Workload
-    mixed_alone: Workload
-    mixed_with_batch: Workload
 
 
 def build_workloads(config: BenchConfig) -> Workloads:
@@ -150,7 +121,6 @@ def run_suite(config: BenchConfig, model: str, progress: Progress, env: Mapping[
 
     report.machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     report.duration_s = time.perf_counter() - started
-    from bench.checks import evaluate_checks
 
     report.checks = evaluate_checks(report, w, config)
     return report

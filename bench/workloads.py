@@ -116,3 +116,11 @@ def poisson_arrivals(workload: Workload, rate_per_s: float, seed: int = 0) -> Wo
         timed.append(BenchRequest(r.prompt_token_ids, r.max_tokens, t, r.lane, r.priority))
         t += rng.expovariate(rate_per_s)
     return Workload(workload.name, timed)
+
+@dataclass
+class Workloads:
+    skewed: Workload
+    sharegpt: Workload
+    shared_prefix: Workload
+    mixed_alone: Workload
+    mixed_with_batch: Workload

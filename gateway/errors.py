@@ -14,20 +14,14 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
-from redis.exceptions import BusyLoadingError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.openai.errors import OpenAIError, is_openai_path, openai_error_response
+from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-REDIS_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
-"""Redis unreachable, restarting, loading its data, or no pooled connection free within the pool timeout.
-
-``OSError`` covers refused connections and ``TimeoutError`` (an ``OSError`` since Python 3.11)."""
 
 _TYPE_OF_STATUS = {
     400: "invalid_request",

@@ -15,13 +15,13 @@ from redis.exceptions import RedisError
 from gateway import appkeys
 from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
-from gateway.errors import REDIS_UNAVAILABLE, error_response
+from gateway.errors import error_response
 from gateway.metrics import CONTENT_TYPE
 from gateway.event_hub import wait_for_terminal
 from gateway.sse import stream_events
 from scheduler.protocol.job_record import job_view, json_default
 from scheduler.protocol.lanes import LANES
-from scheduler.protocol.redis_replies import read_hash
+from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE, read_hash
 
 log = logging.getLogger(__name__)
 

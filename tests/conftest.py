@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import redis
 import redis.asyncio as aioredis
-import torch
 
 from aiohttp.test_utils import TestServer
 
@@ -19,16 +18,8 @@ from gateway.cli.embedded_redis import EmbeddedRedis
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Test models are tiny, so an op has nothing worth splitting across threads, and on a
-# CI box whose few cores are busy the intra-op pool's threads wait on each other: one
-# engine `generate` of 32 prompts took 16.8 s with torch's default threads and 0.7 s
-# with one. Every test in the session (and every in-process worker) runs single-threaded.
-torch.set_num_threads(1)
-
-# Triton picks compiling or its numpy interpreter when a kernel is defined (at
-# import), so without a GPU the interpreter goes on before any test imports `kernels`.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Nothing here imports torch, so the pure scheduler tests (tests/scheduler/) run without it. The folders
+# whose tests load torch set it up in their own conftest (tests/harness/torch_setup.py).
 
 
 @pytest.fixture(scope="session")

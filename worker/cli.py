@@ -23,7 +23,8 @@ from scheduler.params import SamplingParams
 from scheduler.telemetry.otel import Telemetry, TelemetryConfig, telemetry_config_from_env
 from worker.config import WorkerConfig
 from worker.engine.process import EngineProcess, EngineStartError
-from worker.engine.tick import EngineRunner, EngineThread
+from worker.engine.tick import EngineThread
+from worker.engine.wire import EngineRunner
 from worker.engine.torch_threads import apply_torch_threads
 
 log = logging.getLogger("worker")

@@ -32,7 +32,7 @@ from scheduler.protocol.webhooks import OutputThrottle, delivery_fields, running
 from worker.commit_tasks import CommitTasks
 from worker.config import WorkerConfig
 from worker.engine.records import EngineStats
-from worker.engine.tick import EngineFailed, EngineRunner, Tick
+from worker.engine.wire import EngineFailed, EngineRunner, Tick
 from scheduler.telemetry.log_format import job_context
 from worker.metrics import WorkerMetrics
 from worker.job_store import EntryRef, Outcome, JobStore, pack

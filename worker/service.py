@@ -25,7 +25,7 @@ from scheduler.runtime.tasks import raise_if_cancelled
 from worker.intake import REDIS_DOWN, EntryIntake
 from worker.config import WorkerConfig
 from worker.consumer import Entry, LaneConsumer
-from worker.engine.tick import EngineRunner
+from worker.engine.wire import EngineRunner
 from worker.job_loop import JobLoop
 from worker.metrics import METRICS_KEY, WorkerMetrics, metrics_handler
 from worker.job_store import JobStore, pack

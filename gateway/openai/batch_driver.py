@@ -28,14 +28,13 @@ from redis.typing import EncodableT, FieldT
 from gateway import appkeys
 from gateway.admission import InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
-from gateway.errors import REDIS_UNAVAILABLE
 from gateway.openai.batch_lines import LineError, custom_id_of, error_line, parse_line, result_line
 from gateway.openai.batches import BatchStatus, batch_store
 from gateway.openai.files import PAGE_LINES, file_store
 from gateway.openai.schema import Endpoint
 from scheduler.protocol import state_machine
 from scheduler.protocol.job_record import job_view
-from scheduler.protocol.redis_replies import as_bytes
+from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE, as_bytes
 from scheduler.runtime.tasks import raise_if_cancelled
 
 log = logging.getLogger(__name__)

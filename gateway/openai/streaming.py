@@ -19,7 +19,7 @@ from gateway import appkeys
 from gateway.openai import responses
 from gateway.openai.choices import ChoiceWatch, cancel_jobs, client_gone
 from gateway.openai.schema import Endpoint, OpenAIRequest
-from gateway.errors import REDIS_UNAVAILABLE
+from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 

@@ -174,7 +174,8 @@ class JobSpec:
         return out
 
     def pack(self) -> bytes:
-        return msgpack.packb(self.to_wire(), use_bin_type=True)
+        packed: bytes = msgpack.packb(self.to_wire(), use_bin_type=True)
+        return packed
 
     @classmethod
     def unpack(cls, raw: bytes) -> JobSpec:

@@ -11,7 +11,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import redis.asyncio as aioredis
+from redis.exceptions import BusyLoadingError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import KeyT, XReadGroupResponse, XReadResponse
+
+REDIS_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
+"""Redis unreachable, restarting, loading its data, or no pooled connection free within the pool timeout.
+
+``OSError`` covers refused connections and ``TimeoutError`` (an ``OSError`` since Python 3.11)."""
 
 StreamEntries = list[tuple[bytes, dict[bytes, bytes] | None]]
 """(entry id, fields) in stream order; fields are None for an entry deleted while pending."""

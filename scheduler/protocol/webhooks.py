@@ -247,4 +247,5 @@ class AttemptRecord:
         return asdict(self)
 
     def pack(self) -> bytes:
-        return msgpack.packb(self.to_wire(), use_bin_type=True)
+        packed: bytes = msgpack.packb(self.to_wire(), use_bin_type=True)
+        return packed

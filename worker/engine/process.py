@@ -38,16 +38,8 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 from worker.engine.config import EngineConfig
-from worker.engine.tick import (
-    Add,
-    EngineError,
-    EngineFailed,
-    EngineMessage,
-    EngineReady,
-    Tick,
-    TickRequest,
-    run_tick,
-)
+from worker.engine.tick import run_tick
+from worker.engine.wire import Add, EngineError, EngineFailed, EngineMessage, EngineReady, Tick, TickRequest
 
 log = logging.getLogger(__name__)
 

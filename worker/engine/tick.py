@@ -1,114 +1,23 @@
-"""One engine tick and the two ways the job loop runs it: on a thread of this process, or in a child.
+"""One engine tick and the in-process way to run it: on one dedicated thread of the worker process.
 
 A tick aborts, adds, then (maybe) steps the engine, and reports what
-happened. The job loop drives either runner through ``EngineRunner``; the
-in-process one here runs ticks on one dedicated thread (the engine is not
-thread-safe), the child-process one is ``worker.engine.process``.
+happened (``worker.engine.wire.Tick``). The job loop drives a runner through
+``EngineRunner``: ``EngineThread`` here runs ticks on one thread (the engine
+is not thread-safe); ``worker.engine.process`` runs them in a child process.
 """
 
 from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from scheduler.protocol.job import JobSpec
-from worker.engine.records import EngineStats
+from worker.engine.wire import Add, Rejection, StepOutput, Tick
 
 if TYPE_CHECKING:
     from worker.engine.engine import Engine
     from worker.engine.request_state import RequestOutput
-
-Add = tuple[str, JobSpec, int, list[int]]
-"""A request to add: request id, its job, engine priority, tokens to resume from."""
-
-
-@dataclass
-class StepOutput:
-    """What the job loop reads of a ``RequestOutput``: only what the step added (the job loop keeps the rest,
-    so a tick's size across the engine process's socket does not grow with the output), and nothing whose
-    unpickling would import torch into the parent."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: list[dict[str, Any]] | None
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-
-    @classmethod
-    def of(cls, out: RequestOutput) -> StepOutput:
-        return cls(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
-                   out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens)
-
-
-@dataclass
-class Rejection:
-    """A request the engine refused: why (the message starts with the field at fault), and its prompt length."""
-
-    message: str
-    num_prompt_tokens: int
-
-
-@dataclass
-class Tick:
-    """What one engine tick did, the same from a thread or across the engine process's socket."""
-
-    rejected: dict[str, Rejection]
-    outputs: list[StepOutput]
-    num_unfinished: int
-    stats: EngineStats
-    """The engine's counters after the step."""
-
-
-@dataclass(frozen=True)
-class TickRequest:
-    """Parent to engine process: one tick to run (``None`` in its place: stop)."""
-
-    adds: list[Add]
-    aborts: list[str]
-    do_step: bool
-
-
-@dataclass(frozen=True)
-class EngineReady:
-    """Engine process to parent: the engine is built, with these limits."""
-
-    max_num_seqs: int
-    max_model_len: int
-
-
-@dataclass(frozen=True)
-class EngineError:
-    """Engine process to parent: the engine could not be built, or a tick raised; ``message`` says why."""
-
-    message: str
-
-
-EngineMessage = EngineReady | EngineError | Tick
-"""Everything the engine process sends its parent."""
-
-
-class EngineFailed(RuntimeError):
-    """The engine cannot tick any more: its process died, or a step raised (the message holds its traceback)."""
-
-
-class EngineRunner(Protocol):
-    max_num_seqs: int
-    max_model_len: int
-    """Longest prompt + output a request may have."""
-
-    def tick(self, adds: list[Add], aborts: list[str], do_step: bool) -> asyncio.Future[Tick]:
-        """Hand the tick to the engine at once (not at the caller's next await); the future holds its result.
-
-        Ticks run one at a time in the order given, also when a caller stops waiting for one.
-        """
-        ...
-
-    async def aclose(self) -> None: ...
 
 
 def run_tick(engine: Engine, adds: list[Add], aborts: list[str], do_step: bool) -> Tick:
@@ -124,7 +33,13 @@ def run_tick(engine: Engine, adds: list[Add], aborts: list[str], do_step: bool) 
         except ValueError as e:
             rejected[request_id] = _rejection(engine, spec, e)
     outputs = engine.step() if do_step and engine.has_unfinished_requests() else []
-    return Tick(rejected, [StepOutput.of(out) for out in outputs], engine.num_unfinished_requests(), engine.stats())
+    return Tick(rejected, [_step_output(out) for out in outputs], engine.num_unfinished_requests(), engine.stats())
+
+
+
+def _step_output(out: RequestOutput) -> StepOutput:
+    return StepOutput(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
+                      out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens)
 
 
 def _rejection(engine: Engine, spec: JobSpec, error: ValueError) -> Rejection:

@@ -1,0 +1,25 @@
+"""`carpool bench` without its optional dependencies stops before any work and names the extra to install."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.harness.up_stack import REPO, carpool_env
+
+
+def test_bench_without_matplotlib_names_the_extra_before_working(tmp_path: Path) -> None:
+    # A `matplotlib` earlier on the path that cannot be imported stands in for one never installed.
+    shadow = tmp_path / "shadow" / "matplotlib"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'matplotlib'\")\n")
+    env = carpool_env()
+    env["PYTHONPATH"] = f"{tmp_path / 'shadow'}:{env['PYTHONPATH']}"
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "bench", "--quick", "--output", str(out)],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "matplotlib" in done.stderr and "pip install -e '.[bench]'" in done.stderr
+    assert not out.exists()  # no work was started

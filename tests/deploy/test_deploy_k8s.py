@@ -1,0 +1,184 @@
+"""Structural checks of the Kubernetes manifests and the KEDA scaler against the code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.harness.deploy_files import K8S, REPO, k8s_documents, k8s_objects, parse_verb, verb_env_names
+from scheduler.protocol.keys import CONSUMER_GROUP, Keys
+from scheduler.protocol.lanes import LANES
+
+NAMESPACE = "carpool"
+DEPLOYMENT_VERBS = {"carpool-gateway": "gateway", "carpool-worker": "worker", "carpool-webhooks": "webhooks"}
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def container_env(deployment: dict[str, Any], secret_values: dict[str, str]) -> dict[str, str]:
+    """The environment a container would see: its ConfigMaps, then its own `env` entries."""
+    config_maps = k8s_objects("ConfigMap")
+    c = container(deployment)
+    env: dict[str, str] = {}
+    for source in c.get("envFrom", []):
+        env.update(config_maps[source["configMapRef"]["name"]]["data"])
+    for item in c.get("env", []):
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        else:
+            ref = item["valueFrom"]["secretKeyRef"]
+            env[item["name"]] = secret_values[ref["key"]]
+    return env
+
+
+def example_secret() -> dict[str, str]:
+    (secret,) = [doc for path, doc in k8s_documents() if path.name == "secret.example.yaml"]
+    values = dict(secret["stringData"])
+    values["CARPOOL_WEBHOOK_SECRET"] = "whsec_Y2FycG9vbC1leGFtcGxlLXdlYmhvb2stc2VjcmV0ISE="
+    return values
+
+
+def test_every_manifest_is_well_formed_and_applied() -> None:
+    docs = list(k8s_documents())
+    assert len(docs) >= 12
+    for path, doc in docs:
+        assert {"apiVersion", "kind"} <= set(doc), path
+        if doc["kind"] == "Kustomization":
+            continue
+        assert doc["metadata"]["name"], path
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") == NAMESPACE, f"{path}: {doc['metadata']['name']}"
+    (kustomization,) = [doc for _, doc in docs if doc["kind"] == "Kustomization"]
+    for resource in kustomization["resources"]:
+        assert (K8S / resource).is_file(), resource
+    assert "secret.example.yaml" not in kustomization["resources"], "the example Secret must not be applied"
+    applied = {path.name for path in K8S.glob("*.yaml")} - {"kustomization.yaml", "secret.example.yaml"}
+    assert applied == set(kustomization["resources"])
+    assert {i["name"] for i in kustomization["images"]} == {"carpool-gateway", "carpool-worker"}
+
+
+def test_references_between_objects_resolve() -> None:
+    config_maps = k8s_objects("ConfigMap")
+    secret_keys = set(example_secret())
+    services = k8s_objects("Service")
+    pvcs = k8s_objects("PersistentVolumeClaim")
+    workloads = {**k8s_objects("Deployment"), **k8s_objects("StatefulSet")}
+    assert set(workloads) == {*DEPLOYMENT_VERBS, "carpool-redis"}
+    for name, workload in workloads.items():
+        pod = workload["spec"]["template"]
+        assert workload["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(), name
+        for c in pod["spec"]["containers"]:
+            for source in c.get("envFrom", []):
+                assert source["configMapRef"]["name"] in config_maps, name
+            for item in c.get("env", []):
+                if "valueFrom" in item:
+                    ref = item["valueFrom"]["secretKeyRef"]
+                    assert ref["name"] == "carpool-secrets" and ref["key"] in secret_keys, (name, ref)
+            mounts = {m["name"] for m in c.get("volumeMounts", [])}
+            volumes = {v["name"] for v in pod["spec"].get("volumes", [])}
+            claims = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
+            assert mounts <= volumes | claims, name
+        for volume in pod["spec"].get("volumes", []):
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in config_maps
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in pvcs
+    for name, service in services.items():
+        (target,) = [w for w in workloads.values()
+                     if service["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        port_names = {p["name"] for p in container(target)["ports"]}
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in port_names, name
+
+
+def test_carpool_variables_are_flags_of_the_verb_and_parse() -> None:
+    deployments = k8s_objects("Deployment")
+    secrets = example_secret()
+    for name, verb in DEPLOYMENT_VERBS.items():
+        deployment = deployments[name]
+        assert container(deployment)["args"] == [verb]
+        env = container_env(deployment, secrets)
+        carpool_vars = {k for k in env if k.startswith("CARPOOL_")}
+        unknown = carpool_vars - verb_env_names(verb)
+        assert not unknown, f"{name}: {sorted(unknown)} are not flags of `carpool {verb}`"
+        parse_verb(verb, env)
+    gateway = parse_verb("gateway", container_env(deployments["carpool-gateway"], secrets))
+    assert (gateway.host, gateway.port, gateway.no_webhooks) == ("0.0.0.0", 8000, True)
+    assert gateway.redis_url == "redis://:CHANGE-ME@carpool-redis:6379/0"
+
+
+def test_probes_and_ports_match_the_flags() -> None:
+    deployments = k8s_objects("Deployment")
+    secrets = example_secret()
+    gateway_args = parse_verb("gateway", container_env(deployments["carpool-gateway"], secrets))
+    worker_args = parse_verb("worker", container_env(deployments["carpool-worker"], secrets))
+    for name, port in (("carpool-gateway", gateway_args.port), ("carpool-worker", worker_args.metrics_port)):
+        c = container(deployments[name])
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        annotations = deployments[name]["spec"]["template"]["metadata"]["annotations"]
+        assert int(annotations["prometheus.io/port"]) == port
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert ports[c["readinessProbe"]["httpGet"]["port"]] == port, name
+    webhooks_args = parse_verb("webhooks", container_env(deployments["carpool-webhooks"], secrets))
+    c = container(deployments["carpool-webhooks"])
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert webhooks_args.metrics_port == 9465 and c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert ports[c["livenessProbe"]["httpGet"]["port"]] == webhooks_args.metrics_port
+    annotations = deployments["carpool-webhooks"]["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == webhooks_args.metrics_port
+    assert worker_args.device == "cuda" and worker_args.model == "/models/my-model"
+    worker_pod = deployments["carpool-worker"]["spec"]["template"]["spec"]
+    assert worker_pod["terminationGracePeriodSeconds"] > worker_args.shutdown_grace_s
+    assert container(deployments["carpool-worker"])["resources"]["limits"]["nvidia.com/gpu"] == 1
+    (redis_service,) = k8s_objects("Service")["carpool-redis"]["spec"]["ports"]
+    assert gateway_args.redis_url.endswith(f"@carpool-redis:{redis_service['port']}/0")
+
+
+def test_pods_run_as_non_root() -> None:
+    for name, workload in {**k8s_objects("Deployment"), **k8s_objects("StatefulSet")}.items():
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0, name
+        for c in pod["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, name
+            assert c["resources"]["limits"]["memory"], name
+
+
+def test_keda_scales_workers_on_every_lane_of_the_consumer_group() -> None:
+    (scaled,) = k8s_objects("ScaledObject").values()
+    auths = k8s_objects("TriggerAuthentication")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "carpool-worker" in k8s_objects("Deployment")
+    redis_port = k8s_objects("Service")["carpool-redis"]["spec"]["ports"][0]["port"]
+    by_stream: dict[str, set[str]] = {}
+    for trigger in scaled["spec"]["triggers"]:
+        meta = trigger["metadata"]
+        assert trigger["type"] == "redis-streams"
+        assert meta["consumerGroup"] == CONSUMER_GROUP
+        assert meta["address"] == f"carpool-redis.{NAMESPACE}.svc.cluster.local:{redis_port}"
+        assert trigger["authenticationRef"]["name"] in auths
+        # KEDA reads lagCount ahead of pendingEntriesCount: one count field per trigger.
+        counts = {"pendingEntriesCount", "lagCount", "streamLength"} & set(meta)
+        assert len(counts) == 1, trigger["name"]
+        (count,) = counts
+        assert int(meta[count]) >= 1 and all(isinstance(v, str) for v in meta.values())
+        if count == "lagCount":
+            assert meta["activationLagCount"] == "0"
+        by_stream.setdefault(meta["stream"], set()).add(count)
+    assert by_stream == {Keys().lane(lane): {"pendingEntriesCount", "lagCount"} for lane in LANES}
+    (secret_ref,) = next(iter(auths.values()))["spec"]["secretTargetRef"]
+    assert secret_ref["parameter"] == "password" and secret_ref["key"] in example_secret()
+    assert 1 <= scaled["spec"]["minReplicaCount"] < scaled["spec"]["maxReplicaCount"]
+
+
+def test_images_in_manifests_are_built_here() -> None:
+    dockerfiles = {"carpool-gateway": "Dockerfile.gateway", "carpool-worker": "Dockerfile.worker"}
+    for _, doc in k8s_documents():
+        if doc["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        for c in doc["spec"]["template"]["spec"]["containers"]:
+            repo, _, tag = c["image"].partition(":")
+            assert tag and tag != "latest", c["image"]
+            if repo.startswith("carpool-"):
+                assert (REPO / "deploy" / "docker" / dockerfiles[repo]).is_file()

@@ -1,0 +1,40 @@
+"""`carpool batch submit --wait -o`, `status` and `cancel` against a real gateway process and a real worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from gateway.cli.main import main
+from tests.harness.gateway_process import gateway_process
+from tests.harness.openai_support import MODEL_NAME
+from tests.harness.worker_harness import running_worker
+
+
+def line(i: int) -> str:
+    return json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": MODEL_NAME, "prompt": f"item {i}", "max_tokens": 3, "temperature": 0}})
+
+
+async def test_batch_submit_waits_with_progress_and_writes_the_output(redis_url, tiny_model, tmp_path, capsys) -> None:
+    from worker.engine.engine import Engine
+
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join([line(i) for i in range(20)] + ["not json"]) + "\n")
+    out = tmp_path / "out.jsonl"
+    with gateway_process(redis_url, tmp_path / "gateway.log", "--batch-poll-interval-s", "0.1") as gateway:
+        async with running_worker(redis_url, Engine(model=tiny_model(), max_num_seqs=8), served_model_name=MODEL_NAME):
+            code = await asyncio.to_thread(main, ["batch", "submit", str(source), "--endpoint", "/v1/completions",
+                                                  "--wait", "-o", str(out), "--gateway", gateway.url])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        batch_id = captured.out.split()[0]
+        assert "20 done / 1 failed / 21" in captured.err
+        assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == sorted(f"c{i}" for i in range(20))
+        errors = [json.loads(x) for x in out.with_suffix(".errors.jsonl").read_text().splitlines()]
+        assert [e["error"]["code"] for e in errors] == ["invalid_json"]
+
+        assert await asyncio.to_thread(main, ["batch", "status", batch_id, "--gateway", gateway.url]) == 0
+        assert json.loads(capsys.readouterr().out)["status"] == "completed"
+        assert await asyncio.to_thread(main, ["batch", "cancel", "batch_nope", "--gateway", gateway.url]) == 2
+        assert "404" in capsys.readouterr().err

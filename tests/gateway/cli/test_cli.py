@@ -1,0 +1,148 @@
+"""The `carpool` command: flags and env fallbacks, `submit` against a live gateway, and `carpool up` end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from aiohttp.test_utils import TestServer
+
+from gateway.app import init_app
+from gateway.cli.main import DELEGATED_VERBS, build_parser, main
+from gateway.config import GatewayConfig
+from gateway.cli.embedded_redis import free_port
+from scheduler.runtime.flags import config_from_args, env_names
+from scheduler.runtime.terminal import printable
+from gateway.cli.up import UpConfig
+from scheduler.protocol.keys import Keys
+from tests.harness.child_env import child_pythonpath
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_every_verb_is_listed() -> None:
+    parser = build_parser({})
+    (verbs,) = [a for a in parser._actions if a.dest == "verb"]
+    assert set(verbs.choices) == {"up", "gateway", "submit", "batch", "bench", "redis-cli", *DELEGATED_VERBS}
+    assert set(DELEGATED_VERBS) == {"worker", "generate", "webhooks"}
+
+
+def test_gateway_flags_fall_back_to_env_and_flags_win() -> None:
+    env = {"CARPOOL_REDIS_URL": "redis://10.0.0.5:6380/2", "CARPOOL_PORT": "9100",
+           "CARPOOL_MAX_LANE_DEPTH": "batch=5", "CARPOOL_NO_WEBHOOKS": "true", "CARPOOL_WEBHOOK_ALLOW": "a.test,10.0.0.0/8"}
+    args = build_parser(env).parse_args(["gateway", "--port", "9200", "--max-wait-s", "5"])
+    config = config_from_args(GatewayConfig, args)
+    assert config.redis_url == "redis://10.0.0.5:6380/2"
+    assert config.port == 9200  # the flag beats the variable
+    assert config.max_wait_s == 5.0
+    assert config.max_lane_depth == {"interactive": 1_000, "standard": 10_000, "batch": 5}
+    assert config.no_webhooks is True
+    assert args.webhook_allow == ["a.test", "10.0.0.0/8"]
+    names = env_names(GatewayConfig)
+    assert names["--redis-url"] == "CARPOOL_REDIS_URL" and names["--max-model-len"] == "CARPOOL_MAX_MODEL_LEN"
+    assert "--webhooks" not in names
+
+
+def test_up_flags_and_defaults(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    args = build_parser({"CARPOOL_DEVICE": "cuda"}).parse_args(["up", "--model", str(tmp_path), "--port", "8100"])
+    up = config_from_args(UpConfig, args)
+    assert (up.redis_url, up.port) == (None, 8100)
+    assert (args.model, args.device) == (str(tmp_path), "cuda")  # engine flags, handed to the worker
+
+
+def test_bad_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser({"CARPOOL_PORT": "eighty"})
+    assert exit_info.value.code == 2
+    assert "CARPOOL_PORT='eighty'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["gateway", "--max-lane-depth", "express=3"], env={})
+    assert "max_lane_depth: unknown lane 'express'" in capsys.readouterr().err
+
+
+@pytest.fixture
+async def gateway_url(redis_url: str) -> AsyncIterator[str]:
+    server = TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1")
+    await server.start_server()
+    yield str(server.make_url("")).rstrip("/")
+    await server.close()
+
+
+async def test_submit_posts_a_job(gateway_url: str, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["submit", "tell me", "--lane", "interactive", "--max-tokens", "7", "--temperature", "0", "--gateway", gateway_url]
+    assert await asyncio.to_thread(main, argv, {}) == 0
+    job_id = capsys.readouterr().out.strip()
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        record = await client.hgetall(Keys().job(job_id))
+        assert record[b"status"] == b"queued" and record[b"lane"] == b"interactive"
+        assert await client.xlen(Keys().lane("interactive")) == 1
+    finally:
+        await client.aclose()
+
+
+async def test_submit_reports_a_refusal(gateway_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["submit", "x", "--max-tokens", "0", "--gateway", gateway_url]
+    assert await asyncio.to_thread(main, argv, {}) == 2
+    assert "params.max_tokens" in capsys.readouterr().err
+
+
+def test_submit_reports_an_unreachable_gateway(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["submit", "x", "--gateway", f"http://127.0.0.1:{free_port()}"], env={}) == 1
+    assert "cannot reach the gateway" in capsys.readouterr().err
+
+
+def _carpool(*args: str, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.mark.slow
+def test_up_then_submit_wait_prints_a_completion(tiny_model: Callable[..., str], tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
+    env["PYTHONPATH"] = child_pythonpath(REPO)
+    log_path = tmp_path / "up.log"
+    with open(log_path, "w") as log:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--model", model,
+             "--data-dir", str(tmp_path / "data"), "--redis-port", "0", "--worker-grace-s", "5", "--log-level", "info"],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while "carpool: ready" not in log_path.read_text():
+            assert up.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        done = _carpool("submit", "hello", "--wait", "--max-tokens", "6", "--temperature", "0",
+                        "--id", "e2e-1", "--gateway", base, env=env, timeout_s=120)
+        assert done.returncode == 0, done.stderr + log_path.read_text()
+        with urllib.request.urlopen(f"{base}/v1/jobs/e2e-1") as resp:
+            view = json.loads(resp.read())
+        assert view["status"] == "succeeded"
+        assert view["usage"]["completion_tokens"] == len(view["output"]["token_ids"]) > 0
+        assert done.stdout == printable(view["output"]["text"]) + "\n"
+        assert (tmp_path / "data" / "redis").is_dir()
+    finally:
+        up.send_signal(signal.SIGINT)
+        code = up.wait(timeout=60)
+    out = log_path.read_text()
+    assert code == 0, out
+    assert out.index("carpool: shutting down") < out.index("carpool: worker stopped (0)") < out.index("carpool: redis stopped")
+    # the gateway logs JSON lines like `carpool gateway` (the worker child's own say carpool-worker)
+    services = {json.loads(line)["service"] for line in out.splitlines() if line.startswith("{")}
+    assert {"carpool-gateway", "carpool-worker"} <= services, out

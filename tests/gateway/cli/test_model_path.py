@@ -1,0 +1,50 @@
+"""A `--model` that is not a local checkpoint directory fails at once, in one line, with no network attempt."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.cli.embedded_redis import free_port
+from tests.harness.up_stack import REPO, carpool, carpool_env
+
+ONE_LINE = "carpool never downloads models"
+
+
+def _assert_one_line_refusal(done: subprocess.CompletedProcess[str], model: str) -> None:
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr  # one line, no traceback
+    assert f"not a local checkpoint directory: {model}" in done.stderr and ONE_LINE in done.stderr
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen2.5-0.5B-Instruct", "/no/such/checkpoint"])
+def test_generate_refuses_a_hub_id_or_missing_path(model: str) -> None:
+    _assert_one_line_refusal(carpool("generate", "hi", "--model", model), model)
+
+
+def test_worker_refuses_a_directory_without_a_checkpoint(tmp_path: Path) -> None:
+    done = carpool("worker", "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--model", str(tmp_path))
+    _assert_one_line_refusal(done, str(tmp_path))
+
+
+def test_up_refuses_a_hub_id_before_starting_anything(tmp_path: Path) -> None:
+    done = carpool("up", "--model", "meta-llama/Llama-3.2-1B", "--redis-port", "0", "--data-dir", str(tmp_path / "data"))
+    _assert_one_line_refusal(done, "meta-llama/Llama-3.2-1B")
+    assert not (tmp_path / "data").exists()  # no Redis was started
+
+
+def test_bench_refuses_a_hub_id(tmp_path: Path) -> None:
+    done = carpool("bench", "--model", "gpt2", "--output", str(tmp_path / "out"))
+    _assert_one_line_refusal(done, "gpt2")
+
+
+def test_the_cli_runs_offline_before_transformers_loads() -> None:
+    probe = ("import sys; from gateway.cli.main import main; main(['redis-cli', '--help']); "
+             "import os, transformers.utils.hub as hub; "
+             "print(os.environ['HF_HUB_OFFLINE'], os.environ['TRANSFORMERS_OFFLINE'], hub.is_offline_mode())")
+    done = subprocess.run([sys.executable, "-c", probe], env=carpool_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-3:] == ["1", "1", "True"]

@@ -1,0 +1,99 @@
+"""`carpool up` takes the worker's engine flags and log level, its help says each default once, and the
+gateway admits against the context length the workers report."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+
+from tests.harness.up_stack import UpStack, carpool, start_up
+
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
+    up = start_up(tmp_path_factory.mktemp("up"), "--model", tiny_model("llama"), "--max-num-seqs", "3",
+                  "--max-model-len", str(CONTEXT), "--log-level", "warning")
+    yield up
+    assert up.stop() == 0, up.log()
+
+
+def _post(base: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(f"{base}/v1/jobs", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _wait_final(base: str, job_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 120
+    while True:
+        with urllib.request.urlopen(f"{base}/v1/jobs/{job_id}?wait=10", timeout=40) as resp:
+            view = json.loads(resp.read())
+        if view["status"] not in ("queued", "running") or time.monotonic() > deadline:
+            return view
+
+
+@pytest.mark.slow
+def test_up_passes_engine_flags_and_log_level_to_its_worker(stack: UpStack) -> None:
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        (beat,) = [msgpack.unpackb(raw) for raw in client.hgetall("carpool:workers").values()]
+    finally:
+        client.close()
+    assert beat["capacity"] == 3 and beat["max_model_len"] == CONTEXT
+    worker_lines = [json.loads(line) for line in stack.log().splitlines()
+                    if line.startswith("{") and '"carpool-worker"' in line]
+    assert not [line for line in worker_lines if line.get("level") in ("DEBUG", "INFO")], worker_lines
+
+
+@pytest.mark.slow
+def test_the_gateway_admits_against_the_workers_context(stack: UpStack) -> None:
+    status, body = _post(stack.base, {"prompt_token_ids": [5] * (CONTEXT + 6), "params": {"max_tokens": 4}})
+    assert status == 400 and body["error"]["field"] == "prompt_token_ids", body
+    status, body = _post(stack.base, {"prompt_token_ids": [5] * (CONTEXT - 4), "params": {"max_tokens": 10}})
+    assert status == 400 and body["error"]["field"] == "params.max_tokens", body
+    status, body = _post(stack.base, {"prompt_token_ids": [5] * (CONTEXT - 10), "params": {"max_tokens": 10}})
+    assert status == 202, body
+
+
+@pytest.mark.slow
+def test_an_over_long_text_prompt_fails_naming_the_prompt_with_its_length(stack: UpStack) -> None:
+    status, body = _post(stack.base, {"id": "long-text", "prompt": "x" * (CONTEXT * 3), "params": {"max_tokens": 4}})
+    assert status == 202, body
+    view = _wait_final(stack.base, "long-text")
+    assert view["status"] == "failed"
+    assert view["error"]["message"].startswith("prompt: "), view["error"]
+    assert view["usage"]["prompt_tokens"] >= CONTEXT * 3
+
+
+def test_up_takes_every_engine_setting_of_the_worker() -> None:
+    import dataclasses
+
+    from worker.config import ENGINE_FLAGS, WorkerConfig
+
+    assert {f.name for f in dataclasses.fields(WorkerConfig().engine)} <= set(ENGINE_FLAGS)
+    up_help = carpool("up", "--help").stdout
+    for name in ENGINE_FLAGS:
+        assert "--" + name.replace("_", "-") in up_help, name
+
+
+def test_help_says_each_default_once() -> None:
+    for verb in ("up", "gateway", "worker"):
+        text = carpool(verb, "--help").stdout
+        for flag_help in re.split(r"\n  -", text):
+            assert flag_help.count("(default:") <= 1 and "(default: None)" not in flag_help, (verb, flag_help)
+            assert not ("default:" in flag_help.replace("(default:", "") and "(default:" in flag_help), (verb, flag_help)

@@ -1,0 +1,180 @@
+"""The Batch API against a real gateway, real workers and the real `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+
+from tests.harness.child_env import child_pythonpath
+from tests.harness.openai_support import MODEL_NAME, openai_service
+from scheduler.params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAT = "/v1/chat/completions"
+
+
+def chat_line(i: int, max_tokens: int = 4) -> dict:
+    return {"custom_id": f"req-{i}", "method": "POST", "url": CHAT,
+            "body": {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"question number {i}"}],
+                     "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
+
+
+BAD_LINES = {
+    "not json": "this is not json",
+    "not an object": "[1, 2, 3]",
+    "missing custom_id": json.dumps({k: v for k, v in chat_line(1000).items() if k != "custom_id"}),
+    "empty custom_id": json.dumps({**chat_line(1001), "custom_id": ""}),
+    "duplicate custom_id": json.dumps({**chat_line(1002), "custom_id": "req-3"}),
+    "wrong url": json.dumps({**chat_line(1003), "url": "/v1/embeddings"}),
+    "wrong method": json.dumps({**chat_line(1004), "method": "GET"}),
+    "bad value": json.dumps({**chat_line(1005), "body": {**chat_line(1005)["body"], "temperature": -1}}),
+    "unsupported parameter": json.dumps({**chat_line(1006), "body": {**chat_line(1006)["body"], "tools": []}}),
+    "no messages": json.dumps({**chat_line(1007), "body": {"model": MODEL_NAME}}),
+}
+EXPECTED_CODES = ["invalid_json", "invalid_json", "missing_custom_id", "missing_custom_id", "duplicate_custom_id",
+                  "invalid_url", "invalid_method", "invalid_request", "invalid_request", "invalid_request"]
+
+
+def offline_chat(model: str, indices: list[int], max_tokens: int) -> dict[str, str]:
+    from transformers import AutoTokenizer
+
+    from worker.engine.engine import Engine
+    from worker.engine.prompt_input import apply_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = [apply_chat_template(tokenizer, chat_line(i)["body"]["messages"]) for i in indices]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    outs = Engine(model=model, max_num_seqs=16).generate(prompts, params)
+    return {f"req-{i}": out.text for i, out in zip(indices, outs)}
+
+
+async def wait_batch(client: openai.AsyncOpenAI, batch_id: str, statuses: set[str], timeout_s: float = 120,
+                     until=None):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = await client.batches.retrieve(batch_id)
+        if batch.status in statuses or (until is not None and until(batch)):
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
+        await asyncio.sleep(0.2)
+
+
+async def read_lines(client: openai.AsyncOpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    content = await client.files.content(file_id)
+    return [json.loads(line) for line in content.text.splitlines()]
+
+
+async def upload(client: openai.AsyncOpenAI, lines: list[str]) -> str:
+    data = io.BytesIO(("\n".join(lines) + "\n").encode())
+    created = await client.files.create(file=("batch.jsonl", data), purpose="batch")
+    assert created.bytes == len(data.getvalue()) and created.purpose == "batch"
+    return created.id
+
+
+async def test_a_batch_with_bad_lines_runs_the_rest_like_the_offline_engine(redis_url, tiny_model) -> None:
+    from worker.engine.engine import Engine
+
+    model = tiny_model()
+    good = [json.dumps(chat_line(i)) for i in range(190)]
+    lines = list(good)
+    for n, bad in enumerate(BAD_LINES.values()):
+        lines.insert(7 + n * 19, bad)
+    expected = offline_chat(model, list(range(190)), 4)
+    async with openai_service(redis_url, Engine(model=model, max_num_seqs=16), batch_poll_interval_s=0.1) as svc:
+        file_id = await upload(svc.client, lines)
+        assert (await svc.client.files.retrieve(file_id)).id == file_id
+        assert (await svc.client.files.content(file_id)).text.splitlines() == lines
+        batch = await svc.client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h",
+                                                metadata={"run": "test"})
+        assert batch.status == "validating" and batch.metadata == {"run": "test"}
+        batch = await wait_batch(svc.client, batch.id, {"completed", "failed", "expired", "cancelled"})
+        assert batch.status == "completed"
+        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (200, 190, 10)
+        assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
+
+        outputs = await read_lines(svc.client, batch.output_file_id)
+        assert {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in outputs} == expected
+        assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in outputs)
+        errors = await read_lines(svc.client, batch.error_file_id)
+        assert [e["error"]["code"] for e in errors] == EXPECTED_CODES
+        assert [int(e["error"]["message"].split(":")[0].removeprefix("line ")) for e in errors] == \
+            [8 + n * 19 for n in range(10)]
+        assert "tools" in errors[8]["error"]["message"] and "temperature" in errors[7]["error"]["message"]
+        assert errors[4]["custom_id"] == "req-3"
+
+        listed = await svc.client.batches.list(limit=5)
+        assert [b.id for b in listed.data] == [batch.id]
+        await svc.client.files.delete(file_id)
+        try:
+            await svc.client.files.retrieve(file_id)
+            raise AssertionError("deleted file still there")
+        except openai.NotFoundError:
+            pass
+
+
+async def test_cancelling_a_batch_keeps_finished_results(redis_url, tiny_model) -> None:
+    from worker.engine.engine import Engine
+
+    model = tiny_model()
+    lines = [json.dumps(chat_line(i, max_tokens=24)) for i in range(200)]
+    async with openai_service(redis_url, Engine(model=model, max_num_seqs=4), batch_poll_interval_s=0.1) as svc:
+        batch = await svc.client.batches.create(input_file_id=await upload(svc.client, lines), endpoint=CHAT,
+                                                completion_window="24h")
+        await wait_batch(svc.client, batch.id, set(), until=lambda b: b.request_counts.completed >= 5)
+        cancelling = await svc.client.batches.cancel(batch.id)
+        assert cancelling.status == "cancelling"
+        batch = await wait_batch(svc.client, batch.id, {"cancelled"})
+        assert 5 <= batch.request_counts.completed < 200 and batch.request_counts.failed == 0
+        outputs = await read_lines(svc.client, batch.output_file_id)
+        assert len(outputs) == batch.request_counts.completed
+        errors = await read_lines(svc.client, batch.error_file_id)
+        assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+        assert len(outputs) + len(errors) == 200
+
+
+def start_worker(redis_url: str, model: str, name: str, log_path: Path) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", redis_url, "--model", model,
+            "--served-model-name", MODEL_NAME, "--worker-name", name, "--metrics-port", "0", "--max-num-seqs", "8",
+            "--lease-s", "2", "--checkpoint-tokens", "4", "--checkpoint-interval-s", "0.2", "--max-wait-ms", "5"]
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT)}
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+async def test_a_batch_survives_a_worker_sigkill_and_a_gateway_restart(redis_url, tiny_model, tmp_path) -> None:
+    model = tiny_model()
+    lines = [json.dumps(chat_line(i, max_tokens=16)) for i in range(80)]
+    expected = offline_chat(model, list(range(80)), 16)
+    first = start_worker(redis_url, model, "first", tmp_path / "first.log")
+    second = None
+    try:
+        async with openai_service(redis_url, None, batch_poll_interval_s=0.1) as svc:
+            batch = await svc.client.batches.create(input_file_id=await upload(svc.client, lines), endpoint=CHAT,
+                                                    completion_window="24h")
+            await wait_batch(svc.client, batch.id, set(), timeout_s=180, until=lambda b: b.request_counts.completed >= 8)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        second = start_worker(redis_url, model, "second", tmp_path / "second.log")
+        async with openai_service(redis_url, None, batch_poll_interval_s=0.1) as svc:
+            done = await wait_batch(svc.client, batch.id, {"completed", "failed", "expired", "cancelled"}, timeout_s=180)
+            assert done.status == "completed", (tmp_path / "second.log").read_text()
+            assert (done.request_counts.completed, done.request_counts.failed) == (80, 0)
+            outputs = await read_lines(svc.client, done.output_file_id)
+            got = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in outputs}
+            assert got == expected and len(outputs) == 80
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)

@@ -1,0 +1,160 @@
+"""The OpenAI routes against a real gateway, a real worker and the real `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+import msgpack
+
+from tests.harness.openai_support import MODEL_NAME, openai_service
+from scheduler.protocol.keys import Keys
+from scheduler.params import SamplingParams
+
+KEYS = Keys()
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name three colours"}]
+
+
+@pytest.fixture
+def model(tiny_model) -> str:
+    return tiny_model()
+
+
+@pytest.fixture
+def engine(model):
+    from worker.engine.engine import Engine
+
+    return Engine(model=model, max_num_seqs=8)
+
+
+def offline(model: str, prompt: str | list[int], max_tokens: int):
+    from worker.engine.engine import Engine
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return Engine(model=model, max_num_seqs=8).generate([prompt], params)[0]
+
+
+def chat_prompt_ids(model: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from worker.engine.prompt_input import apply_chat_template
+
+    return apply_chat_template(AutoTokenizer.from_pretrained(model), MESSAGES)
+
+
+async def wait_models(client: openai.AsyncOpenAI) -> list[str]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        names = [m.id async for m in client.models.list()]
+        if names:
+            return names
+        await asyncio.sleep(0.1)
+    return []
+
+
+async def test_models_completions_and_chat_match_the_offline_engine(redis_url, model, engine) -> None:
+    expected_text = offline(model, "The quick brown fox", 8)
+    expected_chat = offline(model, chat_prompt_ids(model), 10)
+    async with openai_service(redis_url, engine) as svc:
+        assert await wait_models(svc.client) == [MODEL_NAME]
+
+        completion = await svc.client.completions.create(model=MODEL_NAME, prompt="The quick brown fox",
+                                                         max_tokens=8, **GREEDY)
+        assert completion.object == "text_completion"
+        assert completion.choices[0].text == expected_text.text
+        assert completion.choices[0].finish_reason == "length"
+        assert completion.usage.completion_tokens == 8
+        assert completion.usage.total_tokens == completion.usage.prompt_tokens + 8
+
+        chat = await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=10, **GREEDY)
+        assert chat.choices[0].message.role == "assistant"
+        assert chat.choices[0].message.content == expected_chat.text
+        assert chat.choices[0].finish_reason == "length"
+        assert chat.usage.prompt_tokens == len(chat_prompt_ids(model))
+
+        stream = await svc.client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=10, stream=True,
+            stream_options={"include_usage": True}, **GREEDY)
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == expected_chat.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+        stream = await svc.client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=8,
+                                                     stream=True, **GREEDY)
+        assert "".join([c.choices[0].text async for c in stream]) == expected_text.text
+
+
+async def test_n_choices_logprobs_lanes_and_refusals(redis_url, model, engine, redis) -> None:
+    async with openai_service(redis_url, engine) as svc:
+        three = await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, n=3,
+                                                         temperature=1.0, seed=7, service_tier="flex")
+        assert [c.index for c in three.choices] == [0, 1, 2]
+        assert 3 <= three.usage.completion_tokens <= 18
+        assert {await redis.hget(KEYS.job(f"{three.id}-{i}"), "lane") for i in range(3)} == {b"batch"}
+        seeds = set()
+        for i in range(3):
+            spec = msgpack.unpackb(await redis.hget(KEYS.job(f"{three.id}-{i}"), "spec"))
+            seeds.add(spec["params"]["seed"])
+        assert len(seeds) == 3 and 7 in seeds
+
+        with_logprobs = await svc.client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=2, **GREEDY)
+        content = with_logprobs.choices[0].logprobs.content
+        assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+
+        with pytest.raises(openai.BadRequestError) as refused:
+            await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES,
+                                                     tools=[{"type": "function", "function": {"name": "f"}}])
+        assert refused.value.status_code == 400 and refused.value.param == "tools"
+        assert "tools" in refused.value.message
+        with pytest.raises(openai.BadRequestError) as refused:
+            await svc.client.completions.create(model=MODEL_NAME, prompt="x", extra_body={"beam_width": 2})
+        assert refused.value.param == "beam_width"
+        with pytest.raises(openai.BadRequestError) as refused:
+            await svc.client.completions.create(model=MODEL_NAME, prompt="x", temperature=-1)
+        assert refused.value.param == "temperature"
+        with pytest.raises(openai.NotFoundError) as missing:
+            await svc.client.completions.create(model="no-such-model", prompt="x")
+        assert missing.value.code == "model_not_found"
+
+
+async def test_a_disconnected_stream_cancels_its_job(redis_url, engine, redis) -> None:
+    async with openai_service(redis_url, engine) as svc:
+        stream = await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1500,
+                                                          stream=True, **GREEDY)
+        chunks = 0
+        async for chunk in stream:
+            chunks += 1
+            if chunks == 3:
+                break
+        await stream.close()
+        job = KEYS.job(f"{chunk.id}-0")
+        deadline = time.monotonic() + 20
+        while (await redis.hget(job, "status")) not in (b"cancelled", b"succeeded") and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert await redis.hget(job, "status") == b"cancelled"
+
+
+async def test_a_full_lane_is_a_429_with_retry_after_and_a_hung_up_request_cancels(redis_url, redis) -> None:
+    async with openai_service(redis_url, None, max_lane_depth={"interactive": 1}) as svc:
+        first = asyncio.create_task(svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES,
+                                                                       max_tokens=4))
+        deadline = time.monotonic() + 10
+        while not await redis.xlen(KEYS.lane("interactive")) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with pytest.raises(openai.RateLimitError) as full:
+            await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4)
+        assert full.value.response.headers["Retry-After"] == "2"
+        assert full.value.code == "lane_full"
+        first.cancel()
+        ids = [k.decode() async for k in redis.scan_iter(match=KEYS.job("chatcmpl-*"))]
+        assert len(ids) == 1
+        deadline = time.monotonic() + 10
+        while await redis.hget(ids[0], "status") != b"cancelled" and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert await redis.hget(ids[0], "status") == b"cancelled"

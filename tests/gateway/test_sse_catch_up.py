@@ -1,0 +1,105 @@
+"""Server-sent events from a real gateway and worker: a client connecting late, or again with
+Last-Event-ID, gets `started`, every token from index 0 without gaps or repeats, and `final`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from tests.harness.worker_harness import KEYS, running_worker, wait_terminal
+
+Event = tuple[str, str, dict[str, Any]]
+"""(SSE id, event type, data)."""
+
+
+@pytest.fixture
+def engine(tiny_model: Callable[..., str]) -> Any:
+    from worker.engine.engine import Engine
+
+    return Engine(model=tiny_model(), max_num_seqs=2)
+
+
+async def _events(http: aiohttp.ClientSession, url: str, last_event_id: str | None = None,
+                  limit: int | None = None) -> list[Event]:
+    """The stream's events until `final` (or until `limit` events were read, then disconnect)."""
+    headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+    events: list[Event] = []
+    async with http.get(url, headers=headers) as resp:
+        assert resp.status == 200
+        event_id, kind = "", ""
+        async for raw in resp.content:
+            line = raw.decode().rstrip("\n")
+            if line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                events.append((event_id, kind, json.loads(line[6:])))
+                if kind == "final" or (limit is not None and len(events) >= limit):
+                    break
+    return events
+
+
+def _tokens(events: list[Event], start: int = 0) -> tuple[list[int], str]:
+    """All token ids and text, checking each token event starts where the one before ended."""
+    ids: list[int] = []
+    text = ""
+    for _, kind, data in events:
+        if kind == "token":
+            assert data["index"] == start + len(ids), (data["index"], start + len(ids))
+            ids += data["token_ids"]
+            text += data["text"]
+    return ids, text
+
+
+async def _submit(http: aiohttp.ClientSession, gateway_url: str, job_id: str, max_tokens: int) -> None:
+    body = {"id": job_id, "prompt": "once upon a time",
+            "params": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}}
+    async with http.post(f"{gateway_url}/v1/jobs", json=body) as resp:
+        assert resp.status == 202
+
+
+async def _checkpointed(client: aioredis.Redis, job_id: str, num_tokens: int = 16) -> None:
+    from worker.job_store import unpack_checkpoint
+
+    deadline = time.monotonic() + 60
+    while len(unpack_checkpoint(await client.hget(KEYS.job(job_id), "checkpoint") or b"")[0]) < num_tokens:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+async def test_a_late_client_gets_the_whole_stream_and_can_resume(
+    gateway_url: str, redis_url: str, engine: Any
+) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    url = f"{gateway_url}/v1/jobs/late/events"
+    try:
+        async with running_worker(redis_url, engine, checkpoint_tokens=16), aiohttp.ClientSession() as http:
+            await _submit(http, gateway_url, "late", 1900)
+            await _checkpointed(client, "late")  # tokens were produced before anyone listened
+            first = await _events(http, url, limit=4)  # started, the catch-up, then live tokens; then drop
+            assert first[0][1] == "started" and first[0][2]["attempt"] == 1
+            assert first[0][0] == "0.0.1"  # each id is the cursor after its own event, not after the catch-up
+            assert first[1][0].startswith(f"{len(first[1][2]['token_ids'])}.")
+            assert first[1][1] == "token" and first[1][2]["index"] == 0 and len(first[1][2]["token_ids"]) >= 16
+            rest = await _events(http, url, last_event_id=first[-1][0])
+            views = await wait_terminal(client, ["late"], timeout_s=120)
+            after = await _events(http, url)  # the job has ended
+    finally:
+        await client.aclose()
+    output = views["late"]["output"]
+    assert [kind for _, kind, _ in rest].count("started") == 0 and rest[-1][1] == "final"
+    first_ids, first_text = _tokens(first)
+    rest_ids, rest_text = _tokens(rest, start=len(first_ids))
+    assert first_ids + rest_ids == output["token_ids"]  # no gap, no repeat across the reconnect
+    assert output["text"].startswith(first_text + rest_text)
+    assert [kind for _, kind, _ in after] == ["started", "token", "final"]
+    assert after[1][2]["index"] == 0 and after[1][2]["token_ids"] == output["token_ids"]
+    assert after[1][2]["text"] == output["text"]

@@ -1,0 +1,112 @@
+"""Gateway telemetry: /metrics series from the real app, enqueue spans and the traceparent in the job message."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from aiohttp.test_utils import TestClient, TestServer
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from gateway import appkeys
+from gateway.app import init_app
+from gateway.config import GatewayConfig
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.keys import Keys
+from scheduler.telemetry.metric_schema import GATEWAY_METRICS
+from scheduler.telemetry.otel import Telemetry
+from tests.harness.telemetry_support import in_memory_telemetry, sample_names, value
+
+KEYS = Keys()
+PRODUCER_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PRODUCER_SPAN_ID = "00f067aa0ba902b7"
+
+
+@pytest.fixture
+async def gateway(redis_url: str) -> AsyncIterator[tuple[TestClient, Telemetry, InMemorySpanExporter]]:
+    telemetry, spans = in_memory_telemetry("carpool-gateway")
+    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, max_lane_depth={"batch": 2})
+    async with TestClient(TestServer(init_app(config, telemetry))) as client:
+        yield client, telemetry, spans
+    telemetry.shutdown()
+
+
+async def lane_messages(redis_url: str, lane: str) -> list[JobSpec]:
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        entries = await client.xrange(KEYS.lane(lane))
+    finally:
+        await client.aclose()
+    return [JobSpec.unpack(fields[b"job"]) for _, fields in entries]
+
+
+async def test_scrape_counts_submissions_and_rejections(
+    gateway: tuple[TestClient, Telemetry, InMemorySpanExporter], redis_url: str
+) -> None:
+    client, _, _ = gateway
+    for i in range(3):
+        resp = await client.post("/v1/jobs", json={"prompt": f"hi {i}"})
+        assert resp.status == 202
+    for _ in range(3):  # the third overflows the batch lane (max depth 2)
+        await client.post("/v1/jobs", json={"prompt": "bulk", "lane": "batch"})
+    assert (await client.post("/v1/jobs", json={"prompt": ""})).status == 400
+    resp = await client.post("/v1/jobs", json={"id": "same", "prompt": "x"})
+    assert resp.status == 202
+    assert (await client.post("/v1/jobs", json={"id": "same", "prompt": "x"})).status == 200
+    await client.app[appkeys.METRICS].streams.refresh()
+
+    resp = await client.get("/metrics")
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    text = await resp.text()
+    assert value(text, "carpool_jobs_submitted_total", carpool_lane="standard") == 4
+    assert value(text, "carpool_jobs_submitted_total", carpool_lane="batch") == 2
+    assert value(text, "carpool_jobs_rejected_total", carpool_reject_reason="lane_full", carpool_lane="batch") == 1
+    assert value(text, "carpool_jobs_rejected_total", carpool_reject_reason="invalid") == 1
+    assert value(text, "carpool_jobs_deduplicated_total") == 1
+    assert value(text, "carpool_queue_depth", carpool_lane="standard") == 4
+    assert value(text, "carpool_queue_depth", carpool_lane="batch") == 2
+    assert value(text, "carpool_queue_pending", carpool_lane="standard") == 0
+    assert value(text, "carpool_dead_letter_depth") == 0
+    assert value(text, "http_server_request_duration_seconds_count", http_route="/v1/jobs") == 9
+    assert value(text, "target_info", service_name="carpool-gateway") == 1
+
+    names = sample_names(text)
+    assert value(text, "carpool_jobs_cancelled_total") == 0
+    assert value(text, "carpool_gateway_open_waiters") == 0
+    webhook_series = {"carpool.webhook.deliveries", "carpool.webhook.delivery.duration"}  # dispatcher off here
+    for spec in GATEWAY_METRICS:
+        if spec.name not in webhook_series:
+            assert set(spec.prometheus_names) <= names, spec.name
+
+
+async def test_job_message_carries_the_trace_of_the_request(
+    gateway: tuple[TestClient, Telemetry, InMemorySpanExporter], redis_url: str
+) -> None:
+    client, _, spans = gateway
+    header = f"00-{PRODUCER_TRACE_ID}-{PRODUCER_SPAN_ID}-01"
+    assert (await client.post("/v1/jobs", json={"id": "a", "prompt": "x"}, headers={"traceparent": header})).status == 202
+    body_parent = "00-11111111111111111111111111111111-2222222222222222-01"
+    assert (await client.post("/v1/jobs", json={"id": "b", "prompt": "x", "traceparent": body_parent})).status == 202
+    assert (await client.post("/v1/jobs", json={"id": "c", "prompt": "x"})).status == 202
+
+    by_id = {spec.id: spec for spec in await lane_messages(redis_url, "standard")}
+    enqueue = {s.attributes["carpool.job.id"]: s for s in spans.get_finished_spans() if s.name == "carpool.enqueue"}
+    assert sorted(enqueue) == ["a", "b", "c"]
+    for job_id, spec in by_id.items():
+        span = enqueue[job_id]
+        assert spec.traceparent is not None
+        assert spec.traceparent.split("-")[1:3] == [f"{span.context.trace_id:032x}", f"{span.context.span_id:016x}"]
+    # a: the header's trace, under the HTTP server span that continued it
+    server_a = next(s for s in spans.get_finished_spans() if s.name == "POST /v1/jobs"
+                    and s.context.trace_id == enqueue["a"].context.trace_id)
+    assert f"{server_a.context.trace_id:032x}" == PRODUCER_TRACE_ID
+    assert server_a.parent is not None and server_a.parent.span_id == int(PRODUCER_SPAN_ID, 16)
+    assert enqueue["a"].parent is not None and enqueue["a"].parent.span_id == server_a.context.span_id
+    # b: the producer's traceparent in the body is the job's parent
+    assert f"{enqueue['b'].context.trace_id:032x}" == "11111111111111111111111111111111"
+    assert enqueue["b"].parent is not None and enqueue["b"].parent.span_id == 0x2222222222222222
+    # c: a fresh trace rooted at the gateway's server span
+    assert enqueue["c"].context.trace_id not in {enqueue["a"].context.trace_id, enqueue["b"].context.trace_id}
+    assert not any(s.name == "GET /metrics" for s in spans.get_finished_spans())

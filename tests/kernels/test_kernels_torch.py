@@ -1,0 +1,115 @@
+"""The batched torch backend against the per-sequence torch reference (its oracle)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import get_backend
+from kernels.paged_attention import paged_attention_reference
+from kernels.kv_store import store_kv_reference
+from kernels.paged_attention_torch import paged_attention_torch, store_kv_torch
+from tests.harness.kernel_batches import MIXED_CASES, assert_close, make_batch
+
+CPU = torch.device("cpu")
+
+
+def _irregular_cases(seed: int, num_decodes: int, num_chunks: int) -> list[tuple[int, int]]:
+    """Decodes of scattered context lengths and prefill chunks, shuffled together."""
+    rng = random.Random(seed)
+    cases = [(1, rng.randint(1, 200)) for _ in range(num_decodes)]
+    for _ in range(num_chunks):
+        q_len = rng.randint(2, 40)
+        cases.append((q_len, q_len + rng.randint(0, 120)))
+    rng.shuffle(cases)
+    return cases
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2), (6, 2), (8, 1)],
+                         ids=["mha", "gqa2", "gqa4", "gqa3", "mqa"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_mixed_steps_match_reference(num_heads: int, num_kv_heads: int, block_size: int) -> None:
+    for seed in range(3):
+        cases = _irregular_cases(seed * 31 + block_size, num_decodes=5, num_chunks=2)
+        batch = make_batch(cases, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16,
+                           block_size=block_size, dtype=torch.float32, device=CPU, seed=seed)
+        expected = paged_attention_reference(*batch.args())
+        assert_close(paged_attention_torch(*batch.args()), expected, torch.float32)
+        # Host hints must not change the result.
+        hinted = paged_attention_torch(*batch.args(), max_query_len=max(q for q, _ in cases),
+                                       max_seq_len=max(c for _, c in cases))
+        assert_close(hinted, expected, torch.float32)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 3)], ids=["mha", "gqa4", "gqa2"])
+def test_decode_only_steps_match_reference(num_heads: int, num_kv_heads: int) -> None:
+    # Context lengths 1, block-aligned, mid-block, and one far longer than the rest.
+    cases = [(1, 1), (1, 16), (1, 17), (1, 250), (1, 3), (1, 64), (1, 31)]
+    batch = make_batch(cases, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32,
+                       block_size=16, dtype=torch.float32, device=CPU, seed=num_heads)
+    expected = paged_attention_reference(*batch.args())
+    assert_close(paged_attention_torch(*batch.args()), expected, torch.float32)
+    assert_close(paged_attention_torch(*batch.args(), max_query_len=1, max_seq_len=250), expected, torch.float32)
+
+
+def test_each_row_equals_attending_alone() -> None:
+    """A sequence's output does not depend on what it is batched with."""
+    cases = _irregular_cases(7, num_decodes=6, num_chunks=3)
+    batch = make_batch(cases, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                       dtype=torch.float32, device=CPU, seed=7)
+    together = paged_attention_torch(*batch.args())
+    starts = batch.cu_seqlens_q.tolist()
+    for s in range(len(cases)):
+        q = batch.q[starts[s] : starts[s + 1]]
+        cu = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+        alone = paged_attention_torch(q, batch.k_cache, batch.v_cache, batch.block_tables[s : s + 1], cu,
+                                      batch.seq_lens[s : s + 1], batch.scale)
+        assert_close(together[starts[s] : starts[s + 1]], alone, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_matches_reference(dtype: torch.dtype) -> None:
+    batch = make_batch(MIXED_CASES, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                       dtype=dtype, device=CPU, seed=5)
+    out = paged_attention_torch(*batch.args())
+    assert out.dtype == dtype
+    assert_close(out, paged_attention_reference(*batch.args()), dtype)
+
+
+def test_out_in_place_and_strided_query() -> None:
+    batch = make_batch([(5, 18), (1, 33), (1, 2)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                       dtype=torch.float32, device=CPU, seed=2)
+    # q sliced out of a fused qkv projection.
+    qkv = torch.randn((batch.q.shape[0], 8, 16))
+    qkv[:, :4] = batch.q
+    out = torch.full_like(batch.q, float("nan"))
+    returned = paged_attention_torch(qkv[:, :4], *batch.args()[1:], out=out)
+    assert returned is out
+    assert_close(out, paged_attention_reference(*batch.args()), torch.float32)
+
+
+@pytest.mark.parametrize("with_padding", [False, True], ids=["dense", "padded"])
+def test_store_kv_matches_reference(with_padding: bool) -> None:
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 3, 16
+    gen = torch.Generator().manual_seed(4)
+    k_cache = torch.randn((num_blocks, block_size, num_kv_heads, head_dim), generator=gen)
+    v_cache = torch.randn(k_cache.shape, generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:10]
+    if with_padding:
+        slots[[0, 6]] = -1
+    keys = torch.randn((10, num_kv_heads, head_dim), generator=gen)
+    values = torch.randn((10, num_kv_heads, head_dim), generator=gen)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    store_kv_reference(keys, values, k_expected, v_expected, slots)
+    store_kv_torch(keys, values, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    kept = slots >= 0
+    assert int(kept.sum()) == (8 if with_padding else 10)
+    assert torch.equal(v_cache[slots[kept] // block_size, slots[kept] % block_size], values[kept])
+
+
+def test_torch_backend_is_the_batched_path() -> None:
+    backend = get_backend("torch")
+    assert (backend.name, backend.store_kv, backend.attention) == ("torch", store_kv_torch, paged_attention_torch)

@@ -1,0 +1,107 @@
+"""SIGKILL a worker process mid-generation; another worker finishes every job exactly once, resuming from checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import redis.asyncio as aioredis
+
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.lanes import LANES
+from scheduler.params import SamplingParams
+from tests.harness.worker_harness import KEYS, WAIT_S, wait_terminal, wait_until, xadd_job
+from tests.harness.child_env import child_pythonpath
+
+ROOT = Path(__file__).resolve().parents[2]
+END_OF_EVENTS = "end-of-events"
+"""A job id no worker runs: the test publishes on its channel once every worker has stopped."""
+
+
+def start_worker(redis_url: str, model: str, name: str, log_path: Path) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", redis_url, "--model", model,
+            "--worker-name", name, "--metrics-port", "0", "--max-num-seqs", "8", "--lease-s", "2",
+            "--checkpoint-tokens", "4", "--checkpoint-interval-s", "0.2", "--max-wait-ms", "5"]
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT)}
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_model, tmp_path):
+    from worker.engine.engine import Engine
+
+    model = tiny_model()
+    # Far more tokens than pass while the test looks for jobs mid-generation, so the jobs it sees running are still
+    # running when the worker is killed, at any engine speed.
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    specs = [JobSpec(id=f"crash-{i}", prompt=f"crash prompt {i}", params=params, lane=LANES[i % 3],
+                     reply_to="replies:crash") for i in range(14)]
+    expected = {s.id: c for s, c in zip(specs, Engine(model=model, max_num_seqs=16).generate(
+        [s.prompt for s in specs], params))}
+    client = aioredis.Redis.from_url(redis_url)
+    finals: dict[str, int] = {}
+    pubsub = client.pubsub()
+    await pubsub.psubscribe(KEYS.events("*"))
+
+    async def count_finals() -> None:
+        async for message in pubsub.listen():
+            if message["type"] == "pmessage":
+                event = msgpack.unpackb(message["data"], raw=False)
+                if event["type"] == "end":
+                    return
+                if event["type"] == "final":
+                    finals[event["id"]] = finals.get(event["id"], 0) + 1
+
+    listener = asyncio.create_task(count_finals())
+    first = start_worker(redis_url, model, "doomed", tmp_path / "doomed.log")
+    second = None
+    try:
+        for spec in specs:
+            await xadd_job(client, spec)
+
+        async def mid_generation() -> bool:  # at least 8 jobs mid-generation (checkpointed, unfinished), more queued
+            assert first.poll() is None, (tmp_path / "doomed.log").read_text()
+            async with client.pipeline(transaction=False) as pipe:
+                for spec in specs:
+                    pipe.hmget(KEYS.job(spec.id), ["status", "checkpoint"])
+                records = await pipe.execute()
+            mid = sum(1 for status, ckpt in records if status == b"running" and ckpt)
+            queued = sum(1 for status, _ in records if status in (None, b"queued"))
+            return mid >= 8 and queued > 0
+
+        await wait_until(mid_generation, "8 jobs mid-generation and more queued")
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        second = start_worker(redis_url, model, "rescuer", tmp_path / "rescuer.log")
+        views = await wait_terminal(client, [s.id for s in specs])
+        # Every final event reaches the listener before a marker published after the rescuer stopped.
+        second.send_signal(signal.SIGTERM)
+        second.wait()
+        await client.publish(KEYS.events(END_OF_EVENTS), msgpack.packb({"type": "end", "id": END_OF_EVENTS}))
+        await asyncio.wait_for(listener, WAIT_S)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await pubsub.aclose()
+    replies = [msgpack.unpackb(f[b"result"], raw=False)["id"] for _, f in await client.xrange("replies:crash")]
+    for spec in specs:
+        view = views[spec.id]
+        assert view["status"] == "succeeded", view
+        assert view["output"]["token_ids"] == expected[spec.id].token_ids  # resumed output is complete and identical
+        assert finals.get(spec.id) == 1, f"{spec.id}: {finals.get(spec.id)} final events"
+        assert replies.count(spec.id) == 1
+    resumed = [v for v in views.values() if (v["resumed_from"] or 0) > 0]
+    assert resumed, "no job resumed from its checkpoint"
+    assert all(v["worker"] == "rescuer" and v["attempts"] == 2 for v in resumed)
+    assert second is not None and second.returncode == 0  # clean two-phase exit on SIGTERM
+    assert await client.hget(KEYS.workers, "rescuer") is None
+    await client.aclose()

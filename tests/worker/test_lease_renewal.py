@@ -1,0 +1,51 @@
+"""Lease renewal: a worker resets the idle time only of entries it still owns, in one step per stream."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from scheduler.protocol.keys import CONSUMER_GROUP
+from scheduler.protocol.lanes import DEFAULT_LANE_WEIGHTS, Lane
+from worker.consumer import LaneConsumer
+from worker.job_store import EntryRef
+from tests.harness.worker_harness import KEYS
+
+LANE = KEYS.lane(Lane.STANDARD)
+
+
+def consumer(client: aioredis.Redis, name: str) -> LaneConsumer:
+    return LaneConsumer(client, KEYS, name, DEFAULT_LANE_WEIGHTS, lease_ms=60_000, read_block_ms=10,
+                        max_deliveries=5)
+
+
+async def pending(client: aioredis.Redis, entry_id: str) -> dict[str, object]:
+    (info,) = await client.xpending_range(LANE, CONSUMER_GROUP, min=entry_id, max=entry_id, count=1)
+    return {"consumer": info["consumer"].decode(), "idle": info["time_since_delivered"],
+            "deliveries": info["times_delivered"]}
+
+
+async def test_renewal_never_takes_an_entry_another_worker_owns(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    a, b = consumer(client, "worker-a"), consumer(client, "worker-b")
+    await a.ensure_groups()
+    ids = [(await client.xadd(LANE, {"job": b"x%d" % n})).decode() for n in range(3)]
+    assert len(await a.read(3)) == 3
+    # Entry 1 was reclaimed by worker B; entry 2 was committed (acknowledged) meanwhile.
+    await client.xclaim(LANE, CONSUMER_GROUP, "worker-b", 0, [ids[1]], justid=True)
+    await client.xack(LANE, CONSUMER_GROUP, ids[2])
+    # Make every entry look idle, so a renewal is visible as a reset idle time.
+    await client.xclaim(LANE, CONSUMER_GROUP, "worker-a", 0, [ids[0]], idle=50_000, justid=True)
+    await client.xclaim(LANE, CONSUMER_GROUP, "worker-b", 0, [ids[1]], idle=50_000, justid=True)
+    before_b = await pending(client, ids[1])
+
+    lost = await a.renew([EntryRef(LANE, i) for i in ids])
+
+    assert lost == {EntryRef(LANE, ids[1]), EntryRef(LANE, ids[2])}
+    mine, theirs = await pending(client, ids[0]), await pending(client, ids[1])
+    assert mine["consumer"] == "worker-a" and int(str(mine["idle"])) < 10_000
+    assert theirs == {**before_b, "idle": theirs["idle"]} and theirs["consumer"] == "worker-b"
+    assert int(str(theirs["idle"])) >= 50_000  # B's entry was not touched by A's renewal
+    assert (await client.xpending(LANE, CONSUMER_GROUP))["pending"] == 2
+    assert await b.renew([EntryRef(LANE, ids[1])]) == set()
+    assert (await pending(client, ids[1]))["deliveries"] == before_b["deliveries"]  # renewals count no delivery
+    await client.aclose()

@@ -1,0 +1,150 @@
+"""A job's life through a real gateway, Redis and worker: what a cancel keeps, what a hand-back counts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import ClientSession
+
+from scheduler.params import SamplingParams
+from tests.harness.worker_harness import KEYS, running_worker, wait_terminal
+
+
+@pytest.fixture
+def make_engine(tiny_model: Callable[..., str]) -> Callable[..., Any]:
+    from worker.engine.engine import Engine
+
+    return lambda **kw: Engine(model=kw.pop("model", None) or tiny_model(), max_num_seqs=kw.pop("max_num_seqs", 4),
+                               **kw)
+
+
+async def _wait_checkpoint(client: aioredis.Redis, job_id: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await client.hget(KEYS.job(job_id), "checkpoint"):
+        assert time.monotonic() < deadline, f"{job_id} never checkpointed"
+        await asyncio.sleep(0.05)
+
+
+LONG = {"prompt": "tell me everything", "params": {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}}
+
+
+async def test_cancelling_a_running_job_keeps_its_partial_output(
+    gateway_url: str, redis_url: str, make_engine: Callable[..., Any]
+) -> None:
+    engine = make_engine()
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        async with running_worker(redis_url, engine, checkpoint_tokens=4), ClientSession() as http:
+            async with http.post(f"{gateway_url}/v1/jobs", json={"id": "cancel-me", **LONG}) as resp:
+                assert resp.status == 202
+            await _wait_checkpoint(client, "cancel-me")
+            async with http.delete(f"{gateway_url}/v1/jobs/cancel-me") as resp:
+                assert resp.status in (200, 202), await resp.text()
+            views = await wait_terminal(client, ["cancel-me"], timeout_s=30)
+            async with http.get(f"{gateway_url}/v1/jobs/cancel-me") as resp:
+                view = await resp.json()
+    finally:
+        await client.aclose()
+    assert views["cancel-me"]["status"] == view["status"] == "cancelled"
+    output = view["output"]
+    assert output is not None and output["finish_reason"] == "abort"
+    assert 0 < len(output["token_ids"]) == view["usage"]["completion_tokens"] < 1500
+    (expected,) = engine.generate([LONG["prompt"]], SamplingParams(
+        max_tokens=len(output["token_ids"]), ignore_eos=True, temperature=0))
+    # The text released so far: a trailing partial UTF-8 character is held back until it completes.
+    assert output["token_ids"] == expected.token_ids and output["text"] and expected.text.startswith(output["text"])
+
+
+async def _progress(client: aioredis.Redis, job_id: str, beyond: int, timeout_s: float = 60) -> int:
+    """Wait until the job's checkpoint holds more than `beyond` tokens; returns how many it holds."""
+    from worker.job_store import unpack_checkpoint
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        raw = await client.hget(KEYS.job(job_id), "checkpoint")
+        if raw and len(unpack_checkpoint(raw)[0]) > beyond:
+            return len(unpack_checkpoint(raw)[0])
+        assert time.monotonic() < deadline, f"{job_id} made no progress beyond {beyond} tokens"
+        await asyncio.sleep(0.05)
+
+
+async def _attempts(client: aioredis.Redis, job_id: str, attempts: int, timeout_s: float = 60) -> None:
+    """Wait until the job has been started `attempts` times."""
+    deadline = time.monotonic() + timeout_s
+    while int(await client.hget(KEYS.job(job_id), "attempts") or 0) < attempts:
+        assert time.monotonic() < deadline, f"{job_id} was not started a {attempts}th time"
+        await asyncio.sleep(0.05)
+
+
+LONG_CONTEXT = 8192
+RESTARTS = {"checkpoint_tokens": 4, "shutdown_grace_s": 0.0, "max_deliveries": 2, "lease_s": 600.0}
+"""Each worker hands back at once on shutdown; leases long enough that only a hand-back moves a job."""
+
+
+async def test_clean_hand_backs_do_not_count_towards_max_deliveries(
+    gateway_url: str, redis_url: str, make_engine: Callable[..., Any], tiny_model: Callable[..., str]
+) -> None:
+    # Far more tokens than four restarts' windows can produce, however fast the engine is (a window lasts from
+    # the progress seen to the worker's exit): the job is still running at the fourth start by construction.
+    engine = make_engine(model=tiny_model(max_position_embeddings=LONG_CONTEXT))
+    client = aioredis.Redis.from_url(redis_url)
+    body = {"id": "restarted", "prompt": "a long story",
+            "params": {"max_tokens": LONG_CONTEXT - 64, "ignore_eos": True, "temperature": 0}}
+    try:
+        async with ClientSession() as http:
+            async with http.post(f"{gateway_url}/v1/jobs", json=body) as resp:
+                assert resp.status == 202
+            done = 0
+            for restart in range(4):  # four clean restarts: deliveries 1..4, max_deliveries 2
+                async with running_worker(redis_url, engine, **RESTARTS):
+                    await _attempts(client, "restarted", restart + 1)
+                    done = await _progress(client, "restarted", done + 4)
+                    if restart:
+                        async with http.get(f"{gateway_url}/v1/jobs/restarted") as resp:
+                            running = await resp.json()
+                        assert running["status"] == "running" and running["resumed_from"] > 0, running
+            async with running_worker(redis_url, engine, **RESTARTS):
+                views = await wait_terminal(client, ["restarted"], timeout_s=120)
+    finally:
+        await client.aclose()
+    view = views["restarted"]
+    assert view["status"] == "succeeded", view["error"]
+    (expected,) = engine.generate([body["prompt"]], SamplingParams(max_tokens=LONG_CONTEXT - 64, ignore_eos=True,
+                                                                   temperature=0))
+    assert view["output"]["token_ids"] == expected.token_ids and view["resumed_from"] > 0
+
+
+async def test_a_job_failed_for_too_many_deliveries_keeps_its_checkpointed_output(
+    redis_url: str, make_engine: Callable[..., Any]
+) -> None:
+    from scheduler.protocol.job import JobSpec
+    from scheduler.protocol.keys import CONSUMER_GROUP
+    from tests.harness.worker_harness import xadd_job
+
+    engine = make_engine()
+    client = aioredis.Redis.from_url(redis_url)
+    spec = JobSpec(id="doomed", prompt="a long story", params=SamplingParams(max_tokens=300, ignore_eos=True))
+    settings = {**RESTARTS, "max_deliveries": 3}
+    try:
+        entry_id = await xadd_job(client, spec)
+        async with running_worker(redis_url, engine, **settings):
+            await _progress(client, "doomed", 8)
+        # Workers that claimed it and died (each claim counts a delivery, none a clean hand-back).
+        for _ in range(3):
+            await client.xclaim(KEYS.lane(spec.lane), CONSUMER_GROUP, "died", 0, [entry_id], idle=10**9)
+        async with running_worker(redis_url, engine, **settings):
+            views = await wait_terminal(client, ["doomed"], timeout_s=60)
+        from worker.job_store import unpack_checkpoint
+
+        checkpoint, _ = unpack_checkpoint(await client.hget(KEYS.job("doomed"), "checkpoint"))
+    finally:
+        await client.aclose()
+    view = views["doomed"]
+    assert view["status"] == "failed" and view["error"]["type"] == "too_many_deliveries"
+    assert view["output"]["token_ids"] == checkpoint and len(checkpoint) > 8
+    assert view["output"]["text"]

@@ -1,0 +1,121 @@
+"""Worker telemetry around the engine: dead-lettered jobs are finished jobs too, and every log line about
+a job (reclaim, admission, dead-letter, commit) names the job and its trace as JSON fields."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.keys import CONSUMER_GROUP
+from scheduler.protocol.lanes import LANES, Lane
+from scheduler.telemetry.log_format import JsonFormatter
+from scheduler.params import SamplingParams
+from tests.harness.telemetry_support import value
+from tests.harness.worker_harness import KEYS, running_worker, wait_terminal, wait_until, xadd_job
+
+
+@pytest.fixture
+def engine(tiny_model):
+    from worker.engine.engine import Engine
+
+    return Engine(model=tiny_model(), max_num_seqs=4)
+
+
+async def crashed_worker_holds(client: aioredis.Redis, spec: JobSpec) -> None:
+    """Put a job on its lane as read by a worker that then died: pending, never renewed."""
+    for lane in LANES:
+        await client.xgroup_create(KEYS.lane(lane), CONSUMER_GROUP, id="0", mkstream=True)
+    await xadd_job(client, spec)
+    read = await client.xreadgroup(CONSUMER_GROUP, "crashed-worker", {KEYS.lane(spec.lane): ">"}, count=1)
+    assert len(read[0][1]) == 1
+
+
+async def num_dead_at_least(client: aioredis.Redis, count: int) -> bool:
+    return await client.xlen(KEYS.dead) >= count
+
+
+async def test_dead_lettered_jobs_count_as_failed_jobs(redis_url: str, engine) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    # Delivered once to the crashed worker; the reclaim is its second delivery, past max_deliveries=1.
+    await crashed_worker_holds(client, JobSpec(id="redelivered", prompt="too often", params=params))
+    async with running_worker(redis_url, engine, max_deliveries=1, lease_s=0.3) as worker:
+        await client.xadd(KEYS.lane(Lane.BATCH), {"job": msgpack.packb(
+            {"v": 1, "id": "poison", "prompt": "hi", "params": {"temperature": -1}})})
+        await xadd_job(client, JobSpec(id="good", prompt="fine", params=params))
+        views = await wait_terminal(client, ["redelivered", "poison", "good"])
+        await wait_until(lambda: num_dead_at_least(client, 2), "2 dead-lettered entries")
+        text = worker.metrics.render().decode()
+    await client.aclose()
+    assert {job_id: v["status"] for job_id, v in views.items()} == {
+        "redelivered": "failed", "poison": "failed", "good": "succeeded"}
+    assert views["redelivered"]["error"]["type"] == "too_many_deliveries"
+    assert value(text, "carpool_jobs_dead_lettered_total", carpool_dead_letter_reason="too_many_deliveries",
+                 carpool_lane="standard") == 1
+    assert value(text, "carpool_jobs_dead_lettered_total", carpool_dead_letter_reason="invalid_job",
+                 carpool_lane="batch") == 1
+    # both dead-lettered jobs are finished jobs, on their own lane, with an end-to-end latency
+    assert value(text, "carpool_jobs_finished_total", carpool_job_status="failed") == 2
+    assert value(text, "carpool_jobs_finished_total", carpool_job_status="failed", carpool_lane="standard") == 1
+    assert value(text, "carpool_jobs_finished_total", carpool_job_status="failed", carpool_lane="batch") == 1
+    assert value(text, "carpool_jobs_finished_total", carpool_job_status="succeeded") == 1
+    assert value(text, "gen_ai_server_request_duration_seconds_count", carpool_job_status="failed") == 2
+
+
+@contextmanager
+def worker_json_logs() -> Iterator[io.StringIO]:
+    """The JSON lines the worker's loggers write while the block runs."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter(service="carpool-worker"))
+    logger = logging.getLogger("worker")
+    saved_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield stream
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)
+
+
+GOOD_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+POISON_TRACE = "0af7651916cd43dd8448eb211c80319c"
+
+
+async def test_log_lines_about_a_job_carry_its_id_and_trace(redis_url: str, engine) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    good = JobSpec(id="good", prompt="taken over", params=SamplingParams(max_tokens=2, temperature=0.0),
+                   traceparent=f"00-{GOOD_TRACE}-00f067aa0ba902b7-01")
+    await crashed_worker_holds(client, good)
+    with worker_json_logs() as stream:
+        async with running_worker(redis_url, engine, lease_s=0.3):
+            await client.xadd(KEYS.lane(Lane.BATCH), {"job": msgpack.packb(
+                {"v": 1, "id": "poison", "prompt": "hi", "params": {"temperature": -1},
+                 "traceparent": f"00-{POISON_TRACE}-b7ad6b7169203331-01"})})
+            views = await wait_terminal(client, ["good", "poison"])
+            await wait_until(lambda: "good: succeeded" in stream.getvalue(), "the log line of good's success")
+    await client.aclose()
+    assert views["good"]["status"] == "succeeded" and views["poison"]["status"] == "failed"
+    records = [json.loads(line) for line in stream.getvalue().splitlines()]
+    about = {job_id: [r for r in records if f"job {job_id}:" in r["message"]] for job_id in ("good", "poison")}
+    good_lines = {r["message"].split(":")[1].split()[0]: r for r in about["good"]}
+    assert {"reclaimed", "admitted", "succeeded"} <= set(good_lines), [r["message"] for r in about["good"]]
+    assert good_lines["reclaimed"]["delivery"] == 2 and good_lines["admitted"]["lane"] == "standard"
+    (poison_line,) = about["poison"]
+    assert "dead-lettered" in poison_line["message"] and poison_line["dead_letter"] == "invalid_job"
+    for job_id, trace_id in (("good", GOOD_TRACE), ("poison", POISON_TRACE)):
+        for record in about[job_id]:
+            assert record["job_id"] == job_id and record["trace_id"] == trace_id, record
+            assert record["service"] == "carpool-worker"
+    # the one line not about a job names none
+    (ready,) = [r for r in records if "ready" in r["message"]]
+    assert "job_id" not in ready and "trace_id" not in ready
