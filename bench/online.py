@@ -29,8 +29,8 @@ from aiohttp import web
 from bench.records import RequestTiming, RunResult, Sample
 from bench.workloads import Workload
 from gateway.app import init_app
-from gateway.config import GatewayConfig
 from gateway.cli.embedded_redis import EmbeddedRedis, free_port
+from gateway.config import GatewayConfig
 from scheduler.protocol.redis_replies import stream_entries
 
 WORKER_READY_TIMEOUT_S = 300.0

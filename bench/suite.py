@@ -10,7 +10,6 @@ import platform
 import subprocess
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from bench.checks import evaluate_checks

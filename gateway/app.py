@@ -21,13 +21,13 @@ from gateway.admission import Admission, WebhookCheck
 from gateway.cancel import Canceller
 from gateway.config import GatewayConfig
 from gateway.errors import error_middleware
+from gateway.event_hub import EventHub
 from gateway.handlers import routes
+from gateway.metrics import GatewayMetrics, telemetry_middleware
 from gateway.openai.batch_driver import BatchDriver
 from gateway.openai.batches import routes as batch_routes
 from gateway.openai.files import routes as file_routes
 from gateway.openai.online import routes as openai_routes
-from gateway.metrics import GatewayMetrics, telemetry_middleware
-from gateway.event_hub import EventHub
 from gateway.webhooks import check_webhook_url_async
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher

@@ -8,8 +8,8 @@ from aiohttp import web
 from gateway.admission import Admission
 from gateway.cancel import Canceller
 from gateway.config import GatewayConfig
-from gateway.metrics import GatewayMetrics
 from gateway.event_hub import EventHub
+from gateway.metrics import GatewayMetrics
 from scheduler.protocol.keys import Keys
 
 CONFIG = web.AppKey("config", GatewayConfig)

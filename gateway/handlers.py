@@ -16,8 +16,8 @@ from gateway import appkeys
 from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.errors import error_response
-from gateway.metrics import CONTENT_TYPE
 from gateway.event_hub import wait_for_terminal
+from gateway.metrics import CONTENT_TYPE
 from gateway.sse import stream_events
 from scheduler.protocol.job_record import job_view, json_default
 from scheduler.protocol.lanes import LANES

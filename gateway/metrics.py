@@ -20,17 +20,17 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from gateway.webhooks.metrics import WebhookMetrics
-from scheduler.telemetry import metric_schema
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.lanes import LANES
+from scheduler.telemetry import metric_schema
 from scheduler.telemetry.log_format import job_context
-from scheduler.telemetry.process_metrics import ProcessMetrics
 from scheduler.telemetry.otel import (
     PROMETHEUS_CONTENT_TYPE,
     Telemetry,
     context_from_traceparent,
     traceparent_of,
 )
+from scheduler.telemetry.process_metrics import ProcessMetrics
 
 CONTENT_TYPE = PROMETHEUS_CONTENT_TYPE
 UNKNOWN_LANE = "unknown"

@@ -214,7 +214,3 @@ class BlockManager:
                 assert self._block_hash[block] is None
         for h, block in self._cached.items():
             assert self._block_hash[block] == h
-
-    def reset_prefix_cache_counters(self) -> None:
-        self.prefix_cache_query_tokens = 0
-        self.prefix_cache_hit_tokens = 0

@@ -13,8 +13,8 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
 from gateway.app import init_app
-from gateway.config import GatewayConfig
 from gateway.cli.embedded_redis import EmbeddedRedis
+from gateway.config import GatewayConfig
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

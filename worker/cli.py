@@ -15,17 +15,17 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
-from scheduler.runtime.flags import add_config_flags, config_from_args
-from scheduler.runtime.terminal import printable
-from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE, OFFLINE_ENV
-from scheduler.telemetry.log_format import configure_logging
 from scheduler.params import SamplingParams
+from scheduler.runtime.flags import add_config_flags, config_from_args
+from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE, OFFLINE_ENV
+from scheduler.runtime.terminal import printable
+from scheduler.telemetry.log_format import configure_logging
 from scheduler.telemetry.otel import Telemetry, TelemetryConfig, telemetry_config_from_env
 from worker.config import WorkerConfig
 from worker.engine.process import EngineProcess, EngineStartError
 from worker.engine.tick import EngineThread
-from worker.engine.wire import EngineRunner
 from worker.engine.torch_threads import apply_torch_threads
+from worker.engine.wire import EngineRunner
 
 log = logging.getLogger("worker")
 

@@ -18,20 +18,20 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
 from scheduler.protocol import job_record
+from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
 from scheduler.protocol.job_record import job_view
 from scheduler.protocol.keys import EVENTS_LOG_TTL_S, Keys
-from scheduler.telemetry.log_format import job_context
 from scheduler.protocol.redis_replies import as_optional_bytes
-from scheduler.telemetry.otel import span_of_traceparent
-from scheduler.protocol.webhooks import delivery_fields
 from scheduler.protocol.state_machine import StartVerdict
+from scheduler.protocol.webhooks import delivery_fields
+from scheduler.telemetry.log_format import job_context
+from scheduler.telemetry.otel import span_of_traceparent
 from worker.config import WorkerConfig
 from worker.consumer import Entry
 from worker.job_loop import JobLoop
+from worker.job_store import JobStart, JobStore, Outcome, checkpoint_output, pack
 from worker.metrics import WorkerMetrics
-from worker.job_store import JobStart, Outcome, JobStore, checkpoint_output, pack
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -25,17 +24,17 @@ from redis.exceptions import RedisError
 from scheduler.protocol.job import JobSpec, JobStatus, WebhookEvent
 from scheduler.protocol.job_record import job_view
 from scheduler.protocol.keys import Keys
-from scheduler.protocol.redis_replies import read_hash
-from scheduler.runtime.tasks import raise_if_cancelled
 from scheduler.protocol.lanes import LANE_RANK
+from scheduler.protocol.redis_replies import read_hash
 from scheduler.protocol.webhooks import OutputThrottle, delivery_fields, running_view
+from scheduler.runtime.tasks import raise_if_cancelled
+from scheduler.telemetry.log_format import job_context
 from worker.commit_tasks import CommitTasks
 from worker.config import WorkerConfig
 from worker.engine.records import EngineStats
 from worker.engine.wire import EngineFailed, EngineRunner, Tick
-from scheduler.telemetry.log_format import job_context
+from worker.job_store import EntryRef, JobStore, pack
 from worker.metrics import WorkerMetrics
-from worker.job_store import EntryRef, Outcome, JobStore, pack
 from worker.running_job import RunningJob, outcome_of, output_of
 from worker.step_writes import CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NOT_OURS, StepWriter, StepWrites
 
@@ -67,7 +66,6 @@ class JobLoop:
         self._work = asyncio.Event()
         self.slot_freed = asyncio.Event()
         self.commits = CommitTasks(store, self.metrics)
-        self._on_finished: list[Callable[[str, JobStatus], None]] = []
 
     # --- capacity ----------------------------------------------------------------
 
@@ -282,10 +280,6 @@ class JobLoop:
             grown > 0 and mono - job.checkpoint_at >= self.config.checkpoint_interval_s)
 
     # --- outcomes -----------------------------------------------------------------------
-
-    def commit_now(self, outcome: Outcome) -> None:
-        """Commit an outcome decided outside the engine (expired, invalid, dead-lettered)."""
-        self.commits.spawn(outcome)
 
     async def wait_commits(self) -> None:
         await self.commits.wait()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -25,17 +24,16 @@ from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from scheduler.telemetry import metric_schema
 from scheduler.protocol.job import JobSpec, JobStatus
 from scheduler.protocol.lanes import LANES
-from scheduler.telemetry.process_metrics import ProcessMetrics
+from scheduler.telemetry import metric_schema
 from scheduler.telemetry.otel import (
     PROMETHEUS_CONTENT_TYPE,
     Telemetry,
     context_from_traceparent,
     s_to_ns,
-    traceparent_of,
 )
+from scheduler.telemetry.process_metrics import ProcessMetrics
 from worker.engine.records import EngineStats
 from worker.job_trace import JobTrace
 

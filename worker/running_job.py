@@ -8,8 +8,8 @@ from typing import Any
 
 from scheduler.protocol.job import JobSpec, JobStatus
 from scheduler.protocol.webhooks import OutputThrottle
-from worker.job_trace import JobTrace
 from worker.job_store import EntryRef, Outcome
+from worker.job_trace import JobTrace
 
 
 @dataclass

@@ -20,15 +20,15 @@ from aiohttp import web
 
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.lanes import Lane
-from scheduler.telemetry.otel import Telemetry
 from scheduler.runtime.tasks import raise_if_cancelled
-from worker.intake import REDIS_DOWN, EntryIntake
+from scheduler.telemetry.otel import Telemetry
 from worker.config import WorkerConfig
 from worker.consumer import Entry, LaneConsumer
 from worker.engine.wire import EngineRunner
+from worker.intake import REDIS_DOWN, EntryIntake
 from worker.job_loop import JobLoop
-from worker.metrics import METRICS_KEY, WorkerMetrics, metrics_handler
 from worker.job_store import JobStore, pack
+from worker.metrics import METRICS_KEY, WorkerMetrics, metrics_handler
 
 log = logging.getLogger(__name__)
 

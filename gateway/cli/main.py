@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway.cli.batch import add_batch_flags, run_batch
-from gateway.config import GatewayConfig
-from scheduler.runtime.flags import add_config_flags, config_from_args
 from gateway.cli.submit import add_submit_flags, run_submit
 from gateway.cli.up import UpConfig, default_data_dir, run_up
 from gateway.cli.up_worker import WorkerChild
+from gateway.config import GatewayConfig
 from gateway.webhooks.config import WebhookConfig
+from scheduler.runtime.flags import add_config_flags, config_from_args
 from scheduler.runtime.model_path import OFFLINE_ENV
 
 if TYPE_CHECKING:

@@ -23,9 +23,9 @@ from typing import IO
 from aiohttp import web
 
 from gateway.app import init_app
-from gateway.config import GatewayConfig
 from gateway.cli.embedded_redis import DEFAULT_REDIS_PORT, REDIS_URL_FILE, EmbeddedRedis, free_port, is_port_free
 from gateway.cli.up_worker import StackError, WorkerChild, stop_worker, wait_ready
+from gateway.config import GatewayConfig
 from gateway.webhooks.config import WebhookConfig
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE
 from scheduler.runtime.tasks import cancel_and_reap

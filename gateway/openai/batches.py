@@ -49,7 +49,6 @@ class BatchStatus(str, Enum):
     CANCELLED = "cancelled"
 
 
-FINAL_STATUSES = frozenset({BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED})
 # The hash field holding the unix time each status was entered.
 TIME_FIELDS = {BatchStatus.IN_PROGRESS: "in_progress_at", BatchStatus.FINALIZING: "finalizing_at",
                BatchStatus.COMPLETED: "completed_at", BatchStatus.FAILED: "failed_at",

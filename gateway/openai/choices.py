@@ -16,9 +16,9 @@ from aiohttp import web
 from gateway import appkeys
 from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
+from gateway.event_hub import EventHub, Subscription, is_terminal
 from gateway.openai.errors import OpenAIError
 from gateway.openai.schema import OpenAIRequest
-from gateway.event_hub import EventHub, Subscription, is_terminal
 from scheduler.protocol.job_record import job_view
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import read_hash

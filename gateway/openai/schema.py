@@ -16,8 +16,8 @@ from enum import Enum
 from typing import Any
 
 from gateway.openai.errors import invalid, unsupported
-from scheduler.protocol.lanes import Lane
 from scheduler.params import MAX_SEED, SamplingParams
+from scheduler.protocol.lanes import Lane
 
 
 class Endpoint(str, Enum):

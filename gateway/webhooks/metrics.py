@@ -14,10 +14,10 @@ from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from scheduler.telemetry import metric_schema
 from scheduler.protocol.job import WebhookEvent
-from scheduler.telemetry.otel import PROMETHEUS_CONTENT_TYPE, Telemetry, context_from_traceparent
 from scheduler.protocol.webhooks import AttemptOutcome
+from scheduler.telemetry import metric_schema
+from scheduler.telemetry.otel import PROMETHEUS_CONTENT_TYPE, Telemetry, context_from_traceparent
 
 WEBHOOK_OUTCOMES = tuple(o.value for o in AttemptOutcome)
 

@@ -11,15 +11,14 @@ from __future__ import annotations
 import json
 import math
 import secrets
-import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 import msgpack
 
-from scheduler.protocol.lanes import DEFAULT_LANE, Lane
 from scheduler.params import SamplingParams
+from scheduler.protocol.lanes import DEFAULT_LANE, Lane
 from scheduler.protocol.wire_values import first_bad_value, key_path
 
 SCHEMA_VERSION = 1
@@ -198,9 +197,6 @@ class JobSpec:
         except Exception as e:  # msgpack raises several unrelated types for garbage
             raise JobValidationError("job", f"not a msgpack map: {e}") from e
         return cls.from_wire(data)
-
-    def is_expired(self, now_s: float | None = None) -> bool:
-        return self.deadline is not None and (time.time() if now_s is None else now_s) > self.deadline
 
 
 def new_job_id() -> str:

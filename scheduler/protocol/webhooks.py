@@ -46,9 +46,6 @@ DEFAULT_TIMEOUT_S = 10.0
 DELIVERY_ID_PREFIX = "msg_"
 
 
-ALL_EVENTS: frozenset[WebhookEvent] = frozenset(WebhookEvent)
-
-
 class AttemptOutcome(str, Enum):
     """What one attempt led to; also the delivery's final state once it is not ``retrying``."""
 
@@ -69,7 +66,6 @@ F_PAYLOAD = "payload"
 F_CREATED_AT = "created_at"
 F_TRACEPARENT = "traceparent"
 """W3C trace context of the job the delivery reports on: each attempt is a span in that job's trace."""
-REQUIRED_FIELDS: tuple[str, ...] = (F_ID, F_JOB_ID, F_EVENT, F_URL, F_PAYLOAD)
 
 
 def should_send(spec_events: Iterable[WebhookEvent | str] | None, event: WebhookEvent | str) -> bool:

@@ -43,10 +43,6 @@ def job_context(job_id: str, span: trace.Span | None = None) -> Iterator[None]:
         _JOB_ID.reset(token)
 
 
-def current_job_id() -> str | None:
-    return _JOB_ID.get()
-
-
 class JsonFormatter(logging.Formatter):
     """``{"ts", "level", "logger", "message", "job_id", "trace_id", "span_id", ...extra, "exc"}``."""
 

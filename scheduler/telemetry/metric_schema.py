@@ -79,10 +79,6 @@ class MetricSpec:
             return (base + "_bucket", base + "_sum", base + "_count")
         return (base,)
 
-    @property
-    def prometheus_labels(self) -> tuple[str, ...]:
-        return tuple(re.sub(r"[^a-zA-Z0-9]+", "_", a) for a in self.attributes)
-
 
 # --- gateway process -----------------------------------------------------------------
 

@@ -15,8 +15,7 @@ and, when an OTLP endpoint is configured, to an OTLP/HTTP exporter as well.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -244,29 +243,7 @@ def traceparent_of(span: trace.Span | None = None) -> str | None:
     return carrier.get("traceparent")
 
 
-def trace_id_of(span: trace.Span | None = None) -> str | None:
-    """Hex trace id of a span (default: the current one), ``None`` outside any trace."""
-    span_context = (span or trace.get_current_span()).get_span_context()
-    return format(span_context.trace_id, "032x") if span_context.is_valid else None
-
-
 def s_to_ns(t_s: float) -> int:
     """Unix seconds to the integer nanoseconds span timestamps take."""
     return int(t_s * 1e9)
 
-
-@contextmanager
-def attached(ctx: Context | None) -> Iterator[None]:
-    """Make ``ctx`` current inside the block (no-op for ``None``)."""
-    if ctx is None:
-        yield
-        return
-    token = otel_context.attach(ctx)
-    try:
-        yield
-    finally:
-        otel_context.detach(token)
-
-
-def metric_names(specs: Iterable[MetricSpec]) -> list[str]:
-    return [spec.name for spec in specs]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.telemetry import metric_schema
 from scheduler.protocol.keys import Keys
-from scheduler.telemetry.stream_stats import DEFAULT_POLL_INTERVAL_S, StreamStats
+from scheduler.telemetry import metric_schema
 from scheduler.telemetry.otel import Telemetry, TelemetryConfig
+from scheduler.telemetry.stream_stats import DEFAULT_POLL_INTERVAL_S, StreamStats
 
 
 class ProcessMetrics:

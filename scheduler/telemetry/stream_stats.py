@@ -19,8 +19,8 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from scheduler.protocol.keys import CONSUMER_GROUP, Keys
 from scheduler.protocol.lanes import LANES, Lane
-from scheduler.telemetry.metric_schema import A_LANE
 from scheduler.runtime.tasks import cancel_and_reap, raise_if_cancelled
+from scheduler.telemetry.metric_schema import A_LANE
 
 log = logging.getLogger(__name__)
 

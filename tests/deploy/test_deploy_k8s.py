@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.harness.deploy_files import K8S, REPO, k8s_documents, k8s_objects, parse_verb, verb_env_names
 from scheduler.protocol.keys import CONSUMER_GROUP, Keys
 from scheduler.protocol.lanes import LANES
+from tests.harness.deploy_files import K8S, REPO, k8s_documents, k8s_objects, parse_verb, verb_env_names
 
 NAMESPACE = "carpool"
 DEPLOYMENT_VERBS = {"carpool-gateway": "gateway", "carpool-worker": "worker", "carpool-webhooks": "webhooks"}

@@ -12,8 +12,8 @@ import redis.asyncio as aioredis
 
 from gateway.event_hub import EventHub
 from scheduler.protocol.keys import Keys
-from scheduler.telemetry.stream_stats import StreamStats
 from scheduler.runtime.tasks import cancel_and_reap, raise_if_cancelled
+from scheduler.telemetry.stream_stats import StreamStats
 
 NUM_ROUNDS = 60
 STOP_WITHIN_S = 2.0

@@ -15,10 +15,10 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import init_app
-from gateway.config import GatewayConfig
 from gateway.cli.embedded_redis import EmbeddedRedis
-from tests.harness.gateway_process import gateway_process
+from gateway.config import GatewayConfig
 from scheduler.protocol.keys import Keys
+from tests.harness.gateway_process import gateway_process
 
 KEYS = Keys()
 

@@ -18,9 +18,9 @@ import aiohttp
 import msgpack
 import redis.asyncio as aioredis
 
-from tests.harness.gateway_process import gateway_process, raise_fd_limit
 from scheduler.protocol.job_record import job_view
 from scheduler.protocol.keys import Keys
+from tests.harness.gateway_process import gateway_process, raise_fd_limit
 
 KEYS = Keys()
 NUM_CONCURRENT = 300

@@ -13,12 +13,12 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 
+from gateway import appkeys
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
 from scheduler.protocol.job_record import job_view
-from gateway import appkeys
 from scheduler.protocol.keys import Keys
 from tests.harness.worker_harness import WAIT_S, wait_until
 

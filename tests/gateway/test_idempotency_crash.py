@@ -10,8 +10,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
-from tests.harness.redis_proxy import RedisProxy
 from scheduler.protocol.keys import Keys
+from tests.harness.redis_proxy import RedisProxy
 
 KEYS = Keys()
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import openai
 
+from scheduler.params import SamplingParams
 from tests.harness.child_env import child_pythonpath
 from tests.harness.openai_support import MODEL_NAME, openai_service
-from scheduler.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = "/v1/chat/completions"

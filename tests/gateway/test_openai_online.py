@@ -9,9 +9,9 @@ import openai
 import pytest
 import msgpack
 
-from tests.harness.openai_support import MODEL_NAME, openai_service
-from scheduler.protocol.keys import Keys
 from scheduler.params import SamplingParams
+from scheduler.protocol.keys import Keys
+from tests.harness.openai_support import MODEL_NAME, openai_service
 
 KEYS = Keys()
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}

@@ -10,10 +10,10 @@ from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
+from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobSpec, WebhookSpec
 from scheduler.protocol.keys import CONSUMER_GROUP
 from scheduler.protocol.lanes import Lane
-from scheduler.params import SamplingParams
 from tests.harness.worker_harness import KEYS, running_worker, wait_terminal, xadd_job
 
 OWN_KEYS = ["carpool:workers", "carpool:lane:standard", "carpool:webhooks", "carpool:dead", "carpool"]

@@ -116,8 +116,8 @@ def verb_env_names(verb: str) -> set[str]:
 
 def parse_verb(verb: str, env: Mapping[str, str]) -> argparse.Namespace:
     """Parse `carpool <verb>` with `env` as its environment and build (so validate) its config."""
-    from scheduler.runtime.flags import config_from_args
     from gateway.webhooks.config import WebhookConfig
+    from scheduler.runtime.flags import config_from_args
 
     if verb == "gateway":
         from gateway.cli.main import build_parser

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.harness.child_env import child_pythonpath
 from gateway.cli.embedded_redis import free_port
+from tests.harness.child_env import child_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kernels import get_backend
-from kernels.paged_attention import paged_attention_reference
 from kernels.kv_store import store_kv_reference
+from kernels.paged_attention import paged_attention_reference
 from kernels.paged_attention_torch import paged_attention_torch, store_kv_torch
 from tests.harness.kernel_batches import MIXED_CASES, assert_close, make_batch
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import msgpack
 import redis.asyncio as aioredis
 
+from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.lanes import LANES
-from scheduler.params import SamplingParams
-from tests.harness.worker_harness import KEYS, WAIT_S, wait_terminal, wait_until, xadd_job
 from tests.harness.child_env import child_pythonpath
+from tests.harness.worker_harness import KEYS, WAIT_S, wait_terminal, wait_until, xadd_job
 
 ROOT = Path(__file__).resolve().parents[2]
 END_OF_EVENTS = "end-of-events"

@@ -11,8 +11,8 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 
-from scheduler.protocol.job import JobSpec
 from scheduler.params import SamplingParams
+from scheduler.protocol.job import JobSpec
 from tests.harness.worker_harness import KEYS, running_worker, wait_terminal, xadd_job
 
 SETTINGS = {"lease_s": 600.0, "shutdown_grace_s": 0.0, "checkpoint_tokens": 4}

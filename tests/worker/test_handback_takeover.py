@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from scheduler.protocol.job import JobSpec
 from scheduler.params import SamplingParams
+from scheduler.protocol.job import JobSpec
 from tests.harness.worker_harness import KEYS, running_worker, status_of, xadd_job
 
 LEASE_S = 600.0

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.keys import CONSUMER_GROUP
 from scheduler.protocol.lanes import Lane
-from scheduler.params import SamplingParams
-from worker.config import WorkerConfig
 from tests.harness.worker_harness import KEYS, StepLog, has_status, running_worker, status_of, wait_terminal, wait_until, xadd_job
+from worker.config import WorkerConfig
 
 SLOTS = 4
 BATCH_TOKENS = 1500

@@ -6,11 +6,11 @@ import statistics
 
 import redis.asyncio as aioredis
 
+from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.lanes import DEFAULT_LANE_WEIGHTS, Lane
-from scheduler.params import SamplingParams
-from worker.consumer import LaneConsumer, LaneShares
 from tests.harness.worker_harness import KEYS, TERMINAL, running_worker, wait_terminal, wait_until, xadd_job
+from worker.consumer import LaneConsumer, LaneShares
 
 
 def test_lane_shares_follow_the_weights_and_interleave():

@@ -6,9 +6,9 @@ import redis.asyncio as aioredis
 
 from scheduler.protocol.keys import CONSUMER_GROUP
 from scheduler.protocol.lanes import DEFAULT_LANE_WEIGHTS, Lane
+from tests.harness.worker_harness import KEYS
 from worker.consumer import LaneConsumer
 from worker.job_store import EntryRef
-from tests.harness.worker_harness import KEYS
 
 LANE = KEYS.lane(Lane.STANDARD)
 

@@ -13,11 +13,11 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
+from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.keys import CONSUMER_GROUP
 from scheduler.protocol.lanes import LANES, Lane
 from scheduler.telemetry.log_format import JsonFormatter
-from scheduler.params import SamplingParams
 from tests.harness.telemetry_support import value
 from tests.harness.worker_harness import KEYS, running_worker, wait_terminal, wait_until, xadd_job
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from scheduler.runtime.flags import config_from_args
+from tests.harness.child_env import child_pythonpath
 from worker.cli import build_parser
 from worker.config import WorkerConfig
-from tests.harness.child_env import child_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,10 +11,10 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
+from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.keys import CONSUMER_GROUP
 from scheduler.protocol.lanes import Lane
-from scheduler.params import SamplingParams
 from tests.harness.worker_harness import KEYS, running_worker, wait_terminal, xadd_job
 
 LANE = KEYS.lane(Lane.STANDARD)

@@ -9,10 +9,10 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
+from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.keys import CONSUMER_GROUP
 from scheduler.protocol.lanes import LANES, Lane
-from scheduler.params import SamplingParams
 from tests.harness.worker_harness import KEYS, WAIT_S, has_status, running_worker, status_of, wait_terminal, wait_until, xadd_job
 
 LONG_CONTEXT = 16384

@@ -25,11 +25,11 @@ from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
 from scheduler.scheduler_output import SchedulerOutput
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
-from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.config import EngineConfig
-from worker.engine.records import EngineStats
+from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.model_runner import ModelRunner, StepSeq
 from worker.engine.prompt_input import check_token_ids, prompt_token_ids
+from worker.engine.records import EngineStats
 from worker.engine.request_state import Completion, RequestOutput, RequestState
 from worker.engine.sampler import SampledToken, SampleRequest, Sampler
 from worker.engine.text_decoder import text_decoder_for

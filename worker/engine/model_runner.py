@@ -20,7 +20,6 @@ from kernels.paged_attention_torch import plan_decode_groups
 from kernels.split_kv import MAX_SPLITS, num_multiprocessors, plan_kv_splits
 from kernels.workspace import Workspace
 from worker.engine.attention import PagedAttentionMetadata
-from worker.engine.kernel_checks import check_paged_attention
 from worker.engine.graph_runner import (
     HOST_BRANCHING_ROPE,
     CaptureBackend,
@@ -29,6 +28,7 @@ from worker.engine.graph_runner import (
     graph_batch_sizes,
     rope_type,
 )
+from worker.engine.kernel_checks import check_paged_attention
 from worker.engine.models import CausalLM, choose_model_impl, load_causal_lm
 from worker.engine.models.quantization import check_device_supports, parse_quantization
 from worker.engine.step_inputs import StepInputs, StepSeq, StepShape

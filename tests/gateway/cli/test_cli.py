@@ -18,13 +18,13 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
 from gateway.app import init_app
-from gateway.cli.main import DELEGATED_VERBS, build_parser, main
-from gateway.config import GatewayConfig
 from gateway.cli.embedded_redis import free_port
+from gateway.cli.main import DELEGATED_VERBS, build_parser, main
+from gateway.cli.up import UpConfig
+from gateway.config import GatewayConfig
+from scheduler.protocol.keys import Keys
 from scheduler.runtime.flags import config_from_args, env_names
 from scheduler.runtime.terminal import printable
-from gateway.cli.up import UpConfig
-from scheduler.protocol.keys import Keys
 from tests.harness.child_env import child_pythonpath
 
 REPO = Path(__file__).resolve().parents[3]

@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from gateway.cli.main import build_parser
-from scheduler.runtime.flags import config_from_args
 from gateway.cli.up import UpConfig
+from scheduler.runtime.flags import config_from_args
 from tests.harness.up_stack import UpStack, carpool, carpool_env, start_up
 
 

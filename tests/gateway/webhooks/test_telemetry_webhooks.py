@@ -21,9 +21,9 @@ from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.webhooks import delivery_fields
+from tests.harness.child_env import child_pythonpath
 from tests.harness.telemetry_support import in_memory_telemetry, value
 from tests.harness.webhook_receiver import Answer, Receiver
-from tests.harness.child_env import child_pythonpath
 from tests.harness.worker_harness import WAIT_S, wait_until
 
 KEYS = Keys("whmetrics")

@@ -15,8 +15,8 @@ import redis.asyncio as aioredis
 from gateway.webhooks.signing import generate_secret
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.webhooks import delivery_fields
-from tests.harness.webhook_receiver import Answer, Receiver
 from tests.harness.child_env import child_pythonpath
+from tests.harness.webhook_receiver import Answer, Receiver
 from tests.harness.worker_harness import WAIT_S, wait_until
 
 KEYS = Keys("whrestart")

@@ -13,8 +13,8 @@ from collections.abc import Callable
 import pytest
 from transformers import AutoConfig
 
-from tests.harness.model_reference import transformers_greedy
 from scheduler import SamplingParams
+from tests.harness.model_reference import transformers_greedy
 from worker import Engine
 from worker.engine.graph_runner import ReplayCapture
 

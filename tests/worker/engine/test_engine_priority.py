@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from tests.harness.model_reference import transformers_greedy
 from scheduler import SamplingParams
+from tests.harness.model_reference import transformers_greedy
 from tests.worker.engine.test_engine_exact import BLOCK_SIZE, assert_same
 from worker import Engine
 

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from scheduler.protocol.job import JobSpec
 from scheduler.params import SamplingParams
+from scheduler.protocol.job import JobSpec
 from tests.harness.child_env import child_pythonpath
+from tests.harness.worker_harness import KEYS, WAIT_S, running_worker, wait_terminal, wait_until, xadd_job
 from worker.engine.config import EngineConfig
 from worker.engine.process import EngineProcess, EngineStartError
 from worker.engine.wire import EngineFailed
-from tests.harness.worker_harness import KEYS, WAIT_S, running_worker, wait_terminal, wait_until, xadd_job
 
 ROOT = Path(__file__).resolve().parents[3]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

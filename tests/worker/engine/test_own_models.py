@@ -18,8 +18,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.harness.model_reference import transformers_greedy
 from scheduler import SamplingParams
+from tests.harness.model_reference import transformers_greedy
 from worker import Engine
 from worker.engine.default_model import create_tiny_model
 from worker.engine.model_runner import ModelRunner, StepSeq

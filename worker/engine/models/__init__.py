@@ -15,8 +15,8 @@ from typing import Protocol
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from worker.engine.config import MODEL_IMPLS, ModelImpl, Quantization
 from worker.engine.attention import METADATA_KWARG, PagedAttentionMetadata, register_paged_attention
+from worker.engine.config import MODEL_IMPLS, ModelImpl, Quantization
 from worker.engine.graph_runner import rope_type
 from worker.engine.models.llama_family import ARCHITECTURES, LlamaFamilyModel, read_safetensors
 from worker.engine.models.rope import SUPPORTED_ROPE_TYPES
