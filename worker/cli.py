@@ -127,7 +127,7 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
     def on_signal() -> None:
         # The first signal starts the graceful drain; a second one (a second Ctrl-C) ends the wait.
         if service.stopped.is_set():
-            log.warning("second signal: handing back %d running jobs now", len(service.loop.jobs))
+            log.warning("second signal: handing back %d running jobs now", len(service.job_loop.jobs))
             service.hand_back_now.set()
         service.stopped.set()
 

@@ -40,14 +40,14 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class EntryIntake:
-    def __init__(self, config: WorkerConfig, client: aioredis.Redis, keys: Keys, store: JobStore, loop: JobLoop,
+    def __init__(self, config: WorkerConfig, client: aioredis.Redis, keys: Keys, store: JobStore, job_loop: JobLoop,
                  metrics: WorkerMetrics, lane_of: dict[str, str]) -> None:
         """``lane_of``: each lane's stream key to its lane name, for the metrics' labels."""
         self.config = config
         self.client = client
         self.keys = keys
         self.store = store
-        self.loop = loop
+        self.job_loop = job_loop
         self.metrics = metrics
         self._lane_of = lane_of
 
@@ -64,7 +64,7 @@ class EntryIntake:
                               extra={"entry": str(entry.ref), "dead_letter": "unadmittable"})
                 await self._dead_letter_unadmittable(entry, e)
         finally:
-            self.loop.release(1)
+            self.job_loop.release(1)
 
     async def _dead_letter_unadmittable(self, entry: Entry, error: Exception) -> None:
         """The last resort for an entry whose start keeps failing: fail its job if its id can be read,
@@ -135,7 +135,7 @@ class EntryIntake:
     async def _take_spec(self, spec: JobSpec, entry: Entry, raw: bytes, created_at: float) -> None:
         ref = entry.ref
         lane = spec.lane.value
-        running = self.loop.jobs.get(spec.id)
+        running = self.job_loop.jobs.get(spec.id)
         if running is not None and running.entry == ref:
             # Our own reclaim took our entry after a late renewal: the job still runs here, and the claim renewed it.
             log.info("job %s: reclaimed our own running entry %s; it keeps running", spec.id, ref)
@@ -170,7 +170,7 @@ class EntryIntake:
         else:
             assert start.verdict is StartVerdict.RUN, start.verdict
             await self._announce_start(spec, start)
-            self.loop.start(spec, ref, start.checkpoint, start.record, start.checkpoint_logprobs,
+            self.job_loop.start(spec, ref, start.checkpoint, start.record, start.checkpoint_logprobs,
                             attempt=start.attempts)
             log.info("job %s: admitted from %s (attempt %d, resuming after %d tokens)", spec.id, ref,
                      start.attempts, len(start.checkpoint),

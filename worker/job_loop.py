@@ -49,10 +49,11 @@ LANE_PRIORITY_STRIDE = 1_000_000
 
 
 class JobLoop:
-    def __init__(self, runner: EngineRunner, store: JobStore, client: aioredis.Redis, keys: Keys,
+    def __init__(self, engine: EngineRunner, store: JobStore, client: aioredis.Redis, keys: Keys,
                  config: WorkerConfig, metrics: WorkerMetrics | None = None) -> None:
-        self.runner = runner
-        self.metrics = metrics or WorkerMetrics(max_num_seqs=runner.max_num_seqs)
+        self.engine = engine
+        """The engine, wherever it runs (its process, or a thread here): ticked, never called directly."""
+        self.metrics = metrics or WorkerMetrics(max_num_seqs=engine.max_num_seqs)
         self.store = store
         self.client = client
         self.keys = keys
@@ -200,7 +201,7 @@ class JobLoop:
             if job.trace is not None:
                 job.trace.admitted(now)
         self._adds, aborts, self._aborts = [], self._aborts, []
-        return self.runner.tick(adds, aborts, True)
+        return self.engine.tick(adds, aborts, True)
 
     async def _handle(self, tick: Tick) -> None:
         for job_id, rejection in tick.rejected.items():
@@ -298,14 +299,14 @@ class JobLoop:
         await self.step_writer.write(writes)
         aborts, self._aborts = self._aborts, []
         try:
-            await self.runner.tick([], aborts, False)
+            await self.engine.tick([], aborts, False)
         except EngineFailed as e:
             # A dead engine runs nothing: the checkpoints are written, so the jobs are handed back all the same.
             log.error("aborting the handed-back jobs in the engine failed: %s", e)
         return refs
 
     async def aclose(self) -> None:
-        await self.runner.aclose()
+        await self.engine.aclose()
 
     async def view(self, job_id: str) -> dict[str, Any]:
         return job_view(await read_hash(self.client, self.keys.job(job_id)))

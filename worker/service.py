@@ -39,11 +39,11 @@ RESERVE_POLL_S = 0.02
 
 
 class WorkerService:
-    def __init__(self, config: WorkerConfig, runner: EngineRunner, client: aioredis.Redis,
+    def __init__(self, config: WorkerConfig, engine: EngineRunner, client: aioredis.Redis,
                  telemetry: Telemetry | None = None) -> None:
-        """``runner``: an ``EngineProcess``, or an in-process ``Engine`` on its thread (``EngineThread``)."""
+        """``engine``: an ``EngineProcess``, or an in-process ``Engine`` on its thread (``EngineThread``)."""
         self.config = config
-        self.runner = runner
+        self.engine = engine
         self.client = client
         self.keys = Keys(config.key_prefix)
         self.store = JobStore(client, self.keys, worker=config.worker_name, result_ttl_s=config.result_ttl_s,
@@ -52,10 +52,10 @@ class WorkerService:
                                      lease_ms=config.lease_ms, read_block_ms=config.read_block_ms,
                                      max_deliveries=config.max_deliveries)
         # ``telemetry`` (built by the CLI from the OTEL_* variables) stays the caller's to shut down.
-        self.metrics = WorkerMetrics(telemetry, max_num_seqs=self.runner.max_num_seqs)
+        self.metrics = WorkerMetrics(telemetry, max_num_seqs=self.engine.max_num_seqs)
         self._lane_of = {self.keys.lane(lane): lane.value for lane in Lane}
-        self.loop = JobLoop(self.runner, self.store, client, self.keys, config, self.metrics)
-        self.intake = EntryIntake(config, client, self.keys, self.store, self.loop, self.metrics, self._lane_of)
+        self.job_loop = JobLoop(self.engine, self.store, client, self.keys, config, self.metrics)
+        self.intake = EntryIntake(config, client, self.keys, self.store, self.job_loop, self.metrics, self._lane_of)
         self.is_ready = False
         self.is_draining = False
         self.stopped = asyncio.Event()
@@ -76,7 +76,7 @@ class WorkerService:
         # Subscribe before reading any entry: a cancel published after admission is then never missed.
         await self._pubsub.subscribe(self.keys.control)
         self.metrics.watch_streams(self.client, self.keys)
-        self._spawn("engine", self.loop.run())
+        self._spawn("engine", self.job_loop.run())
         self._spawn("control", self._control())
         self._spawn("leases", self._leases())
         self._spawn("heartbeat", self._heartbeat())
@@ -94,20 +94,20 @@ class WorkerService:
         if intake is not None:
             await asyncio.gather(intake, return_exceptions=True)
         deadline = time.monotonic() + self.config.shutdown_grace_s
-        while self.loop.jobs and time.monotonic() < deadline and not self._failed() and not self.hand_back_now.is_set():
-            self.loop.slot_freed.clear()
+        while self.job_loop.jobs and time.monotonic() < deadline and not self._failed() and not self.hand_back_now.is_set():
+            self.job_loop.slot_freed.clear()
             try:
-                await asyncio.wait_for(self.loop.slot_freed.wait(), timeout=min(0.2, max(0.01, deadline - time.monotonic())))
+                await asyncio.wait_for(self.job_loop.slot_freed.wait(), timeout=min(0.2, max(0.01, deadline - time.monotonic())))
             except TimeoutError:
                 pass
-        if self.loop.jobs:
-            jobs = await self.loop.checkpoint_all()
+        if self.job_loop.jobs:
+            jobs = await self.job_loop.checkpoint_all()
             await self.consumer.hand_back(jobs)
             # Workers with a free slot take them over now, ahead of newer entries, not at their next
             # periodic reclaim (every lease_s / 4).
             await self.client.publish(self.keys.control, pack({"type": "handback", "worker": self.config.worker_name}))
             log.info("handed back %d unfinished jobs with their checkpoints", len(jobs))
-        await self.loop.wait_commits()
+        await self.job_loop.wait_commits()
         for task in self._tasks.values():
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
@@ -117,7 +117,7 @@ class WorkerService:
         await self.client.hdel(self.keys.workers, self.config.worker_name)
         if self._http is not None:
             await self._http.cleanup()
-        await self.loop.aclose()
+        await self.job_loop.aclose()
         if self.metrics.streams is not None:
             await self.metrics.streams.aclose()
         self.metrics.close()
@@ -150,14 +150,14 @@ class WorkerService:
         next_reclaim = 0.0
         while not self.is_draining:
             raise_if_cancelled()
-            free = self.loop.free
-            if free == 0 and self.loop.interactive_free > 0:
+            free = self.job_loop.free
+            if free == 0 and self.job_loop.interactive_free > 0:
                 await self._intake_reserve()
                 continue
             if free == 0:
-                self.loop.slot_freed.clear()
+                self.job_loop.slot_freed.clear()
                 try:
-                    await asyncio.wait_for(self.loop.slot_freed.wait(), timeout=1.0)
+                    await asyncio.wait_for(self.job_loop.slot_freed.wait(), timeout=1.0)
                 except TimeoutError:
                     pass
                 continue
@@ -174,7 +174,7 @@ class WorkerService:
             except REDIS_DOWN as e:
                 await _redis_down("intake", e)  # entries already taken are still admitted below
             if entries:
-                self.loop.reserve(len(entries))
+                self.job_loop.reserve(len(entries))
                 await asyncio.gather(*(self.intake.take(entry) for entry in entries))
 
     async def _intake_reserve(self) -> None:
@@ -183,14 +183,14 @@ class WorkerService:
         It polls instead of blocking: a worker with a free slot, blocked on the lanes, is served a new
         entry by Redis at once, so a busy worker takes only what no idle one did.
         """
-        self.loop.slot_freed.clear()
+        self.job_loop.slot_freed.clear()
         try:
-            await asyncio.wait_for(self.loop.slot_freed.wait(), timeout=RESERVE_POLL_S)
+            await asyncio.wait_for(self.job_loop.slot_freed.wait(), timeout=RESERVE_POLL_S)
             return  # a slot freed: the weighted read takes over
         except TimeoutError:
             pass
-        count = self.loop.interactive_free
-        if self.loop.free or not count or self.is_draining:
+        count = self.job_loop.interactive_free
+        if self.job_loop.free or not count or self.is_draining:
             return
         try:
             entries = await self.consumer.read_interactive(count)
@@ -198,7 +198,7 @@ class WorkerService:
             await _redis_down("intake", e)
             return
         if entries:
-            self.loop.reserve(len(entries))
+            self.job_loop.reserve(len(entries))
             await asyncio.gather(*(self.intake.take(entry) for entry in entries))
 
     # --- leases, cancellation, heartbeat ----------------------------------------------------------
@@ -207,7 +207,7 @@ class WorkerService:
         while True:
             raise_if_cancelled()
             await asyncio.sleep(self.config.lease_s / 3)
-            by_entry = {job.entry: job_id for job_id, job in self.loop.jobs.items()}
+            by_entry = {job.entry: job_id for job_id, job in self.job_loop.jobs.items()}
             if not by_entry:
                 continue
             try:
@@ -216,7 +216,7 @@ class WorkerService:
                 await _redis_down("lease renewal", e)
                 continue
             for ref in lost:
-                self.loop.drop(by_entry[ref])
+                self.job_loop.drop(by_entry[ref])
 
     async def _control(self) -> None:
         assert self._pubsub is not None
@@ -238,15 +238,15 @@ class WorkerService:
             if isinstance(body, dict) and body.get("type") == "handback":
                 self.reclaim_now.set()
             elif isinstance(body, dict) and body.get("type") == "cancel" and isinstance(body.get("id"), str):
-                if self.loop.cancel(body["id"]):
+                if self.job_loop.cancel(body["id"]):
                     log.info("job %s: cancelled while running", body["id"])
 
     async def _heartbeat(self) -> None:
         while True:
             try:
                 await self.client.hset(self.keys.workers, self.config.worker_name, pack({
-                    "time": time.time(), "running": len(self.loop.jobs), "capacity": self.config.capacity,
-                    "max_model_len": self.runner.max_model_len, "builtin_model": self.config.engine.model is None,
+                    "time": time.time(), "running": len(self.job_loop.jobs), "capacity": self.config.capacity,
+                    "max_model_len": self.engine.max_model_len, "builtin_model": self.config.engine.model is None,
                     "model": self.config.model_name,
                     "draining": self.is_draining}))
             except REDIS_DOWN as e:
@@ -283,7 +283,7 @@ async def _healthz(request: web.Request) -> web.Response:
 
 async def _readyz(request: web.Request) -> web.Response:
     service = request.app[SERVICE_KEY]
-    body = {"ready": service.is_ready, "draining": service.is_draining, "running": len(service.loop.jobs),
+    body = {"ready": service.is_ready, "draining": service.is_draining, "running": len(service.job_loop.jobs),
             "capacity": service.config.capacity}
     return web.json_response(body, status=200 if service.is_ready else 503)
 

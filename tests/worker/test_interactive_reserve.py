@@ -52,8 +52,8 @@ async def test_interactive_job_preempts_a_full_batch_backlog(redis_url, tiny_mod
         assert service.config.reserve == 1
         for spec in batch:
             await xadd_job(client, spec)
-        await wait_until(lambda: service.loop.free == 0 and len(service.loop.jobs) == SLOTS
-                         and all(job.token_ids for job in service.loop.jobs.values()),
+        await wait_until(lambda: service.job_loop.free == 0 and len(service.job_loop.jobs) == SLOTS
+                         and all(job.token_ids for job in service.job_loop.jobs.values()),
                          "every slot decoding a batch job")
         held = await client.xpending(KEYS.lane(Lane.BATCH), CONSUMER_GROUP)
         assert held["pending"] == SLOTS, "the reserve takes nothing from the batch lane"

@@ -94,7 +94,7 @@ async def test_worker_survives_dropped_redis_connections(redis_url, long_engine)
         await xadd_job(client, JobSpec(id="long", prompt="three", params=long))
         await wait_until(lambda: client.hget(KEYS.job("long"), "checkpoint"), "the long job's first checkpoint")
         # Past its first checkpoint, the only one: the cancel must come over the (reconnected) control channel.
-        await wait_until(lambda: len(service.loop.jobs["long"].token_ids) > 1, "the long job past its checkpoint")
+        await wait_until(lambda: len(service.job_loop.jobs["long"].token_ids) > 1, "the long job past its checkpoint")
         await Canceller(client, KEYS, flag_ttl_s=60).cancel("long")
         views |= await wait_terminal(client, ["long"])
         assert not service.stopped.is_set() and not service.has_failed

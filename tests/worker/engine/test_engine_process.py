@@ -119,7 +119,7 @@ async def test_a_killed_engine_process_fails_the_worker_and_its_jobs_finish_else
     async with running_worker(redis_url, engine, lease_s=1.0, checkpoint_tokens=4) as service:
         for spec in specs:
             await xadd_job(client, spec)
-        await wait_until(lambda: any(len(job.token_ids) >= 4 for job in service.loop.jobs.values()),
+        await wait_until(lambda: any(len(job.token_ids) >= 4 for job in service.job_loop.jobs.values()),
                          "a job with 4 tokens")
         os.kill(engine.pid, signal.SIGKILL)
         await asyncio.wait_for(service.stopped.wait(), WAIT_S)
