@@ -28,7 +28,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from scheduler.protocol.job import TERMINAL_STATUSES
-from scheduler.protocol.job_record import F_STATUS, job_view
+from scheduler.protocol.job_record import F_STATUS, EventType
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import read_hash
 from scheduler.runtime.tasks import cancel_and_reap, raise_if_cancelled
@@ -51,7 +51,7 @@ class Subscription:
     num_dropped: int = 0
 
     def offer(self, event: dict[str, Any]) -> None:
-        if event.get("type") in ("final", "closed"):
+        if event.get("type") in (EventType.FINAL, CLOSED["type"]):
             # Terminal events must get through: make room by dropping the oldest token.
             while self.queue.full():
                 self.queue.get_nowait()
@@ -197,7 +197,7 @@ async def wait_for_terminal(
                 break
             if event["type"] == "closed":
                 break
-            if event["type"] == "final":
+            if event["type"] == EventType.FINAL:
                 record = await read_hash(redis, keys.job(job_id))
         if record and not is_terminal(record):
             # Once more before answering: a final event lost with a dropped connection still shows on the record.

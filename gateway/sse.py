@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from gateway.event_hub import EventHub, is_terminal
-from scheduler.protocol.job_record import final_event, job_view, json_default
+from scheduler.protocol.job_record import EventType, final_event, job_view, json_default
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import read_hash
 
@@ -47,15 +47,15 @@ class Cursor:
 
     def advance(self, event: dict[str, Any]) -> None:
         """Move past one event as sent (``take`` has made it new to the client)."""
-        if event.get("type") == "started":
+        if event.get("type") == EventType.STARTED:
             self.attempt = max(self.attempt, int(event.get("attempt") or event.get("attempts") or 1))
-        elif event.get("type") == "token":
+        elif event.get("type") == EventType.TOKEN:
             self.tokens = int(event["index"]) + len(event["token_ids"])
             self.text_chars += len(event["text"])
 
     def take(self, event: dict[str, Any]) -> dict[str, Any] | None:
         """The part of a live or logged event the client has not had yet (None: nothing new)."""
-        if event.get("type") == "started":
+        if event.get("type") == EventType.STARTED:
             attempt = int(event.get("attempt") or event.get("attempts") or 0)
             if not attempt:
                 self.attempt = max(self.attempt, 1)  # a publisher that numbers no attempts: count it the first
@@ -64,7 +64,7 @@ class Cursor:
                 return None
             self.attempt = attempt
             return event
-        if event.get("type") != "token":
+        if event.get("type") != EventType.TOKEN:
             return event
         ids, index, text = list(event.get("token_ids") or []), int(event.get("index", 0)), str(event.get("text") or "")
         if index + len(ids) <= self.tokens:
@@ -81,7 +81,7 @@ def coalesce(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for event in events:
         last = out[-1] if out else None
-        if (last is not None and event["type"] == last["type"] == "token"
+        if (last is not None and event["type"] == last["type"] == EventType.TOKEN
                 and last["index"] + len(last["token_ids"]) == event["index"]):
             out[-1] = {**event, "index": last["index"], "token_ids": last["token_ids"] + event["token_ids"],
                        "text": last["text"] + event["text"]}
@@ -96,12 +96,12 @@ def from_view(view: dict[str, Any], cursor: Cursor, final: dict[str, Any] | None
     attempts = max(1, int(view.get("attempts") or 0))  # a record that ran was started at least once
     if view.get("started_at") is not None and attempts > cursor.attempt:
         cursor.attempt = attempts
-        events.append({"type": "started", "id": view["id"], "worker": view.get("worker"), "attempts": attempts,
+        events.append({"type": EventType.STARTED, "id": view["id"], "worker": view.get("worker"), "attempts": attempts,
                        "attempt": attempts, "resumed_from": view.get("resumed_from")})
     output = view.get("output") or {}
     ids, text = list(output.get("token_ids") or [])[cursor.tokens:], (output.get("text") or "")[cursor.text_chars:]
     if ids or text:
-        events.append({"type": "token", "id": view["id"], "index": cursor.tokens, "token_ids": ids, "text": text,
+        events.append({"type": EventType.TOKEN, "id": view["id"], "index": cursor.tokens, "token_ids": ids, "text": text,
                        "attempt": attempts})
         cursor.tokens += len(ids)
         cursor.text_chars += len(text)
@@ -157,10 +157,10 @@ async def stream_events(request: web.Request, response: web.StreamResponse, redi
                 continue
             if event["type"] == "closed":
                 return
-            if event["type"] == "final":
+            if event["type"] == EventType.FINAL:
                 await send(from_view(event["job"], cursor, final=event))
                 return
-            if event["type"] == "token" and int(event.get("index", 0)) > cursor.tokens:
+            if event["type"] == EventType.TOKEN and int(event.get("index", 0)) > cursor.tokens:
                 await send(await _logged(redis, keys, job_id, cursor))  # fill a gap (a slow reader's dropped events)
             taken = cursor.take(event)
             if taken is not None:

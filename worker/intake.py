@@ -200,7 +200,7 @@ class EntryIntake:
         # Shown while it runs: how many output tokens this attempt took over from a checkpoint.
         pipe.hset(self.keys.job(spec.id), job_record.F_RESUMED_FROM, len(start.checkpoint))
         started = pack({
-            "type": "started", "id": spec.id, "worker": self.config.worker_name, "attempts": start.attempts,
+            "type": job_record.EventType.STARTED, "id": spec.id, "worker": self.config.worker_name, "attempts": start.attempts,
             "attempt": start.attempts, "resumed_from": len(start.checkpoint)})
         pipe.publish(self.keys.events(spec.id), started)
         pipe.xadd(self.keys.events_log(spec.id), {"e": started})

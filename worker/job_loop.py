@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from scheduler.protocol.job import JobSpec, JobStatus, WebhookEvent
-from scheduler.protocol.job_record import job_view
+from scheduler.protocol.job_record import EventType, job_view
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.lanes import LANE_RANK
 from scheduler.protocol.redis_replies import read_hash
@@ -237,7 +237,7 @@ class JobLoop:
                 self.metrics.tokens_emitted(job.spec.lane.value, gap_s, len(new_ids))
                 job.last_token_mono = mono
                 writes.publish(job.spec.id, pack({
-                    "type": "token", "id": job.spec.id, "text": out.new_text, "token_ids": new_ids,
+                    "type": EventType.TOKEN, "id": job.spec.id, "text": out.new_text, "token_ids": new_ids,
                     "index": len(job.token_ids) - len(new_ids), "attempt": job.attempt}))
                 if job.throttle is not None and not out.finished and job.throttle.should_emit(mono):
                     partial = running_view(job.record, job.text, job.token_ids,

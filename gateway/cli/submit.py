@@ -11,6 +11,7 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
+from scheduler.protocol.job import JobStatus
 from scheduler.protocol.lanes import DEFAULT_LANE, LANES
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE
 from scheduler.runtime.terminal import printable
@@ -94,13 +95,13 @@ def run_submit(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(view, indent=2))
     status = view["status"]
-    if status in ("succeeded", "failed", "cancelled") and _is_builtin_model(base, view.get("worker")):
+    if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED) and _is_builtin_model(base, view.get("worker")):
         print(f"carpool submit: {BUILTIN_MODEL_NOTICE}", file=sys.stderr)
-    if status == "succeeded":
+    if status == JobStatus.SUCCEEDED:
         if not args.json:
             print(printable(view["output"]["text"]))
         return 0
-    if status in ("queued", "running"):
+    if status in (JobStatus.QUEUED, JobStatus.RUNNING):
         print(f"carpool submit: job {view['id']} still {status} after {args.timeout_s:g}s", file=sys.stderr)
         return EXIT_TIMEOUT
     error = view.get("error") or {}
@@ -126,5 +127,5 @@ def _wait(base: str, job_id: str, timeout_s: float) -> dict[str, Any]:
         remaining = deadline - time.monotonic()
         chunk = max(0.0, min(POLL_CHUNK_S, remaining))
         view = _request("GET", f"{base}/v1/jobs/{job_id}?wait={chunk:.1f}", None, {}, timeout_s=chunk + 30)
-        if view["status"] not in ("queued", "running") or remaining <= 0:
+        if view["status"] not in (JobStatus.QUEUED, JobStatus.RUNNING) or remaining <= 0:
             return view

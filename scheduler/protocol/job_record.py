@@ -7,6 +7,7 @@ below; ``job_view`` turns it into the public shape returned by
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 import msgpack
@@ -33,6 +34,17 @@ F_STREAM_ENTRY = "stream_entry"  # "<lane stream key> <entry id>"
 F_WEBHOOK_COUNT = "wh_count"
 WEBHOOK_ATTEMPT_PREFIX = "wh:"  # wh:<n> -> msgpack attempt record
 F_WEBHOOK_GONE = "wh_gone"  # set when a receiver answered 410: the job's later events are not sent
+
+
+class EventType(StrEnum):
+    """The ``type`` of an event on a job's channel (``keys.events(id)``) and its events log."""
+
+    STARTED = "started"
+    """An attempt began: ``worker``, ``attempts``, ``resumed_from``."""
+    TOKEN = "token"
+    """Output the step added: ``index``, ``token_ids``, ``text``."""
+    FINAL = "final"
+    """The job ended: its terminal record's view (``final_event``)."""
 
 
 def json_default(value: object) -> object:
@@ -104,4 +116,4 @@ def job_view(record: dict[bytes, bytes]) -> dict[str, Any]:
 
 def final_event(job_id: str, view: dict[str, Any], attempt: int) -> dict[str, Any]:
     """A job's ``final`` event: its terminal record's view, as its events channel and SSE stream carry it."""
-    return {"type": "final", "id": job_id, "attempt": attempt, "job": view}
+    return {"type": EventType.FINAL, "id": job_id, "attempt": attempt, "job": view}
