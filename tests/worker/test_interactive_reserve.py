@@ -110,7 +110,7 @@ async def test_an_idle_worker_gets_the_interactive_job_before_a_busy_workers_res
     async with running_worker(redis_url, busy_engine, worker_name="busy") as busy:
         for spec in batch:
             await xadd_job(client, spec)
-        await wait_until(lambda: busy.loop.free == 0, "the batch jobs filling the busy worker")
+        await wait_until(lambda: busy.job_loop.free == 0, "the batch jobs filling the busy worker")
         # A long blocking read: the idle worker is seldom between two reads when a chat arrives.
         async with running_worker(redis_url, Engine(model=model, max_num_seqs=SLOTS, policy="priority"),
                                   worker_name="idle", read_block_ms=1000):
@@ -120,7 +120,7 @@ async def test_an_idle_worker_gets_the_interactive_job_before_a_busy_workers_res
                 await wait_until(lambda: _blocked_on_the_lanes(client), "the idle worker blocked on the lanes")
                 await xadd_job(client, spec)
                 chat_views = await wait_terminal(client, [spec.id])
-                assert busy.loop.free == 0, "a batch job ended during the chats: the busy worker was not busy"
+                assert busy.job_loop.free == 0, "a batch job ended during the chats: the busy worker was not busy"
                 assert chat_views[spec.id]["worker"] == "idle", chat_views[spec.id]
             assert busy_engine.stats().num_priority_preemptions == 0
             views = await wait_terminal(client, [s.id for s in batch])
