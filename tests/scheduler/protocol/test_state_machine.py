@@ -18,7 +18,7 @@ JOB_RECORD_SCRIPTS = ("ENQUEUE", "RELEASE_KEY", "START", "STEP", "RENEW_LEASE", 
 def test_every_script_has_its_names_filled_in() -> None:
     assert {"ENQUEUE", "START", "STEP", "COMMIT", "CANCEL", "HAND_BACK", "RENEW_LEASE"} <= set(SCRIPTS)
     for name, source in SCRIPTS.items():
-        assert "redis.call" in source, name
+        assert re.search(r"redis\.call\(", source), name
         assert not re.search(r"@\w+@", source), f"{name} keeps a placeholder"
 
 
@@ -45,5 +45,5 @@ def test_one_terminal_commit_serves_the_worker_and_the_gateway() -> None:
 
 def test_an_unknown_name_is_refused() -> None:
     with pytest.raises(KeyError, match="@nope@"):
-        state_machine._job_script("redis.call('HGET', KEYS[1], '@nope@')")
+        state_machine._job_script("return '@nope@'")
     assert state_machine._job_script("'@queued@' '@stream_entry@'") == f"'{JobStatus.QUEUED.value}' '{job_record.F_STREAM_ENTRY}'"
