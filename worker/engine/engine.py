@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +50,12 @@ class _InFlight:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, **settings: Any) -> None:
-        """``Engine(EngineConfig(...))``, or the same settings as keywords: ``Engine(model=PATH, block_size=16)``."""
+    def __init__(self, config: EngineConfig | str | os.PathLike[str] | None = None, **settings: Any) -> None:
+        """``Engine(EngineConfig(...))``, or the same settings as keywords: ``Engine(model=PATH, block_size=16)``;
+        a path first is the model, as in ``Engine(PATH, max_num_seqs=8)``."""
+        if config is not None and not isinstance(config, EngineConfig):
+            settings = {"model": str(config), **settings}
+            config = None
         if config is None:
             config = EngineConfig(**settings)
         elif settings:
