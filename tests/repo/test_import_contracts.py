@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_import_contracts_are_kept() -> None:
-    lint_imports = shutil.which("lint-imports")
+    # The script beside this interpreter (its virtualenv's bin, activated or not), else the one on PATH.
+    beside = Path(sys.executable).parent / "lint-imports"
+    lint_imports = str(beside) if beside.is_file() else shutil.which("lint-imports")
     assert lint_imports is not None, "lint-imports (import-linter, a test dependency) is not installed"
     done = subprocess.run([lint_imports, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
