@@ -146,3 +146,17 @@ async def test_a_blocked_reader_wakes_for_a_tenant_that_becomes_active(redis_url
     assert _names(await consumer.read(1)) == ["late-0"]
     assert await client.xlen(KEYS.wake) == 0
     await client.aclose()
+
+
+async def test_a_tenant_stream_deleted_from_outside_does_not_stop_the_reader(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    consumer = LaneConsumer(client, KEYS, "reader", BATCH_ONLY, lease_ms=60_000, read_block_ms=10, max_deliveries=5)
+    await consumer.ensure_groups()
+    await _enqueue(client, "gone", 2)
+    await _enqueue(client, "kept", 2)
+    await client.delete(KEYS.tenant_lane(Lane.BATCH, "gone"))
+    got = [n for _ in range(4) for n in _names(await consumer.read(1))]
+    assert got == ["kept-0", "kept-1"]
+    assert await consumer.reclaim(5) == []
+    assert await client.smembers(KEYS.lane_tenants(Lane.BATCH)) == {b"kept"}  # the emptied one retired
+    await client.aclose()

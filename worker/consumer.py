@@ -141,11 +141,29 @@ class LaneConsumer:
         # Idle: block on every stream at once, and on the wake stream that a newly active tenant rings;
         # the reply carries only the stream that woke us, so a share per stream keeps a wake-up within `free`.
         streams = [s.stream for lane in LANES for s in sources[lane]]
-        reply = await self.client.xreadgroup(
-            CONSUMER_GROUP, self.name, {**{s: ">" for s in streams}, self.keys.wake: ">"},
-            count=max(1, free // (len(streams) + 1)), block=self.read_block_ms,
-        )
+        try:
+            reply = await self.client.xreadgroup(
+                CONSUMER_GROUP, self.name, {**{s: ">" for s in streams}, self.keys.wake: ">"},
+                count=max(1, free // (len(streams) + 1)), block=self.read_block_ms,
+            )
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            await self._repair([*streams, self.keys.wake])
+            return []
         return await self._without_wake(self._entries(reply))
+
+    async def _repair(self, streams: list[str]) -> None:
+        """Give back its consumer group to a stream that lost it (deleted from outside); an empty new stream
+        for one that is gone. Its tenant then retires as any empty one does."""
+        for stream in streams:
+            try:
+                await self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+                log.warning("stream %s had no consumer group %s (deleted from outside?); made it again",
+                            stream, CONSUMER_GROUP)
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
 
     async def read_interactive(self, count: int) -> list[Entry]:
         """At most `count` new interactive entries, without waiting (the reserve beyond the free slots)."""
@@ -169,7 +187,13 @@ class LaneConsumer:
             pipe.xreadgroup(CONSUMER_GROUP, self.name, {source.stream: ">"}, count=n)
         got: list[Entry] = []
         empty: list[Source] = []
-        for (source, n), reply in zip(plan, await pipe.execute()):
+        for (source, n), reply in zip(plan, await pipe.execute(raise_on_error=False)):
+            if isinstance(reply, ResponseError) and "NOGROUP" in str(reply):
+                await self._repair([source.stream])
+                empty.append(source)
+                continue
+            if isinstance(reply, Exception):
+                raise reply
             entries = self._entries(reply)
             if len(entries) < n:
                 empty.append(source)
@@ -204,8 +228,14 @@ class LaneConsumer:
             if len(out) >= free:
                 break
             stream = source.stream
-            reply = await self.client.xautoclaim(stream, CONSUMER_GROUP, self.name, self.lease_ms,
-                                                 start_id="0-0", count=free - len(out))
+            try:
+                reply = await self.client.xautoclaim(stream, CONSUMER_GROUP, self.name, self.lease_ms,
+                                                     start_id="0-0", count=free - len(out))
+            except ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                await self._repair([stream])
+                continue
             messages = reply[1]
             if not messages:
                 continue
