@@ -124,11 +124,13 @@ WEBHOOK_DURATION = MetricSpec(
 # --- read from the streams (both processes) --------------------------------------------
 
 QUEUE_DEPTH = MetricSpec(
-    "carpool.queue.depth", "observable_gauge", "{job}", "Entries in a lane stream (XLEN).", (A_LANE,)
+    "carpool.queue.depth", "observable_gauge", "{job}",
+    "Entries in a lane: its stream and its tenants' streams (XLEN).", (A_LANE,)
 )
 QUEUE_PENDING = MetricSpec(
     "carpool.queue.pending", "observable_gauge", "{job}",
-    "Entries of a lane delivered to a worker and not yet acknowledged (XPENDING).", (A_LANE,),
+    "Entries of a lane (its stream and its tenants') delivered to a worker and not yet acknowledged (XPENDING).",
+    (A_LANE,),
 )
 DEAD_LETTER_DEPTH = MetricSpec(
     "carpool.dead_letter.depth", "observable_gauge", "{entry}", "Entries in the dead-letter stream (XLEN)."

@@ -160,3 +160,18 @@ async def test_a_tenant_stream_deleted_from_outside_does_not_stop_the_reader(red
     assert await consumer.reclaim(5) == []
     assert await client.smembers(KEYS.lane_tenants(Lane.BATCH)) == {b"kept"}  # the emptied one retired
     await client.aclose()
+
+
+async def test_lane_depth_gauges_count_the_tenants_streams(redis_url: str) -> None:
+    from scheduler.stream_stats import StreamStats
+
+    client = aioredis.Redis.from_url(redis_url)
+    consumer = LaneConsumer(client, KEYS, "reader", BATCH_ONLY, lease_ms=60_000, read_block_ms=10, max_deliveries=5)
+    await consumer.ensure_groups()
+    await _enqueue(client, "a", 3)
+    await _enqueue(client, "b", 2)
+    await client.xadd(KEYS.lane(Lane.BATCH), {"job": b"plain"})
+    await consumer.read(2)
+    snapshot = await StreamStats(client, KEYS).refresh()
+    assert snapshot.depth[Lane.BATCH] == 6 and snapshot.pending[Lane.BATCH] == 2
+    await client.aclose()
