@@ -6,7 +6,7 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
-from scheduler.lanes import DEFAULT_LANE_WEIGHTS, Lane
+from scheduler.lanes import Lane
 from scheduler.tenants import DEFAULT_TENANT, TenantLabels, TenantLimits, TenantShares, parse_limits, tenant_of
 from worker.consumer import LaneConsumer
 from worker_harness import KEYS
