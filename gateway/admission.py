@@ -3,14 +3,16 @@
 Order of checks: the body must validate into a `JobSpec` (400 naming the
 field); its deadline must lie ahead and its token-id prompt must fit the
 model (400); a repeated `Idempotency-Key` or job id returns the job that
-already exists (nothing enqueued twice); a lane at its maximum depth refuses
-with 429. The idempotency key's claim, those checks' outcome, the record and the
+already exists (nothing enqueued twice); a lane at its maximum depth, or a
+tenant at its maximum of queued jobs, refuses with 429. The body never names
+the tenant: the caller's is written into the message. The idempotency key's claim, those checks' outcome, the record and the
 lane entry are one atomic script, so a crash anywhere leaves either all of
 them or none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -18,14 +20,17 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from gateway.api_keys import OPEN_CALLER, Caller
 from gateway.config import GatewayConfig
 from gateway.context_length import ContextLength
+from gateway.rate_limits import Reservation
 from scheduler.protocol import state_machine
 from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, new_job_id
-from scheduler.protocol.job_record import F_CREATED_AT, F_ID, F_LANE, F_PRIORITY, F_SPEC, F_STATUS
-from scheduler.protocol.keys import CONSUMER_GROUP, Keys
-from scheduler.protocol.lanes import Lane
+from scheduler.protocol.job_record import F_CREATED_AT, F_ID, F_LANE, F_PRIORITY, F_RESERVATION, F_SPEC, F_STATUS
+from scheduler.protocol.keys import CONSUMER_GROUP, WAKE_MAXLEN, Keys
+from scheduler.protocol.lanes import LANES, Lane
 from scheduler.protocol.redis_replies import as_bytes, as_optional_bytes
+from scheduler.protocol.tenants import DEFAULT_TENANT, tenant_of
 
 MAX_IDEMPOTENCY_KEY_LEN = 255
 
@@ -72,6 +77,15 @@ class LaneFull(Exception):
         self.lane = lane
 
 
+class QuotaExceeded(Exception):
+    """The tenant already has its maximum of jobs waiting or running."""
+
+    def __init__(self, tenant: str, queued: int, max_queued: int) -> None:
+        super().__init__(f"tenant {tenant!r} has {queued} jobs queued or running, its maximum is {max_queued}")
+        self.tenant = tenant
+        self.max_queued = max_queued
+
+
 class IdempotencyInFlight(Exception):
     """Another request with the same Idempotency-Key is still being admitted."""
 
@@ -98,10 +112,13 @@ class Admission:
         self._enqueue = redis.register_script(state_machine.ENQUEUE)
         self._release = redis.register_script(state_machine.RELEASE_KEY)
 
-    async def validate(self, body: object) -> JobSpec:
+    async def validate(self, body: object, caller: Caller = OPEN_CALLER) -> JobSpec:
+        """The body as a job of `caller`'s tenant; raises InvalidJob naming the field at fault."""
         default_id = new_job_id()
+        if isinstance(body, dict) and "tenant" in body:
+            raise InvalidJob("tenant", "is set by the gateway from the API key; leave it out")
         try:
-            spec = JobSpec.from_wire(body, default_id=default_id)
+            spec = dataclasses.replace(JobSpec.from_wire(body, default_id=default_id), tenant=caller.tenant)
         except JobValidationError as e:
             raise InvalidJob(e.field, e.message) from e
         if spec.deadline is not None and spec.deadline <= time.time():
@@ -123,15 +140,23 @@ class Admission:
         """The model's context as admission judges it (`--max-model-len`, else learned); None before any worker."""
         return await self._context.get()
 
-    async def submit(self, body: object, idempotency_key: str | None) -> Admitted:
-        spec = await self.validate(body)
+    async def submit(self, body: object, idempotency_key: str | None, *, caller: Caller = OPEN_CALLER,
+                     reservation: Reservation | None = None) -> Admitted:
+        """Validate and enqueue a job of `caller`'s tenant (see `enqueue`)."""
+        return await self.enqueue(await self.validate(body, caller), idempotency_key, caller=caller,
+                                  reservation=reservation)
+
+    async def enqueue(self, spec: JobSpec, idempotency_key: str | None, *, caller: Caller = OPEN_CALLER,
+                      reservation: Reservation | None = None) -> Admitted:
+        """Enqueue a validated job; `reservation`: the tokens/min this job holds, settled when it ends.
+        Raises LaneFull, QuotaExceeded, IdempotencyInFlight, or InvalidJob for a bad Idempotency-Key."""
         if idempotency_key is not None and (
             not idempotency_key or len(idempotency_key) > MAX_IDEMPOTENCY_KEY_LEN or not idempotency_key.isprintable()
         ):
             raise InvalidJob("Idempotency-Key", f"must be 1..{MAX_IDEMPOTENCY_KEY_LEN} printable characters")
         idem = None if idempotency_key is None else self._keys.idempotency(idempotency_key)
         for _ in range(MAX_CLAIM_TRIES):
-            verdict, detail = await self._enqueue_once(spec, idem)
+            verdict, detail = await self._enqueue_once(spec, idem, caller, reservation)
             if verdict == "enqueued":
                 return Admitted(spec.id, JobStatus.QUEUED.value, spec.lane.value, is_new=True)
             if verdict == "exists":
@@ -145,26 +170,35 @@ class Admission:
         raise IdempotencyInFlight(detail)
 
     async def lane_depth(self, lane: Lane) -> int:
-        """Jobs in a lane that are waiting or running.
+        """Jobs in a lane that are waiting or running: in the lane stream, and in its tenants' streams
+        (whose length is the depth, as workers delete the entries they acknowledge).
 
         With Redis 7 the consumer group reports entries not yet delivered (`lag`) and
         delivered-but-unacknowledged ones (`pending`). Older servers have no lag; there
         the stream length is the depth because workers delete entries they acknowledge.
         """
         stream = self._keys.lane(lane)
+        tenants = sorted(as_bytes(t).decode() for t in await self._redis.smembers(self._keys.lane_tenants(lane)))
+        in_tenants = 0
+        if tenants:
+            pipe = self._redis.pipeline(transaction=False)
+            for tenant in tenants:
+                pipe.xlen(self._keys.tenant_lane(lane, tenant_of(tenant)))
+            in_tenants = sum(int(n) for n, t in zip(await pipe.execute(), tenants) if tenant_of(t) == t)
         try:
             groups = await self._redis.xinfo_groups(stream)
         except aioredis.ResponseError:  # no stream yet
-            return 0
+            return in_tenants
         for group in groups:
             name = group.get("name")
             name = name.decode() if isinstance(name, bytes) else name
             if name == CONSUMER_GROUP and group.get("lag") is not None:
-                return int(group["lag"]) + int(group.get("pending", 0))
-        return int(await self._redis.xlen(stream))
+                return in_tenants + int(group["lag"]) + int(group.get("pending", 0))
+        return in_tenants + int(await self._redis.xlen(stream))
 
-    async def _enqueue_once(self, spec: JobSpec, idem: str | None) -> tuple[str, str]:
-        """Run the enqueue script once: (verdict, detail) as it returns them; raises LaneFull."""
+    async def _enqueue_once(self, spec: JobSpec, idem: str | None, caller: Caller,
+                            reservation: Reservation | None) -> tuple[str, str]:
+        """Run the enqueue script once: (verdict, detail) as it returns them; raises LaneFull, QuotaExceeded."""
         max_depth = self._config.max_lane_depth[spec.lane.value]
         depth = await self.lane_depth(spec.lane)
         record = {
@@ -174,17 +208,28 @@ class Admission:
             F_PRIORITY: str(spec.priority),
             F_CREATED_AT: repr(time.time()),
         }
+        if reservation is not None:
+            record[F_RESERVATION] = reservation.field_value
         job_key = self._keys.job(spec.id)
         with self._enqueue_span(spec):
             packed = spec.pack()
+            named = spec.tenant != DEFAULT_TENANT
+            max_queued = caller.limits.max_queued
             args: list[str | bytes | int] = [
                 self._config.result_ttl_s, "1" if depth >= max_depth else "",
-                "1" if idem is not None else "", spec.id, packed, F_SPEC, packed,
+                "1" if idem is not None else "", spec.id, packed, spec.tenant if named else "",
+                "" if max_queued is None or not named else max_queued, CONSUMER_GROUP, WAKE_MAXLEN, F_SPEC, packed,
             ]
             for name, value in record.items():
                 args += [name, value]
-            reply = await self._enqueue(keys=[job_key, self._keys.lane(spec.lane), idem or job_key], args=args)
+            tenant_streams = [self._keys.tenant_lane(lane, spec.tenant) for lane in LANES] if named else []
+            reply = await self._enqueue(keys=[
+                job_key, self._keys.tenant_lane(spec.lane, spec.tenant), idem or job_key,
+                self._keys.lane_tenants(spec.lane), self._keys.wake, *tenant_streams], args=args)
         verdict = as_bytes(reply[0]).decode()
         if verdict == "full":
             raise LaneFull(spec.lane, depth, max_depth)
+        if verdict == "quota":
+            assert max_queued is not None
+            raise QuotaExceeded(spec.tenant, int(as_bytes(reply[1])), max_queued)
         return verdict, as_bytes(reply[1]).decode()

@@ -18,6 +18,8 @@ from aiohttp import web
 
 from gateway import appkeys
 from gateway.admission import Admission, WebhookCheck
+from gateway.api_keys import KeyStore
+from gateway.auth import auth_middleware
 from gateway.cancel import Canceller
 from gateway.config import GatewayConfig
 from gateway.errors import error_middleware
@@ -28,6 +30,8 @@ from gateway.openai.batch_driver import BatchDriver
 from gateway.openai.batches import routes as batch_routes
 from gateway.openai.files import routes as file_routes
 from gateway.openai.online import routes as openai_routes
+from gateway.rate_limits import RateLimiter
+from gateway.usage import routes as usage_routes
 from gateway.webhooks import check_webhook_url_async
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher
@@ -44,7 +48,7 @@ def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.A
     metrics = GatewayMetrics(telemetry)
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[telemetry_middleware(metrics), error_middleware(config.retry_after_s)],
+        middlewares=[telemetry_middleware(metrics), error_middleware(config.retry_after_s), auth_middleware(config.api_keys)],
     )
     app[appkeys.CONFIG] = config
     app[appkeys.KEYS] = Keys(config.key_prefix)
@@ -62,6 +66,7 @@ def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.A
     app.router.add_routes(openai_routes)
     app.router.add_routes(file_routes)
     app.router.add_routes(batch_routes)
+    app.router.add_routes(usage_routes)
     return app
 
 
@@ -104,6 +109,8 @@ async def _domain_ctx(app: web.Application) -> AsyncIterator[None]:
         redis, keys, config, _webhook_check(config.webhooks), enqueue_span=app[appkeys.METRICS].enqueue_span
     )
     app[appkeys.CANCELLER] = Canceller(redis, keys, flag_ttl_s=config.result_ttl_s, reply_maxlen=config.reply_maxlen)
+    app[appkeys.KEY_STORE] = KeyStore(redis, keys)
+    app[appkeys.LIMITER] = RateLimiter(redis, keys)
     yield
 
 

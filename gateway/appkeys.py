@@ -6,10 +6,12 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from gateway.admission import Admission
+from gateway.api_keys import KeyStore
 from gateway.cancel import Canceller
 from gateway.config import GatewayConfig
 from gateway.event_hub import EventHub
 from gateway.metrics import GatewayMetrics
+from gateway.rate_limits import RateLimiter
 from scheduler.protocol.keys import Keys
 
 CONFIG = web.AppKey("config", GatewayConfig)
@@ -19,3 +21,5 @@ REDIS = web.AppKey("redis", aioredis.Redis)
 HUB = web.AppKey("hub", EventHub)
 ADMISSION = web.AppKey("admission", Admission)
 CANCELLER = web.AppKey("canceller", Canceller)
+KEY_STORE = web.AppKey("key_store", KeyStore)
+LIMITER = web.AppKey("limiter", RateLimiter)

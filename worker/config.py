@@ -18,6 +18,7 @@ from typing import Any
 
 from scheduler.protocol.keys import DEFAULT_DEAD_MAXLEN, DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S
 from scheduler.protocol.lanes import DEFAULT_LANE_WEIGHTS, Lane
+from scheduler.protocol.tenants import DEFAULT_MAX_TENANT_LABELS
 from scheduler.runtime.flags import help_text
 from scheduler.runtime.model_path import check_local_checkpoint
 from scheduler.scheduler_config import BatchingMode, Policy
@@ -76,11 +77,15 @@ class WorkerConfig:
     reply_maxlen: int = field(default=DEFAULT_REPLY_MAXLEN, metadata=help_text("approximate MAXLEN of reply_to streams"))
     dead_maxlen: int = field(default=DEFAULT_DEAD_MAXLEN, metadata=help_text("approximate MAXLEN of the dead-letter stream"))
     webhook_output_interval_s: float = field(default=0.5, metadata=help_text("least time between two `output` webhook deliveries of one job"))
+    max_tenant_labels: int = field(default=DEFAULT_MAX_TENANT_LABELS, metadata=help_text(
+        "distinct tenants named in the carpool_tenant_* metrics; later ones are counted as `other`"))
     log_level: str = field(default="INFO", metadata=help_text("DEBUG, INFO, WARNING or ERROR"))
 
     def __post_init__(self) -> None:
         if not self.worker_name:
             self.worker_name = default_worker_name()
+        if self.max_tenant_labels < 0:
+            raise ValueError(f"max_tenant_labels: must be >= 0, got {self.max_tenant_labels}")
         for name in ("max_deliveries", "checkpoint_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -25,10 +25,9 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from scheduler.protocol import job_record
-from scheduler.protocol import state_machine
+from scheduler.protocol import job_record, state_machine
 from scheduler.protocol.job import JobSpec, JobStatus, WebhookEvent, WebhookSpec
-from scheduler.protocol.job_record import final_event, job_view
+from scheduler.protocol.job_record import final_event, job_view, tenant_of_record
 from scheduler.protocol.keys import CONSUMER_GROUP, Keys
 from scheduler.protocol.redis_replies import read_hash
 from scheduler.protocol.state_machine import StartVerdict
@@ -141,6 +140,7 @@ class JobStore:
         self.dead_maxlen = dead_maxlen
         self._start = client.register_script(state_machine.START)
         self._commit = client.register_script(state_machine.COMMIT)
+        self._settle = client.register_script(state_machine.SETTLE_USAGE)
 
     async def start(self, spec: JobSpec, entry: EntryRef, created_at: float, now: float) -> JobStart:
         reply = await self._start(
@@ -217,7 +217,16 @@ class JobStore:
         if reply_type:
             log.warning("job %s: reply_to %r is a %s, not a stream: no reply was added", outcome.job_id,
                         outcome.reply_to, _s(reply_type))
+        if won:
+            await self.settle(outcome.job_id, tenant_of_record(merged), outcome.status, outcome.usage)
         return bool(won)
+
+    async def settle(self, job_id: str, tenant: str, status: JobStatus | str, usage: dict[str, Any] | None) -> None:
+        """Count a decided job in its tenant's usage and settle its tokens/min reservation (once per job)."""
+        usage = usage or {}
+        await self._settle(keys=[self.keys.job(job_id), self.keys.tenant_window(tenant), self.keys.tenant_usage(tenant)],
+                           args=[JobStatus(status).value, int(usage.get("prompt_tokens", 0)),
+                                 int(usage.get("completion_tokens", 0))])
 
     async def dead_letter_entry(self, entry: EntryRef, reason: str, raw_fields: dict[bytes, bytes]) -> None:
         """An entry with no usable job id: keep it on the dead stream and let it go from the lane."""

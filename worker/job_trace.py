@@ -15,6 +15,8 @@ class JobTrace:
 
     job_id: str
     lane: str
+    tenant: str
+    """The tenant's metric label (capped)."""
     created_s: float
     started_s: float
     span: trace.Span

@@ -27,6 +27,7 @@ from redis.typing import EncodableT, FieldT
 
 from gateway import appkeys
 from gateway.admission import InvalidJob, LaneFull
+from gateway.api_keys import Caller
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.openai.batch_lines import LineError, custom_id_of, error_line, parse_line, result_line
 from gateway.openai.batches import BatchStatus, batch_store
@@ -35,6 +36,7 @@ from gateway.openai.schema import Endpoint
 from scheduler.protocol import state_machine
 from scheduler.protocol.job_record import job_view
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE, as_bytes
+from scheduler.protocol.tenants import tenant_of
 from scheduler.runtime.tasks import raise_if_cancelled
 
 log = logging.getLogger(__name__)
@@ -162,7 +164,7 @@ class BatchDriver:
                 try:
                     _, body = parse_line(line, endpoint, self._config.max_model_len)
                     await admission.submit({**body, "id": f"{batch_id}-{number}", "deadline": float(b["expires_at"])},
-                                           None)
+                                           None, caller=Caller(tenant_of(b.get("tenant"))))
                 except LaneFull:
                     await self._redis.hset(self._keys.batch(batch_id), "enqueued", number)
                     return  # the batch lane is full: try again next round
@@ -245,10 +247,12 @@ class BatchDriver:
             start += len(custom_ids)
         files: dict[str, str | int] = {}
         if num_out:
-            await self._files.publish(out_id, f"{batch_id}_output.jsonl", "batch_output", out_bytes)
+            await self._files.publish(out_id, f"{batch_id}_output.jsonl", "batch_output", out_bytes,
+                                     tenant_of(b.get("tenant")))
             files["output_file_id"] = out_id
         if num_err:
-            await self._files.publish(err_id, f"{batch_id}_error.jsonl", "batch_output", err_bytes)
+            await self._files.publish(err_id, f"{batch_id}_error.jsonl", "batch_output", err_bytes,
+                                     tenant_of(b.get("tenant")))
             files["error_file_id"] = err_id
         outcome = BatchStatus(b.get("outcome", BatchStatus.COMPLETED.value))
         await self._batches.move(batch_id, (BatchStatus.FINALIZING,), outcome, **files)

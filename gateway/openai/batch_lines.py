@@ -6,8 +6,8 @@ import json
 import secrets
 from typing import Any
 
+from gateway.errors import OpenAIError
 from gateway.openai import responses
-from gateway.openai.errors import OpenAIError
 from gateway.openai.schema import Endpoint, parse_request
 from scheduler.protocol.lanes import Lane
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.openai.errors import OpenAIError
+from gateway.errors import OpenAIError
 from gateway.openai.schema import Endpoint
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}

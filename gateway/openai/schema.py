@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from gateway.openai.errors import invalid, unsupported
+from gateway.errors import invalid, unsupported
 from scheduler.params import MAX_SEED, SamplingParams
 from scheduler.protocol.lanes import Lane
 

@@ -48,6 +48,12 @@ stream's entries into deliveries on their job's chain.
 Batch (``keys.batch(id)``): ``BATCH_MOVE`` is a compare-and-set of its status
 by the gateway's batch driver and routes; ``BATCH_SETTLE`` counts each line's
 outcome once.
+
+Tenants: workers move a lane's entries into their tenant's stream
+(``ROUTE_TO_TENANTS``) and retire tenants whose streams are empty
+(``RETIRE_TENANTS``); the gateway reserves against a tenant's rate limits
+(``RESERVE``, ``RELEASE_RESERVATION``), and whoever decides a job settles its
+tokens into the tenant's usage once (``SETTLE_USAGE``).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from enum import StrEnum
 
 from scheduler.protocol import job_record
 from scheduler.protocol.job import TERMINAL_STATUSES, JobStatus
+from scheduler.protocol.tenants import DEFAULT_TENANT, MAX_TENANT_LEN
 
 _FIELDS = {
     name[2:].lower(): value for name, value in vars(job_record).items() if name.startswith("F_") and isinstance(value, str)
@@ -112,10 +119,22 @@ if status then
   return {'exists', status}
 end
 if ARGV[2] == '1' then return {'full'} end
+local tenant = ARGV[6]
+if tenant ~= '' and ARGV[7] ~= '' then
+  local queued = 0
+  for i = 6, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
+  if queued >= tonumber(ARGV[7]) then return {'quota', tostring(queued)} end
+end
+if tenant ~= '' and redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('XGROUP', 'CREATE', KEYS[2], ARGV[8], '0', 'MKSTREAM')
+end
 -- Never trimmed: an accepted job stays until a worker acknowledges and deletes it (the depth check bounds the lane).
 local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[5])
+if tenant ~= '' and redis.call('SADD', KEYS[4], tenant) == 1 then
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', 'tenant', tenant)
+end
 local fields = {}
-for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 10, #ARGV do fields[#fields + 1] = ARGV[i] end
 fields[#fields + 1] = '@stream_entry@'
 fields[#fields + 1] = KEYS[2] .. ' ' .. entry
 redis.call('HSET', KEYS[1], unpack(fields))
@@ -125,11 +144,20 @@ return {'enqueued', entry}
 """)
 """Gateway: a new job enters its lane ``queued``, with its idempotency key, or is refused.
 
-KEYS: job record, lane stream, idempotency key (the job record again when the request has none).
-ARGV: ttl_s, '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id, packed spec,
-then the record's field/value pairs. Returns {'claimed', id} when the idempotency key already names a
-job, {'exists', status} when a record exists for this id (the key, if any, then names it), {'full'}
-when the lane refuses, {'enqueued', entry id}."""
+No failure (a killed gateway, a lost connection) can leave an idempotency key naming a job that was never
+enqueued: the key is claimed together with the record and lane entry. A named tenant's job goes to the
+tenant's stream of the lane, created with the consumer group if new, and the tenant joins the lane's active
+set in the same step (a newly active tenant rings the wake stream), so no worker can retire the tenant
+between the two. Its queued-jobs quota is counted here too, over its streams in every lane (workers delete
+what they acknowledge, so a stream's length is waiting + running).
+
+KEYS: job record, lane stream (the tenant's), idempotency key (the job record again when the request has
+none), the lane's active-tenant set, wake stream, then the tenant's stream in every lane.
+ARGV: ttl_s, '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id, packed spec, tenant
+('' for the default tenant, whose stream is the lane stream), max queued jobs|'', group, wake maxlen, then
+the record's field/value pairs. Returns {'claimed', id} when the idempotency key already names a job,
+{'exists', status} when a record exists for this id (the key, if any, then names it), {'full'} when the
+lane refuses, {'quota', n} when the tenant already has n jobs waiting or running, {'enqueued', entry id}."""
 
 RELEASE_KEY = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -476,3 +504,140 @@ return n
 """
 """Count each line of a batch once. KEYS: batch hash, settled bitmap. ARGV: line, outcome pairs (completed,
 failed, expired, dropped). Returns how many were new."""
+
+
+# ---- tenants: routing into tenant streams, rate limits, usage ---------------------------------------
+
+# Stream ids compare as (ms, seq) pairs; both parts fit a Lua number exactly.
+_STREAM_IDS = """
+local function id_parts(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms or 0), tonumber(seq or 0)
+end
+local function id_after(a, b)
+  local am, as = id_parts(a)
+  local bm, bs = id_parts(b)
+  return am > bm or (am == bm and as > bs)
+end
+"""
+
+ROUTE_TO_TENANTS = _STREAM_IDS + """
+local last = nil
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+if not ok then return 0 end
+for _, g in ipairs(groups) do
+  for j = 1, #g, 2 do
+    if g[j] == 'name' and g[j + 1] == ARGV[1] then
+      for k = 1, #g, 2 do if g[k] == 'last-delivered-id' then last = g[k + 1] end end
+    end
+  end
+end
+if not last then return 0 end
+local start = redis.call('GET', KEYS[2]) or '0-0'
+if id_after(last, start) then start = last end
+local entries = redis.call('XRANGE', KEYS[1], '(' .. start, '+', 'COUNT', tonumber(ARGV[2]))
+local moved = 0
+for _, entry in ipairs(entries) do
+  local id, fields = entry[1], entry[2]
+  local raw = nil
+  for j = 1, #fields, 2 do if fields[j] == 'job' then raw = fields[j + 1] end end
+  local tenant = nil
+  if raw then
+    local okd, job
+    if string.sub(raw, 1, 1) == '{' then okd, job = pcall(cjson.decode, raw) else okd, job = pcall(cmsgpack.unpack, raw) end
+    if okd and type(job) == 'table' and type(job['tenant']) == 'string' then tenant = job['tenant'] end
+  end
+  if tenant and tenant ~= '@default@' and #tenant <= @maxlen@ and string.match(tenant, '^[%w][%w%._%-]*$') then
+    local stream = ARGV[3] .. tenant
+    if redis.call('EXISTS', stream) == 0 then
+      redis.call('XGROUP', 'CREATE', stream, ARGV[1], '0', 'MKSTREAM')
+    end
+    local copy = {}
+    for j = 1, #fields do copy[j] = fields[j] end
+    copy[#copy + 1] = 'routed_from'
+    copy[#copy + 1] = id
+    redis.call('XADD', stream, '*', unpack(copy))
+    redis.call('XDEL', KEYS[1], id)
+    if redis.call('SADD', KEYS[3], tenant) == 1 then
+      redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'tenant', tenant)
+    end
+    moved = moved + 1
+  end
+  start = id
+end
+redis.call('SET', KEYS[2], start)
+return moved
+""".replace("@default@", DEFAULT_TENANT).replace("@maxlen@", str(MAX_TENANT_LEN))
+"""Any worker, before reading a lane: move the lane stream's not-yet-delivered entries whose job names a
+tenant into that tenant's stream (same fields, plus ``routed_from`` = the original id, whose time is the
+job's enqueue time), and mark the tenant active. Entries for the default tenant, and entries that cannot be
+read, stay where they are, untouched and undelivered: nothing is taken out of the group's hands.
+KEYS: lane stream, route cursor, the lane's active-tenant set, wake stream. ARGV: group, scan count, tenant
+stream prefix, wake maxlen. Returns the entries moved."""
+
+RETIRE_TENANTS = """
+local n = 0
+for i = 1, #ARGV do
+  if redis.call('XLEN', KEYS[i + 1]) == 0 then n = n + redis.call('SREM', KEYS[1], ARGV[i]) end
+end
+return n
+"""
+"""Any worker, after a tenant's stream came up short: a tenant leaves its lane's active set only when its
+stream holds nothing at all (workers delete the entries they acknowledge, so a pending entry keeps it in, for
+reclaiming). ``ENQUEUE`` adds the entry and the tenant in one step, so none is stranded.
+KEYS: the lane's active-tenant set, then one stream per tenant. ARGV: the tenants. Returns tenants retired."""
+
+RESERVE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], 'id', ARGV[1], 'requests', 0, 'tokens', 0)
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+local requests = tonumber(redis.call('HGET', KEYS[1], 'requests') or 0)
+local tokens = tonumber(redis.call('HGET', KEYS[1], 'tokens') or 0)
+local left = redis.call('PTTL', KEYS[1])
+local id = redis.call('HGET', KEYS[1], 'id')
+local want = tonumber(ARGV[5])
+if ARGV[3] ~= '' and requests + 1 > tonumber(ARGV[3]) then return {'requests', requests, tokens, left, id} end
+if ARGV[4] ~= '' and tokens + want > tonumber(ARGV[4]) then return {'tokens', requests, tokens, left, id} end
+requests = redis.call('HINCRBY', KEYS[1], 'requests', 1)
+tokens = redis.call('HINCRBY', KEYS[1], 'tokens', want)
+return {'ok', requests, tokens, left, id}
+"""
+"""Gateway, before admitting a request of a rate-limited tenant. The window starts with the tenant's first
+request and lasts ARGV[2] ms; a refused request counts nothing.
+KEYS: the tenant's window hash. ARGV: now ms, window ms, requests/min limit|'', tokens/min limit|'', tokens.
+Returns {verdict ('ok' | 'requests' | 'tokens'), requests, tokens, window ms left, window id}; the counts are
+after the request when it was admitted, before it otherwise."""
+
+SETTLE_USAGE = _job_script("""
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('HSETNX', KEYS[1], '@usage_counted@', '1') == 0 then return 0 end
+local prompt, completion = tonumber(ARGV[2]), tonumber(ARGV[3])
+redis.call('HINCRBY', KEYS[3], 'jobs', 1)
+redis.call('HINCRBY', KEYS[3], 'jobs_' .. ARGV[1], 1)
+redis.call('HINCRBY', KEYS[3], 'prompt_tokens', prompt)
+redis.call('HINCRBY', KEYS[3], 'completion_tokens', completion)
+local reservation = redis.call('HGET', KEYS[1], '@reservation@')
+if reservation then
+  local window, reserved = string.match(reservation, '^(%S+) (%d+)$')
+  if window and redis.call('HGET', KEYS[2], 'id') == window then
+    redis.call('HINCRBY', KEYS[2], 'tokens', prompt + completion - tonumber(reserved))
+  end
+end
+return 1
+""")
+"""The worker that decided a job (any outcome), or the gateway for a reservation no job took; once per job:
+add its tokens to the tenant's usage and, while the window it reserved in is still open, replace the
+reservation by the tokens really used (prompt + completion).
+KEYS: job record, tenant window hash, tenant usage hash. ARGV: status, prompt tokens, completion tokens.
+Returns 1 when this call settled the job, 0 when it was already."""
+
+RELEASE_RESERVATION = """
+if redis.call('HGET', KEYS[1], 'id') == ARGV[1] then
+  return redis.call('HINCRBY', KEYS[1], 'tokens', -tonumber(ARGV[2]))
+end
+return 0
+"""
+"""Gateway, for a reservation whose request enqueued no job (refused after reserving): give the tokens back
+while the window is still the one they were reserved in. KEYS: the tenant's window hash. ARGV: window id,
+tokens."""
