@@ -101,7 +101,7 @@ def _plain(text: str) -> str:
 
 OPENAI_PATH_PREFIXES = ("/v1/models", "/v1/completions", "/v1/chat/", "/v1/files", "/v1/batches")
 
-_TYPE_OF_STATUS = {
+_OPENAI_TYPE_OF_STATUS = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "invalid_request_error",
@@ -148,6 +148,6 @@ def unsupported(param: str, why: str = "is not supported by this server") -> Ope
 
 def openai_error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
                           headers: dict[str, str] | None = None) -> web.Response:
-    kind = _TYPE_OF_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    kind = _OPENAI_TYPE_OF_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return web.json_response(body, status=status, headers=headers)

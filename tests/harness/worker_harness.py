@@ -142,7 +142,7 @@ def start_worker_process(redis_url: str, model: str, name: str, log_path: Path, 
     checkpoints; `flags` add to or override those."""
     from tests.harness.child_env import child_pythonpath
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     args = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", redis_url, "--model", model,
             "--worker-name", name, "--metrics-port", "0", "--max-num-seqs", "8", "--lease-s", "2",
             "--checkpoint-tokens", "4", "--checkpoint-interval-s", "0.2", "--max-wait-ms", "5", *flags]

@@ -11,7 +11,8 @@ from scheduler.protocol import job_record, state_machine
 from scheduler.protocol.job import TERMINAL_STATUSES, JobStatus
 
 SCRIPTS = {name: value for name, value in vars(state_machine).items()
-           if name.isupper() and not name.startswith("_") and isinstance(value, str)}
+           if name.isupper() and not name.startswith("_") and isinstance(value, str) and "\n" in value}
+"""The module's scripts (its one-line string constants, imported tenant names among them, are no scripts)."""
 JOB_RECORD_SCRIPTS = ("ENQUEUE", "RELEASE_KEY", "START", "STEP", "RENEW_LEASE", "HAND_BACK", "COMMIT", "CANCEL")
 
 
