@@ -40,6 +40,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
+    speculative: bool = True
+    """False opts this request out of speculative decoding on a worker that runs it (same tokens either way)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +69,8 @@ class SamplingParams:
             raise ValueError("ignore_eos: must be a boolean")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError("include_stop_str_in_output: must be a boolean")
+        if not isinstance(self.speculative, bool):
+            raise ValueError("speculative: must be a boolean")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         _check_float("repetition_penalty", self.repetition_penalty, low=0.0, high=10.0, low_open=True)

@@ -23,12 +23,15 @@ POLICIES = ("fcfs", "priority")
 MODEL_IMPLS = ("auto", "carpool", "transformers")
 # Weight quantizations (worker.models.quantization.Quantization).
 QUANTIZATIONS = ("int8", "fp8")
+# Speculative decoding's proposers (worker.speculation.Proposer).
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 ENGINE_FLAGS = (
     "model", "device", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "batching", "policy",
     "attention_backend", "max_wait_ms", "dtype", "kv_cache_memory_gb", "max_model_len", "enable_prefix_caching",
-    "cuda_graphs", "async_scheduling", "model_impl", "quantization", "torch_threads", "engine_process",
+    "cuda_graphs", "async_scheduling", "model_impl", "quantization", "speculative", "num_speculative_tokens",
+    "draft_model", "torch_threads", "engine_process",
     "interactive_reserve",
 )
 """The worker's engine settings: `carpool up` takes each of them and hands it to its worker."""
@@ -78,6 +81,15 @@ class WorkerConfig:
         "int8 or fp8: hold carpool's models' linear weights (qkv, o, gate_up, down) quantized per output channel, "
         "from an ordinary checkpoint at load; the KV cache and lm_head stay in --dtype; fp8 on CUDA needs "
         "compute capability 8.9+; default: unquantized"))
+    speculative: str | None = field(default=None, metadata=_help(
+        "speculative decoding: ngram (prompt lookup: propose what followed the sequence's last tokens earlier in "
+        "its own prompt and output) or draft (a smaller model, --draft-model, proposes); proposals are verified "
+        "in the same step as everything else, so outputs are the same tokens; a job opts out with "
+        "params.speculative false; default: off"))
+    num_speculative_tokens: int = field(default=4, metadata=_help(
+        "most tokens proposed per sequence and step; each sequence's own count adapts to what it gets accepted"))
+    draft_model: str | None = field(default=None, metadata=_help(
+        "the draft model's local checkpoint directory (same tokenizer as --model), for --speculative draft"))
     torch_threads: int = field(default=0, metadata=_help(
         "torch intra-op threads of this process; 0: one on CPU (fastest for small models on shared cores), torch's default on CUDA"))
 
@@ -123,6 +135,12 @@ class WorkerConfig:
             raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl: must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative: must be one of {SPECULATIVE_METHODS} or unset, got {self.speculative!r}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model: give --draft-model exactly when --speculative is draft")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_deliveries", "checkpoint_tokens"):
@@ -185,6 +203,8 @@ class WorkerConfig:
         """
         if self.model is not None:
             check_local_checkpoint(self.model)
+        if self.draft_model is not None:
+            check_local_checkpoint(self.draft_model)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``worker.engine.Engine``."""
@@ -207,4 +227,7 @@ class WorkerConfig:
             "model_impl": self.model_impl,
             "async_scheduling": self.async_scheduling,
             "quantization": self.quantization,
+            "speculative": self.speculative,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "draft_model": self.draft_model,
         }

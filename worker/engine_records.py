@@ -31,8 +31,20 @@ class EngineConfig:
     """Prepare the next step on the host while the device runs this one; None: on for CUDA."""
     quantization: str | None = None
     """int8 or fp8 linear weights of carpool's models, per output channel; None: unquantized."""
+    speculative: str | None = None
+    """Speculative decoding's proposer: ngram (prompt lookup) or draft (a draft model); None: off."""
+    num_speculative_tokens: int = 4
+    """Most tokens proposed per sequence and step."""
+    draft_model: str | None = None
+    """The draft model's checkpoint directory (with speculative="draft")."""
 
     def __post_init__(self) -> None:
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative: must be one of ngram, draft or unset, got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model: give a draft model exactly when speculative is draft")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks: must be positive, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -57,3 +69,9 @@ class EngineStats:
     last_step_num_tokens: int
     last_step_num_seqs: int
     last_step_s: float
+    spec_proposer: str | None = None
+    """The speculative proposer (ngram, draft), None when speculation is off."""
+    spec_num_drafts: int = 0
+    """Proposals verified since start (one per speculating sequence and step)."""
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0

@@ -118,14 +118,19 @@ class RequestState:
             ids |= self.eos_token_ids
         return sorted(ids)
 
-    def on_token(self, sampled: SampledToken) -> StopDecision | None:
-        """Account for the token just appended to the sequence; the stop it causes, if any."""
+    def on_token(self, sampled: SampledToken, num_output_tokens: int | None = None) -> StopDecision | None:
+        """Account for a token appended to the sequence; the stop it causes, if any.
+
+        `num_output_tokens`: the output's length up to this token (default: the whole output, the token being
+        the last one); a step that accepted several tokens checks them one by one.
+        """
         seq, params = self.seq, self.seq.params
+        num_output = seq.num_output_tokens if num_output_tokens is None else num_output_tokens
         token = sampled.token_id
         self.new_token_ids.append(token)
         if self.logprobs is not None:
             self.logprobs.append(_logprob_entry(sampled))
-        can_stop = seq.num_output_tokens >= params.min_tokens
+        can_stop = num_output >= params.min_tokens
         decision: StopDecision | None = None
         if can_stop and not params.ignore_eos and token in self.eos_token_ids:
             decision = StopDecision(FinishReason.STOP)
@@ -142,7 +147,7 @@ class RequestState:
                 end = index + len(stop) if params.include_stop_str_in_output else index
                 self.final_text = self.detokenizer.text[:end]
                 return StopDecision(FinishReason.STOP, stop)
-        if seq.num_output_tokens >= params.max_tokens:
+        if num_output >= params.max_tokens:
             self.detokenizer.flush()
             return StopDecision(FinishReason.LENGTH)
         return None
