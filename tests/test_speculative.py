@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bench.repetitive import make_cycling_model, successors
+from bench.repetitive import successors
 from bench.workloads import PRINTABLE_IDS
 from model_reference import transformers_greedy
 from scheduler import SamplingParams
@@ -25,11 +25,6 @@ from worker.graph_runner import ReplayCapture
 BLOCK_SIZE = 8
 MAX_NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="session")
-def cycling_model(tiny_model: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_cycling_model(tiny_model("llama"), tmp_path_factory.mktemp("cycling") / "model"))
 
 
 def cycle_prompts(num: int, seed: int = 7) -> list[list[int]]:
