@@ -39,8 +39,10 @@ def successors(seed: int = 0, cycle_len: int = CYCLE_LEN) -> dict[int, int]:
     return nxt
 
 
-def make_cycling_model(source: str | Path, path: str | Path, seed: int = 0) -> Path:
-    """A copy of the checkpoint at ``source`` whose greedy continuation follows ``successors(seed)``."""
+def make_cycling_model(source: str | Path, path: str | Path, seed: int = 0,
+                       successor_of: dict[int, int] | None = None) -> Path:
+    """A copy of the checkpoint at ``source`` whose greedy continuation follows ``successor_of`` (default:
+    ``successors(seed)``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
@@ -49,8 +51,9 @@ def make_cycling_model(source: str | Path, path: str | Path, seed: int = 0) -> P
     with torch.no_grad():
         embedding = model.get_input_embeddings().weight
         head = model.get_output_embeddings().weight
+        assert isinstance(embedding, torch.Tensor) and isinstance(head, torch.Tensor)
         embedding.mul_(EMBEDDING_SCALE)
-        for token, successor in successors(seed).items():
+        for token, successor in (successor_of or successors(seed)).items():
             head[successor] += HEAD_STRENGTH * embedding[token] / embedding[token].norm()
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(source).save_pretrained(path)

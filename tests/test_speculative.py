@@ -180,3 +180,31 @@ def test_bad_settings_are_refused(tiny_model: Callable[..., str], tmp_path: Path
         Engine(model=path, num_blocks=8, speculative="draft")
     with pytest.raises(ValueError, match="num_speculative_tokens: must be >= 1"):
         Engine(model=path, num_blocks=8, speculative="ngram", num_speculative_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def draft_model(tiny_model: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A one-layer cycling model (same tokenizer) that gets every fifth successor wrong: proposals are accepted
+    whole, in part, or not at all."""
+    from bench.repetitive import make_cycling_model
+
+    nxt = successors()
+    ids = sorted(nxt)
+    wrong = {token: ids[(ids.index(nxt[token]) + 7) % len(ids)] for token in ids[::5]}
+    return str(make_cycling_model(tiny_model("llama", num_hidden_layers=1), tmp_path_factory.mktemp("draft") / "m",
+                                  successor_of={**nxt, **wrong}))
+
+
+@pytest.mark.parametrize("regime", ["queueing", "chunked prefill", "preemption", "prefix hits", "async scheduling"])
+def test_greedy_draft_model_matches_transformers(cycling_model: str, draft_model: str,
+                                                 reference: tuple[list[list[int]], list[list[int]]],
+                                                 regime: str) -> None:
+    prompts, expected = reference
+    engine, actual = run(cycling_model, prompts, speculative="draft", draft_model=draft_model, **REGIMES[regime])
+    assert_same(expected, actual)
+    assert_speculated(engine)
+    assert engine.stats().spec_proposer == "draft"
+    assert engine.speculator is not None and engine.speculator.draft is not None
+    draft = engine.speculator.draft
+    # Every request's draft blocks went back when it finished.
+    assert draft.block_manager.num_free_blocks == draft.block_manager.num_blocks

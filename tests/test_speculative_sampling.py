@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.repetitive import successors
+from bench.repetitive import make_cycling_model, successors
 from scheduler import SamplingParams
 from worker import Engine
 from worker.sampler import Sampler
@@ -70,8 +71,10 @@ def p_value(counts: Counter[tuple[int, ...]], dist: dict[tuple[int, ...], float]
                                          torch.tensor(statistic / 2, dtype=torch.float64)))
 
 
-def sample(path: str, seeded: bool, speculative: str | None) -> tuple[Engine, list[tuple[int, ...]]]:
-    engine = Engine(model=path, block_size=8, num_blocks=512, max_num_seqs=64, speculative=speculative)
+def sample(path: str, seeded: bool, speculative: str | None, draft_model: str | None = None,
+           ) -> tuple[Engine, list[tuple[int, ...]]]:
+    engine = Engine(model=path, block_size=8, num_blocks=512, max_num_seqs=64, speculative=speculative,
+                    draft_model=draft_model)
     engine.sampler = Sampler(engine.runner.vocab_size, 64, "cpu", seed=1234)
     params = [SamplingParams(max_tokens=NUM_TOKENS, temperature=TEMPERATURE, top_k=TOP_K, ignore_eos=True,
                              seed=i if seeded else None) for i in range(NUM_SAMPLES)]
@@ -85,10 +88,17 @@ def distribution(cycling_model: str) -> dict[tuple[int, ...], float]:
     return dist
 
 
-@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
-def test_ngram_speculation_keeps_the_distribution(cycling_model: str, distribution: dict[tuple[int, ...], float],
-                                                  seeded: bool) -> None:
-    engine, with_spec = sample(cycling_model, seeded, "ngram")
+@pytest.mark.parametrize(("speculative", "seeded"), [("ngram", True), ("ngram", False), ("draft", True)],
+                         ids=["ngram-seeded", "ngram-unseeded", "draft-seeded"])
+def test_speculation_keeps_the_distribution(cycling_model: str, tiny_model: Callable[..., str],
+                                            tmp_path_factory: pytest.TempPathFactory,
+                                            distribution: dict[tuple[int, ...], float], speculative: str,
+                                            seeded: bool) -> None:
+    draft = None
+    if speculative == "draft":  # a one-layer model of the same cycles: it proposes the likeliest token
+        draft = str(make_cycling_model(tiny_model("llama", num_hidden_layers=1),
+                                       tmp_path_factory.mktemp("draft") / "m"))
+    engine, with_spec = sample(cycling_model, seeded, speculative, draft)
     stats = engine.stats()
     # Proposals were verified at the sampled positions, and both accepted and rejected.
     assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens, stats

@@ -228,8 +228,7 @@ class Engine:
             from worker.draft_model import DraftModel
 
             assert config.draft_model is not None
-            draft = DraftModel(config.draft_model, self.runner, config.max_num_seqs, self.max_model_len,
-                               config.num_speculative_tokens)
+            draft = DraftModel(config.draft_model, self.runner, config.max_num_seqs, self.max_model_len)
         return Speculator(proposer, config.num_speculative_tokens, draft)
 
     def _schedule(self) -> SchedulerOutput:

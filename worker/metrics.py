@@ -98,6 +98,13 @@ class WorkerMetrics(ProcessMetrics):
             (M.PREFIX_CACHE_HIT_RATE, _hit_rate),
         ):
             t.observable(spec, self._observer(read))
+        for spec, read in (
+            (M.SPEC_DRAFTS, lambda s: s.spec_num_drafts),
+            (M.SPEC_PROPOSED, lambda s: s.spec_proposed_tokens),
+            (M.SPEC_ACCEPTED, lambda s: s.spec_accepted_tokens),
+            (M.SPEC_MEAN_ACCEPTED_LENGTH, _mean_accepted_length),
+        ):
+            t.observable(spec, self._spec_observer(read))
         for lane in LANES:
             self._reclaimed.add(0, {M.A_LANE: lane.value})
             for reason in DEAD_LETTER_REASONS:
@@ -117,6 +124,15 @@ class WorkerMetrics(ProcessMetrics):
         def observe(options: CallbackOptions) -> Iterable[Observation]:
             stats = self._stats
             return [] if stats is None else [Observation(read(stats))]
+
+        return observe
+
+    def _spec_observer(self, read: Any) -> Any:
+        """Speculative decoding's series, labelled by proposer; none while the engine does not speculate."""
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            stats = self._stats
+            proposer = None if stats is None else stats.spec_proposer
+            return [] if proposer is None else [Observation(read(stats), {M.A_SPEC_PROPOSER: proposer})]
 
         return observe
 
@@ -227,6 +243,11 @@ class WorkerMetrics(ProcessMetrics):
     def dead_lettered(self, lane: str, reason: str) -> None:
         self._dead.add(1, {M.A_LANE: lane, M.A_DEAD_LETTER_REASON: reason})
 
+
+
+def _mean_accepted_length(stats: Any) -> float:
+    drafts = stats.spec_num_drafts
+    return 1.0 + stats.spec_accepted_tokens / drafts if drafts else 0.0
 
 
 def _hit_rate(stats: Any) -> float:

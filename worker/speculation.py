@@ -94,10 +94,10 @@ class NgramIndex:
         for n, table in self._tables.items():
             if len(tokens) < n:
                 continue
-            j = table.get(tuple(tokens[-n:]))
-            if j is not None:
-                period = end - j
-                return [tokens[j + 1 + i % period] for i in range(k)]
+            found = table.get(tuple(tokens[-n:]))
+            if found is not None:
+                period = end - found
+                return [tokens[found + 1 + i % period] for i in range(k)]
         return []
 
 
@@ -123,7 +123,7 @@ class Speculator:
         assert (draft is not None) == (proposer is Proposer.DRAFT)
         self.proposer = proposer
         self.max_k = num_speculative_tokens
-        self._draft = draft
+        self.draft = draft
         self._states: dict[str, _SeqState] = {}
         self.counters = SpecCounters()
 
@@ -137,8 +137,8 @@ class Speculator:
                 wanted.append((seq, k))
         if not wanted:
             return
-        if self._draft is not None:
-            proposals = self._draft.propose([(seq.request_id, seq.token_ids, k) for seq, k in wanted])
+        if self.draft is not None:
+            proposals = self.draft.propose([(seq.request_id, seq.token_ids, k) for seq, k in wanted])
             for seq, _ in wanted:
                 seq.spec_token_ids = proposals.get(seq.request_id, [])
             return
@@ -188,5 +188,5 @@ class Speculator:
     def release(self, request_id: str) -> None:
         """The request finished or was aborted."""
         self._states.pop(request_id, None)
-        if self._draft is not None:
-            self._draft.release(request_id)
+        if self.draft is not None:
+            self.draft.release(request_id)
