@@ -47,8 +47,10 @@ def make_cycling_model(source: str | Path, path: str | Path, seed: int = 0,
 
     path = Path(path)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    assert not model.config.tie_word_embeddings, "the head is rewritten apart from the embedding"
     with torch.no_grad():
+        if model.config.tie_word_embeddings:  # the head is rewritten apart from the embedding
+            model.config.tie_word_embeddings = False
+            model.get_output_embeddings().weight = torch.nn.Parameter(model.get_input_embeddings().weight.clone())
         embedding = model.get_input_embeddings().weight
         head = model.get_output_embeddings().weight
         assert isinstance(embedding, torch.Tensor) and isinstance(head, torch.Tensor)

@@ -17,6 +17,8 @@ from bench.config import BenchConfig
 from bench.offline import make_engine, run_offline
 from bench.online import OnlineStack, run_online
 from bench.records import RunResult, saturated_tokens_per_s, summarize
+from bench.repetitive import repetitive
+from bench.speculative import run_speculative_pairs
 from bench.workloads import Workload, mixed_lanes, poisson_arrivals, shared_prefix, sharegpt_like, skewed
 
 Progress = Callable[[str, int], None]
@@ -53,6 +55,7 @@ class Workloads:
     shared_prefix: Workload
     mixed_alone: Workload
     mixed_with_batch: Workload
+    repetitive: Workload
 
 
 def build_workloads(config: BenchConfig) -> Workloads:
@@ -66,6 +69,7 @@ def build_workloads(config: BenchConfig) -> Workloads:
                                 seed=config.seed, with_batch=False, output_scale=scale),
         mixed_with_batch=mixed_lanes(config.mixed_interactive, config.mixed_batch, config.mixed_interactive_rate,
                                      seed=config.seed, with_batch=True, output_scale=scale),
+        repetitive=repetitive(config.repetitive_requests, seed=config.seed, max_tokens=config.repetitive_max_tokens),
     )
 
 
@@ -83,7 +87,8 @@ def planned_output_tokens(config: BenchConfig, w: Workloads) -> int:
     # Repeats: skewed on static and continuous; sharegpt-like offline and online (other seeds: about as long).
     repeats = 2 * ((config.skewed_pairs - 1) * w.skewed.num_output_tokens
                    + (config.online_pairs - 1) * w.sharegpt.num_output_tokens)
-    return offline + peers + prefix + mixed + online + repeats
+    speculative = 2 * config.speculative_pairs * (w.repetitive.num_output_tokens + w.skewed.num_output_tokens)
+    return offline + peers + prefix + mixed + online + repeats + speculative
 
 
 def describe_machine() -> dict[str, Any]:
@@ -145,6 +150,8 @@ def run_suite(config: BenchConfig, model: str, progress: Progress, env: Mapping[
         report.runs.append(run_offline(engine, workload, "continuous, priority", tick(f"{workload.name}")))
     del engine
     gc.collect()
+
+    run_speculative_pairs(config, model, [w.repetitive, w.skewed], report, tick)
 
     asyncio.run(_run_online_sweeps(config, model, w.sharegpt, report, tick, child_env))
 
