@@ -48,12 +48,12 @@ def make_cycling_model(source: str | Path, path: str | Path, seed: int = 0,
     path = Path(path)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     with torch.no_grad():
+        inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+        assert isinstance(inputs, torch.nn.Embedding) and isinstance(outputs, torch.nn.Linear)
         if model.config.tie_word_embeddings:  # the head is rewritten apart from the embedding
             model.config.tie_word_embeddings = False
-            model.get_output_embeddings().weight = torch.nn.Parameter(model.get_input_embeddings().weight.clone())
-        embedding = model.get_input_embeddings().weight
-        head = model.get_output_embeddings().weight
-        assert isinstance(embedding, torch.Tensor) and isinstance(head, torch.Tensor)
+            outputs.weight = torch.nn.Parameter(inputs.weight.clone())
+        embedding, head = inputs.weight, outputs.weight
         embedding.mul_(EMBEDDING_SCALE)
         for token, successor in (successor_of or successors(seed)).items():
             head[successor] += HEAD_STRENGTH * embedding[token] / embedding[token].norm()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from bench.repetitive import successors
 from bench.workloads import PRINTABLE_IDS
@@ -105,7 +106,9 @@ def test_greedy_ngram_through_the_triton_kernels(cycling_model: str,
                                                  reference: tuple[list[list[int]], list[list[int]]]) -> None:
     """Verification queries (k + 1 tokens over a cached context) through the Triton kernels (CPU interpreter)."""
     prompts, expected = reference
-    engine, actual = run(cycling_model, prompts[:6], attention_backend="triton", max_num_seqs=6)
+    # Compiled on a CUDA GPU (bench.gpu_check runs this test there), else the interpreter on CPU tensors.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine, actual = run(cycling_model, prompts[:6], attention_backend="triton", max_num_seqs=6, device=device)
     assert_same(expected[:6], actual)
     assert engine.stats().spec_accepted_tokens > 0
 
