@@ -92,6 +92,8 @@ async def start_engine(config: WorkerConfig) -> Any:
     model = config.model or "(built-in tiny model)"
     if config.quantization is not None:
         model += f" with {config.quantization} weights"
+    if config.speculative is not None:
+        model += f", speculative decoding by {config.speculative}"
     if config.engine_process:
         log.info("loading model %s on %s in an engine process", model, config.device)
         return await EngineProcess.start(config.engine_kwargs(), config.torch_threads, config.device)
