@@ -2,6 +2,7 @@
 
     carpool bench --output bench-results            # the full comparison (default model)
     carpool bench --quick --output /tmp/smoke       # seconds: a tiny model, a few short requests
+    carpool bench --workload fair-share             # only the fair-share workload (two tenants, one lane)
 
 Settings are read once here (flags, then ``CARPOOL_BENCH_<FLAG>`` variables)
 and passed down.
@@ -23,6 +24,8 @@ from scheduler.checkpoint import check_local_checkpoint
 
 
 _Default = TypeVar("_Default", str, None)
+
+WORKLOADS = ("all", "fair-share")
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -56,6 +59,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--online-modes", default=None,
                    help=f"comma-separated batching modes swept online (default: {','.join(BATCHING_MODES)})")
     p.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    p.add_argument("--workload", choices=WORKLOADS, default=default("workload", "all"),
+                   help="all: the batching comparison; fair-share: tenant A floods the batch lane, then tenant B "
+                        "queues a few jobs (fair share against first come, first served) [env CARPOOL_BENCH_WORKLOAD]")
+    p.add_argument("--fair-share-a", type=int, default=None, help="fair-share: tenant A's jobs (default 2000; --quick 200)")
+    p.add_argument("--fair-share-b", type=int, default=None, help="fair-share: tenant B's jobs (default 50; --quick 10)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -117,6 +125,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     output = Path(args.output).expanduser()
     output.mkdir(parents=True, exist_ok=True)
     model = args.model or _default_model(args.quick, output)
+    if args.workload == "fair-share":
+        return _fair_share(args, config, model, output, environ)
 
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
@@ -142,6 +152,22 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             verdict += ", as expected of --quick"
         print(f"{check['name']}: {check['measured']} (target {check['target']}, {verdict})")
     print(f"report: {paths['markdown']} and {paths['json']} ({report.duration_s:.0f} s)")
+    return 0
+
+
+def _fair_share(args: argparse.Namespace, config: BenchConfig, model: str, output: Path,
+                environ: Mapping[str, str]) -> int:
+    from bench.fair_share import FairShareConfig, run_fair_share
+
+    num_a = args.fair_share_a or (200 if args.quick else 2000)
+    num_b = args.fair_share_b or (10 if args.quick else 50)
+    if num_a < 1 or num_b < 2:
+        print("carpool bench: --fair-share-a must be at least 1 and --fair-share-b at least 2", file=sys.stderr)
+        return 2
+    fair = FairShareConfig(num_a=num_a, num_b=num_b, max_num_seqs=config.max_num_seqs, device=config.device,
+                           dtype=config.dtype)
+    document = run_fair_share(model, fair, {**environ, "OMP_NUM_THREADS": str(config.threads)}, output)
+    print((output / "fair-share.md").read_text())
     return 0
 
 

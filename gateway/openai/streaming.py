@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway import appkeys as K
+from gateway.auth import RATE_HEADERS
 from gateway.openai import responses
 from gateway.openai.choices import ChoiceWatch, cancel_jobs, client_gone
 from gateway.openai.schema import Endpoint, OpenAIRequest
@@ -36,6 +37,7 @@ async def stream_choices(request: web.Request, req: OpenAIRequest, watch: Choice
     app = request.app
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+        **request.get(RATE_HEADERS, {}),
     })
     await response.prepare(request)
     endpoint, model = req.endpoint, req.model
