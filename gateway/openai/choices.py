@@ -17,6 +17,7 @@ from gateway import appkeys as K
 from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.openai.errors import OpenAIError
+from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, PARAM_OF_FIELD
 from gateway.openai.schema import OpenAIRequest
 from gateway.results import EventHub, Subscription, is_terminal
 from scheduler.job_record import job_view
@@ -24,8 +25,6 @@ from scheduler.keys import Keys
 from scheduler.redis_replies import read_hash
 from scheduler.tasks import cancel_and_reap
 
-# A job field named by admission -> the OpenAI parameter it came from.
-_PARAM_OF_FIELD = {"params.max_tokens": "max_tokens", "prompt_token_ids": "prompt"}
 
 
 async def served_models(app: web.Application) -> dict[str, float]:
@@ -64,8 +63,9 @@ async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: 
     except InvalidJob as e:
         metrics.job_rejected("invalid")
         await cancel_jobs(app, done)
-        param = _PARAM_OF_FIELD.get(e.field, e.field.removeprefix("params."))
-        raise OpenAIError(400, f"{param}: {e.message}", param=param, code="invalid_value") from e
+        param = PARAM_OF_FIELD.get(e.field, e.field.removeprefix("params."))
+        code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_value"
+        raise OpenAIError(400, f"{param}: {e.message}", param=param, code=code) from e
     except LaneFull as e:
         metrics.job_rejected("lane_full", e.lane.value)
         await cancel_jobs(app, done)
