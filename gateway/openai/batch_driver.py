@@ -20,7 +20,6 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Sequence
 
 import msgpack
 from aiohttp import web
@@ -30,59 +29,28 @@ from gateway import appkeys as K
 from gateway.admission import InvalidJob, LaneFull
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.errors import REDIS_UNAVAILABLE
+from gateway.openai.batch_counts import BatchCounts
 from gateway.openai.batch_lines import LineError, custom_id_of, error_line, parse_line, result_line
 from gateway.openai.batches import COUNTERS, BatchStatus, batch_store
 from gateway.openai.choices import served_models
 from gateway.openai.files import PAGE_LINES, file_store
 from gateway.openai.schema import Endpoint
-from scheduler.job_record import F_STATUS, F_USAGE, job_view
-from scheduler.redis_replies import as_bytes, stream_entries
+from scheduler.job_record import job_view
+from scheduler.redis_replies import as_bytes
 from scheduler.tasks import raise_if_cancelled
 
 log = logging.getLogger(__name__)
 
 LOCK_S = 15
 MAX_ENQUEUE_PER_ROUND = 2000
-SETTLE_WINDOW = 4000
-"""Unsettled requests (from the oldest) whose job status one scan reads."""
 SCAN_INTERVAL_S = 10.0
-"""Seconds between two scans of a batch's job records; its results stream settles requests in between."""
-RESULTS_PER_READ = 1000
-
-# Count lines once. KEYS: batch hash, settled bitmap. ARGV: (line, outcome, input tokens, cached input tokens,
-# output tokens) per line; outcomes: completed, failed, expired, dropped.
-_SETTLE_LUA = """
-local n = 0
-for i = 1, #ARGV, 5 do
-  if redis.call('SETBIT', KEYS[2], ARGV[i], 1) == 0 then
-    n = n + 1
-    redis.call('HINCRBY', KEYS[1], 'settled', 1)
-    local o = ARGV[i + 1]
-    if o == 'completed' or o == 'failed' then redis.call('HINCRBY', KEYS[1], o, 1) end
-    if o == 'expired' then
-      redis.call('HINCRBY', KEYS[1], 'failed', 1)
-      redis.call('HINCRBY', KEYS[1], 'expired', 1)
-    end
-    if o == 'completed' then
-      redis.call('HINCRBY', KEYS[1], 'input_tokens', ARGV[i + 2])
-      redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[i + 3])
-      redis.call('HINCRBY', KEYS[1], 'output_tokens', ARGV[i + 4])
-    end
-  end
-end
-return n
-"""
-Outcome = tuple[int, str] | tuple[int, str, dict[str, int]]
-"""(line, outcome) or (line, outcome, the job's usage)."""
-_OUTCOME_OF_STATUS = {"succeeded": "completed", "failed": "failed", "expired": "expired"}
-
-
+"""Seconds between two scans of a batch's job records; its results stream counts requests in between."""
 class BatchDriver:
     def __init__(self, app: web.Application) -> None:
         self._app = app
         self._redis, self._keys, self._config = app[K.REDIS], app[K.KEYS], app[K.CONFIG]
         self._batches, self._files = batch_store(app), file_store(app)
-        self._settle = self._redis.register_script(_SETTLE_LUA)
+        self._counts = BatchCounts(self._redis, self._keys, self._batches.ttl_s)
         self._name = secrets.token_hex(8)
         self._scanned_at: dict[str, float] = {}
         """Monotonic time each batch's job records were last read (`_count`)."""
@@ -123,10 +91,11 @@ class BatchDriver:
                 await self._enqueue(batch_id, b)
             else:
                 await self._cancel_requests(batch_id, b)
-            await self._read_results(batch_id, b)
+            is_cancelling = status is BatchStatus.CANCELLING
+            await self._counts.read_results(batch_id, is_cancelling)
             if time.monotonic() - self._scanned_at.get(batch_id, -SCAN_INTERVAL_S) >= SCAN_INTERVAL_S:
                 self._scanned_at[batch_id] = time.monotonic()
-                await self._count(batch_id, await self._batches.read(batch_id))
+                await self._counts.scan(batch_id, await self._batches.read(batch_id), is_cancelling)
             b = await self._batches.read(batch_id)
             if int(b["settled"]) >= int(b["total"]):
                 outcome = (BatchStatus.CANCELLED if status is BatchStatus.CANCELLING
@@ -176,7 +145,7 @@ class BatchDriver:
                     pipe.hset(keys.batch_errors(batch_id), str(number), msgpack.packb([error.code, error.message]))
                 await pipe.execute()
             if bad:
-                await self._mark(batch_id, [(number, "failed") for number, _ in bad])
+                await self._counts.mark(batch_id, [(number, "failed") for number, _ in bad])
         for key in (keys.batch_custom_ids(batch_id), keys.batch_errors(batch_id), keys.batch_settled(batch_id)):
             await self._redis.expire(key, self._batches.ttl_s)
         await self._batches.move(batch_id, (BatchStatus.VALIDATING,), BatchStatus.IN_PROGRESS,
@@ -187,16 +156,16 @@ class BatchDriver:
         admission = self._app[K.ADMISSION]
         stop = min(total, cursor + MAX_ENQUEUE_PER_ROUND)
         if time.time() >= int(b["expires_at"]):
-            await self._mark(batch_id, [(n, "expired") for n in range(cursor, total)])
+            await self._counts.mark(batch_id, [(n, "expired") for n in range(cursor, total)])
             await self._redis.hset(self._keys.batch(batch_id), "enqueued", total)
             return
         while cursor < stop:
             page = await self._files.page(b["input_file_id"], cursor, min(PAGE_LINES, stop - cursor))
             if not page:  # the input file was deleted or expired under the batch
-                await self._mark_errors(batch_id, range(cursor, total), "invalid_file", "the input file is gone")
+                await self._counts.mark_errors(batch_id, range(cursor, total), "invalid_file", "the input file is gone")
                 cursor = total
                 break
-            settled = await self._settled_bits(batch_id, cursor, cursor + len(page))
+            settled = await self._counts.settled_bits(batch_id, cursor, cursor + len(page))
             for offset, line in enumerate(page):
                 number = cursor + offset
                 if settled[offset]:
@@ -209,7 +178,7 @@ class BatchDriver:
                     await self._redis.hset(self._keys.batch(batch_id), "enqueued", number)
                     return  # the batch lane is full: try again next round
                 except (LineError, InvalidJob) as e:
-                    await self._mark_errors(batch_id, [number], "invalid_request", str(e))
+                    await self._counts.mark_errors(batch_id, [number], "invalid_request", str(e))
             cursor += len(page)
         await self._redis.hset(self._keys.batch(batch_id), "enqueued", cursor)
 
@@ -217,13 +186,13 @@ class BatchDriver:
         """Drop the lines not enqueued yet and cancel the enqueued ones still waiting or running."""
         enqueued, total = int(b["enqueued"]), int(b["total"])
         if enqueued < total:
-            await self._mark(batch_id, [(n, "dropped") for n in range(enqueued, total)])
+            await self._counts.mark(batch_id, [(n, "dropped") for n in range(enqueued, total)])
             await self._redis.hset(self._keys.batch(batch_id), "enqueued", total)
         if b.get("cancel_sent"):
             return
         canceller = self._app[K.CANCELLER]
         low = int(b["low"])
-        settled = await self._settled_bits(batch_id, low, enqueued)
+        settled = await self._counts.settled_bits(batch_id, low, enqueued)
         for offset, is_settled in enumerate(settled):
             if not is_settled:
                 try:
@@ -231,59 +200,6 @@ class BatchDriver:
                 except (JobNotFound, AlreadyFinished):
                     pass
         await self._redis.hset(self._keys.batch(batch_id), "cancel_sent", 1)
-
-    async def _read_results(self, batch_id: str, b: dict[str, str]) -> None:
-        """Settle the requests whose final record a worker (or a cancel) put on the batch's results stream.
-
-        Entries are deleted once counted; counting is idempotent, so a driver that dies in between only
-        counts them again as nothing.
-        """
-        stream = self._keys.batch_results(batch_id)
-        is_cancelling = b["status"] == BatchStatus.CANCELLING.value
-        prefix = f"{batch_id}-"
-        while entries := [e for _, found in stream_entries(await self._redis.xread({stream: "0-0"},
-                                                                                  count=RESULTS_PER_READ))
-                          for e in found]:
-            outcomes: list[Outcome] = []
-            for _, fields in entries:
-                try:
-                    record = msgpack.unpackb((fields or {})[b"result"], raw=False, strict_map_key=False)
-                    number = int(str(record["id"]).removeprefix(prefix))
-                    status = str(record["status"])
-                except (KeyError, TypeError, ValueError, msgpack.UnpackException):
-                    continue  # not a result of ours: the scan settles its request
-                if (outcome := _outcome(number, status, _usage(record.get("usage")), is_cancelling)) is not None:
-                    outcomes.append(outcome)
-            await self._mark(batch_id, outcomes)
-            await self._redis.xdel(stream, *[entry_id for entry_id, _ in entries])
-            await self._redis.expire(stream, self._batches.ttl_s)
-            if len(entries) < RESULTS_PER_READ:
-                return
-
-    async def _count(self, batch_id: str, b: dict[str, str]) -> None:
-        """Settle the finished requests among the oldest unsettled ones, and move the low-water mark.
-
-        The results stream settles requests as they end; this reads their records too, every
-        ``SCAN_INTERVAL_S``, for whatever that stream lost (a result trimmed from it, or a record that expired).
-        """
-        low, high = int(b["low"]), min(int(b["enqueued"]), int(b["low"]) + SETTLE_WINDOW)
-        settled = await self._settled_bits(batch_id, low, high)
-        pending = [low + i for i, is_settled in enumerate(settled) if not is_settled]
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for number in pending:
-                pipe.hmget(self._keys.job(f"{batch_id}-{number}"), [F_STATUS, F_USAGE])
-            replies = await pipe.execute()
-        is_cancelling = b["status"] == BatchStatus.CANCELLING.value
-        outcomes: list[Outcome] = []
-        for number, (raw, raw_usage) in zip(pending, replies):
-            status = "failed" if raw is None else raw.decode()  # a record that expired counts as failed
-            usage = _usage(msgpack.unpackb(raw_usage, raw=False) if raw_usage else None)
-            if (outcome := _outcome(number, status, usage, is_cancelling)) is not None:
-                outcomes.append(outcome)
-        await self._mark(batch_id, outcomes)
-        done = {outcome[0] for outcome in outcomes}
-        still = [n for n in pending if n not in done]
-        await self._redis.hset(self._keys.batch(batch_id), "low", still[0] if still else high)
 
     async def _finalize(self, batch_id: str, b: dict[str, str]) -> None:
         """Write the output and error files from the job records, then end the batch."""
@@ -328,47 +244,6 @@ class BatchDriver:
         await self._redis.srem(keys.batches_active, batch_id)
         await self._redis.delete(keys.batch_results(batch_id))
         self._scanned_at.pop(batch_id, None)
-
-    async def _mark(self, batch_id: str, outcomes: Sequence[Outcome]) -> None:
-        for start in range(0, len(outcomes), 1000):
-            args: list[EncodableT] = []
-            for outcome in outcomes[start:start + 1000]:
-                usage = outcome[2] if len(outcome) == 3 else {}
-                args += [outcome[0], outcome[1], usage.get("prompt_tokens", 0), usage.get("cached_tokens", 0),
-                         usage.get("completion_tokens", 0)]
-            await self._settle(keys=[self._keys.batch(batch_id), self._keys.batch_settled(batch_id)], args=args)
-
-    async def _mark_errors(self, batch_id: str, numbers: range | list[int], code: str, message: str) -> None:
-        if numbers:
-            await self._redis.hset(self._keys.batch_errors(batch_id),
-                                   mapping={str(n): msgpack.packb([code, message]) for n in numbers})
-            await self._mark(batch_id, [(n, "failed") for n in numbers])
-
-    async def _settled_bits(self, batch_id: str, start: int, stop: int) -> list[bool]:
-        """Bits [start, stop) of the settled bitmap (bit 0 is the high bit of byte 0, as Redis keeps them)."""
-        if stop <= start:
-            return []
-        raw = as_bytes(await self._redis.getrange(self._keys.batch_settled(batch_id), start // 8, (stop - 1) // 8))
-        return [bool(raw[(n // 8) - start // 8] & (0x80 >> (n % 8))) if (n // 8) - start // 8 < len(raw) else False
-                for n in range(start, stop)]
-
-
-def _outcome(number: int, status: str, usage: dict[str, int], is_cancelling: bool) -> Outcome | None:
-    """How a request whose job is in `status` counts (None: not ended yet)."""
-    if status == "cancelled":
-        return number, "dropped" if is_cancelling else "failed"
-    if status == "succeeded":
-        return number, "completed", usage
-    if status in _OUTCOME_OF_STATUS:
-        return number, _OUTCOME_OF_STATUS[status]
-    return None
-
-
-def _usage(usage: object) -> dict[str, int]:
-    """A finished job's token counts (none for a record without them)."""
-    if not isinstance(usage, dict):
-        return {}
-    return {k: v for k, v in usage.items() if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)}
 
 
 def _loose_custom_id(line: str) -> str | None:
