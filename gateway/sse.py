@@ -152,6 +152,8 @@ async def stream_events(request: web.Request, response: web.StreamResponse, redi
     async with hub.subscribe(keys.events(job_id)) as sub:
         record = await read_hash(redis, keys.job(job_id))
         await response.prepare(request)
+        if request.method == "HEAD":
+            return  # the headers alone: a body after them would be read as the next response on the connection
         if is_terminal(record):
             await send(from_view(job_view(record), cursor))
             return

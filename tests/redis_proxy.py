@@ -3,6 +3,8 @@
 `trip(pattern)` arms it: the first client chunk holding `pattern` is forwarded to
 Redis, then every connection is cut and new ones are refused (closed at once)
 until `restore()`. Redis itself keeps running and keeps what that command wrote.
+`refuse(*patterns)` arms the other fault: the first client chunk holding every pattern never reaches Redis,
+and only its own connection is cut, as when a connection dies under one command.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ class RedisProxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._pattern: bytes | None = None
+        self._refused: tuple[bytes, ...] | None = None
+        self.num_refused = 0
         self.is_down = False
         self._is_muted = False
         self.num_tripped = 0
@@ -35,6 +39,9 @@ class RedisProxy:
 
     def trip(self, pattern: bytes) -> None:
         self._pattern = pattern
+
+    def refuse(self, *patterns: bytes) -> None:
+        self._refused = patterns
 
     def restore(self) -> None:
         self.is_down = False
@@ -70,6 +77,10 @@ class RedisProxy:
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, is_request: bool) -> None:
         try:
             while not self.is_down and (chunk := await reader.read(65536)):
+                if is_request and self._refused is not None and all(p in chunk for p in self._refused):
+                    self._refused = None
+                    self.num_refused += 1
+                    return  # not forwarded; the finally clause closes this connection's upstream side
                 is_trip = is_request and self._pattern is not None and self._pattern in chunk
                 if is_trip:
                     self._pattern = None

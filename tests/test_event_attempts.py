@@ -4,7 +4,6 @@ re-run's events, and a repeated `final`, from the first run's."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,9 +12,12 @@ import redis.asyncio as aioredis
 
 from scheduler.job import JobSpec
 from scheduler.params import SamplingParams
-from worker_harness import KEYS, running_worker, wait_terminal, xadd_job
+from worker_harness import KEYS, running_worker, wait_terminal, wait_until, xadd_job
 
 SETTINGS = {"lease_s": 600.0, "shutdown_grace_s": 0.0, "checkpoint_tokens": 4}
+HELD_TOKENS = 1500
+"""Most of the tiny model's context: the first worker cannot finish the job between its first checkpoint and
+its hand-back, however fast the engine."""
 
 
 async def test_events_carry_their_attempt_across_a_hand_back(redis_url: str, tiny_model: Callable[..., str]) -> None:
@@ -35,15 +37,12 @@ async def test_events_carry_their_attempt_across_a_hand_back(redis_url: str, tin
 
     collector = asyncio.create_task(collect())
     try:
-        await xadd_job(client, JobSpec(id="twice", prompt="again", params=SamplingParams(max_tokens=120, ignore_eos=True)))
+        await xadd_job(client, JobSpec(id="twice", prompt="again", params=SamplingParams(max_tokens=HELD_TOKENS, ignore_eos=True)))
         async with running_worker(redis_url, engine, worker_name="first", **SETTINGS):
-            deadline = time.monotonic() + 60
-            while not await client.hget(KEYS.job("twice"), "checkpoint"):
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
+            await wait_until(lambda: client.hget(KEYS.job("twice"), "checkpoint"), "the first attempt's checkpoint")
         async with running_worker(redis_url, engine, worker_name="second", **SETTINGS):
-            (view,) = (await wait_terminal(client, ["twice"], timeout_s=60)).values()
-        await asyncio.sleep(0.3)  # the last messages reach the collector
+            (view,) = (await wait_terminal(client, ["twice"])).values()
+        await wait_until(lambda: any(e["type"] == "final" for e in events), "the final event at the collector")
     finally:
         collector.cancel()
         await asyncio.gather(collector, return_exceptions=True)

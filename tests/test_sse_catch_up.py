@@ -4,6 +4,7 @@ Last-Event-ID, gets `started`, every token from index 0 without gaps or repeats,
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from worker_harness import KEYS, running_worker, wait_terminal
+from worker_harness import KEYS, WAIT_S, running_worker, wait_terminal
 
 Event = tuple[str, str, dict[str, Any]]
 """(SSE id, event type, data)."""
@@ -103,3 +104,25 @@ async def test_a_late_client_gets_the_whole_stream_and_can_resume(
     assert [kind for _, kind, _ in after] == ["started", "token", "final"]
     assert after[1][2]["index"] == 0 and after[1][2]["token_ids"] == output["token_ids"]
     assert after[1][2]["text"] == output["text"]
+
+
+async def test_head_on_an_event_stream_is_headers_only_and_the_connection_stays_usable(gateway_url: str) -> None:
+    async with aiohttp.ClientSession() as http_session:
+        async with http_session.post(f"{gateway_url}/v1/jobs", json={"prompt": "queued, no worker"}) as resp:
+            job_id = (await resp.json())["id"]
+    host, port = gateway_url.removeprefix("http://").rsplit(":", 1)
+
+    def head_then_get() -> tuple[int, str, bytes, int]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
+        conn.request("HEAD", f"/v1/jobs/{job_id}/events")
+        head = conn.getresponse()
+        head_body = head.read()
+        conn.request("GET", "/healthz")  # the same connection: nothing of the stream may be left on it
+        health = conn.getresponse()
+        health.read()
+        conn.close()
+        return head.status, head.getheader("Content-Type") or "", head_body, health.status
+
+    status, content_type, body, health_status = await asyncio.to_thread(head_then_get)
+    assert (status, body, health_status) == (200, b"", 200)
+    assert content_type.startswith("text/event-stream")

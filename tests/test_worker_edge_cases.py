@@ -13,6 +13,7 @@ from scheduler.job import JobSpec
 from scheduler.keys import CONSUMER_GROUP
 from scheduler.lanes import Lane
 from scheduler.params import SamplingParams
+from redis_proxy import RedisProxy
 from worker_harness import KEYS, has_status, running_worker, status_of, wait_terminal, wait_until, xadd_job
 
 HELD_TOKENS = 1500
@@ -100,6 +101,27 @@ async def test_worker_survives_dropped_redis_connections(redis_url, long_engine)
     assert views["after"]["status"] == "succeeded"
     assert views["long"]["status"] == "cancelled"
     assert 0 < views["long"]["usage"]["completion_tokens"] < 16000
+    await client.aclose()
+
+
+async def test_a_checkpoint_whose_write_was_lost_is_written_at_the_next_step(redis_url, engine):
+    from gateway.cancel import Canceller
+
+    client = aioredis.Redis.from_url(redis_url)
+    proxy = await RedisProxy(redis_url).start()
+    # The step that carries the first token event and the first checkpoint dies with its connection.
+    proxy.refuse(KEYS.events_log("held").encode(), KEYS.cancel("held").encode())
+    params = SamplingParams(max_tokens=HELD_TOKENS, temperature=0, ignore_eos=True)
+    try:
+        async with running_worker(proxy.url, engine, checkpoint_tokens=100_000, checkpoint_interval_s=1000.0):
+            await xadd_job(client, JobSpec(id="held", prompt="a first checkpoint", params=params))
+            await wait_until(lambda: client.hget(KEYS.job("held"), "checkpoint"), "the job's first checkpoint")
+            assert proxy.num_refused == 1
+            await Canceller(client, KEYS, flag_ttl_s=60).cancel("held")
+            views = await wait_terminal(client, ["held"])
+    finally:
+        await proxy.aclose()
+    assert views["held"]["status"] == "cancelled"
     await client.aclose()
 
 

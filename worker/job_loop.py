@@ -212,7 +212,7 @@ class JobLoop:
                 self.commits.spawn(outcome_of(job, JobStatus.FAILED, error=rejection.error))
         now, mono = time.time(), time.monotonic()
         writes = StepWrites()
-        checkpointed: list[tuple[int, RunningJob]] = []
+        checkpointed: list[tuple[int, RunningJob, int]] = []
         finished: list[tuple[RunningJob, Any]] = []
         for out in tick.outputs:
             job = self.jobs.get(out.request_id)
@@ -253,16 +253,17 @@ class JobLoop:
             elif self._checkpoint_due(job, mono):
                 checkpointed.append((writes.checkpoint(job.spec.id, job.token_ids, job.first_token_at, job.logprobs,
                                                        job.text),
-                                     job))
-                job.checkpointed, job.checkpoint_at = len(job.token_ids), mono
+                                     job, len(job.token_ids)))
         replies: list[int] = []
         try:
             replies = await self.step_writer.write(writes)
         except (RedisError, OSError) as e:
-            # Token events are best effort and a checkpoint is only late; the engine keeps stepping.
+            # Token events are best effort; a checkpoint is only late: its job stays due, so the next step
+            # writes it again (the first one included, which live views and cancels over the record wait on).
             log.warning("token events and checkpoints of this step not written: %s", e)
             checkpointed = []
-        for index, job in checkpointed:
+        for index, job, num_tokens in checkpointed:
+            job.checkpointed, job.checkpoint_at = num_tokens, mono
             if job.spec.id not in self.jobs:
                 continue
             if replies[index] == CHECKPOINT_NOT_OURS:
