@@ -2,6 +2,7 @@
 
     carpool bench --output bench-results            # the full comparison (default model)
     carpool bench --quick --output /tmp/smoke       # seconds: a tiny model, a few short requests
+    carpool bench batch-api --output bench-results  # interactive chat while a Batch API batch runs
 
 Settings are read once here (flags, then ``CARPOOL_BENCH_<FLAG>`` variables)
 and passed down.
@@ -97,6 +98,12 @@ def missing_modules(names: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     environ = os.environ if env is None else env
+    if argv is None:
+        argv = sys.argv[1:]
+    if list(argv[:1]) == ["batch-api"]:
+        from bench.batch_api import main as batch_api_main
+
+        return batch_api_main(argv[1:], environ)
     parser = build_parser(environ)
     args = parser.parse_args(argv)
     missing = missing_modules(OPTIONAL_MODULES)

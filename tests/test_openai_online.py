@@ -10,6 +10,7 @@ import pytest
 import msgpack
 
 from openai_support import MODEL_NAME, openai_service
+from worker_harness import wait_until
 from scheduler.keys import Keys
 from scheduler.params import SamplingParams
 
@@ -138,6 +139,9 @@ async def test_a_disconnected_stream_cancels_its_job(redis_url, engine, redis) -
         while (await redis.hget(job, "status")) not in (b"cancelled", b"succeeded") and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert await redis.hget(job, "status") == b"cancelled"
+        # No orphan compute: the engine dropped the sequence and freed its KV blocks.
+        await wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_kv_blocks_used == 0,
+                         "the cancelled job's sequence and blocks are released")
 
 
 async def test_a_full_lane_is_a_429_with_retry_after_and_a_hung_up_request_cancels(redis_url, redis) -> None:
