@@ -2,7 +2,9 @@
 
     carpool bench --output bench-results            # the full comparison (default model)
     carpool bench --quick --output /tmp/smoke       # seconds: a tiny model, a few short requests
-    carpool bench batch-api --output bench-results  # interactive chat while a Batch API batch runs
+    carpool bench --workload fair-share             # only the fair-share workload (two tenants, one lane)
+    carpool bench --workload batch-api              # interactive chat while a Batch API batch runs
+    carpool bench batch-api --batch-requests 2000   # the same, with its own flags (--help lists them)
 
 Settings are read once here (flags, then ``CARPOOL_BENCH_<FLAG>`` variables)
 and passed down.
@@ -24,6 +26,8 @@ from scheduler.checkpoint import check_local_checkpoint
 
 
 _Default = TypeVar("_Default", str, None)
+
+WORKLOADS = ("all", "fair-share", "batch-api")
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -57,6 +61,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--online-modes", default=None,
                    help=f"comma-separated batching modes swept online (default: {','.join(BATCHING_MODES)})")
     p.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    p.add_argument("--workload", choices=WORKLOADS, default=default("workload", "all"),
+                   help="all: the batching comparison; fair-share: tenant A floods the batch lane, then tenant B "
+                        "queues a few jobs (fair share against first come, first served); batch-api: interactive "
+                        "chat while a 2,000-request Batch API batch runs, against the same requests as plain jobs "
+                        "(`carpool bench batch-api --help` for its own flags) [env CARPOOL_BENCH_WORKLOAD]")
+    p.add_argument("--fair-share-a", type=int, default=None, help="fair-share: tenant A's jobs (default 2000; --quick 200)")
+    p.add_argument("--fair-share-b", type=int, default=None, help="fair-share: tenant B's jobs (default 50; --quick 10)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -124,6 +135,13 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     output = Path(args.output).expanduser()
     output.mkdir(parents=True, exist_ok=True)
     model = args.model or _default_model(args.quick, output)
+    if args.workload == "fair-share":
+        return _fair_share(args, config, model, output, environ)
+    if args.workload == "batch-api":
+        from bench.batch_api import main as batch_api_main
+
+        return batch_api_main(["--output", str(output), "--seed", str(args.seed),
+                               *(["--model", args.model] if args.model else [])], environ)
 
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
@@ -149,6 +167,22 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             verdict += ", as expected of --quick"
         print(f"{check['name']}: {check['measured']} (target {check['target']}, {verdict})")
     print(f"report: {paths['markdown']} and {paths['json']} ({report.duration_s:.0f} s)")
+    return 0
+
+
+def _fair_share(args: argparse.Namespace, config: BenchConfig, model: str, output: Path,
+                environ: Mapping[str, str]) -> int:
+    from bench.fair_share import FairShareConfig, run_fair_share
+
+    num_a = args.fair_share_a or (200 if args.quick else 2000)
+    num_b = args.fair_share_b or (10 if args.quick else 50)
+    if num_a < 1 or num_b < 2:
+        print("carpool bench: --fair-share-a must be at least 1 and --fair-share-b at least 2", file=sys.stderr)
+        return 2
+    fair = FairShareConfig(num_a=num_a, num_b=num_b, max_num_seqs=config.max_num_seqs, device=config.device,
+                           dtype=config.dtype)
+    document = run_fair_share(model, fair, {**environ, "OMP_NUM_THREADS": str(config.threads)}, output)
+    print((output / "fair-share.md").read_text())
     return 0
 
 

@@ -46,7 +46,9 @@ class OnlineStack:
 
     def __init__(self, model: str, batching: str, max_num_seqs: int, max_wait_ms: float = 20.0,
                  child_env: Mapping[str, str] | None = None, read_block_ms: int = 20, device: str = "cpu",
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = None, api_keys: bool = False) -> None:
+        """``api_keys``: run the gateway with keys required (the caller makes the keys)."""
+        self.api_keys = api_keys
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -71,7 +73,7 @@ class OnlineStack:
     async def __aenter__(self) -> OnlineStack:
         self.redis.start()
         try:
-            config = GatewayConfig(redis_url=self.redis.url, port=self.port, no_webhooks=True,
+            config = GatewayConfig(redis_url=self.redis.url, port=self.port, no_webhooks=True, api_keys=self.api_keys,
                                    max_lane_depth={"interactive": 100_000, "standard": 100_000, "batch": 100_000})
             self._runner = web.AppRunner(init_app(config))
             await self._runner.setup()

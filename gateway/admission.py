@@ -3,14 +3,16 @@
 Order of checks: the body must validate into a `JobSpec` (400 naming the
 field); its deadline must lie ahead and its token-id prompt must fit the
 model (400); a repeated `Idempotency-Key` or job id returns the job that
-already exists (nothing enqueued twice); a lane at its maximum depth refuses
-with 429. The idempotency key's claim, those checks' outcome, the record and the
+already exists (nothing enqueued twice); a lane at its maximum depth, or a
+tenant at its maximum of queued jobs, refuses with 429. The body never names
+the tenant: the caller's is written into the message. The idempotency key's claim, those checks' outcome, the record and the
 lane entry are one atomic script, so a crash anywhere leaves either all of
 them or none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -21,9 +23,13 @@ import redis.asyncio as aioredis
 from gateway.config import GatewayConfig
 from gateway.context_length import ContextLength
 from scheduler.job import JobSpec, JobStatus, JobValidationError, new_job_id
-from scheduler.job_record import F_CREATED_AT, F_ID, F_LANE, F_PRIORITY, F_SPEC, F_STATUS, F_STREAM_ENTRY
-from scheduler.keys import CONSUMER_GROUP, Keys
-from scheduler.lanes import Lane
+from gateway.api_keys import OPEN_CALLER, Caller
+from gateway.rate_limits import Reservation
+from scheduler.job_record import (F_CREATED_AT, F_ID, F_LANE, F_PRIORITY, F_RESERVATION, F_SPEC, F_STATUS,
+                                  F_STREAM_ENTRY)
+from scheduler.keys import CONSUMER_GROUP, WAKE_MAXLEN, Keys
+from scheduler.lanes import LANES, Lane
+from scheduler.tenants import DEFAULT_TENANT, tenant_of
 from scheduler.redis_replies import as_bytes, as_optional_bytes
 
 MAX_IDEMPOTENCY_KEY_LEN = 255
@@ -36,11 +42,18 @@ EnqueueSpan = Callable[[JobSpec], AbstractContextManager[object]]
 
 # One atomic step, so no failure (a killed gateway, a lost connection) can leave an idempotency key
 # naming a job that was never enqueued: the key is claimed together with the record and lane entry.
-# KEYS: job record, lane stream, idempotency key (the job record again when the request has none).
-# ARGV: ttl_s, '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id,
-#       packed spec, then the record's field/value pairs.
+# A named tenant's job goes to the tenant's stream of the lane, created with the consumer group if new, and
+# the tenant joins the lane's active set in the same step (a newly active tenant rings the wake stream), so
+# no worker can retire the tenant between the two. Its queued-jobs quota is counted here too, over its
+# streams in every lane (workers delete what they acknowledge, so a stream's length is waiting + running).
+# KEYS: job record, lane stream (the tenant's), idempotency key (the job record again when the request has
+#       none), the lane's active-tenant set, wake stream, then the tenant's stream in every lane.
+# ARGV: ttl_s, '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id, packed spec,
+#       tenant ('' for the default tenant, whose stream is the lane stream), max queued jobs|'', group,
+#       wake maxlen, then the record's field/value pairs.
 # Returns {'claimed', id} when the idempotency key already names a job, {'exists', status} when a record
-# exists for this id (the key, if any, then names it), {'full'} when the lane refuses, {'enqueued', entry}.
+# exists for this id (the key, if any, then names it), {'full'} when the lane refuses, {'quota', n} when the
+# tenant already has n jobs waiting or running, {'enqueued', entry}.
 _ENQUEUE_LUA = """
 local has_key = ARGV[3] == '1'
 if has_key then
@@ -53,10 +66,22 @@ if status then
   return {'exists', status}
 end
 if ARGV[2] == '1' then return {'full'} end
+local tenant = ARGV[6]
+if tenant ~= '' and ARGV[7] ~= '' then
+  local queued = 0
+  for i = 6, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
+  if queued >= tonumber(ARGV[7]) then return {'quota', tostring(queued)} end
+end
+if tenant ~= '' and redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('XGROUP', 'CREATE', KEYS[2], ARGV[8], '0', 'MKSTREAM')
+end
 -- Never trimmed: an accepted job stays until a worker acknowledges and deletes it (the depth check bounds the lane).
 local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[5])
+if tenant ~= '' and redis.call('SADD', KEYS[4], tenant) == 1 then
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', 'tenant', tenant)
+end
 local fields = {}
-for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 10, #ARGV do fields[#fields + 1] = ARGV[i] end
 fields[#fields + 1] = '@stream_entry@'
 fields[#fields + 1] = KEYS[2] .. ' ' .. entry
 redis.call('HSET', KEYS[1], unpack(fields))
@@ -111,6 +136,15 @@ class LaneFull(Exception):
         self.lane = lane
 
 
+class QuotaExceeded(Exception):
+    """The tenant already has its maximum of jobs waiting or running."""
+
+    def __init__(self, tenant: str, queued: int, max_queued: int) -> None:
+        super().__init__(f"tenant {tenant!r} has {queued} jobs queued or running, its maximum is {max_queued}")
+        self.tenant = tenant
+        self.max_queued = max_queued
+
+
 class IdempotencyInFlight(Exception):
     """Another request with the same Idempotency-Key is still being admitted."""
 
@@ -137,10 +171,13 @@ class Admission:
         self._enqueue = redis.register_script(_ENQUEUE_LUA)
         self._release = redis.register_script(_RELEASE_IDEMPOTENCY_LUA)
 
-    async def validate(self, body: object) -> JobSpec:
+    async def validate(self, body: object, caller: Caller = OPEN_CALLER) -> JobSpec:
+        """The body as a job of `caller`'s tenant; raises InvalidJob naming the field at fault."""
         default_id = new_job_id()
+        if isinstance(body, dict) and "tenant" in body:
+            raise InvalidJob("tenant", "is set by the gateway from the API key; leave it out")
         try:
-            spec = JobSpec.from_wire(body, default_id=default_id)
+            spec = dataclasses.replace(JobSpec.from_wire(body, default_id=default_id), tenant=caller.tenant)
         except JobValidationError as e:
             raise InvalidJob(e.field, e.message) from e
         if spec.deadline is not None and spec.deadline <= time.time():
@@ -167,15 +204,23 @@ class Admission:
         """The model's context as admission judges it (`--max-model-len`, else learned); None before any worker."""
         return await self._context.get()
 
-    async def submit(self, body: object, idempotency_key: str | None) -> Admitted:
-        spec = await self.validate(body)
+    async def submit(self, body: object, idempotency_key: str | None, *, caller: Caller = OPEN_CALLER,
+                     reservation: Reservation | None = None) -> Admitted:
+        """Validate and enqueue a job of `caller`'s tenant (see `enqueue`)."""
+        return await self.enqueue(await self.validate(body, caller), idempotency_key, caller=caller,
+                                  reservation=reservation)
+
+    async def enqueue(self, spec: JobSpec, idempotency_key: str | None, *, caller: Caller = OPEN_CALLER,
+                      reservation: Reservation | None = None) -> Admitted:
+        """Enqueue a validated job; `reservation`: the tokens/min this job holds, settled when it ends.
+        Raises LaneFull, QuotaExceeded, IdempotencyInFlight, or InvalidJob for a bad Idempotency-Key."""
         if idempotency_key is not None and (
             not idempotency_key or len(idempotency_key) > MAX_IDEMPOTENCY_KEY_LEN or not idempotency_key.isprintable()
         ):
             raise InvalidJob("Idempotency-Key", f"must be 1..{MAX_IDEMPOTENCY_KEY_LEN} printable characters")
         idem = None if idempotency_key is None else self._keys.idempotency(idempotency_key)
         for _ in range(MAX_CLAIM_TRIES):
-            verdict, detail = await self._enqueue_once(spec, idem)
+            verdict, detail = await self._enqueue_once(spec, idem, caller, reservation)
             if verdict == "enqueued":
                 return Admitted(spec.id, JobStatus.QUEUED.value, spec.lane.value, is_new=True)
             if verdict == "exists":
@@ -189,26 +234,35 @@ class Admission:
         raise IdempotencyInFlight(detail)
 
     async def lane_depth(self, lane: Lane) -> int:
-        """Jobs in a lane that are waiting or running.
+        """Jobs in a lane that are waiting or running: in the lane stream, and in its tenants' streams
+        (whose length is the depth, as workers delete the entries they acknowledge).
 
         With Redis 7 the consumer group reports entries not yet delivered (`lag`) and
         delivered-but-unacknowledged ones (`pending`). Older servers have no lag; there
         the stream length is the depth because workers delete entries they acknowledge.
         """
         stream = self._keys.lane(lane)
+        tenants = sorted(as_bytes(t).decode() for t in await self._redis.smembers(self._keys.lane_tenants(lane)))
+        in_tenants = 0
+        if tenants:
+            pipe = self._redis.pipeline(transaction=False)
+            for tenant in tenants:
+                pipe.xlen(self._keys.tenant_lane(lane, tenant_of(tenant)))
+            in_tenants = sum(int(n) for n, t in zip(await pipe.execute(), tenants) if tenant_of(t) == t)
         try:
             groups = await self._redis.xinfo_groups(stream)
         except aioredis.ResponseError:  # no stream yet
-            return 0
+            return in_tenants
         for group in groups:
             name = group.get("name")
             name = name.decode() if isinstance(name, bytes) else name
             if name == CONSUMER_GROUP and group.get("lag") is not None:
-                return int(group["lag"]) + int(group.get("pending", 0))
-        return int(await self._redis.xlen(stream))
+                return in_tenants + int(group["lag"]) + int(group.get("pending", 0))
+        return in_tenants + int(await self._redis.xlen(stream))
 
-    async def _enqueue_once(self, spec: JobSpec, idem: str | None) -> tuple[str, str]:
-        """Run the enqueue script once: (verdict, detail) as it returns them; raises LaneFull."""
+    async def _enqueue_once(self, spec: JobSpec, idem: str | None, caller: Caller,
+                            reservation: Reservation | None) -> tuple[str, str]:
+        """Run the enqueue script once: (verdict, detail) as it returns them; raises LaneFull, QuotaExceeded."""
         max_depth = self._config.max_lane_depth[spec.lane.value]
         depth = await self.lane_depth(spec.lane)
         record = {
@@ -218,17 +272,28 @@ class Admission:
             F_PRIORITY: str(spec.priority),
             F_CREATED_AT: repr(time.time()),
         }
+        if reservation is not None:
+            record[F_RESERVATION] = reservation.field_value
         job_key = self._keys.job(spec.id)
         with self._enqueue_span(spec):
             packed = spec.pack()
+            named = spec.tenant != DEFAULT_TENANT
+            max_queued = caller.limits.max_queued
             args: list[str | bytes | int] = [
                 self._config.result_ttl_s, "1" if depth >= max_depth else "",
-                "1" if idem is not None else "", spec.id, packed, F_SPEC, packed,
+                "1" if idem is not None else "", spec.id, packed, spec.tenant if named else "",
+                "" if max_queued is None or not named else max_queued, CONSUMER_GROUP, WAKE_MAXLEN, F_SPEC, packed,
             ]
             for name, value in record.items():
                 args += [name, value]
-            reply = await self._enqueue(keys=[job_key, self._keys.lane(spec.lane), idem or job_key], args=args)
+            tenant_streams = [self._keys.tenant_lane(lane, spec.tenant) for lane in LANES] if named else []
+            reply = await self._enqueue(keys=[
+                job_key, self._keys.tenant_lane(spec.lane, spec.tenant), idem or job_key,
+                self._keys.lane_tenants(spec.lane), self._keys.wake, *tenant_streams], args=args)
         verdict = as_bytes(reply[0]).decode()
         if verdict == "full":
             raise LaneFull(spec.lane, depth, max_depth)
+        if verdict == "quota":
+            assert max_queued is not None
+            raise QuotaExceeded(spec.tenant, int(as_bytes(reply[1])), max_queued)
         return verdict, as_bytes(reply[1]).decode()

@@ -18,6 +18,8 @@ from aiohttp import web
 
 from gateway import appkeys as K
 from gateway.admission import Admission, WebhookCheck
+from gateway.api_keys import KeyStore
+from gateway.auth import auth_middleware
 from gateway.cancel import Canceller
 from gateway.config import GatewayConfig
 from gateway.errors import error_middleware
@@ -27,7 +29,9 @@ from gateway.openai.batches import routes as batch_routes
 from gateway.openai.files import routes as file_routes
 from gateway.openai.online import routes as openai_routes
 from gateway.metrics import GatewayMetrics, telemetry_middleware
+from gateway.rate_limits import RateLimiter
 from gateway.results import EventHub
+from gateway.usage import routes as usage_routes
 from gateway.webhooks import check_webhook_url_async
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher
@@ -43,7 +47,7 @@ def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.A
     # The telemetry middleware is outermost, so it sees the status the error middleware answered.
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[telemetry_middleware, error_middleware(config.retry_after_s)],
+        middlewares=[telemetry_middleware, error_middleware(config.retry_after_s), auth_middleware(config.api_keys)],
     )
     app[K.CONFIG] = config
     app[K.KEYS] = Keys(config.key_prefix)
@@ -61,6 +65,7 @@ def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.A
     app.router.add_routes(openai_routes)
     app.router.add_routes(file_routes)
     app.router.add_routes(batch_routes)
+    app.router.add_routes(usage_routes)
     return app
 
 
@@ -103,6 +108,8 @@ async def _domain_ctx(app: web.Application) -> AsyncIterator[None]:
         redis, keys, config, _webhook_check(config.webhooks), enqueue_span=app[K.METRICS].enqueue_span
     )
     app[K.CANCELLER] = Canceller(redis, keys, flag_ttl_s=config.result_ttl_s, reply_maxlen=config.reply_maxlen)
+    app[K.KEY_STORE] = KeyStore(redis, keys)
+    app[K.LIMITER] = RateLimiter(redis, keys)
     yield
 
 

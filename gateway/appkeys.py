@@ -6,9 +6,11 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from gateway.admission import Admission
+from gateway.api_keys import KeyStore
 from gateway.cancel import Canceller
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
+from gateway.rate_limits import RateLimiter
 from gateway.results import EventHub
 from scheduler.keys import Keys
 
@@ -19,3 +21,5 @@ REDIS = web.AppKey("redis", aioredis.Redis)
 HUB = web.AppKey("hub", EventHub)
 ADMISSION = web.AppKey("admission", Admission)
 CANCELLER = web.AppKey("canceller", Canceller)
+KEY_STORE = web.AppKey("key_store", KeyStore)
+LIMITER = web.AppKey("limiter", RateLimiter)

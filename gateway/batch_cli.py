@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from gateway.submit import DEFAULT_GATEWAY
+from gateway.submit import DEFAULT_GATEWAY, add_api_key_flag, auth_header
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -39,14 +39,17 @@ def add_batch_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
     for action in actions.choices.values():
         action.add_argument("--gateway", default=env.get("CARPOOL_GATEWAY", DEFAULT_GATEWAY),
                             help=f"gateway base URL (default: {DEFAULT_GATEWAY}) [env CARPOOL_GATEWAY]")
+        add_api_key_flag(action, env)
 
 
 class BatchError(Exception):
     pass
 
 
-def _call(method: str, url: str, data: bytes | None = None, content_type: str = "application/json") -> bytes:
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": content_type})
+def _call(method: str, url: str, data: bytes | None = None, content_type: str = "application/json",
+          api_key: str | None = None) -> bytes:
+    headers = {"Content-Type": content_type, **auth_header(api_key)}
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=300) as resp:
             return bytes(resp.read())
@@ -58,13 +61,13 @@ def _call(method: str, url: str, data: bytes | None = None, content_type: str = 
         raise BatchError(f"HTTP {e.code}: {message}") from e
 
 
-def _json(method: str, url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+def _json(method: str, url: str, body: dict[str, Any] | None = None, api_key: str | None = None) -> dict[str, Any]:
     data = None if body is None else json.dumps(body).encode()
-    result: dict[str, Any] = json.loads(_call(method, url, data))
+    result: dict[str, Any] = json.loads(_call(method, url, data, api_key=api_key))
     return result
 
 
-def upload(base: str, path: Path) -> str:
+def upload(base: str, path: Path, api_key: str | None = None) -> str:
     boundary = uuid.uuid4().hex
     parts = [
         f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n".encode(),
@@ -72,7 +75,8 @@ def upload(base: str, path: Path) -> str:
         "Content-Type: application/jsonl\r\n\r\n".encode(),
         path.read_bytes(), f"\r\n--{boundary}--\r\n".encode(),
     ]
-    answer = json.loads(_call("POST", f"{base}/v1/files", b"".join(parts), f"multipart/form-data; boundary={boundary}"))
+    answer = json.loads(_call("POST", f"{base}/v1/files", b"".join(parts), f"multipart/form-data; boundary={boundary}",
+                              api_key))
     return str(answer["id"])
 
 
@@ -106,10 +110,10 @@ def _output_tokens(batch: dict[str, Any]) -> int:
     return int((batch.get("usage") or {}).get("output_tokens") or 0)
 
 
-def wait(base: str, batch_id: str, timeout_s: float, out: TextIO) -> dict[str, Any]:
+def wait(base: str, batch_id: str, timeout_s: float, out: TextIO, api_key: str | None = None) -> dict[str, Any]:
     """Poll until the batch ends: one line redrawn on a terminal, a line per change elsewhere (a log)."""
     started = time.monotonic()
-    batch = _json("GET", f"{base}/v1/batches/{batch_id}")
+    batch = _json("GET", f"{base}/v1/batches/{batch_id}", api_key=api_key)
     start_done = batch["request_counts"]["completed"] + batch["request_counts"]["failed"]
     start_tokens = _output_tokens(batch)
     is_tty = out.isatty()
@@ -126,30 +130,30 @@ def wait(base: str, batch_id: str, timeout_s: float, out: TextIO) -> dict[str, A
         if is_final:
             return batch
         time.sleep(1.0)
-        batch = _json("GET", f"{base}/v1/batches/{batch_id}")
+        batch = _json("GET", f"{base}/v1/batches/{batch_id}", api_key=api_key)
 
 
 def run_batch(args: argparse.Namespace) -> int:
     base = args.gateway.rstrip("/")
     try:
         if args.action == "status":
-            print(json.dumps(_json("GET", f"{base}/v1/batches/{args.batch_id}"), indent=2))
+            print(json.dumps(_json("GET", f"{base}/v1/batches/{args.batch_id}", api_key=args.api_key), indent=2))
             return 0
         if args.action == "cancel":
-            print(json.dumps(_json("POST", f"{base}/v1/batches/{args.batch_id}/cancel"), indent=2))
+            print(json.dumps(_json("POST", f"{base}/v1/batches/{args.batch_id}/cancel", api_key=args.api_key), indent=2))
             return 0
         endpoint = args.endpoint or endpoint_of(args.file)
-        file_id = upload(base, args.file)
+        file_id = upload(base, args.file, args.api_key)
         batch = _json("POST", f"{base}/v1/batches", {"input_file_id": file_id, "endpoint": endpoint,
-                                                     "completion_window": "24h"})
+                                                     "completion_window": "24h"}, args.api_key)
         print(batch["id"], flush=True)
         if not args.wait and args.output is None:
             return 0
-        batch = wait(base, batch["id"], args.timeout_s, sys.stderr)
+        batch = wait(base, batch["id"], args.timeout_s, sys.stderr, args.api_key)
         if args.output is not None:
             for key, path in (("output_file_id", args.output), ("error_file_id", args.output.with_suffix(".errors.jsonl"))):
                 if batch.get(key):
-                    path.write_bytes(_call("GET", f"{base}/v1/files/{batch[key]}/content"))
+                    path.write_bytes(_call("GET", f"{base}/v1/files/{batch[key]}/content", api_key=args.api_key))
                     print(f"wrote {path}", file=sys.stderr)
     except BatchError as e:
         print(f"carpool batch: refused: {e}", file=sys.stderr)

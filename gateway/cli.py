@@ -1,6 +1,6 @@
 """The `carpool` command: one verb per process kind.
 
-`up`, `gateway`, `submit` and `batch` live here; `worker` and `generate` belong to
+`up`, `gateway`, `submit`, `batch` and `keys` live here; `worker` and `generate` belong to
 `worker.cli` and `webhooks` to `gateway.webhooks.cli`, imported only
 when those verbs run, so the gateway never loads torch. Configuration is read
 once, here: flags first, then `CARPOOL_<FLAG>` variables, then defaults.
@@ -17,6 +17,7 @@ from pathlib import Path
 from gateway.batch_cli import add_batch_flags, run_batch
 from gateway.config import GatewayConfig
 from gateway.flags import add_config_flags, config_from_args
+from gateway.keys_cli import add_keys_flags, run_keys
 from gateway.submit import add_submit_flags, run_submit
 from gateway.up import UpConfig, default_data_dir, run_up
 from gateway.up_worker import WorkerChild
@@ -56,6 +57,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     batch = verbs.add_parser("batch", help="the Batch API: submit a JSONL file (--wait shows progress), status, cancel")
     add_batch_flags(batch, env)
 
+    keys = verbs.add_parser("keys", help="API keys: create (shown once), list, revoke; limits per key")
+    add_keys_flags(keys, env)
+
     for verb, help_text in DELEGATED_VERBS.items():
         verbs.add_parser(verb, help=help_text, add_help=False)
     verbs.add_parser("bench", help="benchmark the batching modes and transformers peers; writes a report", add_help=False)
@@ -94,6 +98,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         return run_submit(args)
     if args.verb == "batch":
         return run_batch(args)
+    if args.verb == "keys":
+        data_dir = Path(environ["CARPOOL_DATA_DIR"]).expanduser() if environ.get("CARPOOL_DATA_DIR") else None
+        return run_keys(args, data_dir or default_data_dir(Path.home()))
     try:
         webhooks = config_from_args(WebhookConfig, args)
         if args.verb == "up":

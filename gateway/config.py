@@ -41,6 +41,9 @@ class GatewayConfig:
     max_batch_file_bytes: int = field(default=100 * 1024 * 1024, metadata={"help": "largest Batch API input file; a larger upload is answered 413"})
     file_ttl_s: int = field(default=DEFAULT_FILE_TTL_S, metadata={"help": "seconds uploaded files, batches and their output files are kept"})
     batch_poll_interval_s: float = field(default=0.5, metadata={"help": "seconds between the batch driver's rounds (enqueue, count finished requests)"})
+    api_keys: bool = field(default=False, metadata={"help": (
+        "require 'Authorization: Bearer <key>' on every /v1 route (keys: carpool keys create); each key's tenant "
+        "sees only its own jobs, files and batches, within its key's limits")})
     no_webhooks: bool = field(default=False, metadata={"help": "do not run the webhook dispatcher inside the gateway"})
     webhooks: WebhookConfig = field(default_factory=WebhookConfig, metadata={"flag": False})
     """Secret, allow-list and retry settings; their flags (`--webhook-*`) come from `WebhookConfig`."""

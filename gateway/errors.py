@@ -34,6 +34,7 @@ _TYPE_OF_STATUS = {
     404: "not_found",
     405: "method_not_allowed",
     409: "conflict",
+    401: "unauthorized",
     413: "payload_too_large",
     429: "lane_full",
 }

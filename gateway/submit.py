@@ -41,6 +41,16 @@ def add_submit_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
         help=f"gateway base URL (default: {DEFAULT_GATEWAY}) [env CARPOOL_GATEWAY]",
     )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="give up waiting after this many seconds")
+    add_api_key_flag(parser, env)
+
+
+def add_api_key_flag(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    parser.add_argument("--api-key", default=env.get("CARPOOL_API_KEY"),
+                        help="sent as 'Authorization: Bearer KEY' (gateways run with --api-keys) [env CARPOOL_API_KEY]")
+
+
+def auth_header(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def job_body(args: argparse.Namespace) -> dict[str, Any]:
@@ -77,13 +87,15 @@ def _request(method: str, url: str, body: dict[str, Any] | None, headers: dict[s
 
 def run_submit(args: argparse.Namespace) -> int:
     base = args.gateway.rstrip("/")
-    headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
+    headers = auth_header(args.api_key)
+    if args.idempotency_key:
+        headers["Idempotency-Key"] = args.idempotency_key
     try:
         created = _request("POST", f"{base}/v1/jobs", job_body(args), headers, timeout_s=30)
         if not args.wait:
             print(json.dumps(created) if args.json else created["id"])
             return 0
-        view = _wait(base, created["id"], args.timeout_s)
+        view = _wait(base, created["id"], args.timeout_s, auth_header(args.api_key))
     except GatewayError as e:
         print(f"carpool submit: refused: {e}", file=sys.stderr)
         return EXIT_REFUSED
@@ -124,11 +136,11 @@ def _is_builtin_model(base: str, worker: object) -> bool:
     return isinstance(beat, dict) and beat.get("builtin_model") is True
 
 
-def _wait(base: str, job_id: str, timeout_s: float) -> dict[str, Any]:
+def _wait(base: str, job_id: str, timeout_s: float, headers: dict[str, str]) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()
         chunk = max(0.0, min(POLL_CHUNK_S, remaining))
-        view = _request("GET", f"{base}/v1/jobs/{job_id}?wait={chunk:.1f}", None, {}, timeout_s=chunk + 30)
+        view = _request("GET", f"{base}/v1/jobs/{job_id}?wait={chunk:.1f}", None, headers, timeout_s=chunk + 30)
         if view["status"] not in ("queued", "running") or remaining <= 0:
             return view

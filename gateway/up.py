@@ -43,6 +43,7 @@ class UpConfig:
     worker_metrics_port: int = field(default=0, metadata={"help": "port of the worker's /metrics /readyz (default: a free one)"})
     ready_timeout_s: float = field(default=600.0, metadata={"help": "how long the worker may take to load its model"})
     worker_grace_s: float = field(default=30.0, metadata={"help": "on shutdown, how long the worker may take to hand back its jobs"})
+    api_keys: bool = field(default=False, metadata={"help": "require API keys on every /v1 route (make them with carpool keys create)"})
 
     def __post_init__(self) -> None:
         for name in ("port", "redis_port", "worker_metrics_port"):
@@ -142,7 +143,7 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
 
     gateway_config = GatewayConfig(
         redis_url=redis_url, host=config.host, port=config.port, max_model_len=child.engine.max_model_len,
-        webhooks=webhooks,
+        webhooks=webhooks, api_keys=config.api_keys,
     )
     runner = web.AppRunner(init_app(gateway_config, telemetry), shutdown_timeout=gateway_config.shutdown_grace_s)
     await runner.setup()

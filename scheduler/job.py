@@ -20,6 +20,7 @@ import msgpack
 
 from scheduler.lanes import DEFAULT_LANE, Lane
 from scheduler.params import SamplingParams
+from scheduler.tenants import DEFAULT_TENANT, tenant_of
 from scheduler.wire_values import first_bad_value, key_path
 
 SCHEMA_VERSION = 1
@@ -81,6 +82,8 @@ class JobSpec:
     reply_to: str | None = None
     metadata: dict[str, Any] | None = None
     traceparent: str | None = None
+    tenant: str = DEFAULT_TENANT
+    """Set by the gateway from the API key, by direct producers themselves; a malformed name is the default."""
     v: int = SCHEMA_VERSION
 
     @classmethod
@@ -91,7 +94,7 @@ class JobSpec:
         data = {_as_str_key(k): v for k, v in data.items()}
         known = {
             "v", "id", "prompt", "prompt_token_ids", "messages", "params", "lane", "priority",
-            "deadline", "webhook", "reply_to", "metadata", "traceparent",
+            "deadline", "webhook", "reply_to", "metadata", "traceparent", "tenant",
         }
         unknown = sorted(k for k in data if k not in known)
         if unknown:
@@ -157,7 +160,7 @@ class JobSpec:
         return cls(
             id=job_id, prompt=prompt, prompt_token_ids=token_ids, messages=messages, params=params,
             lane=lane, priority=priority, deadline=deadline, webhook=webhook, reply_to=reply_to,
-            metadata=metadata, traceparent=traceparent,
+            metadata=metadata, traceparent=traceparent, tenant=tenant_of(data.get("tenant")),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -169,6 +172,8 @@ class JobSpec:
                 out[name] = value
         if self.priority:
             out["priority"] = self.priority
+        if self.tenant != DEFAULT_TENANT:
+            out["tenant"] = self.tenant
         if self.webhook is not None:
             out["webhook"] = {"url": self.webhook.url, "events": [e.value for e in self.webhook.events]}
         return out

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgpack
 
+from scheduler.tenants import DEFAULT_TENANT, tenant_of
+
 # Job record hash fields. Numbers are stored as decimal strings, structures as msgpack.
 F_ID = "id"
 F_STATUS = "status"
@@ -30,6 +32,8 @@ F_OUTPUT = "output"  # msgpack {text, token_ids, finish_reason}
 F_USAGE = "usage"  # msgpack {prompt_tokens, completion_tokens, cached_tokens}
 F_ERROR = "error"  # msgpack {type, message}
 F_STREAM_ENTRY = "stream_entry"  # "<lane stream key> <entry id>"
+F_RESERVATION = "reservation"  # "<rate window id> <tokens>": tokens/min reserved at submission, settled at the end
+F_USAGE_COUNTED = "usage_counted"  # "1" once the job's tokens are in its tenant's usage and its reservation settled
 F_WEBHOOK_COUNT = "wh_count"
 WEBHOOK_ATTEMPT_PREFIX = "wh:"  # wh:<n> -> msgpack attempt record
 
@@ -63,6 +67,15 @@ def _unpacked(record: dict[bytes, bytes], name: str) -> Any:
 
 def _elapsed(start: float | None, end: float | None) -> float | None:
     return None if start is None or end is None else round(end - start, 6)
+
+
+def tenant_of_record(record: dict[bytes, bytes]) -> str:
+    """The tenant a job record belongs to: its message's ``tenant`` (the default tenant when it names none)."""
+    try:
+        spec = _unpacked(record, F_SPEC)
+    except Exception:  # a record whose spec cannot be read belongs to nobody in particular
+        return DEFAULT_TENANT
+    return tenant_of(spec.get("tenant") if isinstance(spec, dict) else None)
 
 
 def job_view(record: dict[bytes, bytes]) -> dict[str, Any]:

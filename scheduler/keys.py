@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler.lanes import LANES, Lane
+from scheduler.tenants import DEFAULT_TENANT
 
 DEFAULT_PREFIX = "carpool"
 
@@ -30,6 +31,15 @@ DEFAULT_REPLY_MAXLEN = 10_000
 
 DEFAULT_FILE_TTL_S = 7 * 24 * 3600
 """How long an uploaded file, a batch and the batch's output files live (OpenAI routes)."""
+
+RATE_WINDOW_MS = 60_000
+"""Length of a tenant's rate-limit window, from its first request in the window."""
+
+WAKE_MAXLEN = 1_000
+"""Approximate MAXLEN of the wake stream (its entries are deleted as they are read)."""
+
+ROUTE_SCAN_COUNT = 500
+"""Lane-stream entries a worker looks at per read for ones naming a tenant, to move to that tenant's stream."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,59 @@ class Keys:
     def lanes(self) -> list[str]:
         """Every lane stream, highest priority first."""
         return [self.lane(lane) for lane in LANES]
+
+    # --- tenants: fair share inside a lane, API keys, limits and usage ---
+
+    def tenant_lane(self, lane: Lane | str, tenant: str) -> str:
+        """Stream of one tenant's queued jobs in a lane (same entries as the lane stream, consumer group
+        ``carpool-workers``). The default tenant's stream is the lane stream itself."""
+        if tenant == DEFAULT_TENANT:
+            return self.lane(lane)
+        return f"{self.lane(lane)}:tenant:{tenant}"
+
+    def tenant_lane_prefix(self, lane: Lane | str) -> str:
+        """What every tenant stream of a lane starts with (the tenant's name follows)."""
+        return f"{self.lane(lane)}:tenant:"
+
+    def lane_tenants(self, lane: Lane | str) -> str:
+        """Set of tenants whose stream in the lane may hold entries (waiting or running); workers read only
+        these, and take a tenant out once its stream is empty."""
+        return f"{self.lane(lane)}:tenants"
+
+    def lane_route_cursor(self, lane: Lane | str) -> str:
+        """String: the last lane-stream entry id already looked at for a ``tenant`` (entries up to it that
+        are still undelivered belong to the default tenant)."""
+        return f"{self.lane(lane)}:routed"
+
+    @property
+    def wake(self) -> str:
+        """Stream (consumer group ``carpool-workers``) with one entry per tenant that became active in a
+        lane: wakes a worker blocked on the streams it knew of. Entries are deleted as they are read."""
+        return f"{self.prefix}:wake"
+
+    @property
+    def tenant_weights(self) -> str:
+        """Hash tenant -> weight (int) of its share inside a lane; a tenant not named weighs 1."""
+        return f"{self.prefix}:tenant-weights"
+
+    def api_key(self, digest: str) -> str:
+        """Hash of one API key, by the SHA-256 hex of the key (the key itself is never stored):
+        id, tenant, created_at and the limits (max_queued, requests_per_minute, tokens_per_minute, weight)."""
+        return f"{self.prefix}:apikey:{digest}"
+
+    @property
+    def api_keys(self) -> str:
+        """Hash key id -> SHA-256 hex of the key, for listing and revoking."""
+        return f"{self.prefix}:apikeys"
+
+    def tenant_window(self, tenant: str) -> str:
+        """Hash of a tenant's current rate-limit window: id (its start, unix ms), requests, tokens;
+        expires ``RATE_WINDOW_MS`` after the window's first request."""
+        return f"{self.prefix}:tenant:{tenant}:window"
+
+    def tenant_usage(self, tenant: str) -> str:
+        """Hash of a tenant's counts since it began: jobs, jobs_<status>, prompt_tokens, completion_tokens."""
+        return f"{self.prefix}:tenant:{tenant}:usage"
 
     def job(self, job_id: str) -> str:
         """Hash holding one job's record (status, timestamps, result, error)."""

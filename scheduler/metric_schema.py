@@ -26,6 +26,7 @@ A_CANCEL_STATE = "carpool.cancel.state"  # "queued" | "running"
 A_DEAD_LETTER_REASON = "carpool.dead_letter.reason"
 A_WEBHOOK_EVENT = "carpool.webhook.event"
 A_WEBHOOK_OUTCOME = "carpool.webhook.outcome"
+A_TENANT = "carpool.tenant"  # capped: past --max-tenant-labels distinct tenants, "other"
 A_TOKEN_TYPE = "gen_ai.token.type"  # "input" | "output"
 A_HTTP_METHOD = "http.request.method"
 A_HTTP_ROUTE = "http.route"
@@ -91,7 +92,8 @@ JOBS_SUBMITTED = MetricSpec(
 )
 JOBS_REJECTED = MetricSpec(
     "carpool.jobs.rejected", "counter", "{job}",
-    "Submissions refused: invalid body (invalid) or full lane (lane_full).", (A_LANE, A_REJECT_REASON),
+    "Submissions refused: invalid body (invalid), full lane (lane_full), a tenant's rate limit (rate_limited) or "
+    "queued-jobs maximum (quota).", (A_LANE, A_REJECT_REASON),
 )
 JOBS_DEDUPLICATED = MetricSpec(
     "carpool.jobs.deduplicated", "counter", "{job}",
@@ -122,11 +124,13 @@ WEBHOOK_DURATION = MetricSpec(
 # --- read from the streams (both processes) --------------------------------------------
 
 QUEUE_DEPTH = MetricSpec(
-    "carpool.queue.depth", "observable_gauge", "{job}", "Entries in a lane stream (XLEN).", (A_LANE,)
+    "carpool.queue.depth", "observable_gauge", "{job}",
+    "Entries in a lane: its stream and its tenants' streams (XLEN).", (A_LANE,)
 )
 QUEUE_PENDING = MetricSpec(
     "carpool.queue.pending", "observable_gauge", "{job}",
-    "Entries of a lane delivered to a worker and not yet acknowledged (XPENDING).", (A_LANE,),
+    "Entries of a lane (its stream and its tenants') delivered to a worker and not yet acknowledged (XPENDING).",
+    (A_LANE,),
 )
 DEAD_LETTER_DEPTH = MetricSpec(
     "carpool.dead_letter.depth", "observable_gauge", "{entry}", "Entries in the dead-letter stream (XLEN)."
@@ -207,6 +211,22 @@ DEAD_LETTERED = MetricSpec(
     (A_LANE, A_DEAD_LETTER_REASON),
 )
 
+TENANT_JOBS = MetricSpec(
+    "carpool.tenant.jobs", "counter", "{job}", "Jobs of a tenant that reached a final status, by status.",
+    (A_TENANT, A_JOB_STATUS),
+)
+TENANT_PROMPT_TOKENS = MetricSpec(
+    "carpool.tenant.prompt_tokens", "counter", "{token}", "Prompt tokens of a tenant's finished jobs.", (A_TENANT,)
+)
+TENANT_COMPLETION_TOKENS = MetricSpec(
+    "carpool.tenant.completion_tokens", "counter", "{token}", "Generated tokens of a tenant's finished jobs.",
+    (A_TENANT,),
+)
+TENANT_QUEUE_WAIT = MetricSpec(
+    "carpool.tenant.queue_wait", "histogram", "s", "Time from submission until a worker started a tenant's job.",
+    (A_TENANT, A_LANE), QUEUE_WAIT_BUCKETS_S,
+)
+
 STREAM_METRICS: tuple[MetricSpec, ...] = (QUEUE_DEPTH, QUEUE_PENDING, DEAD_LETTER_DEPTH)
 GATEWAY_METRICS: tuple[MetricSpec, ...] = (
     JOBS_SUBMITTED, JOBS_REJECTED, JOBS_DEDUPLICATED, JOBS_CANCELLED, OPEN_WAITERS, HTTP_SERVER_DURATION,
@@ -217,5 +237,6 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     TOKEN_USAGE,
     STEP_DURATION, STEP_TOKENS, SEQS_RUNNING, SEQS_WAITING, BATCH_OCCUPANCY, KV_CACHE_USAGE, PREEMPTIONS,
     PREFIX_CACHE_HIT_RATE, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, LEASES_RECLAIMED, DEAD_LETTERED,
+    TENANT_JOBS, TENANT_PROMPT_TOKENS, TENANT_COMPLETION_TOKENS, TENANT_QUEUE_WAIT,
     *STREAM_METRICS,
 )

@@ -21,6 +21,7 @@ from scheduler.keys import CONSUMER_GROUP, Keys
 from scheduler.lanes import LANES, Lane
 from scheduler.metric_schema import A_LANE
 from scheduler.tasks import cancel_and_reap, raise_if_cancelled
+from scheduler.tenants import DEFAULT_TENANT, is_tenant_name
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +47,30 @@ class StreamStats:
         self._task: asyncio.Task[None] | None = None
 
     async def refresh(self) -> StreamSnapshot:
-        """Read every count in one round trip and swap the snapshot in."""
+        """Read every count (a lane's: its stream's and its active tenants' streams') in two round trips
+        and swap the snapshot in."""
         pipe = self._redis.pipeline(transaction=False)
         for lane in LANES:
-            pipe.xlen(self._keys.lane(lane))
+            pipe.smembers(self._keys.lane_tenants(lane))
+        members = await pipe.execute(raise_on_error=False)
+        streams: list[tuple[Lane, str]] = []
+        for lane, names in zip(LANES, members):
+            tenants = sorted(n.decode() for n in names) if isinstance(names, set) else []
+            streams.append((lane, self._keys.lane(lane)))
+            streams += [(lane, self._keys.tenant_lane(lane, t)) for t in tenants
+                        if t != DEFAULT_TENANT and is_tenant_name(t)]
+        pipe = self._redis.pipeline(transaction=False)
+        for _, stream in streams:
+            pipe.xlen(stream)
             # XPENDING's summary form; fails with NOGROUP before any worker created the group.
-            pipe.xpending(self._keys.lane(lane), CONSUMER_GROUP)
+            pipe.xpending(stream, CONSUMER_GROUP)
         pipe.xlen(self._keys.dead)
         results = await pipe.execute(raise_on_error=False)
         snapshot = StreamSnapshot(dead=_as_count(results[-1]))
-        for i, lane in enumerate(LANES):
-            snapshot.depth[lane] = _as_count(results[2 * i])
+        for i, (lane, _) in enumerate(streams):
+            snapshot.depth[lane] += _as_count(results[2 * i])
             pending = results[2 * i + 1]
-            snapshot.pending[lane] = _as_count(pending.get("pending", 0) if isinstance(pending, dict) else pending)
+            snapshot.pending[lane] += _as_count(pending.get("pending", 0) if isinstance(pending, dict) else pending)
         self.snapshot = snapshot
         return snapshot
 

@@ -138,3 +138,18 @@ def test_quick_bench_writes_a_complete_report(tmp_path: Path, tiny_model: Callab
     markdown = (out / "results.md").read_text()
     assert "| skewed | offline | continuous |" in markdown and "## Claims" in markdown
     assert document["machine"]["cpu"] in markdown
+
+
+def test_fair_share_workload_writes_both_runs(tmp_path: Path, tiny_model: Callable[..., str]) -> None:
+    """`carpool bench --workload fair-share`, small: both runs (two tenants, then one) finish every job."""
+    output = tmp_path / "fair"
+    assert carpool_main(["bench", "--workload", "fair-share", "--quick", "--fair-share-a", "30",
+                         "--fair-share-b", "4", "--model", tiny_model(), "--output", str(output),
+                         "--no-progress"]) == 0
+    document = json.loads((output / "fair-share.json").read_text())
+    fair, fifo = document["runs"]
+    assert fair["fair_share"] and not fifo["fair_share"]
+    for run in (fair, fifo):
+        assert (run["jobs_a"], run["jobs_b"], run["failed"]) == (30, 4, 0)
+    assert document["check"]["name"].startswith("fair share") and "fair share (two tenants)" in (
+        output / "fair-share.md").read_text()

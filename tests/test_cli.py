@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_every_verb_is_listed() -> None:
     parser = build_parser({})
     (verbs,) = [a for a in parser._actions if a.dest == "verb"]
-    assert set(verbs.choices) == {"up", "gateway", "submit", "batch", "bench", "redis-cli", *DELEGATED_VERBS}
+    assert set(verbs.choices) == {"up", "gateway", "submit", "batch", "keys", "bench", "redis-cli", *DELEGATED_VERBS}
     assert set(DELEGATED_VERBS) == {"worker", "generate", "webhooks"}
 
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import msgpack
@@ -15,21 +13,14 @@ import redis.asyncio as aioredis
 from scheduler.job import JobSpec
 from scheduler.lanes import LANES
 from scheduler.params import SamplingParams
-from worker_harness import KEYS, WAIT_S, wait_terminal, wait_until, xadd_job
-from child_env import child_pythonpath
+from worker_harness import KEYS, WAIT_S, start_worker_process, wait_terminal, wait_until, xadd_job
 
-ROOT = Path(__file__).resolve().parents[1]
 END_OF_EVENTS = "end-of-events"
 """A job id no worker runs: the test publishes on its channel once every worker has stopped."""
 
 
 def start_worker(redis_url: str, model: str, name: str, log_path: Path) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", redis_url, "--model", model,
-            "--worker-name", name, "--metrics-port", "0", "--max-num-seqs", "8", "--lease-s", "2",
-            "--checkpoint-tokens", "4", "--checkpoint-interval-s", "0.2", "--max-wait-ms", "5"]
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT)}
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return start_worker_process(redis_url, model, name, log_path)
 
 
 async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_model, tmp_path):

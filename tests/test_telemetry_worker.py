@@ -8,6 +8,7 @@ import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import msgpack
 import pytest
@@ -107,7 +108,9 @@ async def test_log_lines_about_a_job_carry_its_id_and_trace(redis_url: str, engi
     assert views["good"]["status"] == "succeeded" and views["poison"]["status"] == "failed"
     records = [json.loads(line) for line in stream.getvalue().splitlines()]
     about = {job_id: [r for r in records if f"job {job_id}:" in r["message"]] for job_id in ("good", "poison")}
-    good_lines = {r["message"].split(":")[1].split()[0]: r for r in about["good"]}
+    good_lines: dict[str, dict[str, Any]] = {}
+    for r in about["good"]:  # the first line of each kind: a loaded machine may reclaim the entry again later
+        good_lines.setdefault(r["message"].split(":")[1].split()[0], r)
     assert {"reclaimed", "admitted", "succeeded"} <= set(good_lines), [r["message"] for r in about["good"]]
     assert good_lines["reclaimed"]["delivery"] == 2 and good_lines["admitted"]["lane"] == "standard"
     (poison_line,) = about["poison"]

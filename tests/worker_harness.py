@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -127,3 +131,17 @@ async def running_worker(redis_url: str, engine: Any, **overrides: Any) -> Async
     finally:
         await service.shutdown()
         await client.aclose()
+
+
+def start_worker_process(redis_url: str, model: str, name: str, log_path: Path, *flags: str) -> subprocess.Popen[bytes]:
+    """``carpool worker`` as a child process (its output appended to `log_path`): 8 slots, a 2 s lease, frequent
+    checkpoints; `flags` add to or override those."""
+    from child_env import child_pythonpath
+
+    root = Path(__file__).resolve().parents[1]
+    args = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", redis_url, "--model", model,
+            "--worker-name", name, "--metrics-port", "0", "--max-num-seqs", "8", "--lease-s", "2",
+            "--checkpoint-tokens", "4", "--checkpoint-interval-s", "0.2", "--max-wait-ms", "5", *flags]
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(root)}
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(args, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)

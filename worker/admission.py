@@ -69,7 +69,7 @@ class EntryAdmitter:
         """The last resort for an entry whose admission keeps failing: fail its job if its id can be read,
         and put the entry on the dead stream. Only the raw fields are copied, so no content can break it."""
         reason = _safe_text(f"could not be admitted: {type(error).__name__}: {error}")
-        lane = self._lane_of.get(entry.ref.stream, "unknown")
+        lane = entry.lane.value
         self.metrics.dead_lettered(lane, "unadmittable")
         raw = (entry.fields or {}).get(b"job")
         job_id = None if raw is None else _recover_id(raw)
@@ -93,11 +93,12 @@ class EntryAdmitter:
         if entry.fields is None:
             await self.store.ack(ref)  # deleted while pending: nothing left to run
             return
-        created_at = int(ref.entry_id.split("-", 1)[0]) / 1000  # the stream entry id is its XADD time
+        # The stream entry id is its XADD time; an entry moved into its tenant's stream keeps its first id.
+        created_at = _enqueued_at(entry.fields.get(b"routed_from"), ref.entry_id)
         raw = entry.fields.get(b"job")
         if raw is None:
             await self.store.dead_letter_entry(ref, "entry has no 'job' field", entry.fields)
-            self.metrics.dead_lettered(self._lane_of.get(ref.stream, "unknown"), "no_job_field")
+            self.metrics.dead_lettered(entry.lane.value, "no_job_field")
             return
         try:
             spec = JobSpec.unpack(raw)
@@ -107,7 +108,7 @@ class EntryAdmitter:
         except JobValidationError as e:
             job_id, traceparent = _recover_id(raw), _recover_traceparent(raw)
             reason = f"invalid job: {e}"
-            lane = self._lane_of.get(ref.stream, "unknown")
+            lane = entry.lane.value
             self.metrics.dead_lettered(lane, "invalid_job")
             if job_id is None:
                 log.warning("%s: %s; dead-lettered", ref, reason, extra={"entry": str(ref), "dead_letter": "invalid_job"})
@@ -156,16 +157,19 @@ class EntryAdmitter:
                      extra={"entry": str(ref), "lane": lane, "verdict": admission.verdict})
         if admission.verdict in ("terminal", "duplicate"):
             await self.store.ack(ref)
+            if admission.verdict == "terminal":
+                # Decided elsewhere (cancelled while queued): its tokens reservation is given back, once.
+                await self.store.settle(spec.id, spec.tenant, admission.previous_status, None)
         elif admission.verdict == "cancel":
             await self.store.commit(Outcome(spec.id, JobStatus.CANCELLED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
                                             traceparent=spec.traceparent,
                                             error={"type": "cancelled", "message": "cancelled before it started"}))
-            self.metrics.job_finished_unrun(spec.lane.value, JobStatus.CANCELLED, created_at)
+            self.metrics.job_finished_unrun(spec.lane.value, JobStatus.CANCELLED, created_at, tenant=spec.tenant)
         elif admission.verdict == "expire":
             await self.store.commit(Outcome(spec.id, JobStatus.EXPIRED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
                                             traceparent=spec.traceparent,
                                             error={"type": "expired", "message": "deadline passed before the job started"}))
-            self.metrics.job_finished_unrun(spec.lane.value, JobStatus.EXPIRED, created_at)
+            self.metrics.job_finished_unrun(spec.lane.value, JobStatus.EXPIRED, created_at, tenant=spec.tenant)
         else:
             assert admission.verdict == "run", admission.verdict
             await self._announce_start(spec, admission)
@@ -192,7 +196,7 @@ class EntryAdmitter:
                                            webhook=spec.webhook, traceparent=spec.traceparent, dead_reason=reason,
                                            dead_payload=raw, output=output, usage=usage,
                                            error={"type": "too_many_deliveries", "message": reason})):
-            self.metrics.job_finished_unrun(spec.lane.value, JobStatus.FAILED, created_at)
+            self.metrics.job_finished_unrun(spec.lane.value, JobStatus.FAILED, created_at, tenant=spec.tenant)
 
     async def _announce_start(self, spec: JobSpec, admission: Admission) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -232,6 +236,16 @@ def _recover_id(raw: bytes) -> str | None:
     if isinstance(job_id, str) and job_id and len(job_id) <= 128 and job_id.isprintable() and " " not in job_id:
         return job_id
     return None
+
+
+def _enqueued_at(routed_from: bytes | None, entry_id: str) -> float:
+    """Unix seconds of an entry's first XADD: its id's time, or that of the id it was routed from."""
+    for raw in (routed_from, entry_id.encode()):
+        try:
+            return int((raw or b"").split(b"-", 1)[0]) / 1000
+        except ValueError:
+            continue
+    return time.time()
 
 
 def _safe_text(text: str) -> str:

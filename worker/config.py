@@ -16,6 +16,7 @@ from typing import Any
 from scheduler.checkpoint import check_local_checkpoint
 from scheduler.keys import DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S, DEFAULT_DEAD_MAXLEN
 from scheduler.lanes import DEFAULT_LANE_WEIGHTS, Lane
+from scheduler.tenants import DEFAULT_MAX_TENANT_LABELS
 
 BATCHING_MODES = ("continuous", "dynamic", "static")
 POLICIES = ("fcfs", "priority")
@@ -112,6 +113,8 @@ class WorkerConfig:
     reply_maxlen: int = field(default=DEFAULT_REPLY_MAXLEN, metadata=_help("approximate MAXLEN of reply_to streams"))
     dead_maxlen: int = field(default=DEFAULT_DEAD_MAXLEN, metadata=_help("approximate MAXLEN of the dead-letter stream"))
     webhook_output_interval_s: float = field(default=0.5, metadata=_help("least time between two `output` webhook deliveries of one job"))
+    max_tenant_labels: int = field(default=DEFAULT_MAX_TENANT_LABELS, metadata=_help(
+        "distinct tenants named in the carpool_tenant_* metrics; later ones are counted as `other`"))
     log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))
 
     def __post_init__(self) -> None:
@@ -125,6 +128,8 @@ class WorkerConfig:
             raise ValueError(f"model_impl: must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}")
+        if self.max_tenant_labels < 0:
+            raise ValueError(f"max_tenant_labels: must be >= 0, got {self.max_tenant_labels}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_deliveries", "checkpoint_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -1,4 +1,4 @@
-"""Reading the lane streams as one consumer of the ``carpool-workers`` group.
+"""Reading the lane streams, and the tenants' streams inside each lane, as one consumer of ``carpool-workers``.
 
 The pending-entries list (PEL) is the lease: an entry stays pending, owned by
 this consumer, until its job's outcome is committed. Renewing a lease resets
@@ -22,6 +22,7 @@ from scheduler.keys import CONSUMER_GROUP, Keys
 from scheduler.lanes import LANES, Lane
 from scheduler.redis_replies import stream_entries
 from worker.results import EntryRef
+from worker.tenant_streams import Source, TenantStreams
 
 log = logging.getLogger(__name__)
 
@@ -101,76 +102,140 @@ class LaneConsumer:
         self.lease_ms = lease_ms
         self.read_block_ms = read_block_ms
         self.max_deliveries = max_deliveries
-        self._lane_of = {keys.lane(lane): lane for lane in LANES}
+        self.tenants = TenantStreams(client, keys)
         self._renew = client.register_script(_RENEW_LUA)
         self._hand_back = client.register_script(_HAND_BACK_LUA)
 
     async def ensure_groups(self) -> None:
-        for lane in LANES:
+        for stream in [*self.keys.lanes(), self.keys.wake]:
             try:
-                await self.client.xgroup_create(self.keys.lane(lane), CONSUMER_GROUP, id="0", mkstream=True)
+                await self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
             except ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
 
     async def read(self, free: int) -> list[Entry]:
-        """At most `free` new entries: the slots are shared by weight, interactive read first,
-        and a lane that comes up short passes its slots on. Blocks briefly when all are empty.
+        """At most `free` new entries: the slots are shared over the lanes by weight, and inside a lane over
+        its active tenants by weight; a lane or tenant that comes up short passes its slots on (the most
+        urgent lane with work left first, shared over its tenants again). Blocks briefly when all are empty.
 
-        The weighted reads share one round trip; a lane that returned less than its share is empty
-        and is not asked again."""
+        Each round of reads shares one round trip; a stream that returned less than asked is empty and is
+        not asked again."""
         if free <= 0:
             return []
-        shares = self.shares.split(free)
-        asked = [lane for lane in LANES if shares[lane]]
-        pipe = self.client.pipeline(transaction=False)
-        for lane in asked:
-            pipe.xreadgroup(CONSUMER_GROUP, self.name, {self.keys.lane(lane): ">"}, count=shares[lane])
-        got: list[Entry] = []
-        empty: set[Lane] = set()
-        for lane, reply in zip(asked, await pipe.execute()):
-            entries = self._entries(reply)
-            if len(entries) < shares[lane]:
-                empty.add(lane)
-            got += entries
+        sources = await self.tenants.sources()
+        got, empty = await self._read_round(
+            [pair for lane, n in self.shares.split(free).items() if n
+             for pair in self.tenants.plan(lane, n, sources[lane])])
         for lane in LANES:
-            if len(got) < free and lane not in empty:
-                got += await self._read_lane(lane, free - len(got))
+            while len(got) < free:
+                left = [s for s in sources[lane] if s.stream not in {e.stream for e in empty}]
+                if not left:
+                    break
+                more, more_empty = await self._read_round(self.tenants.plan(lane, free - len(got), left))
+                got += more
+                empty += more_empty
+        await self.tenants.retire_empty(empty)
         if got:
             return got
-        # Idle: block on every lane at once; the reply carries only the stream that woke us,
-        # so a share per lane keeps a simultaneous wake-up within `free`.
-        count = max(1, free // len(LANES))
-        reply = await self.client.xreadgroup(
-            CONSUMER_GROUP, self.name, {s: ">" for s in self.keys.lanes()}, count=count, block=self.read_block_ms
-        )
-        return self._entries(reply)
+        # Idle: block on every stream at once, and on the wake stream that a newly active tenant rings;
+        # the reply carries only the stream that woke us, so a share per stream keeps a wake-up within `free`.
+        streams = [s.stream for lane in LANES for s in sources[lane]]
+        try:
+            reply = await self.client.xreadgroup(
+                CONSUMER_GROUP, self.name, {**{s: ">" for s in streams}, self.keys.wake: ">"},
+                count=max(1, free // (len(streams) + 1)), block=self.read_block_ms,
+            )
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            await self._repair([*streams, self.keys.wake])
+            return []
+        return await self._without_wake(self._entries(reply))
+
+    async def _repair(self, streams: list[str]) -> None:
+        """Give back its consumer group to a stream that lost it (deleted from outside); an empty new stream
+        for one that is gone. Its tenant then retires as any empty one does."""
+        for stream in streams:
+            try:
+                await self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+                log.warning("stream %s had no consumer group %s (deleted from outside?); made it again",
+                            stream, CONSUMER_GROUP)
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
 
     async def read_interactive(self, count: int) -> list[Entry]:
         """At most `count` new interactive entries, without waiting (the reserve beyond the free slots)."""
-        return await self._read_lane(Lane.INTERACTIVE, count)
+        sources = (await self.tenants.sources(route=False))[Lane.INTERACTIVE]
+        got, empty = await self._read_round(self.tenants.plan(Lane.INTERACTIVE, count, sources))
+        while len(got) < count:
+            left = [s for s in sources if s.stream not in {e.stream for e in empty}]
+            if not left:
+                break
+            more, more_empty = await self._read_round(self.tenants.plan(Lane.INTERACTIVE, count - len(got), left))
+            got += more
+            empty += more_empty
+        return got
 
-    async def _read_lane(self, lane: Lane, count: int) -> list[Entry]:
-        reply = await self.client.xreadgroup(CONSUMER_GROUP, self.name, {self.keys.lane(lane): ">"}, count=count)
-        return self._entries(reply)
+    async def _read_round(self, plan: list[tuple[Source, int]]) -> tuple[list[Entry], list[Source]]:
+        """One pipelined read per (stream, count): the entries, and the sources that came up short."""
+        if not plan:
+            return [], []
+        pipe = self.client.pipeline(transaction=False)
+        for source, n in plan:
+            pipe.xreadgroup(CONSUMER_GROUP, self.name, {source.stream: ">"}, count=n)
+        got: list[Entry] = []
+        empty: list[Source] = []
+        for (source, n), reply in zip(plan, await pipe.execute(raise_on_error=False)):
+            if isinstance(reply, ResponseError) and "NOGROUP" in str(reply):
+                await self._repair([source.stream])
+                empty.append(source)
+                continue
+            if isinstance(reply, Exception):
+                raise reply
+            entries = self._entries(reply)
+            if len(entries) < n:
+                empty.append(source)
+            got += entries
+        return got, empty
+
+    async def _without_wake(self, entries: list[Entry]) -> list[Entry]:
+        """Drop (acknowledge and delete) wake-stream entries: they only ended the blocking read."""
+        wake = [e.ref.entry_id for e in entries if e.ref.stream == self.keys.wake]
+        if wake:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xack(self.keys.wake, CONSUMER_GROUP, *wake)
+            pipe.xdel(self.keys.wake, *wake)
+            await pipe.execute()
+        return [e for e in entries if e.ref.stream != self.keys.wake]
 
     def _entries(self, reply: XReadGroupResponse) -> list[Entry]:
         out: list[Entry] = []
         for stream, messages in stream_entries(reply):
             name = stream.decode()
+            lane = self.tenants.lane_of(name) or Lane.STANDARD  # only the wake stream is no lane's
             for entry_id, fields in messages:
-                out.append(Entry(EntryRef(name, entry_id.decode()), self._lane_of[name], fields or None, 1))
+                out.append(Entry(EntryRef(name, entry_id.decode()), lane, fields or None, 1))
         return out
 
     async def reclaim(self, free: int) -> list[Entry]:
-        """Take over up to `free` entries whose owner stopped renewing them for longer than the lease."""
+        """Take over up to `free` entries whose owner stopped renewing them for longer than the lease,
+        from every stream of every lane (the tenants' streams stay active while they hold entries)."""
         out: list[Entry] = []
-        for lane in LANES:
+        sources = await self.tenants.sources(route=False)
+        for source in [s for lane in LANES for s in sources[lane]]:
             if len(out) >= free:
                 break
-            stream = self.keys.lane(lane)
-            reply = await self.client.xautoclaim(stream, CONSUMER_GROUP, self.name, self.lease_ms,
-                                                 start_id="0-0", count=free - len(out))
+            stream = source.stream
+            try:
+                reply = await self.client.xautoclaim(stream, CONSUMER_GROUP, self.name, self.lease_ms,
+                                                     start_id="0-0", count=free - len(out))
+            except ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                await self._repair([stream])
+                continue
             messages = reply[1]
             if not messages:
                 continue
@@ -183,7 +248,7 @@ class LaneConsumer:
             pending = await pipe.execute()
             for (entry_id, fields), eid, info in zip(messages, ids, pending):
                 deliveries = int(info[0]["times_delivered"]) if info else 1
-                out.append(Entry(EntryRef(stream, eid), lane, fields or None, deliveries))
+                out.append(Entry(EntryRef(stream, eid), source.lane, fields or None, deliveries))
         if out:
             log.info("reclaimed %d entries whose worker stopped renewing them", len(out))
         return out

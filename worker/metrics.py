@@ -29,6 +29,7 @@ from scheduler import metric_schema as M
 from scheduler.job import JobSpec, JobStatus
 from scheduler.lanes import LANES
 from scheduler.process_metrics import ProcessMetrics
+from scheduler.tenants import DEFAULT_MAX_TENANT_LABELS, DEFAULT_TENANT, TenantLabels
 from scheduler.telemetry import (
     PROMETHEUS_CONTENT_TYPE,
     Telemetry,
@@ -50,6 +51,8 @@ class JobTrace:
 
     job_id: str
     lane: str
+    tenant: str
+    """The tenant's metric label (capped)."""
     created_s: float
     started_s: float
     span: trace.Span
@@ -68,11 +71,17 @@ class JobTrace:
 
 
 class WorkerMetrics(ProcessMetrics):
-    def __init__(self, telemetry: Telemetry | None = None, *, max_num_seqs: int = 1) -> None:
+    def __init__(self, telemetry: Telemetry | None = None, *, max_num_seqs: int = 1,
+                 max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS) -> None:
         assert max_num_seqs >= 1
         super().__init__(telemetry, "carpool-worker")
         self.max_num_seqs = max_num_seqs
+        self.tenant_labels = TenantLabels(max_tenant_labels)
         t = self.telemetry
+        self._tenant_jobs = t.counter(M.TENANT_JOBS)
+        self._tenant_prompt = t.counter(M.TENANT_PROMPT_TOKENS)
+        self._tenant_completion = t.counter(M.TENANT_COMPLETION_TOKENS)
+        self._tenant_wait = t.histogram(M.TENANT_QUEUE_WAIT)
         self._finished = t.counter(M.JOBS_FINISHED)
         self._queue_wait = t.histogram(M.QUEUE_WAIT)
         self._ttft = t.histogram(M.TIME_TO_FIRST_TOKEN)
@@ -140,6 +149,8 @@ class WorkerMetrics(ProcessMetrics):
         lane = spec.lane.value
         created_s = min(created_s, now_s)
         self._queue_wait.record(now_s - created_s, {M.A_LANE: lane})
+        tenant = self.tenant_labels.label(spec.tenant)
+        self._tenant_wait.record(now_s - created_s, {M.A_TENANT: tenant, M.A_LANE: lane})
         parent = context_from_traceparent(spec.traceparent)
         attributes = {A_JOB_ID: spec.id, M.A_LANE: lane}
         self.tracer.start_span(
@@ -150,7 +161,7 @@ class WorkerMetrics(ProcessMetrics):
             "carpool.job", context=parent, kind=SpanKind.CONSUMER,
             attributes={**attributes, "carpool.job.resumed_from": resumed_from}, start_time=s_to_ns(now_s),
         )
-        return JobTrace(spec.id, lane, created_s, now_s, span, resumed_from=resumed_from, attributes=attributes)
+        return JobTrace(spec.id, lane, tenant, created_s, now_s, span, resumed_from=resumed_from, attributes=attributes)
 
     @contextmanager
     def publish_span(self, job: JobTrace | None) -> Iterator[None]:
@@ -174,6 +185,10 @@ class WorkerMetrics(ProcessMetrics):
         self._e2e.record(now_s - job.created_s, {**lane, M.A_JOB_STATUS: status.value})
         self._tokens.record(prompt_tokens, {**lane, M.A_TOKEN_TYPE: "input"})
         self._tokens.record(completion_tokens, {**lane, M.A_TOKEN_TYPE: "output"})
+        tenant = {M.A_TENANT: job.tenant}
+        self._tenant_jobs.add(1, {**tenant, M.A_JOB_STATUS: status.value})
+        self._tenant_prompt.add(prompt_tokens, tenant)
+        self._tenant_completion.add(completion_tokens, tenant)
         generated_here = completion_tokens - job.resumed_from
         if status == JobStatus.SUCCEEDED and first_token_s is not None:
             self._ttft.record(max(0.0, first_token_s - job.created_s), lane)
@@ -214,9 +229,11 @@ class WorkerMetrics(ProcessMetrics):
                 end_time=s_to_ns(max(start_s, stop_s))
             )
 
-    def job_finished_unrun(self, lane: str, status: JobStatus, created_s: float, now_s: float | None = None) -> None:
+    def job_finished_unrun(self, lane: str, status: JobStatus, created_s: float, now_s: float | None = None, *,
+                           tenant: str = DEFAULT_TENANT) -> None:
         """A job decided without running (expired, cancelled while queued, invalid, dead-lettered)."""
         now_s = time.time() if now_s is None else now_s
+        self._tenant_jobs.add(1, {M.A_TENANT: self.tenant_labels.label(tenant), M.A_JOB_STATUS: status.value})
         self._finished.add(1, {M.A_LANE: lane, M.A_JOB_STATUS: status.value})
         self._e2e.record(max(0.0, now_s - created_s), {M.A_LANE: lane, M.A_JOB_STATUS: status.value})
 

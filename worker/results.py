@@ -26,7 +26,8 @@ from redis.typing import EncodableT, FieldT
 
 from scheduler import job_record as J
 from scheduler.job import JobSpec, JobStatus, WebhookEvent, WebhookSpec
-from scheduler.job_record import job_view
+from scheduler import tenant_lua
+from scheduler.job_record import job_view, tenant_of_record
 from scheduler.keys import CONSUMER_GROUP, Keys
 from scheduler.redis_replies import read_hash
 from scheduler.webhooks import delivery_fields
@@ -204,6 +205,7 @@ class ResultStore:
         self.dead_maxlen = dead_maxlen
         self._admit = client.register_script(_ADMIT)
         self._commit = client.register_script(_COMMIT)
+        self._settle = client.register_script(tenant_lua.SETTLE)
 
     async def admit(self, spec: JobSpec, entry: EntryRef, created_at: float, now: float) -> Admission:
         reply = await self._admit(
@@ -273,7 +275,16 @@ class ResultStore:
         if reply_type:
             log.warning("job %s: reply_to %r is a %s, not a stream: no reply was added", outcome.job_id,
                         outcome.reply_to, _s(reply_type))
+        if won:
+            await self.settle(outcome.job_id, tenant_of_record(merged), outcome.status, outcome.usage)
         return bool(won)
+
+    async def settle(self, job_id: str, tenant: str, status: JobStatus | str, usage: dict[str, Any] | None) -> None:
+        """Count a decided job in its tenant's usage and settle its tokens/min reservation (once per job)."""
+        usage = usage or {}
+        await self._settle(keys=[self.keys.job(job_id), self.keys.tenant_window(tenant), self.keys.tenant_usage(tenant)],
+                           args=[JobStatus(status).value, int(usage.get("prompt_tokens", 0)),
+                                 int(usage.get("completion_tokens", 0))])
 
     async def dead_letter_entry(self, entry: EntryRef, reason: str, raw_fields: dict[bytes, bytes]) -> None:
         """An entry with no usable job id: keep it on the dead stream and let it go from the lane."""

@@ -53,7 +53,8 @@ class WorkerService:
                                      lease_ms=config.lease_ms, read_block_ms=config.read_block_ms,
                                      max_deliveries=config.max_deliveries)
         # ``telemetry`` (built by the CLI from the OTEL_* variables) stays the caller's to shut down.
-        self.metrics = WorkerMetrics(telemetry, max_num_seqs=self.runner.max_num_seqs)
+        self.metrics = WorkerMetrics(telemetry, max_num_seqs=self.runner.max_num_seqs,
+                                     max_tenant_labels=config.max_tenant_labels)
         self._lane_of = {self.keys.lane(lane): lane.value for lane in Lane}
         self.loop = JobLoop(self.runner, self.store, client, self.keys, config, self.metrics)
         self.admitter = EntryAdmitter(config, client, self.keys, self.store, self.loop, self.metrics, self._lane_of)
@@ -167,7 +168,7 @@ class WorkerService:
                 if time.monotonic() >= next_reclaim or self.reclaim_now.is_set():
                     self.reclaim_now.clear()
                     reclaimed = await self.consumer.reclaim(free)
-                    self.metrics.leases_reclaimed(self._lane_of.get(e.ref.stream, "unknown") for e in reclaimed)
+                    self.metrics.leases_reclaimed(e.lane.value for e in reclaimed)
                     entries += reclaimed
                     next_reclaim = time.monotonic() + reclaim_every_s
                 if len(entries) < free:

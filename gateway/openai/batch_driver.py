@@ -27,6 +27,7 @@ from redis.typing import EncodableT, FieldT
 
 from gateway import appkeys as K
 from gateway.admission import InvalidJob, LaneFull
+from gateway.api_keys import Caller
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.errors import REDIS_UNAVAILABLE
 from gateway.openai.batch_counts import BatchCounts
@@ -38,6 +39,7 @@ from gateway.openai.schema import Endpoint
 from scheduler.job_record import job_view
 from scheduler.redis_replies import as_bytes
 from scheduler.tasks import raise_if_cancelled
+from scheduler.tenants import tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +175,8 @@ class BatchDriver:
                 try:
                     _, body = parse_line(line, endpoint)
                     await admission.submit({**body, "id": f"{batch_id}-{number}", "deadline": float(b["expires_at"]),
-                                            "reply_to": self._keys.batch_results(batch_id)}, None)
+                                            "reply_to": self._keys.batch_results(batch_id)},
+                                           None, caller=Caller(tenant_of(b.get("tenant"))))
                 except LaneFull:
                     await self._redis.hset(self._keys.batch(batch_id), "enqueued", number)
                     return  # the batch lane is full: try again next round
@@ -234,10 +237,12 @@ class BatchDriver:
             start += len(custom_ids)
         files: dict[str, str | int] = {}
         if num_out:
-            await self._files.publish(out_id, f"{batch_id}_output.jsonl", "batch_output", out_bytes)
+            await self._files.publish(out_id, f"{batch_id}_output.jsonl", "batch_output", out_bytes,
+                                     tenant_of(b.get("tenant")))
             files["output_file_id"] = out_id
         if num_err:
-            await self._files.publish(err_id, f"{batch_id}_error.jsonl", "batch_output", err_bytes)
+            await self._files.publish(err_id, f"{batch_id}_error.jsonl", "batch_output", err_bytes,
+                                     tenant_of(b.get("tenant")))
             files["error_file_id"] = err_id
         outcome = BatchStatus(b.get("outcome", BatchStatus.COMPLETED.value))
         await self._batches.move(batch_id, (BatchStatus.FINALIZING,), outcome, **files)

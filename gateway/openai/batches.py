@@ -30,12 +30,14 @@ from redis.typing import EncodableT, FieldT
 
 from gateway import appkeys as K
 from gateway.admission import InvalidJob
+from gateway.auth import caller_of, may_see
 from gateway.openai.errors import OpenAIError, invalid, unsupported
 from gateway.openai.files import file_store
 from gateway.openai.online import read_json
 from gateway.openai.schema import Endpoint
 from scheduler.keys import Keys
-from scheduler.redis_replies import read_hash
+from scheduler.redis_replies import as_bytes, read_hash
+from scheduler.tenants import DEFAULT_TENANT, tenant_of
 from scheduler.webhooks import BatchEvent, batch_delivery_fields
 
 routes = web.RouteTableDef()
@@ -91,13 +93,14 @@ class BatchStore:
         self._move = redis.register_script(_MOVE_LUA)
 
     async def create(self, input_file_id: str, endpoint: Endpoint, window_s: int, window: str,
-                     metadata: dict[str, str] | None, webhook_url: str | None = None) -> dict[str, Any]:
+                     metadata: dict[str, str] | None, tenant: str = DEFAULT_TENANT,
+                     webhook_url: str | None = None) -> dict[str, Any]:
         batch_id = "batch_" + secrets.token_hex(12)
         now = int(time.time())
         fields: dict[FieldT, EncodableT] = {
             "id": batch_id, "status": BatchStatus.VALIDATING.value, "endpoint": endpoint.value,
             "input_file_id": input_file_id, "completion_window": window, "created_at": now,
-            "expires_at": now + window_s, "metadata": json.dumps(metadata),
+            "expires_at": now + window_s, "metadata": json.dumps(metadata), "tenant": tenant,
             "total": 0, **{name: 0 for name in COUNTERS},
             **({"webhook_url": webhook_url} if webhook_url else {}),
         }
@@ -134,6 +137,11 @@ class BatchStore:
                 args += [v for pair in delivery.items() for v in pair]
         found = await self._move(keys=[self._keys.batch(batch_id), self._keys.webhooks], args=args)
         return found is not None and found.decode() in {s.value for s in allowed}
+
+    async def tenant(self, batch_id: str) -> str:
+        """Whose the batch is (batches made before tenants existed are the default tenant's)."""
+        raw = await self._redis.hget(self._keys.batch(batch_id), "tenant")
+        return tenant_of(None if raw is None else as_bytes(raw).decode())
 
     async def view(self, batch_id: str) -> dict[str, Any] | None:
         b = await self.read(batch_id)
@@ -185,14 +193,15 @@ async def create_batch(request: web.Request) -> web.Response:
                                  or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise invalid("metadata", f"must map at most {MAX_METADATA_PAIRS} strings to strings")
     file_id = body.get("input_file_id")
-    file = await file_store(request.app).get(file_id) if isinstance(file_id, str) else None
-    if file is None or not isinstance(file_id, str):
+    files = file_store(request.app)
+    file = await files.get(file_id) if isinstance(file_id, str) else None
+    if file is None or not isinstance(file_id, str) or not may_see(request, await files.tenant(file_id)):
         raise invalid("input_file_id", f"no such file: {file_id!r}")
     if file["purpose"] != "batch":
         raise invalid("input_file_id", "the file's purpose must be batch")
     webhook_url = await _webhook_url(request, body.get("webhook"))
     view = await batch_store(request.app).create(file_id, endpoint, COMPLETION_WINDOWS_S[window], window, metadata,
-                                                 webhook_url)
+                                                 caller_of(request).tenant, webhook_url)
     return web.json_response(view)
 
 
@@ -224,11 +233,27 @@ async def list_batches(request: web.Request) -> web.Response:
         if rank is None:
             raise invalid("after", f"no such batch: {request.query['after']!r}")
         start = cast(int, rank) + 1
-    ids = [i.decode() for i in cast(list[bytes], await redis.zrevrange(keys.batches, start, start + limit))]
     store = batch_store(request.app)
-    views = [v for v in [await store.view(i) for i in ids[:limit]] if v is not None]
+    views: list[dict[str, Any]] = []
+    has_more = False
+    # Page through the newest-first index, keeping the caller's own batches, until limit + 1 are found.
+    while not has_more:
+        ids = [i.decode() for i in cast(list[bytes], await redis.zrevrange(keys.batches, start, start + 99))]
+        if not ids:
+            break
+        start += len(ids)
+        for batch_id in ids:
+            if not may_see(request, await store.tenant(batch_id)):
+                continue
+            view = await store.view(batch_id)
+            if view is None:
+                continue
+            if len(views) == limit:
+                has_more = True
+                break
+            views.append(view)
     return web.json_response({"object": "list", "data": views, "first_id": views[0]["id"] if views else None,
-                              "last_id": views[-1]["id"] if views else None, "has_more": len(ids) > limit})
+                              "last_id": views[-1]["id"] if views else None, "has_more": has_more})
 
 
 @routes.get("/v1/batches/{id}")
@@ -246,7 +271,8 @@ async def cancel_batch(request: web.Request) -> web.Response:
 
 async def _existing(request: web.Request) -> dict[str, Any]:
     batch_id = request.match_info["id"]
-    view = await batch_store(request.app).view(batch_id)
-    if view is None:
+    store = batch_store(request.app)
+    view = await store.view(batch_id)
+    if view is None or not may_see(request, await store.tenant(batch_id)):
         raise OpenAIError(404, f"No such batch: {batch_id}", param="batch_id", code="not_found")
     return view

@@ -14,11 +14,13 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from gateway import appkeys as K
-from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull
+from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull, QuotaExceeded
+from gateway.api_keys import OPEN_CALLER, Caller
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.openai.errors import OpenAIError
 from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, PARAM_OF_FIELD
 from gateway.openai.schema import OpenAIRequest
+from gateway.rate_limits import RateLimited, job_tokens
 from gateway.results import EventHub, Subscription, is_terminal
 from scheduler.job_record import job_view
 from scheduler.keys import Keys
@@ -51,32 +53,49 @@ async def check_model(app: web.Application, model: str) -> None:
                           param="model", code="model_not_found")
 
 
-async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: Sequence[str]) -> None:
-    """Enqueue one job per choice; all or none (a refusal cancels the ones already enqueued)."""
-    admission, metrics = app[K.ADMISSION], app[K.METRICS]
+async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: Sequence[str],
+                         caller: Caller = OPEN_CALLER) -> dict[str, str]:
+    """Enqueue one job per choice, as `caller`'s; all or none (a refusal cancels the ones already enqueued).
+    Returns the x-ratelimit-* headers the request earned (none for a caller without rate limits)."""
+    admission, metrics, limiter = app[K.ADMISSION], app[K.METRICS], app[K.LIMITER]
+    try:
+        reservations, headers = await limiter.reserve(caller, [job_tokens(body) for body in request.jobs])
+    except RateLimited as e:
+        metrics.job_rejected("rate_limited")
+        raise OpenAIError(429, e.message, code="rate_limit_exceeded", headers=e.headers) from e
     done: list[str] = []
     try:
-        for job_id, body in zip(job_ids, request.jobs):
-            admitted = await admission.submit({**body, "id": job_id}, None)
+        for job_id, body, reservation in zip(job_ids, request.jobs, reservations):
+            admitted = await admission.submit({**body, "id": job_id}, None, caller=caller, reservation=reservation)
             metrics.job_submitted(admitted.lane)
             done.append(job_id)
     except InvalidJob as e:
         metrics.job_rejected("invalid")
         await cancel_jobs(app, done)
+        await limiter.release(caller, reservations[len(done):])
         param = PARAM_OF_FIELD.get(e.field, e.field.removeprefix("params."))
         code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_value"
         raise OpenAIError(400, f"{param}: {e.message}", param=param, code=code) from e
+    except QuotaExceeded as e:
+        metrics.job_rejected("quota")
+        await cancel_jobs(app, done)
+        await limiter.release(caller, reservations[len(done):])
+        raise OpenAIError(429, f"{e}; retry later", code="queued_jobs_limit",
+                          retry_after_s=app[K.CONFIG].retry_after_s) from e
     except LaneFull as e:
         metrics.job_rejected("lane_full", e.lane.value)
         await cancel_jobs(app, done)
+        await limiter.release(caller, reservations[len(done):])
         raise OpenAIError(429, f"{e}; retry later", code="lane_full",
                           retry_after_s=app[K.CONFIG].retry_after_s) from e
     except IdempotencyInFlight as e:  # ids are fresh, so only a collision gets here
         await cancel_jobs(app, done)
+        await limiter.release(caller, reservations[len(done):])
         raise OpenAIError(409, "request id collision; retry", code="conflict") from e
     except BaseException:
         await asyncio.shield(cancel_jobs(app, done))
         raise
+    return headers
 
 
 async def cancel_jobs(app: web.Application, job_ids: Sequence[str]) -> None:

@@ -8,6 +8,7 @@ OPENAI_PATH_PREFIXES = ("/v1/models", "/v1/completions", "/v1/chat/", "/v1/files
 
 _TYPE_OF_STATUS = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     409: "invalid_request_error",
@@ -25,8 +26,9 @@ class OpenAIError(Exception):
     """A request the OpenAI routes refuse; `param` names the request field at fault."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None) -> None:
+                 retry_after_s: int | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = dict(headers or {})
         self.status = status
         self.message = message
         self.param = param
@@ -34,8 +36,11 @@ class OpenAIError(Exception):
         self.retry_after_s = retry_after_s
 
     def response(self) -> web.Response:
-        headers = None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
-        return openai_error_response(self.status, self.message, param=self.param, code=self.code, headers=headers)
+        headers = dict(self.headers)
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(self.retry_after_s)
+        return openai_error_response(self.status, self.message, param=self.param, code=self.code,
+                                     headers=headers or None)
 
 
 def invalid(param: str, message: str, code: str = "invalid_value") -> OpenAIError:

@@ -19,9 +19,11 @@ from aiohttp import BodyPartReader, web
 from redis.typing import EncodableT, FieldT
 
 from gateway import appkeys as K
+from gateway.auth import caller_of, may_see
 from gateway.openai.errors import OpenAIError, invalid
 from scheduler.keys import Keys
 from scheduler.redis_replies import as_bytes, read_hash
+from scheduler.tenants import DEFAULT_TENANT, tenant_of
 
 routes = web.RouteTableDef()
 
@@ -34,14 +36,16 @@ class FileStore:
     def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: int) -> None:
         self._redis, self._keys, self._ttl_s = redis, keys, ttl_s
 
-    async def write(self, file_id: str, filename: str, purpose: str, lines: Sequence[str]) -> dict[str, Any]:
-        """Store (or replace) a whole file in one transaction; returns its view."""
+    async def write(self, file_id: str, filename: str, purpose: str, lines: Sequence[str],
+                    tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
+        """Store (or replace) a whole file of `tenant`'s in one transaction; returns its view."""
         lines_key = self._keys.file_lines(file_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(lines_key)
             for start in range(0, len(lines), PAGE_LINES):
                 pipe.rpush(lines_key, *lines[start:start + PAGE_LINES])
-            return await self._publish(pipe, file_id, filename, purpose, sum(len(line.encode()) + 1 for line in lines))
+            return await self._publish(pipe, file_id, filename, purpose, sum(len(line.encode()) + 1 for line in lines),
+                                       tenant)
 
     async def append(self, file_id: str, lines: Sequence[str]) -> int:
         """Add lines to a file being built (not listed until `publish`); returns their size in bytes."""
@@ -52,16 +56,18 @@ class FileStore:
                 await pipe.execute()
         return sum(len(line.encode()) + 1 for line in lines)
 
-    async def publish(self, file_id: str, filename: str, purpose: str, num_bytes: int) -> dict[str, Any]:
-        """List a file built with `append`."""
+    async def publish(self, file_id: str, filename: str, purpose: str, num_bytes: int,
+                      tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
+        """List a file built with `append`, as `tenant`'s."""
         async with self._redis.pipeline(transaction=True) as pipe:
-            return await self._publish(pipe, file_id, filename, purpose, num_bytes)
+            return await self._publish(pipe, file_id, filename, purpose, num_bytes, tenant)
 
-    async def _publish(self, pipe: aioredis.client.Pipeline, file_id: str, filename: str, purpose: str, num_bytes: int) -> dict[str, Any]:
+    async def _publish(self, pipe: aioredis.client.Pipeline, file_id: str, filename: str, purpose: str, num_bytes: int,
+                       tenant: str) -> dict[str, Any]:
         lines_key = self._keys.file_lines(file_id)
         created_at = int(time.time())
         meta: dict[FieldT, EncodableT] = {"id": file_id, "filename": filename, "purpose": purpose,
-                                          "bytes": num_bytes, "created_at": created_at}
+                                          "bytes": num_bytes, "created_at": created_at, "tenant": tenant}
         pipe.hset(self._keys.file(file_id), mapping=meta)
         pipe.expire(lines_key, self._ttl_s)
         pipe.expire(self._keys.file(file_id), self._ttl_s)
@@ -73,6 +79,11 @@ class FileStore:
     async def get(self, file_id: str) -> dict[str, Any] | None:
         meta = await read_hash(self._redis, self._keys.file(file_id))
         return self.view(meta) if meta else None
+
+    async def tenant(self, file_id: str) -> str:
+        """Whose the file is (files written before tenants existed are the default tenant's)."""
+        raw = await self._redis.hget(self._keys.file(file_id), "tenant")
+        return tenant_of(None if raw is None else as_bytes(raw).decode())
 
     async def num_lines(self, file_id: str) -> int:
         return int(await self._redis.llen(self._keys.file_lines(file_id)))
@@ -140,7 +151,7 @@ async def upload(request: web.Request) -> web.Response:
         raise invalid("file", "holds no lines")
     if len(lines) > config.max_batch_requests:
         raise invalid("file", f"{len(lines)} lines; a batch takes at most {config.max_batch_requests} requests")
-    view = await file_store(request.app).write(new_file_id(), filename, purpose, lines)
+    view = await file_store(request.app).write(new_file_id(), filename, purpose, lines, caller_of(request).tenant)
     return web.json_response(view)
 
 
@@ -159,7 +170,8 @@ async def _read_limited(part: BodyPartReader, max_bytes: int) -> bytes:
 async def list_files(request: web.Request) -> web.Response:
     store = file_store(request.app)
     ids = cast(list[bytes], await request.app[K.REDIS].zrevrange(request.app[K.KEYS].files, 0, 9999))
-    views = [v for v in [await store.get(i.decode()) for i in ids] if v is not None]
+    views = [v for v in [await store.get(i.decode()) for i in ids
+                         if may_see(request, await store.tenant(i.decode()))] if v is not None]
     return web.json_response({"object": "list", "data": views, "has_more": False})
 
 
@@ -182,14 +194,16 @@ async def file_content(request: web.Request) -> web.StreamResponse:
 @routes.delete("/v1/files/{id}")
 async def delete_file(request: web.Request) -> web.Response:
     file_id = request.match_info["id"]
-    if not await file_store(request.app).delete(file_id):
+    store = file_store(request.app)
+    if not may_see(request, await store.tenant(file_id)) or not await store.delete(file_id):
         raise OpenAIError(404, f"No such file: {file_id}", param="file_id", code="not_found")
     return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
 
 async def _existing(request: web.Request) -> dict[str, Any]:
     file_id = request.match_info["id"]
-    view = await file_store(request.app).get(file_id)
-    if view is None:
+    store = file_store(request.app)
+    view = await store.get(file_id)
+    if view is None or not may_see(request, await store.tenant(file_id)):
         raise OpenAIError(404, f"No such file: {file_id}", param="file_id", code="not_found")
     return view

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway import appkeys as K
+from gateway.auth import RATE_HEADERS, caller_of
 from gateway.openai import responses
 from gateway.openai.choices import ChoiceWatch, cancel_jobs, check_model, client_gone, served_models, submit_choices
 from gateway.openai.errors import OpenAIError, invalid
@@ -77,7 +78,7 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     metrics.waiter_opened()
     try:
         async with ChoiceWatch(app[K.REDIS], app[K.HUB], app[K.KEYS], job_ids) as watch:
-            await submit_choices(app, req, job_ids)
+            request[RATE_HEADERS] = await submit_choices(app, req, job_ids, caller_of(request))
             try:
                 if req.is_stream:
                     return await stream_choices(request, req, watch, request_id, created)

@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway import appkeys as K
+from gateway.auth import RATE_HEADERS
 from gateway.errors import REDIS_UNAVAILABLE
 from gateway.openai import responses
 from gateway.openai.choices import ChoiceWatch, cancel_jobs, client_gone
@@ -47,6 +48,7 @@ class _Chunks:
         self._request_id, self._created, self._num_choices = request_id, created, num_choices
         self.response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+            **request.get(RATE_HEADERS, {}),
         })
 
     @property

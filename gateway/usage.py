@@ -1,0 +1,44 @@
+"""``GET /v1/usage``: the caller's own tenant: its counts so far, its current rate window and its limits."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gateway import appkeys as K
+from gateway.auth import caller_of
+from scheduler.keys import RATE_WINDOW_MS
+from scheduler.lanes import LANES
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/v1/usage")
+async def usage(request: web.Request) -> web.Response:
+    app = request.app
+    redis, keys, caller = app[K.REDIS], app[K.KEYS], caller_of(request)
+    pipe = redis.pipeline(transaction=False)
+    pipe.hgetall(keys.tenant_usage(caller.tenant))
+    pipe.hgetall(keys.tenant_window(caller.tenant))
+    pipe.pttl(keys.tenant_window(caller.tenant))
+    for lane in LANES:
+        pipe.xlen(keys.tenant_lane(lane, caller.tenant))
+    raw_usage, raw_window, left_ms, *lengths = await pipe.execute()
+    counts = {k.decode(): int(v) for k, v in raw_usage.items()}
+    window = {k.decode(): v.decode() for k, v in raw_window.items()}
+    return web.json_response({
+        "object": "usage",
+        "tenant": caller.tenant,
+        "jobs": counts.get("jobs", 0),
+        "jobs_by_status": {k.removeprefix("jobs_"): v for k, v in sorted(counts.items()) if k.startswith("jobs_")},
+        "prompt_tokens": counts.get("prompt_tokens", 0),
+        "completion_tokens": counts.get("completion_tokens", 0),
+        # The default tenant's lane streams also hold entries not yet routed to their tenant.
+        "queued": sum(int(n) for n in lengths),
+        "window": {
+            "requests": int(window.get("requests", 0)),
+            "tokens": int(window.get("tokens", 0)),
+            "reset_ms": max(int(left_ms), 0) if window else 0,
+            "length_ms": RATE_WINDOW_MS,
+        },
+        "limits": caller.limits.to_json(),
+    })

@@ -1,0 +1,183 @@
+"""API keys on a real gateway over a real Redis: 401s in each route's shape, revocation, tenants kept apart."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import ClientSession, FormData
+from aiohttp.test_utils import TestServer
+
+from child_env import child_pythonpath
+from gateway.api_keys import KeyStore
+from gateway.app import init_app
+from gateway.config import GatewayConfig
+from scheduler.tenants import TenantLimits
+from worker_harness import KEYS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def _gateway(redis_url: str) -> TestServer:
+    server = TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True, api_keys=True)),
+                        host="127.0.0.1")
+    await server.start_server()
+    return server
+
+
+@pytest.fixture
+async def keyed(redis_url: str) -> AsyncIterator[tuple[str, str, str, aioredis.Redis]]:
+    """(gateway URL, tenant a's key, tenant b's key, Redis client) with keys on."""
+    server = await _gateway(redis_url)
+    client = aioredis.Redis.from_url(redis_url)
+    store = KeyStore(client, KEYS)
+    key_a, _ = await store.create("tenant-a", TenantLimits())
+    key_b, _ = await store.create("tenant-b", TenantLimits())
+    yield str(server.make_url("")).rstrip("/"), key_a, key_b, client
+    await client.aclose()
+    await server.close()
+
+
+def _v1_routes(app_server_url: str, redis_url: str) -> list[tuple[str, str]]:
+    app = init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True, api_keys=True))
+    routes = set()
+    for route in app.router.routes():
+        info = route.resource.get_info() if route.resource is not None else {}
+        path = info.get("path") or info.get("formatter")
+        if path and path.startswith("/v1") and route.method != "HEAD":
+            routes.add((route.method, re.sub(r"\{[^}]+\}", "x1", path)))
+    return sorted(routes)
+
+
+async def test_every_v1_route_wants_a_key_and_answers_401_in_its_own_shape(keyed, redis_url: str) -> None:
+    url, key_a, _, _ = keyed
+    routes = _v1_routes(url, redis_url)
+    assert len(routes) >= 15 and ("POST", "/v1/chat/completions") in routes and ("GET", "/v1/usage") in routes
+    async with ClientSession() as http:
+        for method, path in routes:
+            for headers in ({}, {"Authorization": "Bearer cpk_wrong"}, {"Authorization": "Basic abc"},
+                            {"Authorization": f"Bearer {key_a}x"}):
+                async with http.request(method, url + path, headers=headers, json={}) as resp:
+                    body = await resp.json()
+                    assert resp.status == 401, (method, path, headers, body)
+                    assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+                    if path.startswith(("/v1/jobs", "/v1/usage")):
+                        assert body["error"]["type"] == "unauthorized", body
+                    else:  # OpenAI's shape on the OpenAI routes
+                        assert body["error"]["code"] == "invalid_api_key" and "param" in body["error"], body
+        for path in ("/healthz", "/readyz", "/metrics"):
+            async with http.get(url + path) as resp:
+                assert resp.status == 200, path
+    # The OpenAI client sees its own authentication error.
+    bad = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="cpk_wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await bad.models.list()
+    good = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key_a, max_retries=0)
+    assert (await good.models.list()).data == []
+    await bad.close()
+    await good.close()
+
+
+async def test_a_revoked_key_stops_working_on_every_gateway_within_a_second(keyed, redis_url: str) -> None:
+    url, _, _, client = keyed
+    other = await _gateway(redis_url)
+    urls = [url, str(other.make_url("")).rstrip("/")]
+    store = KeyStore(client, KEYS)
+    key, record = await store.create("short-lived", TenantLimits())
+    headers = {"Authorization": f"Bearer {key}"}
+    async with ClientSession() as http:
+        for base in urls:
+            async with http.get(f"{base}/v1/usage", headers=headers) as resp:
+                assert resp.status == 200 and (await resp.json())["tenant"] == "short-lived"
+        assert await store.revoke(record.id)
+        revoked_at = time.monotonic()
+        for base in urls:
+            async with http.get(f"{base}/v1/usage", headers=headers) as resp:
+                assert resp.status == 401
+        assert time.monotonic() - revoked_at < 1.0
+    await other.close()
+
+
+async def test_a_tenant_sees_and_cancels_only_its_own_jobs_files_and_batches(keyed) -> None:
+    url, key_a, key_b, client = keyed
+    a, b = {"Authorization": f"Bearer {key_a}"}, {"Authorization": f"Bearer {key_b}"}
+    async with ClientSession() as http:
+        async with http.post(f"{url}/v1/jobs", headers=a, json={"prompt": "hi", "tenant": "tenant-b"}) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["field"] == "tenant"  # no choosing
+        async with http.post(f"{url}/v1/jobs", headers=a, json={"id": "a-job", "prompt": "hi"}) as resp:
+            assert resp.status == 202
+        # The tenant is in the message, from the key, and the job waits in tenant-a's own stream.
+        (entry,) = await client.xrange(KEYS.tenant_lane("standard", "tenant-a"))
+        assert b"tenant-a" in entry[1][b"job"]
+        assert await client.smembers(KEYS.lane_tenants("standard")) == {b"tenant-a"}
+        for method, path in (("GET", "/v1/jobs/a-job"), ("GET", "/v1/jobs/a-job/events"),
+                             ("DELETE", "/v1/jobs/a-job"), ("GET", "/v1/jobs/a-job?wait=1")):
+            async with http.request(method, url + path, headers=b) as resp:
+                assert resp.status == 404, (method, path)
+        async with http.get(f"{url}/v1/jobs/a-job", headers=a) as resp:
+            assert resp.status == 200 and (await resp.json())["status"] == "queued"
+        form = FormData()
+        form.add_field("purpose", "batch")
+        line = {"custom_id": "1", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}
+        form.add_field("file", io.BytesIO(json.dumps(line).encode()), filename="in.jsonl")
+        async with http.post(f"{url}/v1/files", headers=a, data=form) as resp:
+            file_id = (await resp.json())["id"]
+        async with http.post(f"{url}/v1/batches", headers=b, json={
+                "input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}) as resp:
+            assert resp.status == 400  # b cannot start a batch on a's file
+        async with http.post(f"{url}/v1/batches", headers=a, json={
+                "input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}) as resp:
+            batch_id = (await resp.json())["id"]
+        for method, path in (("GET", f"/v1/files/{file_id}"), ("GET", f"/v1/files/{file_id}/content"),
+                             ("DELETE", f"/v1/files/{file_id}"), ("GET", f"/v1/batches/{batch_id}"),
+                             ("POST", f"/v1/batches/{batch_id}/cancel")):
+            async with http.request(method, url + path, headers=b) as resp:
+                assert resp.status == 404, (method, path)
+        for path, key in (("/v1/files", "data"), ("/v1/batches", "data")):
+            async with http.get(url + path, headers=b) as resp:
+                assert (await resp.json())[key] == []
+            async with http.get(url + path, headers=a) as resp:
+                assert len((await resp.json())[key]) == 1
+        async with http.delete(f"{url}/v1/jobs/a-job", headers=a) as resp:
+            assert resp.status == 202 and (await resp.json())["status"] == "cancelled"
+
+
+def _carpool(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT), "CARPOOL_REDIS_URL": redis_url}
+    return subprocess.run([sys.executable, "-m", "gateway.cli", "keys", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+async def test_keys_cli_creates_lists_and_revokes_and_redis_keeps_only_a_hash(redis_url: str) -> None:
+    made = _carpool(redis_url, "create", "--tenant", "acme", "--limits", "rpm=60,tpm=4000,max_queued=10,weight=2")
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.strip()
+    assert key.startswith("cpk_") and "shown only now" in made.stderr
+    listed = _carpool(redis_url, "list", "--json")
+    (entry,) = json.loads(listed.stdout)
+    assert entry["tenant"] == "acme" and entry["limits"] == {
+        "max_queued": 10, "requests_per_minute": 60, "tokens_per_minute": 4000, "weight": 2}
+    assert key not in listed.stdout
+    client = aioredis.Redis.from_url(redis_url)
+    for name in await client.keys("*"):
+        kind = (await client.type(name)).decode()
+        values = (await client.hgetall(name)).items() if kind == "hash" else [(name, await client.get(name))]
+        assert not any(key.encode() in (k or b"") + (v or b"") for k, v in values), name
+    assert await client.hget(KEYS.tenant_weights, "acme") == b"2"
+    assert _carpool(redis_url, "create", "--tenant", "default").returncode == 2  # reserved
+    assert _carpool(redis_url, "create", "--tenant", "x", "--limits", "rpm=fast").returncode == 2
+    assert _carpool(redis_url, "revoke", entry["id"]).returncode == 0
+    assert _carpool(redis_url, "revoke", entry["id"]).returncode == 1
+    assert json.loads(_carpool(redis_url, "list", "--json").stdout) == []
+    assert await KeyStore(client, KEYS).lookup(key) is None
+    await client.aclose()

@@ -1,0 +1,97 @@
+"""The streams a worker reads in each lane: the lane stream (the default tenant's) and one per active tenant.
+
+Before each read the worker routes what direct producers XADDed to a lane stream for a named tenant into
+that tenant's stream, then learns each lane's active tenants and their weights. `plan` shares a lane's
+slots out over its tenants by weight (smooth weighted round-robin, state kept per lane); a tenant whose
+stream came up short is retired from the active set once its stream is empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from scheduler import tenant_lua
+from scheduler.keys import CONSUMER_GROUP, ROUTE_SCAN_COUNT, WAKE_MAXLEN, Keys
+from scheduler.lanes import LANES, Lane
+from scheduler.tenants import DEFAULT_TENANT, DEFAULT_WEIGHT, MAX_WEIGHT, TenantShares, is_tenant_name
+
+
+@dataclass(frozen=True)
+class Source:
+    """One stream a lane's jobs wait in, and whose they are."""
+
+    lane: Lane
+    tenant: str
+    stream: str
+
+
+class TenantStreams:
+    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+        self.client = client
+        self.keys = keys
+        self._shares = {lane: TenantShares() for lane in LANES}
+        self._weights: dict[str, int] = {}
+        self._lane_of = {keys.lane(lane): lane for lane in LANES}
+        """Stream -> lane of every stream seen; grows by one per tenant stream."""
+        self._route = client.register_script(tenant_lua.ROUTE)
+        self._deactivate = client.register_script(tenant_lua.DEACTIVATE)
+
+    def lane_of(self, stream: str) -> Lane | None:
+        return self._lane_of.get(stream)
+
+    async def sources(self, *, route: bool = True) -> dict[Lane, list[Source]]:
+        """Each lane's streams, the lane stream first. One round trip; routes first unless told not to."""
+        pipe = self.client.pipeline(transaction=False)
+        if route:
+            for lane in LANES:
+                await self._route(
+                    keys=[self.keys.lane(lane), self.keys.lane_route_cursor(lane), self.keys.lane_tenants(lane),
+                          self.keys.wake],
+                    args=[CONSUMER_GROUP, ROUTE_SCAN_COUNT, self.keys.tenant_lane_prefix(lane), WAKE_MAXLEN],
+                    client=pipe)
+        for lane in LANES:
+            pipe.smembers(self.keys.lane_tenants(lane))
+        pipe.hgetall(self.keys.tenant_weights)
+        replies = await pipe.execute()
+        replies = replies[len(LANES) if route else 0:]
+        self._weights = _weights(replies[-1])
+        out: dict[Lane, list[Source]] = {}
+        for lane, members in zip(LANES, replies[:-1]):
+            names = sorted(m.decode() if isinstance(m, bytes) else m for m in members)
+            streams = [Source(lane, DEFAULT_TENANT, self.keys.lane(lane))]
+            streams += [Source(lane, t, self.keys.tenant_lane(lane, t))
+                        for t in names if t != DEFAULT_TENANT and is_tenant_name(t)]
+            for source in streams:
+                self._lane_of[source.stream] = lane
+            self._shares[lane].keep({s.tenant for s in streams})
+            out[lane] = streams
+        return out
+
+    def plan(self, lane: Lane, slots: int, sources: list[Source]) -> list[tuple[Source, int]]:
+        """`slots` of `lane` shared over `sources` by their tenants' weights; only sources given a slot."""
+        by_tenant = {s.tenant: s for s in sources}
+        split = self._shares[lane].split(slots, {t: self._weights.get(t, DEFAULT_WEIGHT) for t in by_tenant})
+        return [(by_tenant[t], n) for t, n in split.items() if n]
+
+    async def retire_empty(self, sources: list[Source]) -> None:
+        """Take tenants whose stream came up short out of their lane's active set, if their stream is empty."""
+        by_lane: dict[Lane, list[Source]] = {}
+        for s in sources:
+            if s.tenant != DEFAULT_TENANT:
+                by_lane.setdefault(s.lane, []).append(s)
+        for lane, named in by_lane.items():
+            await self._deactivate(keys=[self.keys.lane_tenants(lane), *(s.stream for s in named)],
+                                   args=[s.tenant for s in named])
+
+
+def _weights(raw: dict[bytes, bytes]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k, v in raw.items():
+        try:
+            weight = int(v)
+        except ValueError:
+            continue  # a weight written by hand that is no number counts as the default
+        out[k.decode()] = min(max(weight, 1), MAX_WEIGHT)
+    return out
