@@ -72,7 +72,7 @@ class Scheduler:
             return (seq.priority, seq.arrival_order)
         if self.config.policy == "sjf":
             # The job's size as far as it is known up front: prompt plus the output it may ask for.
-            return (seq.num_prompt_tokens + seq.params.max_tokens, seq.arrival_order)
+            return (seq.num_prompt_tokens + seq.max_tokens, seq.arrival_order)
         return (0, seq.arrival_order)
 
     def _running_key(self, seq: Sequence) -> tuple[int, int, int]:

@@ -73,6 +73,13 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def max_tokens(self) -> int:
+        """The output limit; a request's ``max_tokens=None`` (the rest of the context) is resolved before it
+        becomes a Sequence."""
+        assert self.params.max_tokens is not None, "max_tokens is resolved when the request is added"
+        return self.params.max_tokens
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

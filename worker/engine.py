@@ -11,6 +11,7 @@ use it from one thread.
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from worker.request_state import Completion, RequestOutput, RequestState
 from worker.sampler import SampledToken, SampleRequest, Sampler
 from worker.speculation import DEFAULT_NUM_SPECULATIVE_TOKENS, Proposer, Speculator, parse_speculative
 from worker.text_decoder import text_decoder_for
+from worker.token_strings import TokenStrings
 
 __all__ = ["Completion", "Engine", "EngineConfig", "EngineStats", "RequestOutput"]
 
@@ -92,6 +94,7 @@ class Engine:
         self.tokenizer = self.runner.tokenizer
         # Chosen once here, not per request: the choice checks the tokenizer over its whole vocabulary.
         self.text_decoder = text_decoder_for(self.tokenizer)
+        self.token_strings = TokenStrings(self.tokenizer)
         if max_model_len is not None and max_model_len > self.runner.max_model_len:
             raise ValueError(
                 f"max_model_len: {max_model_len} exceeds the model's context length {self.runner.max_model_len}"
@@ -148,13 +151,17 @@ class Engine:
         prompt_ids = prompt_token_ids(self.tokenizer, self.runner.vocab_size, prompt, messages)
         resumed = list(resume_token_ids or [])
         check_token_ids("resume_token_ids", resumed, self.runner.vocab_size)
+        if params.max_tokens is None:  # as many as fit: the rest of the context (a prompt that fills it is refused)
+            params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(prompt_ids)))
+        assert params.max_tokens is not None
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds max_model_len {self.max_model_len}"
             )
         seq = Sequence(request_id, prompt_ids, params, priority=priority, output_token_ids=resumed)
-        state = RequestState(seq, IncrementalDetokenizer(self.tokenizer, prompt_ids, decoder=self.text_decoder), self.runner.eos_token_ids)
+        state = RequestState(seq, IncrementalDetokenizer(self.tokenizer, prompt_ids, decoder=self.text_decoder),
+                             self.runner.eos_token_ids, self.token_strings)
         if resumed:
             state.detokenizer.push(resumed)
         if len(resumed) >= params.max_tokens:

@@ -9,11 +9,15 @@ thread-safe), the child-process one is ``worker.engine_process``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from scheduler.job import JobSpec
+from scheduler.params import SamplingParams
+
+_PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 Add = tuple[str, JobSpec, int, list[int]]
 """A request to add: request id, its job, engine priority, tokens to resume from."""
@@ -36,12 +40,29 @@ class StepOutput:
     num_cached_tokens: int
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 @dataclass
 class Rejection:
     """A request the engine refused: why (the message starts with the field at fault), and its prompt length."""
 
     message: str
     num_prompt_tokens: int
+    is_context_exceeded: bool = False
+    """The prompt, or the prompt with max_tokens, does not fit the model's context."""
+
+    @property
+    def error(self) -> dict[str, str]:
+        """The failed job's ``error``: the field at fault (as the job message names it) and, when the context
+        is what is exceeded, the code OpenAI gives that (``context_length_exceeded``)."""
+        name, sep, _ = self.message.partition(":")
+        error = {"type": "invalid_request", "message": self.message}
+        if sep and name.isidentifier():
+            error["field"] = f"params.{name}" if name in _PARAM_NAMES else name
+        if self.is_context_exceeded:
+            error["code"] = CONTEXT_LENGTH_EXCEEDED
+        return error
 
 
 @dataclass
@@ -113,8 +134,10 @@ def _rejection(engine: Any, spec: JobSpec, error: ValueError) -> Rejection:
     if num_prompt >= max_len:
         field = "prompt" if spec.prompt is not None else ("messages" if spec.messages is not None else "prompt_token_ids")
         return Rejection(f"{field}: {num_prompt} tokens leave no room to generate within the model's context "
-                         f"of {max_len}", num_prompt)
-    return Rejection(str(error), num_prompt)
+                         f"of {max_len}", num_prompt, is_context_exceeded=True)
+    max_tokens = spec.params.max_tokens
+    return Rejection(str(error), num_prompt, is_context_exceeded=max_tokens is not None
+                     and num_prompt + max_tokens > max_len)
 
 
 class EngineThread:

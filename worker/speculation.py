@@ -160,7 +160,7 @@ class Speculator:
                 state.k = 1
             return 0
         # Never propose past max_tokens (the token after an accepted run counts too) or the context.
-        room = min(params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
+        room = min(seq.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
         return max(0, min(state.k, room))
 
     def verified(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:

@@ -18,6 +18,7 @@ from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull, QuotaEx
 from gateway.api_keys import OPEN_CALLER, Caller
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.openai.errors import OpenAIError
+from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, PARAM_OF_FIELD
 from gateway.openai.schema import OpenAIRequest
 from gateway.rate_limits import RateLimited, job_tokens
 from gateway.results import EventHub, Subscription, is_terminal
@@ -26,8 +27,6 @@ from scheduler.keys import Keys
 from scheduler.redis_replies import read_hash
 from scheduler.tasks import cancel_and_reap
 
-# A job field named by admission -> the OpenAI parameter it came from.
-_PARAM_OF_FIELD = {"params.max_tokens": "max_tokens", "prompt_token_ids": "prompt"}
 
 
 async def served_models(app: web.Application) -> dict[str, float]:
@@ -74,8 +73,9 @@ async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: 
         metrics.job_rejected("invalid")
         await cancel_jobs(app, done)
         await limiter.release(caller, reservations[len(done):])
-        param = _PARAM_OF_FIELD.get(e.field, e.field.removeprefix("params."))
-        raise OpenAIError(400, f"{param}: {e.message}", param=param, code="invalid_value") from e
+        param = PARAM_OF_FIELD.get(e.field, e.field.removeprefix("params."))
+        code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_value"
+        raise OpenAIError(400, f"{param}: {e.message}", param=param, code=code) from e
     except QuotaExceeded as e:
         metrics.job_rejected("quota")
         await cancel_jobs(app, done)
