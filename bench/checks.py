@@ -8,6 +8,7 @@ from typing import Any
 
 from bench.config import BenchConfig
 from bench.records import BenchReport, summarize
+from bench.speculative import PLAIN, PROMPT_LOOKUP, repeat_key
 from bench.workloads import Workload, Workloads
 
 
@@ -97,4 +98,10 @@ def evaluate_checks(report: BenchReport, w: Workloads, config: BenchConfig) -> l
                         summarize(alone)["ttft_ms_by_lane"]["interactive"]["p99"])
     checks.append(_check("mixed-lanes: interactive TTFT p99 with / without batch traffic", "<= 2.0", growth,
                          None if growth is None else growth <= 2.0))
+    for workload, target, holds in ((w.repetitive, ">= 1.5", lambda r: r >= 1.5),
+                                    (w.skewed, ">= 0.95", lambda r: r >= 0.95)):
+        ratios = _pair_ratios(report.repeats.get(repeat_key(workload), []), PROMPT_LOOKUP, PLAIN)
+        median = _median(ratios)
+        checks.append(_check(f"{workload.name}: output tokens/s with / without prompt lookup (continuous)", target,
+                             median, None if median is None else holds(median), pair_ratios=ratios))
     return checks

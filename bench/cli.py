@@ -3,6 +3,8 @@
     carpool bench --output bench-results            # the full comparison (default model)
     carpool bench --quick --output /tmp/smoke       # seconds: a tiny model, a few short requests
     carpool bench --workload fair-share             # only the fair-share workload (two tenants, one lane)
+    carpool bench --workload batch-api              # interactive chat while a Batch API batch runs
+    carpool bench batch-api --batch-requests 2000   # the same, with its own flags (--help lists them)
 
 Settings are read once here (flags, then ``CARPOOL_BENCH_<FLAG>`` variables)
 and passed down.
@@ -25,7 +27,7 @@ from scheduler.runtime.model_path import check_local_checkpoint
 
 _Default = TypeVar("_Default", str, None)
 
-WORKLOADS = ("all", "fair-share")
+WORKLOADS = ("all", "fair-share", "batch-api")
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -61,7 +63,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     p.add_argument("--workload", choices=WORKLOADS, default=default("workload", "all"),
                    help="all: the batching comparison; fair-share: tenant A floods the batch lane, then tenant B "
-                        "queues a few jobs (fair share against first come, first served) [env CARPOOL_BENCH_WORKLOAD]")
+                        "queues a few jobs (fair share against first come, first served); batch-api: interactive "
+                        "chat while a 2,000-request Batch API batch runs, against the same requests as plain jobs "
+                        "(`carpool bench batch-api --help` for its own flags) [env CARPOOL_BENCH_WORKLOAD]")
     p.add_argument("--fair-share-a", type=int, default=None, help="fair-share: tenant A's jobs (default 2000; --quick 200)")
     p.add_argument("--fair-share-b", type=int, default=None, help="fair-share: tenant B's jobs (default 50; --quick 10)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -105,6 +109,12 @@ def missing_modules(names: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     environ = os.environ if env is None else env
+    if argv is None:
+        argv = sys.argv[1:]
+    if list(argv[:1]) == ["batch-api"]:
+        from bench.batch_api import main as batch_api_main
+
+        return batch_api_main(argv[1:], environ)
     parser = build_parser(environ)
     args = parser.parse_args(argv)
     missing = missing_modules(OPTIONAL_MODULES)
@@ -127,12 +137,18 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     model = args.model or _default_model(args.quick, output)
     if args.workload == "fair-share":
         return _fair_share(args, config, model, output, environ)
+    if args.workload == "batch-api":
+        from bench.batch_api import main as batch_api_main
+
+        return batch_api_main(["--output", str(output), "--seed", str(args.seed),
+                               *(["--model", args.model] if args.model else [])], environ)
 
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
+    from bench.plan import build_workloads
     from bench.report import write_report
-    from bench.suite import build_workloads, planned_output_tokens, run_suite
+    from bench.suite import planned_output_tokens, run_suite
 
     hf_logging.disable_progress_bar()  # one bar on screen: ours
     total = planned_output_tokens(config, build_workloads(config))

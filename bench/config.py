@@ -37,6 +37,11 @@ class BenchConfig:
     online_pairs: int = 5
     """The same for the online claim (offline, then online at saturation), each repeat on a fresh seed. Its
     runs are short (seconds), so a slow stretch of a shared machine moves one pair a lot: more pairs."""
+    repetitive_requests: int = 32
+    """Requests of the repetitive workload (bench/repetitive.py), prompt lookup against plain decoding."""
+    repetitive_max_tokens: int = 200
+    speculative_pairs: int = 3
+    """How often each prompt-lookup claim's two sides (off, on) are measured, on `repetitive` and `skewed`."""
     max_wait_ms: float = 50.0
     threads: int = 1
     """torch CPU threads for every system (the engine, the peers, the worker process)."""
@@ -48,7 +53,8 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "threads", "skewed_requests", "sharegpt_requests", "shared_prefix_requests",
-                     "mixed_interactive", "mixed_batch", "skewed_pairs", "online_pairs"):
+                     "mixed_interactive", "mixed_batch", "skewed_pairs", "online_pairs", "repetitive_requests",
+                     "repetitive_max_tokens", "speculative_pairs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if not 0 < self.output_scale <= 1:
@@ -70,4 +76,5 @@ class BenchConfig:
         return replace(self, max_num_seqs=4, skewed_requests=6, output_scale=0.04, sharegpt_requests=6,
                        shared_prefix_requests=3, shared_prefix_len=128, mixed_interactive=3, mixed_batch=4,
                        mixed_interactive_rate=8.0, online_rate_fractions=(0.5, math.inf),
-                       online_modes=("continuous",), max_wait_ms=5.0, skewed_pairs=2, online_pairs=2)
+                       online_modes=("continuous",), max_wait_ms=5.0, skewed_pairs=2, online_pairs=2,
+                       repetitive_requests=4, repetitive_max_tokens=24, speculative_pairs=1)

@@ -104,7 +104,7 @@ def summarize(records: list[dict[str, Any]], *, fair: bool, a_queued_s: float) -
 
 def run_fair_share(model: str, config: FairShareConfig, child_env: dict[str, str], output: Path) -> dict[str, Any]:
     """Fair share, then the first-come-first-served baseline; writes fair-share.json and .md in `output`."""
-    from bench.suite import describe_machine
+    from bench.plan import describe_machine
 
     machine = describe_machine()
     fair = asyncio.run(run_once(model, config, fair=True, child_env=child_env))

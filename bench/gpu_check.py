@@ -8,7 +8,12 @@
    of 100 to ~8k tokens, 200 new tokens each, on the 1B model;
 3. `bench.step_profile` at batch 1, 8, 32 and 128, eager and graphed, carpool's own model (and the
    transformers path at batch 32, eager and graphed, for comparison);
-4. continuous batching on `skewed` at 32 slots (`bench.skewed_gpu`), eager and graphed.
+4. continuous batching on `skewed` at 32 slots (`bench.skewed_gpu`), eager and graphed;
+5. quantized weights: the decode step (graphed) at batch 8 and 32 with `int8` and `fp8` weights against
+   the model's dtype (targets on an H100: at most 0.6x of bf16's step);
+6. prompt lookup: the repetitive workload (`bench.repetitive`, on a cycling copy of the 1B model) at
+   32 slots with `--speculative ngram` against without (target on an H100: at least 2x output tok/s),
+   and `skewed` with it against without.
 
 The 1B model (`bench.gpu.make_1b_model`) is built first if `--model` does not exist. Prints one
 table per part, and writes them to OUTPUT/gpu_check.md.
@@ -25,9 +30,14 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_paged_decode.py", "tests/kernels/test_kernels_torch.py",
-                "tests/kernels/test_kernels_model.py", "tests/worker/engine/test_engine_triton.py", "tests/worker/engine/test_graph_runner.py",
-                "tests/worker/engine/test_own_models.py"]
+KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_paged_decode.py",
+                "tests/kernels/test_kernels_torch.py", "tests/kernels/test_kernels_model.py",
+                "tests/worker/engine/test_engine_triton.py", "tests/worker/engine/test_graph_runner.py",
+                "tests/worker/engine/test_own_models.py",
+                "tests/worker/engine/test_speculative.py::test_greedy_ngram_through_the_triton_kernels"]
+QUANTIZED_BATCHES = (8, 32)
+REPETITIVE_REQUESTS = 64
+REPETITIVE_NEW_TOKENS = 256
 IDENTITY_PROMPT_LENS = [100, 400, 1000, 2000, 3000, 4500, 6000, 7900]
 IDENTITY_NEW_TOKENS = 200
 
@@ -67,6 +77,69 @@ def graph_identity(model: str, dtype: str) -> str:
     detail = ", ".join(f"{n}: {'same' if d is None else f'differs at {d}'}" for n, d in zip(IDENTITY_PROMPT_LENS, first_diffs))
     return (f"| graph vs eager greedy, {len(prompts)} prompts × {IDENTITY_NEW_TOKENS} tokens | {same}/{len(prompts)} "
             f"identical ({replayed} replayed steps) | {detail} |")
+
+
+def quantized_steps(model: str, dtype: str) -> list[str]:
+    """The graphed decode step with int8 and fp8 weights against the model's dtype, at each batch."""
+    import torch
+
+    from bench.step_profile import profile_batch
+
+    lines = ["", f"| weights | batch | step wall ms | GPU kernel ms | vs {dtype} |", "|---|---|---|---|---|"]
+    for batch in QUANTIZED_BATCHES:
+        base_ms: dict[str, float] = {}
+        for weights in (None, "int8", "fp8"):
+            def row(weights: str | None = weights, batch: int = batch) -> str:
+                r = profile_batch(model, "cuda", dtype, batch, "graphs", quantization=weights)
+                name = weights or dtype
+                if weights is None:
+                    base_ms["step"] = r.step_ms
+                ratio = f"{r.step_ms / base_ms['step']:.2f}x" if "step" in base_ms else "–"
+                return f"| {name} | {batch} | {r.step_ms:.2f} | {r.kernel_ms:.2f} | {ratio} |"
+
+            lines.append(guarded(row, f"{weights or dtype} {batch}", 5))
+            print(lines[-1], flush=True)
+            torch.cuda.empty_cache()
+    return lines
+
+
+def prompt_lookup(model: str, dtype: str, output: Path) -> list[str]:
+    """Output tok/s with and without prompt lookup on the repetitive workload (a cycling copy of the model)
+    and on `skewed`, 32 slots, engine direct."""
+    import torch
+
+    from bench.offline import make_engine, run_offline
+    from bench.repetitive import make_cycling_model, repetitive
+    from bench.workloads import skewed
+
+    lines = ["", "| workload, 32 slots | speculation | output tokens | output tok/s | accepted / proposed | ratio |",
+             "|---|---|---|---|---|---|"]
+
+    def cycling_path() -> str:
+        path = output / "cycling-model"
+        if not (path / "config.json").exists():
+            make_cycling_model(model, path)
+        return str(path)
+
+    workloads = [("repetitive", repetitive(REPETITIVE_REQUESTS, max_tokens=REPETITIVE_NEW_TOKENS), cycling_path),
+                 ("skewed", skewed(64, seed=0), lambda: model)]
+    for name, workload, path_of in workloads:
+        rates: dict[str | None, float] = {}
+        for speculative in (None, "ngram"):
+            def row(speculative: str | None = speculative) -> str:
+                engine = make_engine(path_of(), "continuous", 32, device="cuda", dtype=dtype, speculative=speculative)
+                run = run_offline(engine, workload, f"continuous, {speculative or 'off'}")
+                tokens = sum(t.num_output_tokens for t in run.requests)
+                rates[speculative] = tokens / run.duration_s
+                stats = engine.stats()
+                ratio = f"{rates[speculative] / rates[None]:.2f}x" if None in rates and speculative else "–"
+                return (f"| {name} | {speculative or 'off'} | {tokens} | {rates[speculative]:,.0f} | "
+                        f"{stats.spec_accepted_tokens:,} / {stats.spec_proposed_tokens:,} | {ratio} |")
+
+            lines.append(guarded(row, f"{name} {speculative or 'off'}", 6))
+            print(lines[-1], flush=True)
+            torch.cuda.empty_cache()
+    return lines
 
 
 def guarded(row: Callable[[], str], name: str, width: int) -> str:
@@ -131,6 +204,8 @@ def main() -> None:
         lines.append(guarded(skewed_row, mode, 3))
         print(lines[-1], flush=True)
         torch.cuda.empty_cache()
+    lines += quantized_steps(args.model, args.dtype)
+    lines += prompt_lookup(args.model, args.dtype, Path(args.output))
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

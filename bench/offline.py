@@ -25,7 +25,7 @@ def make_engine(model: str, batching: str, max_num_seqs: int, max_wait_ms: float
 
 
 def _params(request: BenchRequest) -> SamplingParams:
-    return SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
+    return SamplingParams(max_tokens=request.max_tokens, ignore_eos=True, temperature=request.temperature)
 
 
 def run_offline(engine: Any, workload: Workload, system: str,

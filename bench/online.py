@@ -189,7 +189,8 @@ async def run_online(stack: OnlineStack, workload: Workload, rate_label: str,
                     if delay > 0:
                         await asyncio.sleep(delay)
                     body = {"prompt_token_ids": r.prompt_token_ids, "lane": r.lane, "priority": r.priority,
-                            "reply_to": stream, "params": {"max_tokens": r.max_tokens, "ignore_eos": True}}
+                            "reply_to": stream, "params": {"max_tokens": r.max_tokens, "ignore_eos": True,
+                                                                 "temperature": r.temperature}}
                     submissions.append(asyncio.create_task(_submit(session, stack.base_url, body)))
                 await asyncio.gather(*submissions)
                 records = await asyncio.wait_for(reader, RESULTS_TIMEOUT_S)

@@ -6,8 +6,6 @@ import asyncio
 import gc
 import math
 import os
-import platform
-import subprocess
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,31 +14,15 @@ from bench.checks import evaluate_checks
 from bench.config import BenchConfig
 from bench.offline import make_engine, run_offline
 from bench.online import OnlineStack, run_online
+from bench.plan import build_workloads, describe_machine, sharegpt
 from bench.records import BenchReport, RunResult, saturated_tokens_per_s, summarize
-from bench.workloads import Workload, Workloads, mixed_lanes, poisson_arrivals, shared_prefix, sharegpt_like, skewed
+from bench.speculative import run_speculative_pairs
+from bench.workloads import Workload, Workloads, poisson_arrivals, skewed
 
 Progress = Callable[[str, int], None]
 """``progress(phase, num_new_output_tokens)``."""
 
 
-
-
-def build_workloads(config: BenchConfig) -> Workloads:
-    scale = config.output_scale
-    return Workloads(
-        skewed=skewed(config.skewed_requests, seed=config.seed, output_scale=scale),
-        sharegpt=_sharegpt(config, config.seed),
-        shared_prefix=shared_prefix(config.shared_prefix_requests, prefix_len=config.shared_prefix_len,
-                                    max_tokens=4, seed=config.seed),
-        mixed_alone=mixed_lanes(config.mixed_interactive, config.mixed_batch, config.mixed_interactive_rate,
-                                seed=config.seed, with_batch=False, output_scale=scale),
-        mixed_with_batch=mixed_lanes(config.mixed_interactive, config.mixed_batch, config.mixed_interactive_rate,
-                                     seed=config.seed, with_batch=True, output_scale=scale),
-    )
-
-
-def _sharegpt(config: BenchConfig, seed: int) -> Workload:
-    return sharegpt_like(config.sharegpt_requests, seed=seed, max_output_len=max(4, round(256 * config.output_scale)))
 
 
 def planned_output_tokens(config: BenchConfig, w: Workloads) -> int:
@@ -53,30 +35,8 @@ def planned_output_tokens(config: BenchConfig, w: Workloads) -> int:
     # Repeats: skewed on static and continuous; sharegpt-like offline and online (other seeds: about as long).
     repeats = 2 * ((config.skewed_pairs - 1) * w.skewed.num_output_tokens
                    + (config.online_pairs - 1) * w.sharegpt.num_output_tokens)
-    return offline + peers + prefix + mixed + online + repeats
-
-
-def describe_machine() -> dict[str, Any]:
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
-        cpu = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), cpu)
-    except (OSError, subprocess.SubprocessError):
-        pass  # lscpu is a nicety; platform's answer stands
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "num_cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
+    speculative = 2 * config.speculative_pairs * (w.repetitive.num_output_tokens + w.skewed.num_output_tokens)
+    return offline + peers + prefix + mixed + online + repeats + speculative
 
 
 def run_suite(config: BenchConfig, model: str, progress: Progress, env: Mapping[str, str]) -> BenchReport:
@@ -115,6 +75,8 @@ def run_suite(config: BenchConfig, model: str, progress: Progress, env: Mapping[
         report.runs.append(run_offline(engine, workload, "continuous, priority", tick(f"{workload.name}")))
     del engine
     gc.collect()
+
+    run_speculative_pairs(config, model, [w.repetitive, w.skewed], report, tick)
 
     asyncio.run(_run_online_sweeps(config, model, w.sharegpt, report, tick, child_env))
 
@@ -202,7 +164,7 @@ async def _run_online_sweeps(config: BenchConfig, model: str, workload: Workload
                 report.runs.append(run)
             if mode == "continuous" and any(math.isinf(f) for f in fractions):
                 for k in range(1, config.online_pairs):
-                    pair = await _online_pair(config, model, stack, _sharegpt(config, config.seed + k), tick)
+                    pair = await _online_pair(config, model, stack, sharegpt(config, config.seed + k), tick)
                     report.repeats.setdefault("online", []).append(pair)
 
 

@@ -23,6 +23,8 @@ class BenchRequest:
     """Offset from the start of the run; 0 for all-at-once (offline) runs."""
     lane: str = "standard"
     priority: int = 0
+    temperature: float = 1.0
+    """1: sampled (every workload but the repetitive one, which is greedy)."""
 
 
 @dataclass(frozen=True)
@@ -124,3 +126,4 @@ class Workloads:
     shared_prefix: Workload
     mixed_alone: Workload
     mixed_with_batch: Workload
+    repetitive: Workload

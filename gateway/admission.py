@@ -46,10 +46,12 @@ MAX_CLAIM_TRIES = 3
 
 
 class InvalidJob(Exception):
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, *, is_context_exceeded: bool = False) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+        self.is_context_exceeded = is_context_exceeded
+        """The prompt, or the prompt with max_tokens, does not fit the model's context."""
 
 
 def check_fits(spec: JobSpec, max_len: int) -> None:
@@ -63,11 +65,13 @@ def check_fits(spec: JobSpec, max_len: int) -> None:
         num_prompt = len(spec.prompt_token_ids)
         if num_prompt >= max_len:
             raise InvalidJob("prompt_token_ids",
-                             f"{num_prompt} tokens leave no room to generate within the model's context of {max_len}")
-        if num_prompt + max_tokens > max_len:
+                             f"{num_prompt} tokens leave no room to generate within the model's context of {max_len}",
+                             is_context_exceeded=True)
+        if max_tokens is not None and num_prompt + max_tokens > max_len:
             raise InvalidJob("params.max_tokens", f"the prompt's {num_prompt} tokens + {max_tokens} exceed the "
-                                                  f"model's context of {max_len}; at most {max_len - num_prompt}")
-    if max_tokens >= max_len:
+                                                  f"model's context of {max_len}; at most {max_len - num_prompt}",
+                             is_context_exceeded=True)
+    if max_tokens is not None and max_tokens >= max_len:
         raise InvalidJob("params.max_tokens", f"must be below the model's context length of {max_len}")
 
 
@@ -129,12 +133,17 @@ class Admission:
         reply_problem = self._keys.check_reply_to(spec.reply_to)
         if reply_problem is not None:
             raise InvalidJob("reply_to", reply_problem)
-        if spec.webhook is not None and self._check_webhook is not None:
+        if spec.webhook is not None:
+            await self.check_webhook_url(spec.webhook.url)
+        return spec
+
+    async def check_webhook_url(self, url: str) -> None:
+        """Refuse a webhook URL this server may not call (or cannot sign for), as ``webhook.url``."""
+        if self._check_webhook is not None:
             try:
-                await self._check_webhook(spec.webhook.url)
+                await self._check_webhook(url)
             except ValueError as e:
                 raise InvalidJob("webhook.url", str(e).removeprefix("webhook.url: ")) from e
-        return spec
 
     async def context_length(self) -> int | None:
         """The model's context as admission judges it (`--max-model-len`, else learned); None before any worker."""

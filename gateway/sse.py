@@ -6,7 +6,9 @@ each publish) while it runs, and from the record once it has ended. Either way t
 `started`, every token from index 0 (earlier ones coalesced into one `token` event), then live
 tokens and `final`. Each event's SSE `id` is a cursor, `TOKENS.TEXT_CHARS.ATTEMPT` (tokens and text
 sent so far, the last `started` attempt sent): sent back as `Last-Event-ID`, the stream resumes
-after it, with no gap and no repeat.
+after it, with no gap and no repeat. A job resumed on another worker re-runs from its checkpoint,
+repeating tokens (placed by `index`) and text (placed by `text_index`) already sent: each token
+and each character goes out once.
 """
 
 from __future__ import annotations
@@ -67,13 +69,26 @@ class Cursor:
         if event.get("type") != EventType.TOKEN:
             return event
         ids, index, text = list(event.get("token_ids") or []), int(event.get("index", 0)), str(event.get("text") or "")
-        if index + len(ids) <= self.tokens:
-            return None  # sent already (from the log, or before a reconnect)
+        text_index = event.get("text_index")
         if index < self.tokens:
-            ids, index = ids[self.tokens - index:], self.tokens  # a resumed run repeating recovered tokens
+            ids, index = ids[self.tokens - index:], self.tokens  # sent already, or a resumed run repeating them
+        if isinstance(text_index, int) and not isinstance(text_index, bool):
+            # Text is placed by its own offset: a resumed run's first event repeats the text from the start.
+            text = text[max(0, self.text_chars - text_index):]
+        elif not ids:
+            text = ""  # a publisher without text offsets: the text rides with its tokens
+        if not ids and not text:
+            return None
         self.tokens = index + len(ids)
+        taken = {**event, "index": index, "token_ids": ids, "text": text, "text_index": self.text_chars}
         self.text_chars += len(text)
-        return {**event, "index": index, "token_ids": ids, "text": text}
+        return taken
+
+    def is_behind(self, event: dict[str, Any]) -> bool:
+        """Whether a token event starts past what was taken (events in between were lost: read the log)."""
+        text_index = event.get("text_index")
+        return int(event.get("index", 0)) > self.tokens or (isinstance(text_index, int)
+                                                            and text_index > self.text_chars)
 
 
 def coalesce(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -84,7 +99,7 @@ def coalesce(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if (last is not None and event["type"] == last["type"] == EventType.TOKEN
                 and last["index"] + len(last["token_ids"]) == event["index"]):
             out[-1] = {**event, "index": last["index"], "token_ids": last["token_ids"] + event["token_ids"],
-                       "text": last["text"] + event["text"]}
+                       "text": last["text"] + event["text"], "text_index": last.get("text_index")}
         else:
             out.append(event)
     return out
@@ -102,14 +117,14 @@ def from_view(view: dict[str, Any], cursor: Cursor, final: dict[str, Any] | None
     ids, text = list(output.get("token_ids") or [])[cursor.tokens:], (output.get("text") or "")[cursor.text_chars:]
     if ids or text:
         events.append({"type": EventType.TOKEN, "id": view["id"], "index": cursor.tokens, "token_ids": ids, "text": text,
-                       "attempt": attempts})
+                       "text_index": cursor.text_chars, "attempt": attempts})
         cursor.tokens += len(ids)
         cursor.text_chars += len(text)
     events.append(final or final_event(view["id"], view, attempts))
     return events
 
 
-async def _logged(redis: aioredis.Redis, keys: Keys, job_id: str, cursor: Cursor) -> list[dict[str, Any]]:
+async def logged_events(redis: aioredis.Redis, keys: Keys, job_id: str, cursor: Cursor) -> list[dict[str, Any]]:
     new = []
     for _, fields in await redis.xrange(keys.events_log(job_id)) or []:
         raw = (fields or {}).get(b"e")
@@ -142,7 +157,7 @@ async def stream_events(request: web.Request, response: web.StreamResponse, redi
         if is_terminal(record):
             await send(from_view(job_view(record), cursor))
             return
-        await send(await _logged(redis, keys, job_id, cursor))
+        await send(await logged_events(redis, keys, job_id, cursor))
         while True:
             try:
                 event = await asyncio.wait_for(sub.queue.get(), heartbeat_s)
@@ -160,8 +175,8 @@ async def stream_events(request: web.Request, response: web.StreamResponse, redi
             if event["type"] == EventType.FINAL:
                 await send(from_view(event["job"], cursor, final=event))
                 return
-            if event["type"] == EventType.TOKEN and int(event.get("index", 0)) > cursor.tokens:
-                await send(await _logged(redis, keys, job_id, cursor))  # fill a gap (a slow reader's dropped events)
+            if event["type"] == EventType.TOKEN and cursor.is_behind(event):
+                await send(await logged_events(redis, keys, job_id, cursor))  # fill a gap (a slow reader's drops)
             taken = cursor.take(event)
             if taken is not None:
                 await send([taken])

@@ -170,6 +170,21 @@ class BlockManager:
         for _ in range(num_needed):
             seq.block_table.append(self._pop_free_block())
 
+    def trim_to_computed(self, seq: Sequence) -> None:
+        """Free the blocks past ``seq``'s computed tokens (KV of rejected speculative tokens).
+
+        The table becomes a new list, so a holder of the old one (the runner's device row) sees it changed.
+        Those blocks were never hashed: hashing covers computed tokens only.
+        """
+        keep = self.num_blocks_for(seq.num_computed_tokens)
+        if len(seq.block_table) <= keep:
+            return
+        for block in reversed(seq.block_table[keep:]):
+            assert self._ref_counts[block] == 1 and self._block_hash[block] is None, f"block {block} is shared"
+            self._ref_counts[block] = 0
+            self._free.append(block)
+        seq.block_table = seq.block_table[:keep]
+
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; cached ones become evictable, the rest free."""
         # Release the tail first so that, among this sequence's cached blocks,

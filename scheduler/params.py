@@ -17,8 +17,9 @@ MAX_LOGPROBS = 20
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
-    """Most tokens to generate (the stop token, when one ends the output, counts)."""
+    max_tokens: int | None = 16
+    """Most tokens to generate (the stop token, when one ends the output, counts); None: as many as the model's
+    context holds after the prompt (vLLM's meaning), resolved by the engine when it reads the prompt."""
     min_tokens: int = 0
     """Stop tokens, EOS and stop strings are ignored until this many tokens exist."""
     temperature: float = 1.0
@@ -40,6 +41,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
+    speculative: bool = True
+    """False opts this request out of speculative decoding on a worker that runs it (same tokens either way)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,9 +51,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
-        _check_int("max_tokens", self.max_tokens, low=1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         _check_float("temperature", self.temperature, low=0.0, high=100.0)
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
@@ -67,6 +71,8 @@ class SamplingParams:
             raise ValueError("ignore_eos: must be a boolean")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError("include_stop_str_in_output: must be a boolean")
+        if not isinstance(self.speculative, bool):
+            raise ValueError("speculative: must be a boolean")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         _check_float("repetition_penalty", self.repetition_penalty, low=0.0, high=10.0, low_open=True)

@@ -72,7 +72,7 @@ class Scheduler:
             return (seq.priority, seq.arrival_order)
         if self.config.policy is Policy.SJF:
             # The job's size as far as it is known up front: prompt plus the output it may ask for.
-            return (seq.num_prompt_tokens + seq.params.max_tokens, seq.arrival_order)
+            return (seq.num_prompt_tokens + seq.max_tokens, seq.arrival_order)
         return (0, seq.arrival_order)
 
     def _running_key(self, seq: Sequence) -> tuple[int, int, int]:
@@ -167,6 +167,7 @@ class Scheduler:
                 num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new == 0:
                 continue
+            spec = self._fitting_spec_tokens(seq, num_new, budget)
             while not bm.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 budget += self._preempt(victim, out)
@@ -174,10 +175,21 @@ class Scheduler:
                     break
             if seq not in self.running:
                 continue
-            bm.allocate_for(seq, num_new)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
+            bm.allocate_for(seq, num_new + len(spec))
+            out.scheduled.append(ScheduledSeq(seq, num_new + len(spec), spec))
+            budget -= num_new + len(spec)
         return budget
+
+    def _fitting_spec_tokens(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """The proposed tokens ``seq`` verifies this step: only after its last known token, only as many as the
+        budget, the context and the free blocks allow; nobody is preempted to make room for a proposal."""
+        spec, seq.spec_token_ids = seq.spec_token_ids, []
+        if not spec or seq.is_padding or num_new != seq.num_uncomputed_tokens:
+            return []
+        spec = spec[: max(0, min(budget - num_new, self.config.max_model_len - seq.num_tokens))]
+        while spec and not self.block_manager.can_allocate(seq, num_new + len(spec)):
+            spec = spec[:-1]
+        return spec
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Preempt ``seq`` by recompute; returns the token budget it gives back."""
@@ -189,6 +201,7 @@ class Scheduler:
                 break
         self.running.remove(seq)
         self.block_manager.free(seq)
+        seq.spec_token_ids = []
         if seq.is_padding:
             # Padding holds nothing anyone will read; dropping it just shrinks the group.
             return refund
@@ -281,14 +294,26 @@ class Scheduler:
         self._num_admissions += 1
         bisect.insort(self.running, seq, key=self._running_key)
 
-    def advance(self, output: SchedulerOutput, sampled_token_by_request: dict[str, int]) -> None:
-        """Record a finished forward: computed tokens move on and sampled tokens are appended."""
+    def advance(self, output: SchedulerOutput, sampled_tokens_by_request: dict[str, list[int]]) -> None:
+        """Record a finished forward: computed tokens move on and sampled tokens are appended.
+
+        A sampling sequence gets one token, or, when it verified proposed tokens, the accepted ones and the
+        token after them: only the accepted proposals count as computed, and the blocks past its computed
+        tokens (written for rejected proposals) go back to the pool.
+        """
         for s in output.scheduled:
             seq = s.seq
             assert seq.num_computed_tokens == s.start_pos
-            seq.num_computed_tokens += s.num_new_tokens
             if seq.is_padding:
+                seq.num_computed_tokens += s.num_new_tokens
                 continue
+            seq.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens
             if s.is_sampling:
-                seq.output_token_ids.append(sampled_token_by_request[seq.request_id])
+                tokens = sampled_tokens_by_request[seq.request_id]
+                assert 1 <= len(tokens) <= s.num_spec_tokens + 1, (len(tokens), s.num_spec_tokens)
+                assert tokens[:-1] == s.spec_token_ids[: len(tokens) - 1], "only a prefix of the proposal is accepted"
+                seq.num_computed_tokens += len(tokens) - 1
+                seq.output_token_ids.extend(tokens)
+                if s.num_spec_tokens:
+                    self.block_manager.trim_to_computed(seq)
             self.block_manager.cache_computed_blocks(seq)

@@ -9,10 +9,15 @@ from scheduler.sequence import Sequence
 
 @dataclass
 class ScheduledSeq:
-    """``seq`` computes its tokens at positions ``start_pos .. start_pos + num_new_tokens - 1``."""
+    """``seq`` computes its tokens at positions ``start_pos .. start_pos + num_new_tokens - 1``.
+
+    The last ``len(spec_token_ids)`` of them are proposed tokens being verified (speculative decoding): the
+    step needs the logits of the last known token and of each proposed one.
+    """
 
     seq: Sequence
     num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
     start_pos: int = field(init=False)
     is_sampling: bool = field(init=False)
     """This step completes the sequence's known tokens, so a next token is sampled.
@@ -33,15 +38,21 @@ class ScheduledSeq:
         return self.is_sampling or self.seq.is_padding
 
     @property
+    def num_spec_tokens(self) -> int:
+        return len(self.spec_token_ids)
+
+    @property
     def token_ids(self) -> list[int]:
-        """The tokens fed this step; padding repeats the last real token past the end."""
+        """The tokens fed this step: known ones, then the proposed ones; padding repeats the last real token."""
         seq, start = self.seq, self.start_pos
-        end = start + self.num_new_tokens
+        end = start + self.num_new_tokens - self.num_spec_tokens
         # Slices of prompt and output, rather than of their concatenation: a decode step costs O(1), not O(length).
         num_prompt = seq.num_prompt_tokens
         known = seq.prompt_token_ids[start:end] if start < num_prompt else []
         if end > num_prompt:
             known += seq.output_token_ids[max(0, start - num_prompt) : end - num_prompt]
+        if self.spec_token_ids:
+            return known + self.spec_token_ids
         last = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
         return known + [last] * (self.num_new_tokens - len(known))
 

@@ -39,7 +39,8 @@ class Sequence:
     priority: int = 0
     """Lower runs first (used by the ``priority`` policy and to pick preemption victims)."""
     output_token_ids: list[int] = field(default_factory=list)
-    """Only ever appended to: engine outputs read their prefix of it instead of copying it."""
+    """Only ever appended to, except that tokens past a stop inside one step's accepted speculative run are cut
+    before any output reports them: engine outputs read their prefix of it instead of copying it."""
     arrival_order: int = -1
     """Set by the scheduler when the request is added; ties in every policy break on it."""
     arrival_time: float = 0.0
@@ -57,6 +58,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the output; None for EOS or length."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Proposed next tokens, not yet verified, that the next step computes after the known ones (speculative
+    decoding); set before each schedule. Never part of ``token_ids``, the prefix cache or the outputs."""
     is_padding: bool = False
     """Static/dynamic batching only: finished, but still occupying its slot in the group."""
 
@@ -67,6 +71,13 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """The output limit; a request's ``max_tokens=None`` (the rest of the context) is resolved before it
+        becomes a Sequence."""
+        assert self.params.max_tokens is not None, "max_tokens is resolved when the request is added"
+        return self.params.max_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -76,3 +76,12 @@ async def async_redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(redis_url)
     yield client
     await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def cycling_model(tiny_model: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama whose greedy continuation follows fixed cycles over the printable ids
+    (``bench.repetitive.make_cycling_model``): prompts that are spans of a cycle get copied."""
+    from bench.repetitive import make_cycling_model
+
+    return str(make_cycling_model(tiny_model("llama"), tmp_path_factory.mktemp("cycling") / "model"))

@@ -94,6 +94,8 @@ async def start_engine(config: WorkerConfig) -> EngineRunner:
     model = engine_config.model or "(built-in tiny model)"
     if engine_config.quantization is not None:
         model += f" with {engine_config.quantization} weights"
+    if engine_config.speculative is not None:
+        model += f", speculative decoding by {engine_config.speculative}"
     if config.engine_process:
         log.info("loading model %s on %s in an engine process", model, engine_config.device)
         return await EngineProcess.start(engine_config, config.torch_threads)

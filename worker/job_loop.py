@@ -209,8 +209,7 @@ class JobLoop:
             if job is not None:
                 self.slot_freed.set()
                 job.num_prompt_tokens = rejection.num_prompt_tokens
-                self.commits.spawn(outcome_of(job, JobStatus.FAILED, error={
-                    "type": "invalid_request", "message": rejection.message}))
+                self.commits.spawn(outcome_of(job, JobStatus.FAILED, error=rejection.error))
         now, mono = time.time(), time.monotonic()
         writes = StepWrites()
         checkpointed: list[tuple[int, RunningJob, int]] = []
@@ -236,9 +235,12 @@ class JobLoop:
                 gap_s = None if job.last_token_mono is None else mono - job.last_token_mono
                 self.metrics.tokens_emitted(job.spec.lane.value, gap_s, len(new_ids))
                 job.last_token_mono = mono
+                # `index` and `text_index` place the event in the output: a resumed job's first event starts at
+                # its checkpoint's tokens but carries the text from the start, so subscribers de-duplicate each.
                 writes.publish(job.spec.id, pack({
                     "type": EventType.TOKEN, "id": job.spec.id, "text": out.new_text, "token_ids": new_ids,
-                    "index": len(job.token_ids) - len(new_ids), "attempt": job.attempt}))
+                    "index": len(job.token_ids) - len(new_ids), "text_index": len(job.text) - len(out.new_text),
+                    "attempt": job.attempt}))
                 if job.throttle is not None and not out.finished and job.throttle.should_emit(mono):
                     partial = running_view(job.record, job.text, job.token_ids,
                                            first_token_at=job.first_token_at, resumed_from=job.resumed_from)

@@ -82,6 +82,13 @@ class WorkerMetrics(ProcessMetrics):
             (metric_schema.PREFIX_CACHE_HIT_RATE, _hit_rate),
         ):
             t.observable(spec, self._observer(read))
+        for spec, read in (
+            (metric_schema.SPEC_DRAFTS, lambda s: s.spec_num_drafts),
+            (metric_schema.SPEC_PROPOSED, lambda s: s.spec_proposed_tokens),
+            (metric_schema.SPEC_ACCEPTED, lambda s: s.spec_accepted_tokens),
+            (metric_schema.SPEC_MEAN_ACCEPTED_LENGTH, _mean_accepted_length),
+        ):
+            t.observable(spec, self._spec_observer(read))
         for lane in LANES:
             self._reclaimed.add(0, {metric_schema.A_LANE: lane.value})
             for reason in DEAD_LETTER_REASONS:
@@ -101,6 +108,15 @@ class WorkerMetrics(ProcessMetrics):
         def observe(options: CallbackOptions) -> Iterable[Observation]:
             stats = self._stats
             return [] if stats is None else [Observation(read(stats))]
+
+        return observe
+
+    def _spec_observer(self, read: Any) -> Any:
+        """Speculative decoding's series, labelled by proposer; none while the engine does not speculate."""
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            stats = self._stats
+            proposer = None if stats is None else stats.spec_proposer
+            return [] if proposer is None else [Observation(read(stats), {metric_schema.A_SPEC_PROPOSER: proposer})]
 
         return observe
 
@@ -219,6 +235,11 @@ class WorkerMetrics(ProcessMetrics):
     def dead_lettered(self, lane: str, reason: str) -> None:
         self._dead.add(1, {metric_schema.A_LANE: lane, metric_schema.A_DEAD_LETTER_REASON: reason})
 
+
+
+def _mean_accepted_length(stats: Any) -> float:
+    drafts = stats.spec_num_drafts
+    return 1.0 + stats.spec_accepted_tokens / drafts if drafts else 0.0
 
 
 def _hit_rate(stats: Any) -> float:

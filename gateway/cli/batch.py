@@ -27,10 +27,11 @@ def add_batch_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     submit = actions.add_parser("submit", help="upload a JSONL file and start a batch")
     submit.add_argument("file", type=Path, help="JSONL, one request per line")
-    submit.add_argument("--endpoint", choices=ENDPOINTS, default=ENDPOINTS[0])
+    submit.add_argument("--endpoint", choices=ENDPOINTS, default=None,
+                        help="the lines' url (default: the url of the file's first line that names one of these)")
     submit.add_argument("--wait", action="store_true", help="show progress until the batch ends")
     submit.add_argument("-o", "--output", type=Path, default=None,
-                        help="with --wait: write the output file's lines here (errors go to OUTPUT.errors.jsonl)")
+                        help="wait, then write the output file's lines here (errors go to OUTPUT.errors.jsonl)")
     submit.add_argument("--timeout-s", type=float, default=24 * 3600.0, help="give up waiting after this long")
     for name, text in (("status", "print a batch"), ("cancel", "cancel a batch")):
         action = actions.add_parser(name, help=text)
@@ -79,28 +80,57 @@ def upload(base: str, path: Path, api_key: str | None = None) -> str:
     return str(answer["id"])
 
 
-def progress_line(batch: dict[str, Any], started: float, start_done: int) -> str:
+def endpoint_of(path: Path) -> str:
+    """The url the file's first line names (its requests all go to one endpoint), else chat completions."""
+    with path.open("rb") as lines:
+        for raw in lines:
+            try:
+                url = json.loads(raw).get("url")
+            except (ValueError, AttributeError):
+                continue
+            if url in ENDPOINTS:
+                return str(url)
+    return ENDPOINTS[0]
+
+
+def progress_line(batch: dict[str, Any], started: float, start_done: int, start_tokens: int) -> str:
     counts = batch["request_counts"]
     total, done = counts["total"], counts["completed"] + counts["failed"]
     filled = int(BAR_WIDTH * done / total) if total else 0
     elapsed = max(time.monotonic() - started, 1e-9)
     rate = (done - start_done) / elapsed
+    tokens_per_s = (_output_tokens(batch) - start_tokens) / elapsed
     eta = f"{(total - done) / rate:.0f}s" if rate > 0 and done < total else "-"
-    return (f"\r[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {batch['status']:<11} "
-            f"{counts['completed']} done / {counts['failed']} failed / {total}  {rate:.1f} req/s  ETA {eta}  ")
+    return (f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {batch['status']:<11} "
+            f"{counts['completed']} done / {counts['failed']} failed / {total}  {tokens_per_s:.0f} tok/s  "
+            f"{rate:.1f} req/s  ETA {eta}")
+
+
+def _output_tokens(batch: dict[str, Any]) -> int:
+    return int((batch.get("usage") or {}).get("output_tokens") or 0)
 
 
 def wait(base: str, batch_id: str, timeout_s: float, out: TextIO, api_key: str | None = None) -> dict[str, Any]:
+    """Poll until the batch ends: one line redrawn on a terminal, a line per change elsewhere (a log)."""
     started = time.monotonic()
     batch = _json("GET", f"{base}/v1/batches/{batch_id}", api_key=api_key)
     start_done = batch["request_counts"]["completed"] + batch["request_counts"]["failed"]
-    while batch["status"] not in FINAL and time.monotonic() - started < timeout_s:
-        out.write(progress_line(batch, started, start_done))
+    start_tokens = _output_tokens(batch)
+    is_tty = out.isatty()
+    last = None
+    while True:
+        line = progress_line(batch, started, start_done, start_tokens)
+        is_final = batch["status"] in FINAL or time.monotonic() - started >= timeout_s
+        if is_tty:
+            out.write(f"\r{line}  " + ("\n" if is_final else ""))
+        elif (batch["status"], batch["request_counts"]) != last or is_final:
+            out.write(line + "\n")
+        last = (batch["status"], batch["request_counts"])
         out.flush()
+        if is_final:
+            return batch
         time.sleep(1.0)
         batch = _json("GET", f"{base}/v1/batches/{batch_id}", api_key=api_key)
-    out.write(progress_line(batch, started, start_done) + "\n")
-    return batch
 
 
 def run_batch(args: argparse.Namespace) -> int:
@@ -112,11 +142,12 @@ def run_batch(args: argparse.Namespace) -> int:
         if args.action == "cancel":
             print(json.dumps(_json("POST", f"{base}/v1/batches/{args.batch_id}/cancel", api_key=args.api_key), indent=2))
             return 0
+        endpoint = args.endpoint or endpoint_of(args.file)
         file_id = upload(base, args.file, args.api_key)
-        batch = _json("POST", f"{base}/v1/batches", {"input_file_id": file_id, "endpoint": args.endpoint,
+        batch = _json("POST", f"{base}/v1/batches", {"input_file_id": file_id, "endpoint": endpoint,
                                                      "completion_window": "24h"}, args.api_key)
         print(batch["id"], flush=True)
-        if not args.wait:
+        if not args.wait and args.output is None:
             return 0
         batch = wait(base, batch["id"], args.timeout_s, sys.stderr, args.api_key)
         if args.output is not None:

@@ -29,8 +29,10 @@ from gateway import appkeys
 from gateway.admission import InvalidJob, LaneFull
 from gateway.api_keys import Caller
 from gateway.cancel import AlreadyFinished, JobNotFound
+from gateway.openai.batch_counts import BatchCounts
 from gateway.openai.batch_lines import LineError, custom_id_of, error_line, parse_line, result_line
-from gateway.openai.batches import BatchStatus, batch_store
+from gateway.openai.batches import COUNTERS, BatchStatus, batch_store
+from gateway.openai.choices import served_models
 from gateway.openai.files import PAGE_LINES, file_store
 from gateway.openai.schema import Endpoint
 from scheduler.protocol import state_machine
@@ -43,19 +45,17 @@ log = logging.getLogger(__name__)
 
 LOCK_S = 15
 MAX_ENQUEUE_PER_ROUND = 2000
-SETTLE_WINDOW = 4000
-"""Unsettled requests (from the oldest) whose job status one round reads."""
-
-_OUTCOME_OF_STATUS = {"succeeded": "completed", "failed": "failed", "expired": "expired"}
-
-
+SCAN_INTERVAL_S = 10.0
+"""Seconds between two scans of a batch's job records; its results stream counts requests in between."""
 class BatchDriver:
     def __init__(self, app: web.Application) -> None:
         self._app = app
         self._redis, self._keys, self._config = app[appkeys.REDIS], app[appkeys.KEYS], app[appkeys.CONFIG]
         self._batches, self._files = batch_store(app), file_store(app)
-        self._settle = self._redis.register_script(state_machine.BATCH_SETTLE)
+        self._counts = BatchCounts(self._redis, self._keys, self._batches.ttl_s)
         self._name = secrets.token_hex(8)
+        self._scanned_at: dict[str, float] = {}
+        """Monotonic time each batch's job records were last read (`_count`)."""
 
     async def run(self) -> None:
         while True:
@@ -93,7 +93,11 @@ class BatchDriver:
                 await self._enqueue(batch_id, b)
             else:
                 await self._cancel_requests(batch_id, b)
-            await self._count(batch_id, await self._batches.read(batch_id))
+            is_cancelling = status is BatchStatus.CANCELLING
+            await self._counts.read_results(batch_id, is_cancelling)
+            if time.monotonic() - self._scanned_at.get(batch_id, -SCAN_INTERVAL_S) >= SCAN_INTERVAL_S:
+                self._scanned_at[batch_id] = time.monotonic()
+                await self._counts.scan(batch_id, await self._batches.read(batch_id), is_cancelling)
             b = await self._batches.read(batch_id)
             if int(b["settled"]) >= int(b["total"]):
                 outcome = (BatchStatus.CANCELLED if status is BatchStatus.CANCELLING
@@ -111,10 +115,11 @@ class BatchDriver:
             return
         await self._redis.delete(keys.batch_custom_ids(batch_id), keys.batch_errors(batch_id),
                                  keys.batch_settled(batch_id))
-        counters: dict[FieldT, EncodableT] = {name: 0 for name in ("completed", "failed", "expired", "settled",
-                                                                  "enqueued", "low")}
+        counters: dict[FieldT, EncodableT] = {name: 0 for name in COUNTERS}
         await self._redis.hset(keys.batch(batch_id), mapping={**counters, "total": total})
         seen: set[str] = set()
+        models = await served_models(self._app)
+        model: str | None = None
         start = 0
         async for page in self._files.pages(b["input_file_id"]):
             custom_ids: list[str] = []
@@ -122,9 +127,14 @@ class BatchDriver:
             for offset, line in enumerate(page):
                 number = start + offset
                 try:
-                    custom_id, _ = parse_line(line, endpoint, self._config.max_model_len)
+                    custom_id, job = parse_line(line, endpoint)
                     if custom_id in seen:
                         raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appears on an earlier line")
+                    line_model = job["metadata"]["model"]
+                    if models and line_model not in models:  # with no live worker, requests wait as any job does
+                        raise LineError("model_not_found", f"body: model {line_model!r} is not served here "
+                                                           f"(GET /v1/models lists {sorted(models)})")
+                    model = model or line_model
                     seen.add(custom_id)
                     custom_ids.append(custom_id)
                 except LineError as e:
@@ -137,39 +147,41 @@ class BatchDriver:
                     pipe.hset(keys.batch_errors(batch_id), str(number), msgpack.packb([error.code, error.message]))
                 await pipe.execute()
             if bad:
-                await self._mark(batch_id, [(number, "failed") for number, _ in bad])
+                await self._counts.mark(batch_id, [(number, "failed") for number, _ in bad])
         for key in (keys.batch_custom_ids(batch_id), keys.batch_errors(batch_id), keys.batch_settled(batch_id)):
             await self._redis.expire(key, self._batches.ttl_s)
-        await self._batches.move(batch_id, (BatchStatus.VALIDATING,), BatchStatus.IN_PROGRESS)
+        await self._batches.move(batch_id, (BatchStatus.VALIDATING,), BatchStatus.IN_PROGRESS,
+                                 **({"model": model} if model else {}))
 
     async def _enqueue(self, batch_id: str, b: dict[str, str]) -> None:
         cursor, total, endpoint = int(b["enqueued"]), int(b["total"]), Endpoint(b["endpoint"])
         admission = self._app[appkeys.ADMISSION]
         stop = min(total, cursor + MAX_ENQUEUE_PER_ROUND)
         if time.time() >= int(b["expires_at"]):
-            await self._mark(batch_id, [(n, "expired") for n in range(cursor, total)])
+            await self._counts.mark(batch_id, [(n, "expired") for n in range(cursor, total)])
             await self._redis.hset(self._keys.batch(batch_id), "enqueued", total)
             return
         while cursor < stop:
             page = await self._files.page(b["input_file_id"], cursor, min(PAGE_LINES, stop - cursor))
             if not page:  # the input file was deleted or expired under the batch
-                await self._mark_errors(batch_id, range(cursor, total), "invalid_file", "the input file is gone")
+                await self._counts.mark_errors(batch_id, range(cursor, total), "invalid_file", "the input file is gone")
                 cursor = total
                 break
-            settled = await self._settled_bits(batch_id, cursor, cursor + len(page))
+            settled = await self._counts.settled_bits(batch_id, cursor, cursor + len(page))
             for offset, line in enumerate(page):
                 number = cursor + offset
                 if settled[offset]:
                     continue  # refused while validating
                 try:
-                    _, body = parse_line(line, endpoint, self._config.max_model_len)
-                    await admission.submit({**body, "id": f"{batch_id}-{number}", "deadline": float(b["expires_at"])},
+                    _, body = parse_line(line, endpoint)
+                    await admission.submit({**body, "id": f"{batch_id}-{number}", "deadline": float(b["expires_at"]),
+                                            "reply_to": self._keys.batch_results(batch_id)},
                                            None, caller=Caller(tenant_of(b.get("tenant"))))
                 except LaneFull:
                     await self._redis.hset(self._keys.batch(batch_id), "enqueued", number)
                     return  # the batch lane is full: try again next round
                 except (LineError, InvalidJob) as e:
-                    await self._mark_errors(batch_id, [number], "invalid_request", str(e))
+                    await self._counts.mark_errors(batch_id, [number], "invalid_request", str(e))
             cursor += len(page)
         await self._redis.hset(self._keys.batch(batch_id), "enqueued", cursor)
 
@@ -177,13 +189,13 @@ class BatchDriver:
         """Drop the lines not enqueued yet and cancel the enqueued ones still waiting or running."""
         enqueued, total = int(b["enqueued"]), int(b["total"])
         if enqueued < total:
-            await self._mark(batch_id, [(n, "dropped") for n in range(enqueued, total)])
+            await self._counts.mark(batch_id, [(n, "dropped") for n in range(enqueued, total)])
             await self._redis.hset(self._keys.batch(batch_id), "enqueued", total)
         if b.get("cancel_sent"):
             return
         canceller = self._app[appkeys.CANCELLER]
         low = int(b["low"])
-        settled = await self._settled_bits(batch_id, low, enqueued)
+        settled = await self._counts.settled_bits(batch_id, low, enqueued)
         for offset, is_settled in enumerate(settled):
             if not is_settled:
                 try:
@@ -191,28 +203,6 @@ class BatchDriver:
                 except (JobNotFound, AlreadyFinished):
                     pass
         await self._redis.hset(self._keys.batch(batch_id), "cancel_sent", 1)
-
-    async def _count(self, batch_id: str, b: dict[str, str]) -> None:
-        """Settle the finished requests among the oldest unsettled ones, and move the low-water mark."""
-        low, high = int(b["low"]), min(int(b["enqueued"]), int(b["low"]) + SETTLE_WINDOW)
-        settled = await self._settled_bits(batch_id, low, high)
-        pending = [low + i for i, is_settled in enumerate(settled) if not is_settled]
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for number in pending:
-                pipe.hget(self._keys.job(f"{batch_id}-{number}"), "status")
-            statuses = await pipe.execute()
-        is_cancelling = b["status"] == BatchStatus.CANCELLING.value
-        outcomes = []
-        for number, raw in zip(pending, statuses):
-            status = "failed" if raw is None else raw.decode()  # a record that expired counts as failed
-            if status == "cancelled":
-                outcomes.append((number, "dropped" if is_cancelling else "failed"))
-            elif status in _OUTCOME_OF_STATUS:
-                outcomes.append((number, _OUTCOME_OF_STATUS[status]))
-        await self._mark(batch_id, outcomes)
-        done = {number for number, _ in outcomes}
-        still = [n for n in pending if n not in done]
-        await self._redis.hset(self._keys.batch(batch_id), "low", still[0] if still else high)
 
     async def _finalize(self, batch_id: str, b: dict[str, str]) -> None:
         """Write the output and error files from the job records, then end the batch."""
@@ -257,25 +247,8 @@ class BatchDriver:
         outcome = BatchStatus(b.get("outcome", BatchStatus.COMPLETED.value))
         await self._batches.move(batch_id, (BatchStatus.FINALIZING,), outcome, **files)
         await self._redis.srem(keys.batches_active, batch_id)
-
-    async def _mark(self, batch_id: str, outcomes: list[tuple[int, str]]) -> None:
-        for start in range(0, len(outcomes), 1000):
-            args = [v for pair in outcomes[start:start + 1000] for v in pair]
-            await self._settle(keys=[self._keys.batch(batch_id), self._keys.batch_settled(batch_id)], args=args)
-
-    async def _mark_errors(self, batch_id: str, numbers: range | list[int], code: str, message: str) -> None:
-        if numbers:
-            await self._redis.hset(self._keys.batch_errors(batch_id),
-                                   mapping={str(n): msgpack.packb([code, message]) for n in numbers})
-            await self._mark(batch_id, [(n, "failed") for n in numbers])
-
-    async def _settled_bits(self, batch_id: str, start: int, stop: int) -> list[bool]:
-        """Bits [start, stop) of the settled bitmap (bit 0 is the high bit of byte 0, as Redis keeps them)."""
-        if stop <= start:
-            return []
-        raw = as_bytes(await self._redis.getrange(self._keys.batch_settled(batch_id), start // 8, (stop - 1) // 8))
-        return [bool(raw[(n // 8) - start // 8] & (0x80 >> (n % 8))) if (n // 8) - start // 8 < len(raw) else False
-                for n in range(start, stop)]
+        await self._redis.delete(keys.batch_results(batch_id))
+        self._scanned_at.pop(batch_id, None)
 
 
 def _loose_custom_id(line: str) -> str | None:

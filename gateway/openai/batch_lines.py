@@ -23,7 +23,7 @@ class LineError(Exception):
         self.message = message
 
 
-def parse_line(line: str, endpoint: Endpoint, max_model_len: int | None) -> tuple[str, dict[str, Any]]:
+def parse_line(line: str, endpoint: Endpoint) -> tuple[str, dict[str, Any]]:
     """(custom_id, job body without id) of one input line; raises LineError."""
     try:
         data = json.loads(line)
@@ -39,8 +39,7 @@ def parse_line(line: str, endpoint: Endpoint, max_model_len: int | None) -> tupl
     if data.get("url") != endpoint.value:
         raise LineError("invalid_url", f"url must be the batch's endpoint {endpoint.value}, got {data.get('url')!r}")
     try:
-        request = parse_request(endpoint, data.get("body"), default_lane=Lane.BATCH, max_model_len=max_model_len,
-                                is_batch=True)
+        request = parse_request(endpoint, data.get("body"), default_lane=Lane.BATCH, is_batch=True)
     except OpenAIError as e:
         raise LineError("invalid_request", f"body: {e.message}") from e
     return custom_id, request.jobs[0]

@@ -9,6 +9,11 @@ never overwrite each other:
     validating -> in_progress -> finalizing -> completed | expired | cancelled
     validating -> failed                      (the input file cannot be read)
     validating | in_progress -> cancelling -> finalizing -> cancelled
+
+A batch created with carpool's own ``webhook: {"url"}`` gets one signed
+callback when it ends, in OpenAI's event shape (``batch.completed``,
+``batch.failed``, ``batch.expired`` or ``batch.cancelled``), enqueued by the
+same script that ends it and delivered by the webhook dispatcher.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from aiohttp import web
 from redis.typing import EncodableT, FieldT
 
 from gateway import appkeys
+from gateway.admission import InvalidJob
 from gateway.auth import caller_of, may_see
 from gateway.errors import OpenAIError, invalid, unsupported
 from gateway.openai.files import file_store
@@ -33,6 +39,7 @@ from scheduler.protocol import state_machine
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import as_bytes, read_hash
 from scheduler.protocol.tenants import DEFAULT_TENANT, tenant_of
+from scheduler.protocol.webhooks import BatchEvent, batch_delivery_fields
 
 routes = web.RouteTableDef()
 
@@ -56,7 +63,12 @@ TIME_FIELDS = {BatchStatus.IN_PROGRESS: "in_progress_at", BatchStatus.FINALIZING
                BatchStatus.COMPLETED: "completed_at", BatchStatus.FAILED: "failed_at",
                BatchStatus.EXPIRED: "expired_at", BatchStatus.CANCELLING: "cancelling_at",
                BatchStatus.CANCELLED: "cancelled_at"}
-_COUNTERS = ("total", "completed", "failed", "expired", "settled", "enqueued", "low")
+COUNTERS = ("completed", "failed", "expired", "settled", "enqueued", "low", "input_tokens", "cached_tokens",
+            "output_tokens")
+"""The batch hash's counters (besides ``total``), all 0 until validation starts them over."""
+
+END_EVENTS = {BatchStatus.COMPLETED: BatchEvent.COMPLETED, BatchStatus.FAILED: BatchEvent.FAILED,
+              BatchStatus.EXPIRED: BatchEvent.EXPIRED, BatchStatus.CANCELLED: BatchEvent.CANCELLED}
 
 
 class BatchStore:
@@ -65,14 +77,16 @@ class BatchStore:
         self._move = redis.register_script(state_machine.BATCH_MOVE)
 
     async def create(self, input_file_id: str, endpoint: Endpoint, window_s: int, window: str,
-                     metadata: dict[str, str] | None, tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
+                     metadata: dict[str, str] | None, tenant: str = DEFAULT_TENANT,
+                     webhook_url: str | None = None) -> dict[str, Any]:
         batch_id = "batch_" + secrets.token_hex(12)
         now = int(time.time())
         fields: dict[FieldT, EncodableT] = {
             "id": batch_id, "status": BatchStatus.VALIDATING.value, "endpoint": endpoint.value,
             "input_file_id": input_file_id, "completion_window": window, "created_at": now,
             "expires_at": now + window_s, "metadata": json.dumps(metadata), "tenant": tenant,
-            **{name: 0 for name in _COUNTERS},
+            "total": 0, **{name: 0 for name in COUNTERS},
+            **({"webhook_url": webhook_url} if webhook_url else {}),
         }
         key = self._keys.batch(batch_id)
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -89,13 +103,23 @@ class BatchStore:
 
     async def move(self, batch_id: str, allowed: tuple[BatchStatus, ...], to: BatchStatus,
                    **fields: str | int) -> bool:
-        """Set the status to `to` if it is one of `allowed` (stamping its time field); whether it moved."""
-        args: list[str | int] = [",".join(s.value for s in allowed), to.value]
-        if to in TIME_FIELDS:
-            args += [TIME_FIELDS[to], int(time.time())]
-        for name, value in fields.items():
+        """Set the status to `to` if it is one of `allowed` (stamping its time field); whether it moved.
+
+        A move to a final status also enqueues the batch's webhook (``batch.completed`` and so on), when it
+        has one, in the same script: a batch ends once, with one callback.
+        """
+        now = int(time.time())
+        stamped: dict[str, str | int] = {**({TIME_FIELDS[to]: now} if to in TIME_FIELDS else {}), **fields}
+        args: list[EncodableT] = [",".join(s.value for s in allowed), to.value, 2 * len(stamped)]
+        for name, value in stamped.items():
             args += [name, value]
-        found = await self._move(keys=[self._keys.batch(batch_id)], args=args)
+        if to in END_EVENTS:
+            b = await self.read(batch_id)
+            if b.get("webhook_url"):
+                ended = self.view_of({**b, **{k: str(v) for k, v in stamped.items()}, "status": to.value})
+                delivery = batch_delivery_fields(batch_id, END_EVENTS[to], b["webhook_url"], ended, now=now)
+                args += [v for pair in delivery.items() for v in pair]
+        found = await self._move(keys=[self._keys.batch(batch_id), self._keys.webhooks], args=args)
         return found is not None and found.decode() in {s.value for s in allowed}
 
     async def tenant(self, batch_id: str) -> str:
@@ -105,8 +129,11 @@ class BatchStore:
 
     async def view(self, batch_id: str) -> dict[str, Any] | None:
         b = await self.read(batch_id)
-        if not b:
-            return None
+        return self.view_of(b) if b else None
+
+    @staticmethod
+    def view_of(b: dict[str, str]) -> dict[str, Any]:
+        """The batch object OpenAI's API shows, from the batch hash."""
         out: dict[str, Any] = {
             "id": b["id"], "object": "batch", "endpoint": b["endpoint"], "errors": json.loads(b.get("errors", "null")),
             "input_file_id": b["input_file_id"], "completion_window": b["completion_window"], "status": b["status"],
@@ -114,7 +141,12 @@ class BatchStore:
             "created_at": int(b["created_at"]), "expires_at": int(b["expires_at"]),
             "request_counts": {"total": int(b["total"]), "completed": int(b["completed"]),
                                "failed": int(b["failed"])},
-            "metadata": json.loads(b.get("metadata", "null")),
+            "metadata": json.loads(b.get("metadata", "null")), "model": b.get("model"),
+            "usage": {"input_tokens": int(b.get("input_tokens", 0)),
+                      "input_tokens_details": {"cached_tokens": int(b.get("cached_tokens", 0))},
+                      "output_tokens": int(b.get("output_tokens", 0)),
+                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": int(b.get("input_tokens", 0)) + int(b.get("output_tokens", 0))},
         }
         for name in TIME_FIELDS.values():
             out[name] = int(b[name]) if name in b else None
@@ -131,7 +163,7 @@ async def create_batch(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         raise invalid("body", "must be a JSON object")
     for name in body:
-        if name not in ("input_file_id", "endpoint", "completion_window", "metadata"):
+        if name not in ("input_file_id", "endpoint", "completion_window", "metadata", "webhook"):
             raise unsupported(str(name))
     try:
         endpoint = Endpoint(body.get("endpoint"))
@@ -151,9 +183,23 @@ async def create_batch(request: web.Request) -> web.Response:
         raise invalid("input_file_id", f"no such file: {file_id!r}")
     if file["purpose"] != "batch":
         raise invalid("input_file_id", "the file's purpose must be batch")
+    webhook_url = await _webhook_url(request, body.get("webhook"))
     view = await batch_store(request.app).create(file_id, endpoint, COMPLETION_WINDOWS_S[window], window, metadata,
-                                                 caller_of(request).tenant)
+                                                 caller_of(request).tenant, webhook_url)
     return web.json_response(view)
+
+
+async def _webhook_url(request: web.Request, webhook: object) -> str | None:
+    """carpool's own ``webhook: {"url"}``: called, signed, when the batch ends (``batch.completed`` and so on)."""
+    if webhook is None:
+        return None
+    if not isinstance(webhook, dict) or set(webhook) != {"url"} or not isinstance(webhook["url"], str):
+        raise invalid("webhook", 'must be {"url": "https://..."}')
+    try:
+        await request.app[appkeys.ADMISSION].check_webhook_url(webhook["url"])
+    except InvalidJob as e:
+        raise invalid("webhook.url", e.message) from e
+    return webhook["url"]
 
 
 @routes.get("/v1/batches")

@@ -19,7 +19,7 @@ from gateway.api_keys import OPEN_CALLER, Caller
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.errors import OpenAIError
 from gateway.event_hub import EventHub, Subscription, is_terminal
-from gateway.event_hub import EventHub, Subscription, is_terminal
+from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, PARAM_OF_FIELD
 from gateway.openai.schema import OpenAIRequest
 from gateway.rate_limits import RateLimited, job_tokens
 from scheduler.protocol.job_record import job_view
@@ -27,8 +27,6 @@ from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import read_hash
 from scheduler.runtime.tasks import cancel_and_reap
 
-# A job field named by admission -> the OpenAI parameter it came from.
-_PARAM_OF_FIELD = {"params.max_tokens": "max_tokens", "prompt_token_ids": "prompt"}
 
 
 async def served_models(app: web.Application) -> dict[str, float]:
@@ -75,8 +73,9 @@ async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: 
         metrics.job_rejected("invalid")
         await cancel_jobs(app, done)
         await limiter.release(caller, reservations[len(done):])
-        param = _PARAM_OF_FIELD.get(e.field, e.field.removeprefix("params."))
-        raise OpenAIError(400, f"{param}: {e.message}", param=param, code="invalid_value") from e
+        param = PARAM_OF_FIELD.get(e.field, e.field.removeprefix("params."))
+        code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_value"
+        raise OpenAIError(400, f"{param}: {e.message}", param=param, code=code) from e
     except QuotaExceeded as e:
         metrics.job_rejected("quota")
         await cancel_jobs(app, done)

@@ -69,8 +69,7 @@ async def read_json(request: web.Request) -> Any:
 
 async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     app = request.app
-    req = parse_request(endpoint, await read_json(request), default_lane=DEFAULT_LANES[endpoint],
-                        max_model_len=await app[appkeys.ADMISSION].context_length())
+    req = parse_request(endpoint, await read_json(request), default_lane=DEFAULT_LANES[endpoint])
     await check_model(app, req.model)
     request_id = ID_PREFIXES[endpoint] + secrets.token_hex(12)
     job_ids = [f"{request_id}-{i}" for i in range(len(req.jobs))]

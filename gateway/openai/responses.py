@@ -1,17 +1,23 @@
 """Job records (their public views) -> OpenAI response objects, chunks and errors.
 
-Token strings live in the worker's tokenizer, which the gateway does not load,
-so logprobs name tokens by id as ``"token_id:<id>"`` (vLLM's
-``return_tokens_as_token_ids`` form).
+Logprobs name tokens as the worker's tokenizer does (``token``, and its UTF-8
+``bytes``), as OpenAI shows them; a logprob of minus infinity is sent as
+-9999.0, OpenAI's value for it.
 """
 
 from __future__ import annotations
 
+import codecs
+import math
 from typing import Any
 
 from gateway.errors import OpenAIError
 from gateway.openai.schema import Endpoint
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""OpenAI's error code for a prompt (or prompt + max_tokens) longer than the model's context."""
+PARAM_OF_FIELD = {"params.max_tokens": "max_tokens", "prompt_token_ids": "prompt"}
+"""A job field -> the OpenAI parameter it came from (where the names differ)."""
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
 _INVALID_ERRORS = {"invalid_job", "invalid_request", "unadmittable"}
 
@@ -43,7 +49,8 @@ def completion_object(endpoint: Endpoint, request_id: str, created: int, model: 
                             "finish_reason": finish_reason(view)})
         else:
             choices.append({"index": index, "text": output.get("text", ""),
-                            "logprobs": None if logprobs is None else completion_logprobs(logprobs),
+                            "logprobs": None if logprobs is None else completion_logprobs(
+                                logprobs, output.get("text", "")),
                             "finish_reason": finish_reason(view)})
     obj = "chat.completion" if endpoint is Endpoint.CHAT else "text_completion"
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices,
@@ -70,25 +77,47 @@ def usage_chunk(endpoint: Endpoint, request_id: str, created: int, model: str,
             "usage": usage(views)}
 
 
-def _token(token_id: int) -> str:
-    return f"token_id:{token_id}"
+UNLIKELY_LOGPROB = -9999.0
+"""What OpenAI sends for a logprob of minus infinity (JSON has no infinity)."""
+
+
+def _logprob(value: object) -> float:
+    number = float(value) if isinstance(value, (int, float)) else UNLIKELY_LOGPROB
+    return number if math.isfinite(number) else UNLIKELY_LOGPROB
+
+
+def _named(entry: dict[str, Any]) -> tuple[str, list[int] | None]:
+    """(token string, bytes) of a logprobs entry; a record from a worker that named no tokens gives the id."""
+    token = entry.get("token")
+    if isinstance(token, str):
+        return token, list(entry.get("bytes") or [])
+    return f"token_id:{entry['token_id']}", None
+
+
+def _chat_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    token, data = _named(entry)
+    return {"token": token, "logprob": _logprob(entry.get("logprob")), "bytes": data}
 
 
 def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"content": [
-        {"token": _token(e["token_id"]), "logprob": e["logprob"], "bytes": None,
-         "top_logprobs": [{"token": _token(t["token_id"]), "logprob": t["logprob"], "bytes": None}
-                          for t in e.get("top_logprobs") or []]}
-        for e in entries
-    ]}
+    return {"content": [{**_chat_entry(e), "top_logprobs": [_chat_entry(t) for t in e.get("top_logprobs") or []]}
+                        for e in entries], "refusal": None}
 
 
-def completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+def completion_logprobs(entries: list[dict[str, Any]], text: str) -> dict[str, Any]:
+    """The legacy shape; ``text_offset`` is each token's first character in the text (a token that ends inside a
+    character starts where that character does)."""
+    offsets, num_chars = [], 0
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    for e in entries:
+        offsets.append(min(len(text), num_chars))
+        num_chars += len(decoder.decode(bytes(_named(e)[1] or b"")))
     return {
-        "tokens": [_token(e["token_id"]) for e in entries],
-        "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{_token(t["token_id"]): t["logprob"] for t in e.get("top_logprobs") or []}
+        "tokens": [_named(e)[0] for e in entries],
+        "token_logprobs": [_logprob(e.get("logprob")) for e in entries],
+        "top_logprobs": [{_named(t)[0]: _logprob(t.get("logprob")) for t in e.get("top_logprobs") or []}
                          for e in entries],
+        "text_offset": offsets,
     }
 
 
@@ -97,7 +126,9 @@ def job_error(view: dict[str, Any]) -> OpenAIError:
     error = view.get("error") or {}
     kind, message = str(error.get("type", view.get("status"))), str(error.get("message", view.get("status")))
     if kind in _INVALID_ERRORS:
-        return OpenAIError(400, message, param=error.get("field"), code=kind)
+        field = error.get("field")
+        param = None if field is None else PARAM_OF_FIELD.get(str(field), str(field).removeprefix("params."))
+        return OpenAIError(400, message, param=param, code=str(error.get("code") or kind))
     if view.get("status") == "cancelled":
         return OpenAIError(409, f"the request's job was cancelled: {message}", code="cancelled")
     if view.get("status") == "expired":

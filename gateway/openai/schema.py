@@ -29,10 +29,9 @@ SERVICE_TIER_LANES = {"priority": Lane.INTERACTIVE, "default": Lane.STANDARD, "a
                       "flex": Lane.BATCH}
 MAX_CHOICES = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-DEFAULT_CHAT_MAX_TOKENS = 1024
-"""A chat completion without max_tokens generates at most this many (the gateway cannot count the templated
-prompt's tokens, so it cannot give "the rest of the context")."""
-"""OpenAI's default for /v1/completions; chat generates up to the model's context by default."""
+"""OpenAI's (and vLLM's) default for /v1/completions. A chat completion without max_tokens generates until EOS
+or the end of the model's context (the job's ``max_tokens`` is null: the worker gives it the rest of the context
+after the templated prompt, as vLLM does)."""
 
 # carpool's own sampling parameters, accepted as extra body fields (as vLLM accepts them).
 EXTRA_PARAMS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
@@ -60,8 +59,7 @@ class OpenAIRequest:
     """Job message bodies without ids, one per choice, in choice order."""
 
 
-def parse_request(endpoint: Endpoint, body: object, *, default_lane: Lane, max_model_len: int | None,
-                  is_batch: bool = False) -> OpenAIRequest:
+def parse_request(endpoint: Endpoint, body: object, *, default_lane: Lane, is_batch: bool = False) -> OpenAIRequest:
     if not isinstance(body, dict):
         raise invalid("body", "must be a JSON object")
     given = {k: v for k, v in body.items() if v is not None}
@@ -83,7 +81,7 @@ def parse_request(endpoint: Endpoint, body: object, *, default_lane: Lane, max_m
     if is_batch and n != 1:
         raise unsupported("n", "must be 1 in a batch")
 
-    params, renames = _sampling(endpoint, given, max_model_len)
+    params, renames = _sampling(endpoint, given)
     if is_stream and params.get("logprobs") is not None:
         raise unsupported("logprobs", "is not available with stream=true")
     try:
@@ -122,8 +120,7 @@ def derive_seed(seed: int, choice: int) -> int:
     return int.from_bytes(digest, "big") & MAX_SEED
 
 
-def _sampling(endpoint: Endpoint, given: dict[str, Any],
-              max_model_len: int | None) -> tuple[dict[str, Any], dict[str, str]]:
+def _sampling(endpoint: Endpoint, given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """The job's params, and the OpenAI names of params whose carpool names differ."""
     renames: dict[str, str] = {}
     params = {name: given[name] for name in (*SHARED_PARAMS, *EXTRA_PARAMS) if name in given}
@@ -134,8 +131,7 @@ def _sampling(endpoint: Endpoint, given: dict[str, Any],
     elif endpoint is Endpoint.COMPLETIONS:
         params["max_tokens"] = DEFAULT_COMPLETION_MAX_TOKENS
     else:
-        params["max_tokens"] = DEFAULT_CHAT_MAX_TOKENS if max_model_len is None else min(
-            DEFAULT_CHAT_MAX_TOKENS, max_model_len // 2)
+        params["max_tokens"] = None
     if endpoint is Endpoint.CHAT:
         if _bool(given, "logprobs", False):
             params["logprobs"] = given.get("top_logprobs", 0)

@@ -1,9 +1,15 @@
 """Streaming answers in OpenAI's chunk format: ``data: {chunk}`` lines, then ``data: [DONE]``.
 
-Text deltas come from the jobs' token events; a choice's final event carries
-its whole text, so whatever token events a slow reader lost is sent with the
-finish chunk. Every second without an event the stream checks its client:
-one that has gone gets its jobs cancelled (no compute is left orphaned).
+Text deltas come from the jobs' token events, each choice's placed by a
+`gateway.sse.Cursor`: a job resumed on another worker re-runs from its
+checkpoint and repeats tokens and text already sent, and each character goes
+out once; events a slow reader lost are read back from the job's event log,
+and a choice's final record carries whatever is still missing. The response
+starts with the first token (or after ``--sse-heartbeat-s`` of waiting), so a
+request the worker refuses before any token (a prompt too long for the
+context) is answered with a 4xx in OpenAI's error shape, as without
+streaming. Every second without an event the stream checks its client: one
+that has gone gets its jobs cancelled (no compute is left orphaned).
 """
 
 from __future__ import annotations
@@ -17,9 +23,12 @@ from aiohttp import web
 
 from gateway import appkeys
 from gateway.auth import RATE_HEADERS
+from gateway.errors import REDIS_UNAVAILABLE
+from gateway.errors import OpenAIError
 from gateway.openai import responses
 from gateway.openai.choices import ChoiceWatch, cancel_jobs, client_gone
 from gateway.openai.schema import Endpoint, OpenAIRequest
+from gateway.sse import Cursor, from_view, logged_events
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 
 log = logging.getLogger(__name__)
@@ -31,93 +40,125 @@ class ClientGone(Exception):
     pass
 
 
+class _Chunks:
+    """The SSE response, started on first use (chat's first chunk per choice names the role)."""
+
+    def __init__(self, request: web.Request, req: OpenAIRequest, request_id: str, created: int,
+                 num_choices: int) -> None:
+        self._request, self._req = request, req
+        self._request_id, self._created, self._num_choices = request_id, created, num_choices
+        self.response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+            **request.get(RATE_HEADERS, {}),
+        })
+
+    @property
+    def is_open(self) -> bool:
+        return self.response.prepared
+
+    async def open(self) -> None:
+        if self.is_open:
+            return
+        await self.response.prepare(self._request)
+        if self._req.endpoint is Endpoint.CHAT:
+            for index in range(self._num_choices):
+                await self.send(self.chunk(index, role="assistant"))
+
+    def chunk(self, index: int, *, text: str = "", role: str | None = None,
+              finish: str | None = None) -> dict[str, Any]:
+        return responses.chunk(self._req.endpoint, self._request_id, self._created, self._req.model, index,
+                               text=text, role=role, finish=finish)
+
+    async def send(self, data: dict[str, Any] | str) -> None:
+        await self.open()
+        text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+        await self._write(f"data: {text}\n\n".encode())
+
+    async def keep_alive(self) -> None:
+        await self.open()
+        await self._write(b": keep-alive\n\n")
+
+    async def _write(self, data: bytes) -> None:
+        try:
+            await self.response.write(data)
+        except ConnectionResetError as e:
+            raise ClientGone from e
+
+
 async def stream_choices(request: web.Request, req: OpenAIRequest, watch: ChoiceWatch, request_id: str,
                          created: int) -> web.StreamResponse:
     """Send the enqueued choices' chunks as they come; the caller cancels whatever is left after."""
     app = request.app
-    response = web.StreamResponse(headers={
-        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-        **request.get(RATE_HEADERS, {}),
-    })
-    await response.prepare(request)
-    endpoint, model = req.endpoint, req.model
-
-    async def send(data: dict[str, Any] | str) -> None:
-        text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-        try:
-            await response.write(f"data: {text}\n\n".encode())
-        except ConnectionResetError as e:
-            raise ClientGone from e
-
-    sent_text = [""] * len(watch.job_ids)
-    num_tokens = [0] * len(watch.job_ids)
+    redis, keys = app[appkeys.REDIS], app[appkeys.KEYS]
+    num_choices = len(watch.job_ids)
+    out = _Chunks(request, req, request_id, created, num_choices)
+    cursors = [Cursor() for _ in range(num_choices)]
     views: dict[int, dict[str, Any]] = {}
+
+    async def finish(index: int, view: dict[str, Any]) -> bool:
+        """Send a choice's last text and finish chunk; False (after an error chunk) when its job failed."""
+        views[index] = view
+        if view.get("status") != "succeeded":
+            error = responses.job_error(view)
+            if not out.is_open:
+                raise error
+            await out.send({"error": {"message": error.message, "type": "server_error" if error.status >= 500
+                                      else "invalid_request_error", "param": error.param, "code": error.code}})
+            return False
+        for event in from_view(view, cursors[index]):
+            if event["type"] == "token" and event["text"]:
+                await out.send(out.chunk(index, text=event["text"]))
+        await out.send(out.chunk(index, finish=responses.finish_reason(view)))
+        return True
+
     try:
-        if endpoint is Endpoint.CHAT:
-            for index in range(len(watch.job_ids)):
-                await send(responses.chunk(endpoint, request_id, created, model, index, role="assistant"))
         heartbeat_s = app[appkeys.CONFIG].sse_heartbeat_s
         last_beat = time.monotonic()
-        while len(views) < len(watch.job_ids):
+        while len(views) < num_choices:
             got = await watch.next(CLIENT_CHECK_S)
             if got is None:
                 if client_gone(request):
                     raise ClientGone
-                if time.monotonic() - last_beat >= heartbeat_s:
-                    last_beat = time.monotonic()
-                    try:
-                        await response.write(b": keep-alive\n\n")
-                    except ConnectionResetError as e:
-                        raise ClientGone from e
-                    pending = [i for i in range(len(watch.job_ids)) if i not in views]
+                now = time.monotonic()
+                if now - last_beat >= heartbeat_s:
+                    last_beat = now
+                    await out.keep_alive()
+                    pending = [i for i in range(num_choices) if i not in views]
                     for index, view in (await watch.terminal_views(pending)).items():
-                        await _finish(send, req, request_id, created, index, view, sent_text, views)
+                        if not await finish(index, view):
+                            return out.response
                 continue
             index, event = got
             if index in views:
                 continue
             if event["type"] == "closed":
-                await send({"error": {"message": "the server is shutting down", "type": "server_error",
-                                      "param": None, "code": "shutting_down"}})
-                return response
+                if not out.is_open:
+                    raise OpenAIError(503, "the server is shutting down; retry", code="shutting_down")
+                await out.send({"error": {"message": "the server is shutting down", "type": "server_error",
+                                          "param": None, "code": "shutting_down"}})
+                return out.response
             if event["type"] == "token":
-                ids = event.get("token_ids") or []
-                start = event.get("index", num_tokens[index])
-                if not isinstance(start, int) or start < num_tokens[index]:
-                    continue  # a resumed job repeating tokens already sent
-                num_tokens[index] = start + len(ids)
-                text = event.get("text") or ""
+                cursor = cursors[index]
+                taken = []
+                if cursor.is_behind(event):  # events in between were lost: the job's log has them
+                    taken += await logged_events(redis, keys, watch.job_ids[index], cursor)
+                if (one := cursor.take(event)) is not None:
+                    taken.append(one)
+                text = "".join(e["text"] for e in taken)
                 if text:
-                    sent_text[index] += text
-                    await send(responses.chunk(endpoint, request_id, created, model, index, text=text))
+                    await out.send(out.chunk(index, text=text))
             elif event["type"] == "final":
-                await _finish(send, req, request_id, created, index, event["job"], sent_text, views)
-                if event["job"].get("status") != "succeeded":
-                    return response
+                if not await finish(index, event["job"]):
+                    return out.response
         if req.include_usage:
-            await send(responses.usage_chunk(endpoint, request_id, created, model,
-                                             [views[i] for i in range(len(views))]))
-        await send("[DONE]")
+            await out.send(responses.usage_chunk(req.endpoint, request_id, created, req.model,
+                                                 [views[i] for i in range(num_choices)]))
+        await out.send("[DONE]")
     except ClientGone:
         log.info("stream %s: client went away; cancelling its jobs", request_id)
         await cancel_jobs(app, watch.job_ids)
     except REDIS_UNAVAILABLE as e:
+        if not out.is_open:
+            raise
         log.warning("stream %s: ended early, Redis unavailable: %s", request_id, e)
-    return response
-
-
-async def _finish(send: Any, req: OpenAIRequest, request_id: str, created: int, index: int,
-                  view: dict[str, Any], sent_text: list[str], views: dict[int, dict[str, Any]]) -> None:
-    views[index] = view
-    if view.get("status") != "succeeded":
-        error = responses.job_error(view)
-        await send({"error": {"message": error.message, "type": "server_error" if error.status >= 500
-                              else "invalid_request_error", "param": error.param, "code": error.code}})
-        return
-    text = (view.get("output") or {}).get("text", "")
-    rest = text[len(sent_text[index]):] if text.startswith(sent_text[index]) else ""
-    if rest:
-        await send(responses.chunk(req.endpoint, request_id, created, req.model, index,
-                                   text=rest))
-    await send(responses.chunk(req.endpoint, request_id, created, req.model, index,
-                               finish=responses.finish_reason(view)))
+    return out.response

@@ -53,8 +53,11 @@ class Keys:
         return key == self.prefix or key.startswith(f"{self.prefix}:")
 
     def check_reply_to(self, reply_to: str | None) -> str | None:
-        """Why `reply_to` may not be used (it names one of carpool's own keys), or None when it may."""
-        if reply_to is not None and self.is_own(reply_to):
+        """Why `reply_to` may not be used (it names one of carpool's own keys), or None when it may.
+
+        The one key of carpool's own a job may reply to is a batch's results stream: the Batch API's jobs do.
+        """
+        if reply_to is not None and self.is_own(reply_to) and not self.is_batch_results(reply_to):
             return f"must not name a key under carpool's prefix {self.prefix!r} (use a stream of your own)"
         return None
 
@@ -218,6 +221,16 @@ class Keys:
     def batch_settled(self, batch_id: str) -> str:
         """Bitmap, bit = line number: set once that line's request is counted (done, failed or dropped)."""
         return f"{self.prefix}:batch:{batch_id}:settled"
+
+    def batch_results(self, batch_id: str) -> str:
+        """Stream the batch's requests are ``reply_to``: one entry (field ``result``, the msgpack job record) per
+        request as it ends, read and deleted by the batch driver."""
+        return f"{self.prefix}:batch:{batch_id}:results"
+
+    def is_batch_results(self, key: str) -> bool:
+        head, tail = f"{self.prefix}:batch:", ":results"
+        batch_id = key[len(head):-len(tail)]
+        return key.startswith(head) and key.endswith(tail) and bool(batch_id) and ":" not in batch_id
 
     def batch_lock(self, batch_id: str) -> str:
         """String naming the gateway driving the batch now; expires unless renewed."""

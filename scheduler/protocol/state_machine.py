@@ -477,18 +477,22 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end
 for allowed in string.gmatch(ARGV[1], '[^,]+') do
   if allowed == status then
-    redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
+    local n = tonumber(ARGV[3])
+    redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 4, 3 + n))
+    if #ARGV > 3 + n then redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4 + n)) end
     return status
   end
 end
 return status
 """
-"""Compare-and-set of a batch's status. KEYS: batch hash. ARGV: allowed current statuses (comma-separated),
-new status, then field/value pairs to set with it. Returns the status found (nil when there is no batch)."""
+"""Compare-and-set of a batch's status. KEYS: batch hash, webhook stream. ARGV: allowed current statuses
+(comma-separated), new status, number of field/value arguments n, n arguments to set with the status, then
+the fields of a webhook delivery to XADD in the same step (none: no callback). Returns the status found (nil
+when there is no batch)."""
 
 BATCH_SETTLE = """
 local n = 0
-for i = 1, #ARGV, 2 do
+for i = 1, #ARGV, 5 do
   if redis.call('SETBIT', KEYS[2], ARGV[i], 1) == 0 then
     n = n + 1
     redis.call('HINCRBY', KEYS[1], 'settled', 1)
@@ -498,12 +502,18 @@ for i = 1, #ARGV, 2 do
       redis.call('HINCRBY', KEYS[1], 'failed', 1)
       redis.call('HINCRBY', KEYS[1], 'expired', 1)
     end
+    if o == 'completed' then
+      redis.call('HINCRBY', KEYS[1], 'input_tokens', ARGV[i + 2])
+      redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[i + 3])
+      redis.call('HINCRBY', KEYS[1], 'output_tokens', ARGV[i + 4])
+    end
   end
 end
 return n
 """
-"""Count each line of a batch once. KEYS: batch hash, settled bitmap. ARGV: line, outcome pairs (completed,
-failed, expired, dropped). Returns how many were new."""
+"""Count each line of a batch once. KEYS: batch hash, settled bitmap. ARGV: (line, outcome, input tokens,
+cached input tokens, output tokens) per line; outcomes: completed, failed, expired, dropped. Returns how many
+were new."""
 
 
 # ---- tenants: routing into tenant streams, rate limits, usage ---------------------------------------

@@ -140,6 +140,38 @@ def delivery_fields(
     return fields
 
 
+class BatchEvent(str, Enum):
+    """The one callback a Batch API batch sends when it ends, named as OpenAI names its batch events."""
+
+    COMPLETED = "batch.completed"
+    FAILED = "batch.failed"
+    EXPIRED = "batch.expired"
+    CANCELLED = "batch.cancelled"
+
+
+EVENT_ID_PREFIX = "evt_"
+
+
+def batch_delivery_fields(batch_id: str, event: BatchEvent, url: str, batch: dict[str, Any], *,
+                          now: float) -> dict[FieldT, EncodableT]:
+    """The entry to XADD on ``keys.webhooks`` when a batch ends.
+
+    The body is OpenAI's event object (``{id, object, type, created_at, data}``, ``data.id`` the batch id), so
+    OpenAI's own webhook helpers (``client.webhooks.unwrap``) read it; ``data`` also holds the whole batch
+    object. The delivery is keyed to the batch id, which orders and records it as a job id would be.
+    """
+    body = {"id": EVENT_ID_PREFIX + secrets.token_hex(16), "object": "event", "type": event.value,
+            "created_at": int(now), "data": {**batch, "id": batch_id}}
+    return {
+        F_ID: new_delivery_id().encode(),
+        F_JOB_ID: batch_id.encode(),
+        F_EVENT: event.value.encode(),
+        F_URL: url.encode(),
+        F_PAYLOAD: json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=json_default).encode(),
+        F_CREATED_AT: repr(now).encode(),
+    }
+
+
 @dataclass
 class OutputThrottle:
     """Per-job gate for ``output`` callbacks: at most one every `interval_s`."""

@@ -28,6 +28,7 @@ A_WEBHOOK_EVENT = "carpool.webhook.event"
 A_WEBHOOK_OUTCOME = "carpool.webhook.outcome"
 A_TENANT = "carpool.tenant"  # capped: past --max-tenant-labels distinct tenants, "other"
 A_TOKEN_TYPE = "gen_ai.token.type"  # "input" | "output"
+A_SPEC_PROPOSER = "carpool.spec_decode.proposer"  # "ngram" | "draft"
 A_HTTP_METHOD = "http.request.method"
 A_HTTP_ROUTE = "http.route"
 A_HTTP_STATUS = "http.response.status_code"
@@ -198,6 +199,22 @@ PREFIX_CACHE_QUERIES = MetricSpec(
 PREFIX_CACHE_HITS = MetricSpec(
     "carpool.engine.prefix_cache.hits", "observable_counter", "{token}", "Prompt tokens served from the prefix cache."
 )
+SPEC_DRAFTS = MetricSpec(
+    "carpool.engine.spec_decode.drafts", "observable_counter", "{draft}",
+    "Speculative proposals verified: one per speculating sequence and engine step.", (A_SPEC_PROPOSER,),
+)
+SPEC_PROPOSED = MetricSpec(
+    "carpool.engine.spec_decode.proposed", "observable_counter", "{token}",
+    "Tokens proposed for verification by the speculative proposer.", (A_SPEC_PROPOSER,),
+)
+SPEC_ACCEPTED = MetricSpec(
+    "carpool.engine.spec_decode.accepted", "observable_counter", "{token}",
+    "Proposed tokens the target model accepted (each saved one forward of its sequence).", (A_SPEC_PROPOSER,),
+)
+SPEC_MEAN_ACCEPTED_LENGTH = MetricSpec(
+    "carpool.engine.spec_decode.mean_accepted_length", "observable_gauge", "{token}",
+    "Tokens a speculating sequence gains per engine step, since start: 1 + accepted / drafts.", (A_SPEC_PROPOSER,),
+)
 LEASES_RECLAIMED = MetricSpec(
     "carpool.leases.reclaimed", "counter", "{job}", "Jobs this worker took over from a worker whose lease expired.",
     (A_LANE,),
@@ -224,6 +241,8 @@ TENANT_QUEUE_WAIT = MetricSpec(
 )
 
 STREAM_METRICS: tuple[MetricSpec, ...] = (QUEUE_DEPTH, QUEUE_PENDING, DEAD_LETTER_DEPTH)
+SPEC_DECODE_METRICS: tuple[MetricSpec, ...] = (SPEC_DRAFTS, SPEC_PROPOSED, SPEC_ACCEPTED, SPEC_MEAN_ACCEPTED_LENGTH)
+"""Exported by a worker that runs speculative decoding (``--speculative``) only."""
 GATEWAY_METRICS: tuple[MetricSpec, ...] = (
     JOBS_SUBMITTED, JOBS_REJECTED, JOBS_DEDUPLICATED, JOBS_CANCELLED, OPEN_WAITERS, HTTP_SERVER_DURATION,
     WEBHOOK_DELIVERIES, WEBHOOK_DURATION, *STREAM_METRICS,

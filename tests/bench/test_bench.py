@@ -13,7 +13,7 @@ from bench.checks import step_count_ceiling
 from bench.cli import build_parser, config_from_args
 from bench.config import BenchConfig
 from bench.records import percentile
-from bench.suite import build_workloads
+from bench.plan import build_workloads
 from bench.workloads import SKEWED_OUTPUT_LENS, BenchRequest, Workload, mixed_lanes, poisson_arrivals, shared_prefix, sharegpt_like, skewed
 from gateway.cli.main import main as carpool_main
 
@@ -125,7 +125,15 @@ def test_quick_bench_writes_a_complete_report(tmp_path: Path, tiny_model: Callab
         assert runs[("skewed", "offline", mode, None)]["saturated_output_tokens_per_s"] > 0
     assert [c["name"].split(":")[0] for c in document["checks"]] == [
         "skewed", "online at saturation / offline output tokens/s (continuous, sharegpt-like)", "shared-prefix",
-        "mixed-lanes"]
+        "mixed-lanes", "repetitive", "skewed"]
+    for workload in ("repetitive", "skewed"):
+        for system in ("continuous, speculation off", "continuous, prompt lookup"):
+            assert runs[(workload, "offline", system, None)]["num_finished"] == runs[
+                (workload, "offline", system, None)]["num_requests"]
+    # The repetitive workload's outputs copy their prompts: prompt lookup proposes and the model accepts.
+    looked_up = document["runs"][[i for i, r in enumerate(document["runs"]) if (r["workload"], r["system"]) == (
+        "repetitive", "continuous, prompt lookup")][0]]
+    assert looked_up["spec_accepted_tokens"] > 0
     assert all(c["measured"] is not None for c in document["checks"])
     # The throughput claims are medians over repeated pairs, each pair measured back to back.
     for check, pairs in zip(document["checks"][:2], (config.skewed_pairs, config.online_pairs)):

@@ -18,11 +18,11 @@ import redis.asyncio as aioredis
 from aiohttp import ClientSession, FormData
 from aiohttp.test_utils import TestServer
 
-from tests.harness.child_env import child_pythonpath
 from gateway.api_keys import KeyStore
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from scheduler.protocol.tenants import TenantLimits
+from tests.harness.child_env import child_pythonpath
 from tests.harness.worker_harness import KEYS
 
 ROOT = Path(__file__).resolve().parents[2]

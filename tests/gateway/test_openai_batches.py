@@ -5,21 +5,21 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import openai
 
+from gateway.webhooks import generate_secret
+from gateway.webhooks.config import WebhookConfig
 from scheduler.params import SamplingParams
 from tests.harness.child_env import child_pythonpath
-from tests.harness.openai_support import MODEL_NAME, openai_service
+from tests.harness.openai_support import MODEL_NAME, openai_service, start_worker
+from tests.harness.webhook_receiver import Receiver
+from tests.harness.worker_harness import wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
 CHAT = "/v1/chat/completions"
+SECRET = generate_secret()
 
 
 def chat_line(i: int, max_tokens: int = 4) -> dict:
@@ -30,7 +30,7 @@ def chat_line(i: int, max_tokens: int = 4) -> dict:
 
 BAD_LINES = {
     "not json": "this is not json",
-    "not an object": "[1, 2, 3]",
+    "a model not served": json.dumps({**chat_line(999), "body": {**chat_line(999)["body"], "model": "gpt-4o"}}),
     "missing custom_id": json.dumps({k: v for k, v in chat_line(1000).items() if k != "custom_id"}),
     "empty custom_id": json.dumps({**chat_line(1001), "custom_id": ""}),
     "duplicate custom_id": json.dumps({**chat_line(1002), "custom_id": "req-3"}),
@@ -40,7 +40,7 @@ BAD_LINES = {
     "unsupported parameter": json.dumps({**chat_line(1006), "body": {**chat_line(1006)["body"], "tools": []}}),
     "no messages": json.dumps({**chat_line(1007), "body": {"model": MODEL_NAME}}),
 }
-EXPECTED_CODES = ["invalid_json", "invalid_json", "missing_custom_id", "missing_custom_id", "duplicate_custom_id",
+EXPECTED_CODES = ["invalid_json", "model_not_found", "missing_custom_id", "missing_custom_id", "duplicate_custom_id",
                   "invalid_url", "invalid_method", "invalid_request", "invalid_request", "invalid_request"]
 
 
@@ -82,6 +82,23 @@ async def upload(client: openai.AsyncOpenAI, lines: list[str]) -> str:
     return created.id
 
 
+def webhook_settings() -> dict:
+    """Gateway settings that run its webhook dispatcher, signing with SECRET, allowed to call 127.0.0.1."""
+    return {"no_webhooks": False, "webhooks": WebhookConfig(
+        webhook_secret=SECRET, webhook_allow=["127.0.0.1"], webhook_poll_s=0.02, webhook_jitter=0.0)}
+
+
+async def the_callback(receiver: Receiver, batch_id: str, event_type: str) -> dict:
+    """The one signed callback of a batch: verified by `standardwebhooks` (the receiver) and by OpenAI's own
+    client, which parses it into its batch event type."""
+    await wait_until(lambda: bool(receiver.received), f"the {event_type} callback of {batch_id}")
+    [got] = receiver.received
+    assert receiver.bad_signatures == 0
+    event = openai.OpenAI(api_key="unused").webhooks.unwrap(got.body, got.headers, secret=SECRET)
+    assert (event.type, event.data.id, event.object) == (event_type, batch_id, "event")
+    return got.payload
+
+
 async def test_a_batch_with_bad_lines_runs_the_rest_like_the_offline_engine(redis_url, tiny_model) -> None:
     from worker.engine.engine import Engine
 
@@ -91,17 +108,30 @@ async def test_a_batch_with_bad_lines_runs_the_rest_like_the_offline_engine(redi
     for n, bad in enumerate(BAD_LINES.values()):
         lines.insert(7 + n * 19, bad)
     expected = offline_chat(model, list(range(190)), 4)
-    async with openai_service(redis_url, Engine(model=model, max_num_seqs=16), batch_poll_interval_s=0.1) as svc:
+    receiver = await Receiver(SECRET).start()
+    async with openai_service(redis_url, Engine(model=model, max_num_seqs=16), batch_poll_interval_s=0.1,
+                              **webhook_settings()) as svc:
         file_id = await upload(svc.client, lines)
         assert (await svc.client.files.retrieve(file_id)).id == file_id
         assert (await svc.client.files.content(file_id)).text.splitlines() == lines
+        try:
+            await svc.client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h",
+                                            extra_body={"webhook": {"url": "http://10.1.2.3/hook"}})
+            raise AssertionError("a webhook to a private address was accepted")
+        except openai.BadRequestError as e:
+            assert e.param == "webhook.url"
         batch = await svc.client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h",
-                                                metadata={"run": "test"})
+                                                metadata={"run": "test"}, extra_body={"webhook": {"url": receiver.url}})
         assert batch.status == "validating" and batch.metadata == {"run": "test"}
         batch = await wait_batch(svc.client, batch.id, {"completed", "failed", "expired", "cancelled"})
         assert batch.status == "completed"
         assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (200, 190, 10)
         assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
+        assert batch.model == MODEL_NAME and batch.usage.output_tokens == 190 * 4
+        assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
+        payload = await the_callback(receiver, batch.id, "batch.completed")
+        assert payload["data"]["request_counts"] == {"total": 200, "completed": 190, "failed": 10}
+        assert payload["data"]["output_file_id"] == batch.output_file_id and payload["data"]["status"] == "completed"
 
         outputs = await read_lines(svc.client, batch.output_file_id)
         assert {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in outputs} == expected
@@ -113,6 +143,7 @@ async def test_a_batch_with_bad_lines_runs_the_rest_like_the_offline_engine(redi
         assert "tools" in errors[8]["error"]["message"] and "temperature" in errors[7]["error"]["message"]
         assert errors[4]["custom_id"] == "req-3"
 
+        await receiver.stop()
         listed = await svc.client.batches.list(limit=5)
         assert [b.id for b in listed.data] == [batch.id]
         await svc.client.files.delete(file_id)
@@ -128,9 +159,11 @@ async def test_cancelling_a_batch_keeps_finished_results(redis_url, tiny_model) 
 
     model = tiny_model()
     lines = [json.dumps(chat_line(i, max_tokens=24)) for i in range(200)]
-    async with openai_service(redis_url, Engine(model=model, max_num_seqs=4), batch_poll_interval_s=0.1) as svc:
+    receiver = await Receiver(SECRET).start()
+    async with openai_service(redis_url, Engine(model=model, max_num_seqs=4), batch_poll_interval_s=0.1,
+                              **webhook_settings()) as svc:
         batch = await svc.client.batches.create(input_file_id=await upload(svc.client, lines), endpoint=CHAT,
-                                                completion_window="24h")
+                                                completion_window="24h", extra_body={"webhook": {"url": receiver.url}})
         await wait_batch(svc.client, batch.id, set(), until=lambda b: b.request_counts.completed >= 5)
         cancelling = await svc.client.batches.cancel(batch.id)
         assert cancelling.status == "cancelling"
@@ -141,15 +174,9 @@ async def test_cancelling_a_batch_keeps_finished_results(redis_url, tiny_model) 
         errors = await read_lines(svc.client, batch.error_file_id)
         assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
         assert len(outputs) + len(errors) == 200
-
-
-def start_worker(redis_url: str, model: str, name: str, log_path: Path) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", redis_url, "--model", model,
-            "--served-model-name", MODEL_NAME, "--worker-name", name, "--metrics-port", "0", "--max-num-seqs", "8",
-            "--lease-s", "2", "--checkpoint-tokens", "4", "--checkpoint-interval-s", "0.2", "--max-wait-ms", "5"]
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT)}
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        payload = await the_callback(receiver, batch.id, "batch.cancelled")
+        assert payload["data"]["request_counts"]["completed"] == batch.request_counts.completed
+        await receiver.stop()
 
 
 async def test_a_batch_survives_a_worker_sigkill_and_a_gateway_restart(redis_url, tiny_model, tmp_path) -> None:

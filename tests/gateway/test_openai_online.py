@@ -11,7 +11,10 @@ import msgpack
 
 from scheduler.params import SamplingParams
 from scheduler.protocol.keys import Keys
+from scheduler.protocol.keys import Keys
 from tests.harness.openai_support import MODEL_NAME, openai_service
+from tests.harness.openai_support import MODEL_NAME, openai_service
+from tests.harness.worker_harness import wait_until
 
 KEYS = Keys()
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -138,6 +141,9 @@ async def test_a_disconnected_stream_cancels_its_job(redis_url, engine, redis) -
         while (await redis.hget(job, "status")) not in (b"cancelled", b"succeeded") and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert await redis.hget(job, "status") == b"cancelled"
+        # No orphan compute: the engine dropped the sequence and freed its KV blocks.
+        await wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_kv_blocks_used == 0,
+                         "the cancelled job's sequence and blocks are released")
 
 
 async def test_a_full_lane_is_a_429_with_retry_after_and_a_hung_up_request_cancels(redis_url, redis) -> None:
@@ -158,3 +164,68 @@ async def test_a_full_lane_is_a_429_with_retry_after_and_a_hung_up_request_cance
         while await redis.hget(ids[0], "status") != b"cancelled" and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert await redis.hget(ids[0], "status") == b"cancelled"
+
+
+async def test_logprobs_name_tokens_as_openai_does(redis_url, model, engine) -> None:
+    async with openai_service(redis_url, engine) as svc:
+        raw = await svc.client.chat.completions.with_raw_response.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=12, logprobs=True, top_logprobs=3, **GREEDY)
+        assert "Infinity" not in raw.text  # -inf is OpenAI's -9999.0: strict JSON parsers read every answer
+        chat = raw.parse()
+        content = chat.choices[0].logprobs.content
+        assert len(content) == 12
+        # Each token is its own text, or bytes:\xNN... when it is part of a character; its bytes rebuild the text
+        # (special tokens, which the text leaves out, show as themselves).
+        from transformers import AutoTokenizer
+
+        special = set(AutoTokenizer.from_pretrained(model).all_special_tokens)
+        assert b"".join(bytes(t.bytes) for t in content if t.token not in special).decode("utf-8", "replace") == \
+            chat.choices[0].message.content
+        for t in content:
+            assert t.token == (bytes(t.bytes).decode() if _is_utf8(bytes(t.bytes))
+                               else "bytes:" + "".join(f"\\x{b:02x}" for b in t.bytes))
+            assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token  # greedy: the top token
+            assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
+            assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert not any(t.token.startswith("token_id:") for t in content)
+
+        completion = await svc.client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=6,
+                                                         logprobs=2, **GREEDY)
+        lp = completion.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        assert all(len(top) <= 2 and lp.tokens[i] in top for i, top in enumerate(lp.top_logprobs))
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+async def test_chat_without_max_tokens_gets_the_rest_of_the_context_and_too_long_a_prompt_is_a_400(
+        redis_url, model) -> None:
+    from worker.engine import Engine
+
+    prompt_len = len(chat_prompt_ids(model))
+    context = prompt_len + 20
+    async with openai_service(redis_url, Engine(model=model, max_num_seqs=4, max_model_len=context)) as svc:
+        await wait_models(svc.client)
+        chat = await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+        assert chat.usage.prompt_tokens == prompt_len
+        assert chat.usage.completion_tokens == context - prompt_len and chat.choices[0].finish_reason == "length"
+
+        too_long = [{"role": "user", "content": "many words " * context}]
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await svc.client.chat.completions.create(model=MODEL_NAME, messages=too_long, stream=stream)
+            assert refused.value.status_code == 400
+            assert (refused.value.param, refused.value.code) == ("messages", "context_length_exceeded")
+        with pytest.raises(openai.BadRequestError) as refused:
+            await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=21)
+        assert (refused.value.param, refused.value.code) == ("max_tokens", "context_length_exceeded")
+        with pytest.raises(openai.BadRequestError) as refused:
+            await svc.client.completions.create(model=MODEL_NAME, prompt=list(range(3, 3 + context)))
+        assert (refused.value.param, refused.value.code) == ("prompt", "context_length_exceeded")

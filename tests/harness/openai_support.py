@@ -1,10 +1,14 @@
-"""A gateway on a real port and an in-loop worker, spoken to with the real `openai` client."""
+"""A gateway on a real port and an in-loop worker (or worker processes), spoken to with the real `openai` client."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -12,9 +16,11 @@ from aiohttp.test_utils import TestServer
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
+from tests.harness.child_env import child_pythonpath
 from tests.harness.worker_harness import running_worker
 
 MODEL_NAME = "tiny"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -26,7 +32,7 @@ class Service:
 @asynccontextmanager
 async def gateway_server(redis_url: str, **settings: Any) -> AsyncIterator[str]:
     """The gateway's app on a free 127.0.0.1 port; yields its base URL."""
-    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, **settings)
+    config = GatewayConfig(redis_url=redis_url, **{"no_webhooks": True, **settings})
     server = TestServer(init_app(config), host="127.0.0.1")
     await server.start_server()
     try:
@@ -48,3 +54,13 @@ async def openai_service(redis_url: str, engine: Any | None, **gateway_settings:
                     yield Service(url, client)
         finally:
             await client.close()
+
+
+def start_worker(redis_url: str, model: str, name: str, log_path: Path) -> subprocess.Popen[bytes]:
+    """A worker process serving MODEL_NAME, with a short lease and frequent checkpoints (for SIGKILL tests)."""
+    args = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", redis_url, "--model", model,
+            "--served-model-name", MODEL_NAME, "--worker-name", name, "--metrics-port", "0", "--max-num-seqs", "8",
+            "--lease-s", "2", "--checkpoint-tokens", "4", "--checkpoint-interval-s", "0.2", "--max-wait-ms", "5"]
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT)}
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

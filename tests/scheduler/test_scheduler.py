@@ -44,7 +44,7 @@ def make_seq(request_id: str, num_prompt: int, max_tokens: int = 4, priority: in
 def step(sched: Scheduler) -> SchedulerOutput:
     """One step with a stand-in token source; finishes sequences at max_tokens."""
     out = sched.schedule()
-    sampled = {s.seq.request_id: 7 for s in out.scheduled if s.is_sampling}
+    sampled = {s.seq.request_id: [7] for s in out.scheduled if s.is_sampling}
     sched.advance(out, sampled)
     for s in out.scheduled:
         seq = s.seq

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import msgpack
+import pytest
 import redis.asyncio as aioredis
 
 from scheduler.params import SamplingParams
@@ -19,14 +20,20 @@ END_OF_EVENTS = "end-of-events"
 """A job id no worker runs: the test publishes on its channel once every worker has stopped."""
 
 
-def start_worker(redis_url: str, model: str, name: str, log_path: Path) -> subprocess.Popen[bytes]:
-    return start_worker_process(redis_url, model, name, log_path)
+def start_worker(redis_url: str, model: str, name: str, log_path: Path,
+                 extra_args: list[str] | None = None) -> subprocess.Popen[bytes]:
+    return start_worker_process(redis_url, model, name, log_path, *(extra_args or []))
 
 
-async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_model, tmp_path):
+@pytest.mark.parametrize("speculative", [None, "ngram"], ids=["plain", "speculative"])
+async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_model, cycling_model, tmp_path,
+                                                              speculative):
+    """With prompt lookup the model is the cycling one, whose outputs repeat themselves: the workers speculate
+    on nearly every step, so the kill lands mid-speculation, and the resumed outputs still match."""
     from worker.engine.engine import Engine
 
-    model = tiny_model()
+    model = tiny_model() if speculative is None else cycling_model
+    extra_args = [] if speculative is None else ["--speculative", speculative]
     # Far more tokens than pass while the test looks for jobs mid-generation, so the jobs it sees running are still
     # running when the worker is killed, at any engine speed.
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
@@ -34,6 +41,11 @@ async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_mo
                      reply_to="replies:crash") for i in range(14)]
     expected = {s.id: c for s, c in zip(specs, Engine(model=model, max_num_seqs=16).generate(
         [s.prompt for s in specs], params))}
+    if speculative is not None:
+        speculating = Engine(model=model, max_num_seqs=8, speculative=speculative)
+        assert [c.token_ids for c in speculating.generate([s.prompt for s in specs], params)] == [
+            expected[s.id].token_ids for s in specs]
+        assert speculating.stats().spec_accepted_tokens > 100 * len(specs)
     client = aioredis.Redis.from_url(redis_url)
     finals: dict[str, int] = {}
     pubsub = client.pubsub()
@@ -49,7 +61,7 @@ async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_mo
                     finals[event["id"]] = finals.get(event["id"], 0) + 1
 
     listener = asyncio.create_task(count_finals())
-    first = start_worker(redis_url, model, "doomed", tmp_path / "doomed.log")
+    first = start_worker(redis_url, model, "doomed", tmp_path / "doomed.log", extra_args)
     second = None
     try:
         for spec in specs:
@@ -68,7 +80,7 @@ async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_mo
         await wait_until(mid_generation, "8 jobs mid-generation and more queued")
         first.send_signal(signal.SIGKILL)
         first.wait()
-        second = start_worker(redis_url, model, "rescuer", tmp_path / "rescuer.log")
+        second = start_worker(redis_url, model, "rescuer", tmp_path / "rescuer.log", extra_args)
         views = await wait_terminal(client, [s.id for s in specs])
         # Every final event reaches the listener before a marker published after the rescuer stopped.
         second.send_signal(signal.SIGTERM)

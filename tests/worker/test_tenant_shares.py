@@ -8,8 +8,8 @@ import redis.asyncio as aioredis
 
 from scheduler.protocol.lanes import Lane
 from scheduler.protocol.tenants import DEFAULT_TENANT, TenantLabels, TenantLimits, TenantShares, parse_limits, tenant_of
-from worker.consumer import LaneConsumer
 from tests.harness.worker_harness import KEYS
+from worker.consumer import LaneConsumer
 
 BATCH_ONLY = {Lane.INTERACTIVE: 0, Lane.STANDARD: 0, Lane.BATCH: 1}
 

@@ -42,6 +42,10 @@ class Quantization(StrEnum):
 
 QUANTIZATIONS = tuple(q.value for q in Quantization)
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+"""Speculative decoding's proposers (``worker.engine.speculation.Proposer``)."""
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -78,6 +82,15 @@ class EngineConfig:
         "int8 or fp8: hold carpool's models' linear weights (qkv, o, gate_up, down) quantized per output channel, "
         "from an ordinary checkpoint at load; the KV cache and lm_head stay in --dtype; fp8 on CUDA needs "
         "compute capability 8.9+; default: unquantized"))
+    speculative: str | None = field(default=None, metadata=help_text(
+        "speculative decoding: ngram (prompt lookup: propose what followed the sequence's last tokens earlier in "
+        "its own prompt and output) or draft (a smaller model, --draft-model, proposes); proposals are verified "
+        "in the same step as everything else, so outputs are the same tokens; a job opts out with "
+        "params.speculative false; default: off"))
+    num_speculative_tokens: int = field(default=DEFAULT_NUM_SPECULATIVE_TOKENS, metadata=help_text(
+        "most tokens proposed per sequence and step; each sequence's own count adapts to what it gets accepted"))
+    draft_model: str | None = field(default=None, metadata=help_text(
+        "the draft model's local checkpoint directory (same tokenizer as --model), for --speculative draft"))
 
     def __post_init__(self) -> None:
         # Plain strings naming a mode, policy, implementation or quantization are kept as their enum members.
@@ -97,5 +110,12 @@ class EngineConfig:
             raise ValueError(f"num_blocks: must be positive, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
+        if self.speculative not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(f"speculative: must be one of {', '.join(SPECULATIVE_METHODS)} or unset, "
+                             f"got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model: give a draft model exactly when speculative is draft")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms}")

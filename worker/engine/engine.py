@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ from worker.engine.prompt_input import check_token_ids, prompt_token_ids
 from worker.engine.records import EngineStats
 from worker.engine.request_state import Completion, RequestOutput, RequestState
 from worker.engine.sampler import SampledToken, SampleRequest, Sampler
+from worker.engine.speculation import Proposer, Speculator, parse_speculative
 from worker.engine.text_decoder import text_decoder_for
+from worker.engine.token_strings import TokenStrings
 
 __all__ = ["Completion", "Engine", "EngineConfig", "EngineStats", "RequestOutput"]
 
@@ -76,6 +79,7 @@ class Engine:
         self.tokenizer = self.runner.tokenizer
         # Chosen once here, not per request: the choice checks the tokenizer over its whole vocabulary.
         self.text_decoder = text_decoder_for(self.tokenizer)
+        self.token_strings = TokenStrings(self.tokenizer)
         max_model_len = config.max_model_len
         if max_model_len is not None and max_model_len > self.runner.max_model_len:
             raise ValueError(
@@ -99,6 +103,7 @@ class Engine:
             self.block_manager,
         )
         self.sampler = Sampler(self.runner.vocab_size, config.max_num_seqs, config.device)
+        self.speculator = self._speculator(self.config)
         # On CUDA the host prepares the next step while the device computes this one; on a CPU both are the
         # same cores, so there it would only delay each step's outputs by one step.
         self.async_scheduling = (
@@ -134,13 +139,17 @@ class Engine:
         prompt_ids = prompt_token_ids(self.tokenizer, self.runner.vocab_size, prompt, messages)
         resumed = list(resume_token_ids or [])
         check_token_ids("resume_token_ids", resumed, self.runner.vocab_size)
+        if params.max_tokens is None:  # as many as fit: the rest of the context (a prompt that fills it is refused)
+            params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(prompt_ids)))
+        assert params.max_tokens is not None
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds max_model_len {self.max_model_len}"
             )
         seq = Sequence(request_id, prompt_ids, params, priority=priority, output_token_ids=resumed)
-        state = RequestState(seq, IncrementalDetokenizer(self.tokenizer, prompt_ids, decoder=self.text_decoder), self.runner.eos_token_ids)
+        state = RequestState(seq, IncrementalDetokenizer(self.tokenizer, prompt_ids, decoder=self.text_decoder),
+                             self.runner.eos_token_ids, self.token_strings)
         if resumed:
             state.detokenizer.push(resumed)
         if len(resumed) >= params.max_tokens:
@@ -159,6 +168,8 @@ class Engine:
         seq = self.scheduler.abort(request_id)
         state = self._requests.pop(request_id, None)
         self._release(request_id)
+        if self.speculator is not None:
+            self.speculator.release(request_id)
         if seq is None or state is None:
             return False
         state.detokenizer.flush()
@@ -184,12 +195,12 @@ class Engine:
         if self.async_scheduling:
             done = self._complete(self._in_flight) if self._in_flight is not None else []
             self._in_flight = None
-            scheduled = self.scheduler.schedule()
+            scheduled = self._schedule()
             if not scheduled.is_empty:
                 self._in_flight = self._launch(scheduled)
             outputs.extend(self._postprocess(done))
         else:
-            scheduled = self.scheduler.schedule()
+            scheduled = self._schedule()
             if not scheduled.is_empty:
                 outputs.extend(self._postprocess(self._complete(self._launch(scheduled))))
         self._num_steps += 1
@@ -203,56 +214,94 @@ class Engine:
         self.runner.release(request_id)
         self.sampler.release(request_id)
 
+    def _speculator(self, config: EngineConfig) -> Speculator | None:
+        proposer = parse_speculative(config.speculative)
+        if proposer is None:
+            return None
+        draft = None
+        if proposer is Proposer.DRAFT:
+            from worker.engine.draft_model import DraftModel
+
+            assert config.draft_model is not None
+            draft = DraftModel(config.draft_model, self.runner, config.max_num_seqs, self.max_model_len)
+        return Speculator(proposer, config.num_speculative_tokens, draft)
+
+    def _schedule(self) -> SchedulerOutput:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
+        return self.scheduler.schedule()
+
     def _launch(self, scheduled: SchedulerOutput) -> _InFlight:
         """Start the step's forward; on CUDA it runs on while the host goes on."""
         for seq in scheduled.preempted:
             self._release(seq.request_id)
         batch = [
-            StepSeq(s.token_ids, s.start_pos, s.seq.block_table, s.needs_logits, s.seq.request_id)
+            StepSeq(s.token_ids, s.start_pos, s.seq.block_table, s.needs_logits, s.seq.request_id, s.num_spec_tokens)
             for s in scheduled.scheduled
         ]
         return _InFlight(scheduled, self.runner.execute(batch))
 
-    def _complete(self, step: _InFlight) -> list[tuple[Sequence, RequestState, SampledToken]]:
+    def _complete(self, step: _InFlight) -> list[tuple[Sequence, RequestState, list[SampledToken]]]:
         """Sample the step's tokens and advance its sequences; those that finished or were aborted since it was
-        launched (only with async scheduling) are left out, their token dropped."""
+        launched (only with async scheduling) are left out, their tokens dropped.
+
+        A sequence that verified proposed tokens gets the accepted ones and the token after them.
+        """
         scheduled = step.scheduled.scheduled
         with_logits = [s for s in scheduled if s.needs_logits]
-        rows = [i for i, s in enumerate(with_logits) if s.is_sampling and not s.seq.is_finished]
-        sampling = [with_logits[i].seq for i in rows]
-        states = [self._requests[seq.request_id] for seq in sampling]
-        sampled: list[SampledToken] = []
+        first_rows = list(itertools.accumulate((1 + s.num_spec_tokens for s in with_logits), initial=0))
+        chosen = [i for i, s in enumerate(with_logits) if s.is_sampling and not s.seq.is_finished]
+        sampling = [with_logits[i] for i in chosen]
+        states = [self._requests[s.seq.request_id] for s in sampling]
+        sampled: list[list[SampledToken]] = []
         if sampling:
             requests = [
                 SampleRequest(
-                    request_id=seq.request_id,
-                    params=seq.params,
-                    prompt_token_ids=seq.prompt_token_ids,
-                    output_token_ids=seq.output_token_ids,
-                    position=seq.num_tokens,
+                    request_id=s.seq.request_id,
+                    params=s.seq.params,
+                    prompt_token_ids=s.seq.prompt_token_ids,
+                    output_token_ids=s.seq.output_token_ids,
+                    position=s.seq.num_tokens,
                     suppress_token_ids=state.suppress_token_ids(),
                 )
-                for seq, state in zip(sampling, states)
+                for s, state in zip(sampling, states)
             ]
+            rows = [r for i in chosen for r in range(first_rows[i], first_rows[i + 1])]
             logits = step.logits
             # Usually every row samples (all decodes): no gather of the rows then.
-            sampled = self.sampler.sample(logits if len(rows) == logits.shape[0] else logits[rows], requests)
+            logits = logits if len(rows) == logits.shape[0] else logits[rows]
+            if any(s.num_spec_tokens for s in sampling):
+                sampled = self.sampler.verify(logits, requests, [s.spec_token_ids for s in sampling])
+            else:
+                sampled = [[t] for t in self.sampler.sample(logits, requests)]
         # A sequence finished since the launch is gone from the running set, unless it stays as a static
         # group's padding, which still moves on.
         live = [s for s in scheduled if not s.seq.is_finished or s.seq.is_padding]
         self.scheduler.advance(SchedulerOutput(scheduled=live),
-                               {seq.request_id: t.token_id for seq, t in zip(sampling, sampled)})
-        return list(zip(sampling, states, sampled))
+                               {s.seq.request_id: [t.token_id for t in ts] for s, ts in zip(sampling, sampled)})
+        if self.speculator is not None:
+            for s, tokens in zip(sampling, sampled):
+                self.speculator.verified(s.seq, s.num_spec_tokens, len(tokens) - 1)
+        return [(s.seq, state, tokens) for s, state, tokens in zip(sampling, states, sampled)]
 
-    def _postprocess(self, done: list[tuple[Sequence, RequestState, SampledToken]]) -> list[RequestOutput]:
-        """Stop checks and detokenization of sampled tokens; finished requests leave the scheduler."""
+    def _postprocess(self, done: list[tuple[Sequence, RequestState, list[SampledToken]]]) -> list[RequestOutput]:
+        """Stop checks and detokenization of sampled tokens; finished requests leave the scheduler.
+
+        Several tokens of one step are checked in order; the ones after a stop are cut from the output.
+        """
         outputs = []
-        for seq, state, token in done:
-            decision = state.on_token(token)
-            if decision is not None:
-                self.scheduler.finish(seq, decision.reason, decision.stop_reason)
-                del self._requests[seq.request_id]
-                self._release(seq.request_id)
+        for seq, state, tokens in done:
+            num_before = seq.num_output_tokens - len(tokens)
+            for i, token in enumerate(tokens):
+                decision = state.on_token(token, num_before + i + 1)
+                if decision is not None:
+                    del seq.output_token_ids[num_before + i + 1:]
+                    self.scheduler.finish(seq, decision.reason, decision.stop_reason)
+                    del self._requests[seq.request_id]
+                    self._release(seq.request_id)
+                    if self.speculator is not None:
+                        self.speculator.release(seq.request_id)
+                    break
             outputs.append(state.take_output())
         return outputs
 
@@ -273,7 +322,16 @@ class Engine:
             last_step_num_tokens=num_tokens,
             last_step_num_seqs=num_seqs,
             last_step_s=step_s,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.speculator is None:
+            return {}
+        counters = self.speculator.counters
+        return {"spec_proposer": self.speculator.proposer.value, "spec_num_drafts": counters.num_drafts,
+                "spec_proposed_tokens": counters.num_proposed_tokens,
+                "spec_accepted_tokens": counters.num_accepted_tokens}
 
     # ---- offline API ----------------------------------------------------
 

@@ -23,3 +23,9 @@ class EngineStats:
     last_step_num_tokens: int
     last_step_num_seqs: int
     last_step_s: float
+    spec_proposer: str | None = None
+    """The speculative proposer (ngram, draft), None when speculation is off."""
+    spec_num_drafts: int = 0
+    """Proposals verified since start (one per speculating sequence and step)."""
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0

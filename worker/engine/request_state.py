@@ -17,6 +17,7 @@ from typing import Any
 from scheduler.sequence import FinishReason, Sequence
 from worker.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
 from worker.engine.sampler import SampledToken
+from worker.engine.token_strings import TokenStrings
 
 
 @dataclass
@@ -52,7 +53,8 @@ class RequestOutput:
 
     @property
     def logprobs(self) -> list[dict[str, Any]] | None:
-        """Per sampled token ``{"token_id", "logprob", "top_logprobs": [{"token_id", "logprob"}]}``."""
+        """Per sampled token ``{"token_id", "token", "bytes", "logprob", "top_logprobs": [{"token_id", "token",
+        "bytes", "logprob"}]}`` (``token``: the token's text, or ``bytes:\\xNN…`` for part of a character)."""
         return self.all_logprobs[: self.num_logprobs] if self.all_logprobs is not None else None
 
     @property
@@ -88,6 +90,8 @@ class RequestState:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     eos_token_ids: set[int]
+    token_strings: TokenStrings | None = None
+    """Names the tokens of logprobs entries (``token``, ``bytes``); without it they carry ids only."""
     logprobs: list[dict[str, Any]] | None = None
     final_text: str | None = None
     """Set once a stop string cut the text; later text is never shown."""
@@ -118,14 +122,19 @@ class RequestState:
             ids |= self.eos_token_ids
         return sorted(ids)
 
-    def on_token(self, sampled: SampledToken) -> StopDecision | None:
-        """Account for the token just appended to the sequence; the stop it causes, if any."""
+    def on_token(self, sampled: SampledToken, num_output_tokens: int | None = None) -> StopDecision | None:
+        """Account for a token appended to the sequence; the stop it causes, if any.
+
+        `num_output_tokens`: the output's length up to this token (default: the whole output, the token being
+        the last one); a step that accepted several tokens checks them one by one.
+        """
         seq, params = self.seq, self.seq.params
+        num_output = seq.num_output_tokens if num_output_tokens is None else num_output_tokens
         token = sampled.token_id
         self.new_token_ids.append(token)
         if self.logprobs is not None:
-            self.logprobs.append(_logprob_entry(sampled))
-        can_stop = seq.num_output_tokens >= params.min_tokens
+            self.logprobs.append(_logprob_entry(sampled, self.token_strings))
+        can_stop = num_output >= params.min_tokens
         decision: StopDecision | None = None
         if can_stop and not params.ignore_eos and token in self.eos_token_ids:
             decision = StopDecision(FinishReason.STOP)
@@ -142,7 +151,7 @@ class RequestState:
                 end = index + len(stop) if params.include_stop_str_in_output else index
                 self.final_text = self.detokenizer.text[:end]
                 return StopDecision(FinishReason.STOP, stop)
-        if seq.num_output_tokens >= params.max_tokens:
+        if num_output >= seq.max_tokens:
             self.detokenizer.flush()
             return StopDecision(FinishReason.LENGTH)
         return None
@@ -170,10 +179,12 @@ class RequestState:
         )
 
 
-def _logprob_entry(sampled: SampledToken) -> dict[str, Any]:
+def _logprob_entry(sampled: SampledToken, names: TokenStrings | None) -> dict[str, Any]:
+    def one(token_id: int, logprob: float | None) -> dict[str, Any]:
+        if names is None:
+            return {"token_id": token_id, "logprob": logprob}
+        token, data = names.get(token_id)
+        return {"token_id": token_id, "token": token, "bytes": data, "logprob": logprob}
+
     top = sampled.top_logprobs or {}
-    return {
-        "token_id": sampled.token_id,
-        "logprob": sampled.logprob,
-        "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in top.items()],
-    }
+    return {**one(sampled.token_id, sampled.logprob), "top_logprobs": [one(t, lp) for t, lp in top.items()]}

@@ -17,6 +17,7 @@ one copy at the end (`Sampler._fetch`), and waits only there.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -112,13 +113,49 @@ class Sampler:
         self._rows.release(request_id)
 
     def sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampledToken]:
-        assert logits.ndim == 2 and logits.shape == (len(requests), self.vocab_size), (logits.shape, len(requests))
-        params = [r.params for r in requests]
-        row_index = self._rows.assign(requests)
+        """One token per request from its row of `logits` `[len(requests), vocab]`."""
+        return self._sample(logits, requests, [1] * len(requests))
+
+    def verify(self, logits: torch.Tensor, requests: list[SampleRequest],
+               proposals: list[list[int]]) -> list[list[SampledToken]]:
+        """Each request's accepted proposed tokens and the token after them (speculative decoding).
+
+        Request `i` has `len(proposals[i]) + 1` consecutive rows of `logits`: its last known token's and each
+        proposed token's, at positions `position, position + 1, ...`. Every row draws the token the target
+        model gives there exactly as `sample` would (argmax, or the exponential race with the noise of
+        (seed, position) for a seeded request), and the proposal is accepted up to its first token that
+        differs from the draw. So the tokens are those of decoding without proposals: for a greedy request
+        the longest matching prefix, for a sampled one rejection sampling of a proposal that is certain to
+        its proposer (a token is accepted with its target probability; a rejected one is replaced by a draw
+        from the target distribution without it). Requests with proposals take no penalties nor suppressed ids.
+        """
+        counts = [len(p) + 1 for p in proposals]
+        for request, proposal in zip(requests, proposals):
+            assert not proposal or not (request.params.has_penalties or request.suppress_token_ids), request
+        drawn = self._sample(logits, requests, counts)
+        accepted: list[list[SampledToken]] = []
+        start = 0
+        for proposal, count in zip(proposals, counts):
+            rows = drawn[start:start + count]
+            num_accepted = next((i for i, (p, t) in enumerate(zip(proposal, rows)) if p != t.token_id), len(proposal))
+            accepted.append(rows[: num_accepted + 1])
+            start += count
+        return accepted
+
+    def _sample(self, logits: torch.Tensor, requests: list[SampleRequest], counts: list[int]) -> list[SampledToken]:
+        """`counts[i]` rows of `logits` belong to request `i`, at its position and the ones after it; a request
+        with penalties or suppressed ids has one."""
+        num_rows = sum(counts)
+        assert logits.ndim == 2 and logits.shape == (num_rows, self.vocab_size), (logits.shape, num_rows)
+        request_rows = self._rows.assign(requests)
+        row_index = [row for row, n in zip(request_rows, counts) for _ in range(n)]
+        positions = [r.position + i for r, n in zip(requests, counts) for i in range(n)]
+        params = [r.params for r, n in zip(requests, counts) for _ in range(n)]
+        first_rows = list(itertools.accumulate(counts, initial=0))
         # Everything the step needs from the host in one transfer: rows, positions, suppressed (row, id) pairs.
-        suppress_rows = [i for i, r in enumerate(requests) for _ in r.suppress_token_ids]
+        suppress_rows = [first_rows[i] for i, r in enumerate(requests) for _ in r.suppress_token_ids]
         suppress_ids = [t for r in requests for t in r.suppress_token_ids]
-        parts = [row_index, [r.position for r in requests], suppress_rows, suppress_ids]
+        parts = [row_index, positions, suppress_rows, suppress_ids]
         step = to_device([v for part in parts for v in part], torch.int64, self.device)
         rows, positions, suppress_rows_t, suppress_ids_t = step.split([len(p) for p in parts])
         floats, ints = self._rows.floats[rows], self._rows.ints[rows]
@@ -145,8 +182,9 @@ class Sampler:
             self._rows.count_sampled(rows, token_ids, ints[:, IS_PENALISED])
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         values = self._fetch(_packed(final, token_ids, num_top))
-        ids = [int(v) for v in values[: len(requests)]]
-        self._rows.note_sampled(requests, ids)
+        ids = [int(v) for v in values[:num_rows]]
+        # Penalty counts follow the first row of each request: the only one of a request with penalties.
+        self._rows.note_sampled(requests, [ids[i] for i in first_rows[:-1]])
         if num_top is None:
             return [SampledToken(token_id=t, logprob=None, top_logprobs=None) for t in ids]
         return _unpacked(values, ids, params, num_top)

@@ -27,7 +27,9 @@ class StepSeq:
 
     `block_table` is read, never changed. `key` names the sequence across
     steps (its request id) so its device row is reused; `None` sends the
-    whole table for this step only.
+    whole table for this step only. With `needs_logits`, the step returns
+    the logits of the last `1 + num_spec_tokens` tokens (the last known
+    token's and each proposed token's, when speculating), else of none.
     """
 
     token_ids: list[int]
@@ -35,6 +37,7 @@ class StepSeq:
     block_table: list[int]
     needs_logits: bool
     key: str | None = None
+    num_spec_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class StepInputs:
         # Fixed offsets in one int64 buffer; the block-table changes come last, as (row, column, block)
         # triples, so a step copies only as many of them as it has.
         sizes = {"input_ids": tokens, "positions": tokens, "slot_mapping": tokens, "seq_lens": seqs,
-                 "cu_seqlens_q": seqs + 1, "logit_rows": seqs, "rows": seqs}
+                 "cu_seqlens_q": seqs + 1, "logit_rows": tokens, "rows": seqs}
         self._offsets = dict(zip(sizes, itertools.accumulate(sizes.values(), initial=0)))
         self._changes_at = sum(sizes.values())
         total = self._changes_at + 3 * seqs * max_blocks_per_seq
@@ -120,7 +123,8 @@ class StepInputs:
         for seq, end in zip(batch, seq_lens):
             assert end <= len(seq.block_table) * block_size, "block table too short for the scheduled tokens"
             assert end <= self.max_blocks_per_seq * block_size, "sequence longer than the block table's width"
-        logit_rows = [cu_seqlens[i + 1] - 1 for i, seq in enumerate(batch) if seq.needs_logits]
+        logit_rows = [row for i, seq in enumerate(batch) if seq.needs_logits
+                      for row in range(cu_seqlens[i + 1] - 1 - seq.num_spec_tokens, cu_seqlens[i + 1])]
         if num_tokens == num_seqs:
             # Decode: one token each, no per-token arrays to build.
             staged[at["input_ids"] : at["input_ids"] + num_tokens] = [seq.token_ids[0] for seq in batch]

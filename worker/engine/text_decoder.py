@@ -61,14 +61,15 @@ class ByteTableDecoder:
 
 def text_decoder_for(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> TextDecoder:
     general = TokenizerDecoder(tokenizer, skip_special_tokens)
-    table = _byte_table(tokenizer, skip_special_tokens)
+    table = byte_table(tokenizer, skip_special_tokens)
     if table is None:
         return general
     fast = ByteTableDecoder(table, general)
     return fast if _agrees(fast, tokenizer, skip_special_tokens) else general
 
 
-def _byte_table(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> list[bytes] | None:
+def byte_table(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> list[bytes] | None:
+    """Each id's bytes when the tokenizer's decoder is byte level (special tokens empty when skipped), else None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
         return None

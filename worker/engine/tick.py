@@ -59,8 +59,10 @@ def _rejection(engine: Engine, spec: JobSpec, error: ValueError) -> Rejection:
     if num_prompt >= max_len:
         field = "prompt" if spec.prompt is not None else ("messages" if spec.messages is not None else "prompt_token_ids")
         return Rejection(f"{field}: {num_prompt} tokens leave no room to generate within the model's context "
-                         f"of {max_len}", num_prompt)
-    return Rejection(str(error), num_prompt)
+                         f"of {max_len}", num_prompt, is_context_exceeded=True)
+    max_tokens = spec.params.max_tokens
+    return Rejection(str(error), num_prompt, is_context_exceeded=max_tokens is not None
+                     and num_prompt + max_tokens > max_len)
 
 
 class EngineThread:

@@ -9,11 +9,15 @@ here imports torch: the worker process unpickles these without loading it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobSpec
 from worker.engine.records import EngineStats
+
+_PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 Add = tuple[str, JobSpec, int, list[int]]
 """A request to add: request id, its job, engine priority, tokens to resume from."""
@@ -36,12 +40,29 @@ class StepOutput:
 
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 @dataclass
 class Rejection:
     """A request the engine refused: why (the message starts with the field at fault), and its prompt length."""
 
     message: str
     num_prompt_tokens: int
+    is_context_exceeded: bool = False
+    """The prompt, or the prompt with max_tokens, does not fit the model's context."""
+
+    @property
+    def error(self) -> dict[str, str]:
+        """The failed job's ``error``: the field at fault (as the job message names it) and, when the context
+        is what is exceeded, the code OpenAI gives that (``context_length_exceeded``)."""
+        name, sep, _ = self.message.partition(":")
+        error = {"type": "invalid_request", "message": self.message}
+        if sep and name.isidentifier():
+            error["field"] = f"params.{name}" if name in _PARAM_NAMES else name
+        if self.is_context_exceeded:
+            error["code"] = CONTEXT_LENGTH_EXCEEDED
+        return error
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 from gateway.cli.main import main
 from tests.harness.gateway_process import gateway_process
@@ -24,17 +25,23 @@ async def test_batch_submit_waits_with_progress_and_writes_the_output(redis_url,
     out = tmp_path / "out.jsonl"
     with gateway_process(redis_url, tmp_path / "gateway.log", "--batch-poll-interval-s", "0.1") as gateway:
         async with running_worker(redis_url, Engine(model=tiny_model(), max_num_seqs=8), served_model_name=MODEL_NAME):
-            code = await asyncio.to_thread(main, ["batch", "submit", str(source), "--endpoint", "/v1/completions",
-                                                  "--wait", "-o", str(out), "--gateway", gateway.url])
+            # The endpoint comes from the lines' url; -o waits for the batch to end.
+            code = await asyncio.to_thread(main, ["batch", "submit", str(source), "-o", str(out),
+                                                  "--gateway", gateway.url])
         captured = capsys.readouterr()
         assert code == 0, captured.err
         batch_id = captured.out.split()[0]
-        assert "20 done / 1 failed / 21" in captured.err
-        assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == sorted(f"c{i}" for i in range(20))
+        final = re.findall(r"completed\s+20 done / 1 failed / 21\s+(\d+) tok/s", captured.err)
+        assert final and int(final[-1]) > 0, captured.err
+        outputs = [json.loads(x) for x in out.read_text().splitlines()]
+        assert sorted(o["custom_id"] for o in outputs) == sorted(f"c{i}" for i in range(20))
         errors = [json.loads(x) for x in out.with_suffix(".errors.jsonl").read_text().splitlines()]
         assert [e["error"]["code"] for e in errors] == ["invalid_json"]
 
         assert await asyncio.to_thread(main, ["batch", "status", batch_id, "--gateway", gateway.url]) == 0
-        assert json.loads(capsys.readouterr().out)["status"] == "completed"
+        shown = json.loads(capsys.readouterr().out)
+        assert shown["status"] == "completed"
+        assert shown["usage"]["output_tokens"] == sum(o["response"]["body"]["usage"]["completion_tokens"]
+                                                      for o in outputs) > 0
         assert await asyncio.to_thread(main, ["batch", "cancel", "batch_nope", "--gateway", gateway.url]) == 2
         assert "404" in capsys.readouterr().err

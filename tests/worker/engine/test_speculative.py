@@ -1,0 +1,216 @@
+"""Speculative decoding gives the tokens decoding without it gives, in every regime of the engine.
+
+The model is a tiny random Llama rewritten by ``bench.repetitive.make_cycling_model`` so that its greedy
+continuation follows fixed cycles over the printable ids: its prompts, spans of those cycles with a few
+tokens changed, make prompt lookup propose runs that are accepted whole, in part, or not at all. The
+transformers greedy reference is computed on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench.repetitive import successors
+from bench.workloads import PRINTABLE_IDS
+from scheduler import SamplingParams
+from tests.harness.model_reference import transformers_greedy
+from worker import Engine
+from worker.engine.graph_runner import ReplayCapture
+
+BLOCK_SIZE = 8
+MAX_NEW_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def cycle_prompts(num: int, seed: int = 7) -> list[list[int]]:
+    """Spans of the model's cycles, 3 to 40 tokens, some with tokens changed (so some proposals fail), and a
+    few sharing a 2-block prefix (prefix-cache hits)."""
+    rng = random.Random(seed)
+    nxt = successors()
+    prompts = []
+    for i in range(num):
+        token = rng.randrange(*PRINTABLE_IDS)
+        prompt = [token]
+        for _ in range(rng.randint(2, 39)):
+            prompt.append(nxt[prompt[-1]])
+        for _ in range(i % 3):
+            prompt[rng.randrange(len(prompt) - 1)] = rng.randrange(*PRINTABLE_IDS)
+        prompts.append(prompt)
+    shared = (prompts[0] * 2 * BLOCK_SIZE)[:2 * BLOCK_SIZE]
+    return prompts + [shared + p[:5] for p in prompts[:4]]
+
+
+@pytest.fixture(scope="module")
+def reference(cycling_model: str) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = cycle_prompts(16)
+    return prompts, transformers_greedy(cycling_model, prompts, MAX_NEW_TOKENS)
+
+
+def run(path: str, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = GREEDY,
+        **engine_kwargs: Any) -> tuple[Engine, list[list[int]]]:
+    kwargs: dict[str, Any] = {"block_size": BLOCK_SIZE, "num_blocks": 256, "speculative": "ngram", **engine_kwargs}
+    engine = Engine(model=path, **kwargs)
+    results = engine.generate(prompts, params)
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks, "every block is back in the pool"
+    return engine, [r.token_ids for r in results]
+
+
+def assert_same(expected: list[list[int]], actual: list[list[int]]) -> None:
+    mismatched = [i for i, (e, a) in enumerate(zip(expected, actual)) if e != a]
+    assert not mismatched, f"requests {mismatched} differ, first: {expected[mismatched[0]]} vs {actual[mismatched[0]]}"
+
+
+def assert_speculated(engine: Engine) -> None:
+    """Proposals were made, some accepted and some rejected."""
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens > 0, stats
+    assert stats.spec_proposed_tokens > stats.spec_accepted_tokens, stats
+
+
+REGIMES: dict[str, dict[str, Any]] = {
+    "queueing": {"max_num_seqs": 3, "enable_prefix_caching": False},
+    "chunked prefill": {"max_num_batched_tokens": 12},
+    "preemption": {"num_blocks": 12, "max_num_seqs": 20},
+    "prefix hits": {"max_num_seqs": 2},
+    "async scheduling": {"async_scheduling": True, "num_blocks": 12, "max_num_seqs": 20},
+    "static batching": {"batching": "static", "max_num_seqs": 6},
+    "two proposed tokens": {"num_speculative_tokens": 2, "max_num_seqs": 5},
+}
+
+
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_greedy_ngram_matches_transformers(cycling_model: str, reference: tuple[list[list[int]], list[list[int]]],
+                                           regime: str) -> None:
+    prompts, expected = reference
+    engine, actual = run(cycling_model, prompts, **REGIMES[regime])
+    assert_same(expected, actual)
+    assert_speculated(engine)
+    stats = engine.stats()
+    if regime in ("preemption", "async scheduling"):
+        assert stats.num_preemptions > 0
+    if regime == "prefix hits":
+        assert stats.prefix_cache_hit_tokens > 0
+    if regime == "chunked prefill":
+        assert stats.spec_num_drafts > 0
+
+
+def test_greedy_ngram_through_the_triton_kernels(cycling_model: str,
+                                                 reference: tuple[list[list[int]], list[list[int]]]) -> None:
+    """Verification queries (k + 1 tokens over a cached context) through the Triton kernels (CPU interpreter)."""
+    prompts, expected = reference
+    # Compiled on a CUDA GPU (bench.gpu_check runs this test there), else the interpreter on CPU tensors.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine, actual = run(cycling_model, prompts[:6], attention_backend="triton", max_num_seqs=6, device=device)
+    assert_same(expected[:6], actual)
+    assert engine.stats().spec_accepted_tokens > 0
+
+
+def test_replayed_decode_graphs_and_speculation(cycling_model: str,
+                                                reference: tuple[list[list[int]], list[list[int]]]) -> None:
+    """Steps without proposals still replay decode graphs; steps with them run eager over the same buffers."""
+    prompts, expected = reference
+    engine = Engine(model=cycling_model, block_size=BLOCK_SIZE, num_blocks=64, max_num_seqs=8, speculative="ngram")
+    assert engine.runner.capture_decode_graphs(ReplayCapture())
+    actual = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+    assert_same(expected, actual)
+    assert engine.runner.num_replayed_steps > 0
+    assert_speculated(engine)
+
+
+def test_stops_inside_an_accepted_run(cycling_model: str) -> None:
+    """Stop ids, stop strings and max_tokens end the output where decoding without proposals ends it."""
+    prompts = cycle_prompts(6, seed=3)
+    plain = Engine(model=cycling_model, block_size=BLOCK_SIZE, num_blocks=128)
+    free = [c.token_ids for c in plain.generate(prompts, GREEDY)]
+    params = []
+    for i, tokens in enumerate(free):
+        stop_at = tokens[9 + i]
+        if i % 3 == 0:
+            params.append(SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, stop_token_ids=[stop_at]))
+        elif i % 3 == 1:
+            text = plain.tokenizer.decode(tokens[7 + i: 9 + i])
+            params.append(SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, stop=[text], ignore_eos=True))
+        else:
+            params.append(SamplingParams(max_tokens=11 + i, temperature=0.0, ignore_eos=True))
+    expected = plain.generate(prompts, params)
+    engine = Engine(model=cycling_model, block_size=BLOCK_SIZE, num_blocks=128, speculative="ngram")
+    actual = engine.generate(prompts, params)
+    for e, a in zip(expected, actual):
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (e.token_ids, e.text, e.finish_reason,
+                                                                          e.stop_reason)
+        assert len(a.token_ids) < MAX_NEW_TOKENS
+    assert engine.stats().spec_accepted_tokens > 0
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_job_opts_out(cycling_model: str) -> None:
+    prompts = cycle_prompts(4)
+    off = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True, speculative=False)
+    engine, actual = run(cycling_model, prompts, off)
+    assert engine.stats().spec_proposed_tokens == 0
+    _, on = run(cycling_model, prompts, GREEDY)
+    assert actual == on
+    with pytest.raises(ValueError, match="speculative: must be a boolean"):
+        SamplingParams.from_dict({"speculative": "no"})
+
+
+def test_low_acceptance_switches_speculation_off(tiny_model: Callable[..., str], cycling_model: str) -> None:
+    """A draft that is always wrong (the cycling model proposing for the random model it was made from): each
+    sequence soon stops proposing, for growing pauses, instead of proposing 4 tokens every step."""
+    prompts = cycle_prompts(6)
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    engine, actual = run(tiny_model("llama"), prompts, params, speculative="draft", draft_model=cycling_model,
+                         num_speculative_tokens=4)
+    _, plain = run(tiny_model("llama"), prompts, params, speculative=None)
+    assert actual == plain
+    stats = engine.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_accepted_tokens < stats.spec_proposed_tokens / 10, stats
+    # Proposing 4 tokens at every step would have been 4 * 200 tokens per prompt.
+    assert stats.spec_proposed_tokens < 0.05 * 4 * 200 * len(prompts), stats
+
+
+def test_bad_settings_are_refused(tiny_model: Callable[..., str], tmp_path: Path) -> None:
+    path = tiny_model("llama")
+    with pytest.raises(ValueError, match="speculative: must be one of"):
+        Engine(model=path, num_blocks=8, speculative="medusa")
+    with pytest.raises(ValueError, match="draft_model: give a draft model exactly when"):
+        Engine(model=path, num_blocks=8, speculative="draft")
+    with pytest.raises(ValueError, match="num_speculative_tokens: must be >= 1"):
+        Engine(model=path, num_blocks=8, speculative="ngram", num_speculative_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def draft_model(tiny_model: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A one-layer cycling model (same tokenizer) that gets every fifth successor wrong: proposals are accepted
+    whole, in part, or not at all."""
+    from bench.repetitive import make_cycling_model
+
+    nxt = successors()
+    ids = sorted(nxt)
+    wrong = {token: ids[(ids.index(nxt[token]) + 7) % len(ids)] for token in ids[::5]}
+    return str(make_cycling_model(tiny_model("llama", num_hidden_layers=1), tmp_path_factory.mktemp("draft") / "m",
+                                  successor_of={**nxt, **wrong}))
+
+
+@pytest.mark.parametrize("regime", ["queueing", "chunked prefill", "preemption", "prefix hits", "async scheduling"])
+def test_greedy_draft_model_matches_transformers(cycling_model: str, draft_model: str,
+                                                 reference: tuple[list[list[int]], list[list[int]]],
+                                                 regime: str) -> None:
+    prompts, expected = reference
+    engine, actual = run(cycling_model, prompts, speculative="draft", draft_model=draft_model, **REGIMES[regime])
+    assert_same(expected, actual)
+    assert_speculated(engine)
+    assert engine.stats().spec_proposer == "draft"
+    assert engine.speculator is not None and engine.speculator.draft is not None
+    draft = engine.speculator.draft
+    # Every request's draft blocks went back when it finished.
+    assert draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
