@@ -188,8 +188,9 @@ def test_three_workers_share_150_jobs_and_a_killed_one_loses_nothing(
     client = redis.Redis.from_url(redis_server.url)
     ids = [f"share-{n:03d}" for n in range(150)]
     replies_stream = "scale-out:share:replies"
-    # Long enough that the backlog lasts seconds, not a fraction of one, so w0 is mid-run when it is killed.
-    num_tokens = 32
+    # Long enough that the backlog lasts seconds and each job far outlasts the moment between seeing w0 hold
+    # jobs and killing it, so w0 is mid-run when it is killed.
+    num_tokens = 256
     for job_id in ids:
         enqueue(client, job_id, "standard", max_tokens=num_tokens, reply_to=replies_stream)
     victim = workers[0]
