@@ -17,6 +17,12 @@ makes room. The preempted sequences' full blocks stay in the prefix cache as
 evictable, so their re-prefill is mostly cache hits; and since they sort
 after the one that displaced them, they cannot displace it in turn.
 
+With ``prefill_alone_priority`` set, a step in which an urgent waiting
+sequence (priority number at most that) is admitted leaves out the running
+sequences less urgent than the cutoff: the urgent prefill does not share
+its step with, say, 63 batch decodes, and those decodes wait one step.
+When no urgent sequence can be admitted, the step is an ordinary one.
+
 Batching modes:
 
 - ``continuous``: the above, every step.
@@ -146,19 +152,48 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        if self.config.batching is not BatchingMode.CONTINUOUS and not self.running and self._group_is_ready():
-            self._start_group()
-        budget = self._schedule_running(out, budget)
-        if self.config.batching is BatchingMode.CONTINUOUS:
-            self._start_waiting(out, budget)
+        if self.config.batching is not BatchingMode.CONTINUOUS:
+            if not self.running and self._group_is_ready():
+                self._start_group()
+            self._schedule_running(out, budget)
+            return out
+        cutoff = self._prefill_alone_cutoff()
+        if cutoff is None:
+            budget = self._schedule_running(out, budget)
+        else:
+            budget = self._schedule_running(out, budget, up_to_priority=cutoff)
+            started = self._start_waiting(out, budget, up_to_priority=cutoff)
+            if started or any(s.start_pos < s.seq.num_tokens - 1 for s in out.scheduled):
+                return out
+            # No urgent prefill could run after all: the less urgent sequences run in this step too.
+            budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+            budget = self._schedule_running(out, budget, skip={s.seq for s in out.scheduled})
+        self._start_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _prefill_alone_cutoff(self) -> int | None:
+        """``prefill_alone_priority`` when this step should prefill urgent sequences without the less urgent
+        running ones: an urgent one waits or is part-way through its prefill, and someone less urgent runs."""
+        cutoff = self.config.prefill_alone_priority
+        if cutoff is None or self.config.policy is not Policy.PRIORITY:
+            return None
+        if not any(s.priority > cutoff and not s.is_padding for s in self.running):
+            return None  # nobody would be left out: an ordinary step
+        urgent_waits = bool(self.waiting) and self.waiting[0].priority <= cutoff
+        urgent_prefills = any(s.priority <= cutoff and s.num_uncomputed_tokens > 1 for s in self.running)
+        return cutoff if urgent_waits or urgent_prefills else None
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, up_to_priority: int | None = None,
+                          skip: set[Sequence] | None = None) -> int:
+        """Schedule the running sequences' next tokens, all of them or only those whose priority number is at
+        most ``up_to_priority``, less any in ``skip``; returns the budget left."""
         bm = self.block_manager
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq not in self.running:  # preempted earlier in this loop
+                continue
+            if (up_to_priority is not None and seq.priority > up_to_priority) or (skip and seq in skip):
                 continue
             if seq.is_padding:
                 # Padding stops once it would run past the context length.
@@ -214,10 +249,15 @@ class Scheduler:
         out.preempted.append(seq)
         return refund
 
-    def _start_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _start_waiting(self, out: SchedulerOutput, budget: int, up_to_priority: int | None = None) -> int:
+        """Admit waiting sequences in policy order (only those whose priority number is at most
+        ``up_to_priority``, when given) while slots, blocks and budget allow; returns how many started."""
         bm = self.block_manager
+        started = 0
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if up_to_priority is not None and seq.priority > up_to_priority:
+                break
             prefix = bm.lookup_prefix(seq.token_ids)
             num_new = min(seq.num_tokens - prefix.num_blocks * bm.block_size, budget)
             if len(self.running) >= self.config.max_num_seqs or not bm.can_allocate(seq, num_new, prefix):
@@ -234,6 +274,8 @@ class Scheduler:
             bm.allocate_for(seq, num_new)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+            started += 1
+        return started
 
     def _priority_victims(self, seq: Sequence, num_new: int, prefix: CachedPrefix) -> list[Sequence]:
         """The running sequences to preempt so that ``seq`` is admitted now; [] when none will do.

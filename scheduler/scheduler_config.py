@@ -61,6 +61,10 @@ class SchedulerConfig:
     batching: BatchingMode = DEFAULT_BATCHING
     policy: Policy = DEFAULT_POLICY
     max_wait_ms: float = 20.0
+    prefill_alone_priority: int | None = None
+    """Under the ``priority`` policy in continuous batching: a waiting sequence whose priority number is at most
+    this is prefilled in a step that leaves out running sequences of a higher number (their decodes wait that
+    one step), so its first token does not wait on their work. None: never."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -70,5 +74,8 @@ class SchedulerConfig:
         # A plain string naming a mode or policy is accepted and kept as its enum member.
         object.__setattr__(self, "batching", batching_mode(self.batching))
         object.__setattr__(self, "policy", policy(self.policy))
+        if self.prefill_alone_priority is not None and (
+                isinstance(self.prefill_alone_priority, bool) or not isinstance(self.prefill_alone_priority, int)):
+            raise ValueError(f"prefill_alone_priority: must be an integer or None, got {self.prefill_alone_priority!r}")
         if not self.max_wait_ms >= 0:
             raise ValueError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms!r}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.protocol.keys import DEFAULT_DEAD_MAXLEN, DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S
-from scheduler.protocol.lanes import DEFAULT_LANE_WEIGHTS, Lane
+from scheduler.protocol.lanes import DEFAULT_LANE_WEIGHTS, Lane, lane_priority_bound
 from scheduler.protocol.tenants import DEFAULT_MAX_TENANT_LABELS
 from scheduler.runtime.flags import help_text
 from scheduler.runtime.model_path import check_local_checkpoint
@@ -25,7 +25,8 @@ from scheduler.scheduler_config import BatchingMode, Policy
 from worker.engine.config import DEFAULT_MODEL_NAME, EngineConfig
 
 ENGINE_FLAGS = (
-    *(f.name for f in dataclasses.fields(EngineConfig)), "torch_threads", "engine_process", "interactive_reserve",
+    *(f.name for f in dataclasses.fields(EngineConfig) if f.metadata.get("flag", True)),
+    "torch_threads", "engine_process", "interactive_reserve", "interactive_prefill_alone",
 )
 """The worker's engine settings: `carpool up` takes each of them and hands it to its worker."""
 
@@ -62,6 +63,10 @@ class WorkerConfig:
         "with every slot busy, still take up to N more jobs from the interactive lane only, so the engine can "
         "preempt a lower-lane job for them (the one bounded exception to no hoarding; needs --policy priority "
         "and --batching continuous); 0 turns it off; default: max(1, --max-num-seqs / 8)"))
+    interactive_prefill_alone: bool = field(default=True, metadata=help_text(
+        "prefill a new interactive job in an engine step of its own, without the lower lanes' decodes (they wait "
+        "that one step), so its first token does not wait on a full batch's work; needs --policy priority and "
+        "--batching continuous"))
     lane_weights: dict[str, int] = field(
         default_factory=lambda: {lane.value: w for lane, w in DEFAULT_LANE_WEIGHTS.items()},
         metadata=help_text("share of reads per lane once interactive work is taken"),
@@ -105,6 +110,8 @@ class WorkerConfig:
             raise ValueError(f"read_block_ms: must be >= 1, got {self.read_block_ms}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: must be a TCP port or 0, got {self.metrics_port}")
+        self.engine = dataclasses.replace(self.engine, prefill_alone_priority=(
+            lane_priority_bound(Lane.INTERACTIVE) if self.interactive_prefill_alone else None))
         lanes = {lane.value for lane in Lane}
         for name, weight in self.lane_weights.items():
             if name not in lanes:

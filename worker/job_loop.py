@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from scheduler.protocol.job import JobSpec, JobStatus, WebhookEvent
 from scheduler.protocol.job_record import EventType, job_view
 from scheduler.protocol.keys import Keys
-from scheduler.protocol.lanes import LANE_RANK
+from scheduler.protocol.lanes import engine_priority
 from scheduler.protocol.redis_replies import read_hash
 from scheduler.protocol.webhooks import OutputThrottle, delivery_fields, running_view
 from scheduler.runtime.tasks import raise_if_cancelled
@@ -44,8 +44,6 @@ IDLE_STEP_SLEEP_S = 0.002
 TICKS_IN_FLIGHT = 2
 """Ticks handed to the engine before the oldest one's reply is read (see ``JobLoop.run``)."""
 
-LANE_PRIORITY_STRIDE = 1_000_000
-"""Engine priority = lane rank * stride + job priority, so the lane always dominates."""
 
 
 class JobLoop:
@@ -107,7 +105,7 @@ class JobLoop:
         enqueued_s = int(entry.entry_id.split("-", 1)[0]) / 1000  # the stream entry id is its XADD time
         job.trace = self.metrics.job_started(spec, enqueued_s, resumed_from=len(checkpoint))
         self.jobs[spec.id] = job
-        priority = LANE_RANK[spec.lane] * LANE_PRIORITY_STRIDE + spec.priority
+        priority = engine_priority(spec.lane, spec.priority)
         self._adds.append((job, priority))
         self._work.set()
 

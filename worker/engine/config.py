@@ -91,6 +91,9 @@ class EngineConfig:
         "most tokens proposed per sequence and step; each sequence's own count adapts to what it gets accepted"))
     draft_model: str | None = field(default=None, metadata=help_text(
         "the draft model's local checkpoint directory (same tokenizer as --model), for --speculative draft"))
+    prefill_alone_priority: int | None = field(default=None, metadata={"flag": False})
+    """Requests of priority number at most this are prefilled in a step without the less urgent running ones'
+    decodes (``SchedulerConfig.prefill_alone_priority``); the worker sets it from ``--interactive-prefill-alone``."""
 
     def __post_init__(self) -> None:
         # Plain strings naming a mode, policy, implementation or quantization are kept as their enum members.

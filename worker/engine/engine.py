@@ -99,6 +99,7 @@ class Engine:
                 batching=config.batching,
                 policy=config.policy,
                 max_wait_ms=config.max_wait_ms,
+                prefill_alone_priority=config.prefill_alone_priority,
             ),
             self.block_manager,
         )
