@@ -25,15 +25,27 @@ def start_worker(redis_url: str, model: str, name: str, log_path: Path,
     return start_worker_process(redis_url, model, name, log_path, *(extra_args or []))
 
 
-@pytest.mark.parametrize("speculative", [None, "ngram"], ids=["plain", "speculative"])
-async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_model, cycling_model, tmp_path,
-                                                              speculative):
-    """With prompt lookup the model is the cycling one, whose outputs repeat themselves: the workers speculate
-    on nearly every step, so the kill lands mid-speculation, and the resumed outputs still match."""
+@pytest.fixture(scope="module")
+def cycling_draft(tiny_model, tmp_path_factory) -> str:
+    """A one-layer model with the cycling model's tokenizer and cycles: a draft whose proposals are accepted."""
+    from bench.repetitive import make_cycling_model
+
+    return str(make_cycling_model(tiny_model("llama", num_hidden_layers=1), tmp_path_factory.mktemp("draft") / "m"))
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram", "draft"], ids=["plain", "prompt-lookup", "draft-model"])
+async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_model, cycling_model, cycling_draft,
+                                                              tmp_path, speculative):
+    """With speculative decoding the model is the cycling one, whose outputs repeat themselves: prompt lookup (or
+    the draft model) proposes on nearly every step, so the kill lands mid-speculation, and the resumed outputs
+    still match."""
     from worker.engine.engine import Engine
 
     model = tiny_model() if speculative is None else cycling_model
+    draft = {"draft_model": cycling_draft} if speculative == "draft" else {}
     extra_args = [] if speculative is None else ["--speculative", speculative]
+    if draft:
+        extra_args += ["--draft-model", cycling_draft]
     # Far more tokens than pass while the test looks for jobs mid-generation, so the jobs it sees running are still
     # running when the worker is killed, at any engine speed.
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
@@ -42,7 +54,7 @@ async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_mo
     expected = {s.id: c for s, c in zip(specs, Engine(model=model, max_num_seqs=16).generate(
         [s.prompt for s in specs], params))}
     if speculative is not None:
-        speculating = Engine(model=model, max_num_seqs=8, speculative=speculative)
+        speculating = Engine(model=model, max_num_seqs=8, speculative=speculative, **draft)
         assert [c.token_ids for c in speculating.generate([s.prompt for s in specs], params)] == [
             expected[s.id].token_ids for s in specs]
         assert speculating.stats().spec_accepted_tokens > 100 * len(specs)

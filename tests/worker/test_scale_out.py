@@ -188,9 +188,8 @@ def test_three_workers_share_150_jobs_and_a_killed_one_loses_nothing(
     client = redis.Redis.from_url(redis_server.url)
     ids = [f"share-{n:03d}" for n in range(150)]
     replies_stream = "scale-out:share:replies"
-    # Long enough that the backlog lasts seconds and each job far outlasts the moment between seeing w0 hold
-    # jobs and killing it, so w0 is mid-run when it is killed.
-    num_tokens = 256
+    # Long enough that the backlog lasts a while: w0 is frozen and killed holding jobs (below), whatever the speed.
+    num_tokens = 64
     for job_id in ids:
         enqueue(client, job_id, "standard", max_tokens=num_tokens, reply_to=replies_stream)
     victim = workers[0]
@@ -200,14 +199,20 @@ def test_three_workers_share_150_jobs_and_a_killed_one_loses_nothing(
         return Counter(r.get(b"status") for r in records(client, ids).values()
                        if r.get(b"worker") == victim.name.encode())
 
-    # Kill it mid-run: after it finished a few jobs, at a moment it holds some (between two jobs it may hold none).
-    wait_until(lambda: (held := victims())[b"succeeded"] >= 3 and held[b"running"] > 0,
-               f"{victim.name} to finish 3 jobs and hold more", workers)
+    # Kill it mid-run: after it finished a few jobs, at a moment it holds some. It is frozen (SIGSTOP) before its
+    # jobs are read, so what it holds cannot change between that read and the kill, at any engine speed; when it
+    # happens to hold none at that moment (between two jobs), it goes on and we try again.
+    while True:
+        wait_until(lambda: (held := victims())[b"succeeded"] >= 3 and held[b"running"] > 0,
+                   f"{victim.name} to finish 3 jobs and hold more", workers)
+        victim.proc.send_signal(signal.SIGSTOP)
+        running = [i for i, r in records(client, ids).items()
+                   if r.get(b"status") == b"running" and r.get(b"worker") == victim.name.encode()]
+        if running:
+            break
+        victim.proc.send_signal(signal.SIGCONT)
     victim.proc.send_signal(signal.SIGKILL)  # no drain, no hand-back: a crash
     victim.proc.wait(timeout=10)
-    running = [i for i, r in records(client, ids).items()
-               if r.get(b"status") == b"running" and r.get(b"worker") == victim.name.encode()]
-    assert running, "the killed worker should have held jobs mid-run"
 
     wait_until(lambda: count_finished(client, ids) == len(ids), "all 150 jobs to finish", workers)
     final = records(client, ids)

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from scheduler import SamplingParams
-from tests.harness.model_reference import transformers_greedy
+from tests.harness.model_reference import assert_greedy_in_every_regime, transformers_greedy
 from worker import Engine
 from worker.engine.default_model import create_tiny_model
 from worker.engine.model_runner import ModelRunner, StepSeq
@@ -76,24 +76,7 @@ def test_greedy_tokens_match_transformers_in_every_regime(tmp_path_factory: pyte
     longest = ORIGINAL_CONTEXT if variant == "llama-dynamic" else 2 * ORIGINAL_CONTEXT - MAX_NEW_TOKENS
     prompts = _prompts(262, longest)
     expected = transformers_greedy(path, prompts, MAX_NEW_TOKENS)
-    regimes = {
-        "queueing": {"max_num_seqs": 3, "enable_prefix_caching": False},
-        "chunked prefill": {"max_num_batched_tokens": 10},
-        "preemption": {"num_blocks": 14, "max_num_seqs": len(prompts)},
-        "prefix hits": {"max_num_seqs": 2},
-    }
-    for regime, settings in regimes.items():
-        kwargs: dict[str, Any] = {"block_size": 8, "num_blocks": 128, **settings}
-        engine = Engine(model=path, model_impl="carpool", **kwargs)
-        assert engine.runner.model_choice.impl is ModelImpl.CARPOOL
-        actual = [r.token_ids for r in engine.generate(prompts, GREEDY)]
-        mismatched = [i for i, (e, a) in enumerate(zip(expected, actual)) if e != a]
-        assert not mismatched, f"{regime}: prompts {mismatched} differ: {expected[mismatched[0]]} vs {actual[mismatched[0]]}"
-        stats = engine.stats()
-        if regime == "preemption":
-            assert stats.num_preemptions > 0
-        if regime == "prefix hits":
-            assert stats.prefix_cache_hit_tokens > 0
+    assert_greedy_in_every_regime(path, prompts, GREEDY, expected, preemption_blocks=14)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

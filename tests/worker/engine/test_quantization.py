@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from scheduler import SamplingParams
-from worker import Engine
+from tests.harness.model_reference import assert_greedy_in_every_regime
 from worker.config import WorkerConfig
 from worker.engine.model_runner import ModelRunner, StepSeq
 from worker.engine.models.quantization import (
@@ -160,24 +160,8 @@ def test_greedy_tokens_match_the_dequantized_reference_in_every_regime(
     prompts = _prompts(262)
     expected = _reference_greedy(path, quantization, prompts)
     assert expected != _reference_greedy(path, None, prompts), "quantization changes some prompts' tokens"
-    regimes: dict[str, dict[str, Any]] = {
-        "queueing": {"max_num_seqs": 3, "enable_prefix_caching": False},
-        "chunked prefill": {"max_num_batched_tokens": 10},
-        "preemption": {"num_blocks": 10, "max_num_seqs": len(prompts)},
-        "prefix hits": {"max_num_seqs": 2},
-    }
-    for regime, settings in regimes.items():
-        kwargs: dict[str, Any] = {"block_size": 8, "num_blocks": 128, **settings}
-        engine = Engine(model=path, model_impl="carpool", quantization=quantization.value, **kwargs)
-        assert engine.config.quantization == quantization.value
-        actual = [r.token_ids for r in engine.generate(prompts, GREEDY)]
-        mismatched = [i for i, (e, a) in enumerate(zip(expected, actual)) if e != a]
-        assert not mismatched, f"{regime}: prompts {mismatched} differ: {expected[mismatched[0]]} vs {actual[mismatched[0]]}"
-        stats = engine.stats()
-        if regime == "preemption":
-            assert stats.num_preemptions > 0
-        if regime == "prefix hits":
-            assert stats.prefix_cache_hit_tokens > 0
+    assert_greedy_in_every_regime(path, prompts, GREEDY, expected, preemption_blocks=10,
+                                  quantization=quantization.value)
 
 
 def test_the_start_up_log_names_the_weights(tiny_model: Callable[..., str], caplog: pytest.LogCaptureFixture) -> None:
