@@ -79,8 +79,9 @@ class EngineConfig:
         "auto, carpool or transformers: carpool's own fused model for the Llama family (Llama, Mistral, Qwen2, "
         "Qwen3), transformers' for everything else; auto picks by the checkpoint's architecture"))
     quantization: Quantization | None = field(default=None, metadata=help_text(
-        "int8 or fp8: hold carpool's models' linear weights (qkv, o, gate_up, down) quantized per output channel, "
-        "from an ordinary checkpoint at load; the KV cache and lm_head stay in --dtype; fp8 on CUDA needs "
+        "int8 or fp8: hold the model's linear weights (carpool's models: qkv, o, gate_up, down; transformers' "
+        "models: every nn.Linear) quantized per output channel, from an ordinary checkpoint at load; the KV cache "
+        "and lm_head stay in --dtype; fp8 on CUDA needs "
         "compute capability 8.9+; default: unquantized"))
     speculative: str | None = field(default=None, metadata=help_text(
         "speculative decoding: ngram (prompt lookup: propose what followed the sequence's last tokens earlier in "

@@ -22,10 +22,12 @@ from transformers import AutoModelForCausalLM
 
 from scheduler import SamplingParams
 from tests.harness.model_reference import assert_greedy_in_every_regime
+from worker import Engine
 from worker.config import WorkerConfig
 from worker.engine.model_runner import ModelRunner, StepSeq
 from worker.engine.models.quantization import (
     Quantization,
+    QuantizedLinear,
     QuantizedWeight,
     check_device_supports,
     linear,
@@ -45,7 +47,6 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 LOGIT_TOLERANCES = {Quantization.INT8: 0.15, Quantization.FP8: 0.4}
 # The issue's bound: quantized linear weights (data + scales) against the same matrices in the model's dtype.
 MAX_BYTES_RATIO = 0.55
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _name(value: object) -> str:
@@ -66,12 +67,14 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 
 def _reference_greedy(path: str, quantization: Quantization | None, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy tokens in fp32, with every layer matrix replaced by its quantized value (if any)."""
+    """transformers' greedy tokens in fp32, with every linear layer but the output projection replaced by its
+    quantized value (if any)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
+    output = model.get_output_embeddings()
     with torch.inference_mode():
-        for name, module in model.named_modules():
-            if quantization and isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in PROJECTIONS:
+        for module in model.modules():
+            if quantization and isinstance(module, torch.nn.Linear) and module is not output:
                 module.weight.copy_(quantize_weight(module.weight, quantization, torch.float32).dequantize())
         outputs = []
         for prompt in prompts:
@@ -172,11 +175,47 @@ def test_the_start_up_log_names_the_weights(tiny_model: Callable[..., str], capl
     assert "bfloat16 weights" in caplog.text
 
 
-def test_transformers_path_and_bad_settings_are_refused(tiny_model: Callable[..., str]) -> None:
-    with pytest.raises(ValueError, match="quantization: int8 weights cover carpool's own models"):
-        ModelRunner(tiny_model("phi"), num_blocks=8, quantization="int8")
-    with pytest.raises(ValueError, match="quantization: int8 weights cover carpool's own models"):
-        ModelRunner(tiny_model("llama"), num_blocks=8, model_impl="transformers", quantization="int8")
+def _hf_linear_bytes(runner: ModelRunner) -> tuple[int, int]:
+    """(bytes of the layers' weights, linear or quantized, but the output projection; how many are quantized)."""
+    model = runner.model.model  # type: ignore[attr-defined]
+    output = model.get_output_embeddings()
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    plain = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output]
+    return sum(m.weight.nbytes for m in quantized) + sum(m.weight.nbytes for m in plain), len(quantized)
+
+
+@pytest.mark.parametrize("quantization", list(Quantization), ids=_name)
+@pytest.mark.parametrize("arch", ["phi", "llama"])
+def test_the_transformers_path_holds_its_linear_layers_quantized(tiny_model: Callable[..., str], arch: str,
+                                                                 quantization: Quantization) -> None:
+    path = tiny_model(arch)
+    full = ModelRunner(path, dtype="bfloat16", num_blocks=8, model_impl="transformers")
+    quantized = ModelRunner(path, dtype="bfloat16", num_blocks=8, model_impl="transformers",
+                            quantization=quantization.value)
+    (full_bytes, none), (quantized_bytes, count) = _hf_linear_bytes(full), _hf_linear_bytes(quantized)
+    assert none == 0 and count > 0
+    assert quantized_bytes / full_bytes <= MAX_BYTES_RATIO, quantized_bytes / full_bytes
+    output = quantized.model.model.get_output_embeddings()  # type: ignore[attr-defined]
+    assert isinstance(output, torch.nn.Linear) and output.weight.dtype == torch.bfloat16, "the logits stay in dtype"
+    assert quantized.k_caches[0].dtype == torch.bfloat16, "the KV cache stays in the model's dtype"
+    rng = random.Random(5)
+    batch = [StepSeq([rng.randrange(262) for _ in range(n)], 0, [2 * i, 2 * i + 1], True, f"s{i}")
+             for i, n in enumerate([1, 6, 13, 16])]
+    expected_logits, logits = full.execute(batch), quantized.execute(batch)
+    relative_error = (logits - expected_logits).abs().max().item() / expected_logits.abs().max().item()
+    assert 0 < relative_error <= LOGIT_TOLERANCES[quantization], relative_error
+
+    # In fp32 the greedy tokens are those of transformers with the dequantized weights, over queueing and chunks.
+    prompts = _prompts(262)
+    expected = _reference_greedy(path, quantization, prompts)
+    engine = Engine(model=path, model_impl="transformers", quantization=quantization.value, block_size=8,
+                    num_blocks=128, max_num_seqs=3, max_num_batched_tokens=10)
+    actual = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+    mismatched = [i for i, (e, a) in enumerate(zip(expected, actual, strict=True)) if e != a]
+    assert not mismatched, f"prompts {mismatched} differ: {expected[mismatched[0]]} vs {actual[mismatched[0]]}"
+
+
+def test_bad_settings_are_refused(tiny_model: Callable[..., str]) -> None:
     with pytest.raises(ValueError, match="quantization: must be one of int8, fp8"):
         ModelRunner(tiny_model("llama"), num_blocks=8, quantization="int4")
     with pytest.raises(ValueError, match="quantization: must be one of"):

@@ -3,8 +3,9 @@
 `load_causal_lm` picks the implementation by `config.architectures`
 (`auto`), or as forced (`carpool`, `transformers`), and returns a callable
 `model(input_ids [T], positions [T], metadata, logit_rows) -> logits`.
-Weight quantization (`worker.engine.models.quantization`) covers carpool's own
-models only; the transformers path refuses it.
+Weight quantization (`worker.engine.models.quantization`) covers both: carpool's
+own models hold their fused layers quantized, and a transformers model has its
+`nn.Linear` layers (all but the output projection) replaced by quantized ones.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from worker.engine.attention import METADATA_KWARG, PagedAttentionMetadata, regi
 from worker.engine.config import MODEL_IMPLS, ModelImpl, Quantization
 from worker.engine.graph_runner import rope_type
 from worker.engine.models.llama_family import ARCHITECTURES, LlamaFamilyModel, read_safetensors
+from worker.engine.models.quantization import quantize_linear_layers
 from worker.engine.models.rope import SUPPORTED_ROPE_TYPES
 
 
@@ -81,13 +83,13 @@ def load_causal_lm(path: str, config: PretrainedConfig, impl: ModelImpl, dtype: 
     if impl is ModelImpl.CARPOOL:
         return LlamaFamilyModel(config, read_safetensors(path), dtype, device, max_positions, use_kernels,
                                 quantization)
-    if quantization is not None:
-        raise ValueError(f"quantization: {quantization.value} weights cover carpool's own models (the Llama "
-                         f"family, --model-impl carpool); this model runs through transformers")
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
                                                  attn_implementation=register_paged_attention())
     # transformers declares PreTrainedModel.to through functools.wraps, and typeshed's `_Wrapped` binds no
     # `self`, so mypy takes the device for the model.
     model.to(device).eval()  # type: ignore[arg-type]
     model.requires_grad_(False)
+    if quantization is not None and quantize_linear_layers(model, quantization) == 0:
+        raise ValueError(f"quantization: {type(model).__name__} has no torch.nn.Linear layers to hold as "
+                         f"{quantization.value}")
     return TransformersModel(model)

@@ -1,4 +1,7 @@
-"""Weight-only quantization of carpool's linear layers: int8 or fp8 (e4m3) weights, one scale per output channel.
+"""Weight-only quantization of linear layers: int8 or fp8 (e4m3) weights, one scale per output channel.
+
+carpool's own models hold their fused layers' weights this way; a model that runs through transformers has
+each of its `nn.Linear` layers but the output projection replaced by a `QuantizedLinear` at load.
 
 A layer's weight is a `LinearWeight`: either a plain tensor or a
 `QuantizedWeight`, and `linear(x, weight, bias)` is `F.linear` for both, so
@@ -107,3 +110,35 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     else:
         out = F.linear(x, weight.data.to(x.dtype)) * weight.scales
     return out if bias is None else out + bias
+
+
+class QuantizedLinear(torch.nn.Module):
+    """A `torch.nn.Linear` whose weight is held quantized, for models carpool runs through transformers:
+    the same storage and product as carpool's own layers (`quantize_weight`, `linear`)."""
+
+    def __init__(self, layer: torch.nn.Linear, quantization: Quantization) -> None:
+        super().__init__()
+        weight = quantize_weight(layer.weight.detach(), quantization, layer.weight.dtype)
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.register_buffer("weight_data", weight.data)
+        self.register_buffer("weight_scales", weight.scales)
+        self.bias = layer.bias
+
+    @property
+    def weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.weight_data, self.weight_scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def quantize_linear_layers(model: torch.nn.Module, quantization: Quantization) -> int:
+    """Replace every `nn.Linear` of `model` but its output projection (the logits stay in the model's dtype) by a
+    `QuantizedLinear`, in place; returns how many were replaced."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and module is not output]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, QuantizedLinear(module, quantization))
+    return len(targets)
