@@ -116,6 +116,9 @@ class QuantizedLinear(torch.nn.Module):
     """A `torch.nn.Linear` whose weight is held quantized, for models carpool runs through transformers:
     the same storage and product as carpool's own layers (`quantize_weight`, `linear`)."""
 
+    weight_data: torch.Tensor
+    weight_scales: torch.Tensor
+
     def __init__(self, layer: torch.nn.Linear, quantization: Quantization) -> None:
         super().__init__()
         weight = quantize_weight(layer.weight.detach(), quantization, layer.weight.dtype)
@@ -135,7 +138,8 @@ class QuantizedLinear(torch.nn.Module):
 def quantize_linear_layers(model: torch.nn.Module, quantization: Quantization) -> int:
     """Replace every `nn.Linear` of `model` but its output projection (the logits stay in the model's dtype) by a
     `QuantizedLinear`, in place; returns how many were replaced."""
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_of = getattr(model, "get_output_embeddings", None)
+    output = output_of() if callable(output_of) else None
     targets = [(name, module) for name, module in model.named_modules()
                if isinstance(module, torch.nn.Linear) and module is not output]
     for name, module in targets:
