@@ -107,6 +107,7 @@ def job_view(record: dict[bytes, bytes]) -> dict[str, Any]:
         "id": _text(record, F_ID),
         "status": _text(record, F_STATUS),
         "lane": _text(record, F_LANE),
+        "tenant": tenant_of(spec.get("tenant")),
         "priority": _int(record, F_PRIORITY) or 0,
         "worker": _text(record, F_WORKER),
         "attempts": _int(record, F_ATTEMPTS) or 0,

@@ -125,7 +125,9 @@ async def test_a_tenant_sees_and_cancels_only_its_own_jobs_files_and_batches(key
             async with http.request(method, url + path, headers=b) as resp:
                 assert resp.status == 404, (method, path)
         async with http.get(f"{url}/v1/jobs/a-job", headers=a) as resp:
-            assert resp.status == 200 and (await resp.json())["status"] == "queued"
+            assert resp.status == 200
+            view = await resp.json()
+            assert view["status"] == "queued" and view["tenant"] == "tenant-a"
         form = FormData()
         form.add_field("purpose", "batch")
         line = {"custom_id": "1", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}
