@@ -144,8 +144,9 @@ class JobLoop:
         events are written while step N+1 runs. Step N's handling always ends before step N+1's
         begins: events stay in order per job and finished jobs are committed after their last token
         events. What a step's handling decides (new jobs in freed slots, a checkpoint reply saying
-        "drop" or "cancel") reaches the engine with the tick after the one already in flight; the
-        output of a job that is no longer ours is ignored.
+        "drop" or "cancel") goes out with the tick after the one already in flight (the engine
+        process takes it in before its next step, see ``worker.engine.process``); the output of a
+        job that is no longer ours is ignored.
         """
         loop = asyncio.get_running_loop()
         num_unfinished = 0

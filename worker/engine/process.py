@@ -8,7 +8,11 @@ unpickles the reply.
 
 Ticks are pipelined: the parent may send the next tick before the reply to
 the last one has arrived, so the child starts its next step the moment it
-has sent a reply. The parent's side of the socket is an asyncio transport:
+has sent a reply. Before each step the child reads every tick already sent
+and takes their jobs and aborts in at once: a job sent while two steps are
+queued starts in the next step, not two steps later (each tick still gets
+its own step and its reply, in order; a job's rejection comes with the
+reply of the step it was taken into). The parent's side of the socket is an asyncio transport:
 its writes are buffered and never block the event loop, and replies are
 read while a large request is still going out, so a large request and a
 large reply cannot wait on each other.
@@ -28,6 +32,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
@@ -228,21 +233,36 @@ def serve_engine(sock: socket.socket, config: EngineConfig, torch_threads: int, 
             sock.sendall(frame(EngineError(f"{type(e).__name__}: {e}")))
             return
         sock.sendall(frame(EngineReady(engine.max_num_seqs, engine.max_model_len)))
+        sent_ahead: deque[TickRequest | None] = deque()
+        """Ticks read ahead of the one about to run; their jobs and aborts are already taken in."""
         while True:
             try:
-                request = _receive(sock)
+                request = sent_ahead.popleft() if sent_ahead else _receive(sock)
+                while request is not None and (not sent_ahead or sent_ahead[-1] is not None) and _readable(sock):
+                    sent_ahead.append(_receive(sock))
             except (EOFError, OSError):
                 return  # the parent is gone
             if request is None:
                 return
+            # A job sent with a later tick (a new interactive job, say) joins this step rather than waiting for
+            # the step of every tick in between; the later ticks keep their steps, and reply in order.
+            later = [(ahead.adds, ahead.aborts) for ahead in sent_ahead if ahead is not None]
+            for i, ahead in enumerate(sent_ahead):
+                if ahead is not None:
+                    sent_ahead[i] = TickRequest([], [], ahead.do_step)
             try:
-                reply: EngineMessage = run_tick(engine, request.adds, request.aborts, request.do_step)
+                reply: EngineMessage = run_tick(engine, request.adds, request.aborts, request.do_step, later)
             except Exception:
                 reply = EngineError(traceback.format_exc())
             try:
                 sock.sendall(frame(reply))
             except OSError:
                 return
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether the parent has sent more (a tick, the stop, or EOF) than has been read."""
+    return bool(select.select([sock], [], [], 0)[0])
 
 
 def _receive(sock: socket.socket) -> TickRequest | None:

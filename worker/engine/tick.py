@@ -20,18 +20,23 @@ if TYPE_CHECKING:
     from worker.engine.request_state import RequestOutput
 
 
-def run_tick(engine: Engine, adds: list[Add], aborts: list[str], do_step: bool) -> Tick:
+def run_tick(engine: Engine, adds: list[Add], aborts: list[str], do_step: bool,
+             later: list[tuple[list[Add], list[str]]] | None = None) -> Tick:
+    """Abort, add, step. ``later``: the adds and aborts of ticks sent after this one, taken in now (each tick's
+    aborts, then its adds, in the order they were sent), so their jobs join this step instead of waiting for
+    the ticks in between; their rejections are reported with this tick."""
     rejected: dict[str, Rejection] = {}
-    for request_id in aborts:
-        engine.abort_request(request_id)
-    for request_id, spec, priority, resume in adds:
-        try:
-            engine.add_request(
-                request_id, spec.prompt if spec.prompt is not None else spec.prompt_token_ids, spec.params,
-                messages=spec.messages, priority=priority, resume_token_ids=resume or None,
-            )
-        except ValueError as e:
-            rejected[request_id] = _rejection(engine, spec, e)
+    for tick_adds, tick_aborts in [(adds, aborts), *(later or [])]:
+        for request_id in tick_aborts:
+            engine.abort_request(request_id)
+        for request_id, spec, priority, resume in tick_adds:
+            try:
+                engine.add_request(
+                    request_id, spec.prompt if spec.prompt is not None else spec.prompt_token_ids, spec.params,
+                    messages=spec.messages, priority=priority, resume_token_ids=resume or None,
+                )
+            except ValueError as e:
+                rejected[request_id] = _rejection(engine, spec, e)
     outputs = engine.step() if do_step and engine.has_unfinished_requests() else []
     return Tick(rejected, [_step_output(out) for out in outputs], engine.num_unfinished_requests(), engine.stats())
 

@@ -95,7 +95,10 @@ async def test_ticks_match_the_in_process_engine_and_a_failing_tick_reports_its_
         assert steps[:8] == list(range(steps[0], steps[0] + 8)) and set(steps[8:]) == {steps[7]}  # then idle
         piped = _accumulate(ticks)
         assert [piped[f"p{i}"]["token_ids"] for i in range(3)] == expected
-        assert "huge" in ticks[4].rejected and "huge" not in piped
+        # Sent with the fifth tick, it is refused with the reply of the step it was taken into: that one or,
+        # when the child read it while earlier ticks were still queued, an earlier one.
+        assert [i for i, t in enumerate(ticks) if "huge" in t.rejected] in ([1], [2], [3], [4])
+        assert "huge" not in piped
 
         with pytest.raises(EngineFailed) as failed:
             await engine.tick([("bad", None, 0, [])], [], True)  # type: ignore[list-item]
@@ -173,3 +176,40 @@ async def test_a_bad_model_path_fails_startup_with_a_clear_error(redis_url, tmp_
     assert "cannot start the engine" in stderr.decode() and str(missing) in stderr.decode()
     with pytest.raises(EngineStartError):
         await EngineProcess.start(EngineConfig(model=str(missing)), 1)
+
+
+def test_jobs_and_aborts_sent_with_later_ticks_join_the_step_about_to_run(tiny_model):
+    """Every tick is in the socket before the child reads one, so what it takes in ahead is fixed by
+    construction: the third tick's job runs in the first step, and its abort of the first tick's job comes
+    after that job's add, as it was sent."""
+    import multiprocessing
+    import socket
+
+    from worker.engine.process import _receive, frame, serve_engine
+    from worker.engine.wire import EngineReady, TickRequest
+
+    ours, theirs = socket.socketpair()
+    first = ("a", JobSpec(id="a", prompt="sent first", params=GREEDY), 0, [])
+    later = ("b", JobSpec(id="b", prompt="sent two ticks later",
+                          params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)), 0, [])
+    for request in (TickRequest([first], [], True), TickRequest([], [], True), TickRequest([later], ["a"], True), None):
+        ours.sendall(frame(request))
+    child = multiprocessing.get_context("spawn").Process(
+        target=serve_engine, args=(theirs, EngineConfig(model=tiny_model(), max_num_seqs=4), 1, os.getpid()))
+    child.start()
+    theirs.close()
+    try:
+        assert isinstance(_receive(ours), EngineReady)  # type: ignore[arg-type]
+        ticks = [_receive(ours) for _ in range(3)]
+        with pytest.raises(EOFError):
+            _receive(ours)  # the stop: the child has exited
+    finally:
+        child.join(WAIT_S)
+        ours.close()
+    assert child.exitcode == 0
+    outputs = [{out.request_id: out for out in tick.outputs} for tick in ticks]  # type: ignore[union-attr]
+    # "a" was aborted before any step ran: it ends with the first reply, having computed nothing.
+    assert outputs[0]["a"].finished and outputs[0]["a"].finish_reason == "abort" and not outputs[0]["a"].new_token_ids
+    # "b" took the first step (its prefill) and each tick after it a token: three tokens in three replies.
+    assert [len(o["b"].new_token_ids) for o in outputs] == [1, 1, 1] and outputs[2]["b"].finished
+    assert [tick.num_unfinished for tick in ticks] == [1, 1, 0]  # type: ignore[union-attr]
