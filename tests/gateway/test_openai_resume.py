@@ -64,12 +64,17 @@ async def test_a_stream_resumed_on_another_worker_reads_each_token_once(redis_ur
                     events = asyncio.create_task(events_text(svc.url, job_id))
                 if chunk.choices and chunk.choices[0].delta.content:
                     pieces.append(chunk.choices[0].delta.content)
-                if second is None and len(pieces) >= 40:
-                    # A checkpoint exists and the job is well under way: kill its worker, start another.
-                    deadline = time.monotonic() + 30
+                if second is None:
+                    # Frozen at its first chunk, the worker then runs in 10 ms slices until the job has a
+                    # checkpoint, and is killed frozen: mid-answer by construction, however fast it decodes.
+                    first.send_signal(signal.SIGSTOP)
+                    deadline = time.monotonic() + 240
                     while not await redis.hget(KEYS.job(job_id), "checkpoint"):
-                        assert time.monotonic() < deadline
-                        await asyncio.sleep(0.05)
+                        assert time.monotonic() < deadline, "no checkpoint"
+                        first.send_signal(signal.SIGCONT)
+                        await asyncio.sleep(0.01)
+                        first.send_signal(signal.SIGSTOP)
+                    assert await redis.hget(KEYS.job(job_id), "status") == b"running"
                     first.send_signal(signal.SIGKILL)
                     first.wait()
                     second = start_worker(redis_url, model, "second", tmp_path / "second.log")

@@ -133,7 +133,20 @@ async def test_a_worker_sigkilled_during_fair_share_loses_nothing_and_every_job_
             done = sum(1 for status, _ in records if status == b"succeeded")
             return mid >= 4 and done >= 2
 
-        await wait_until(mid_generation, "jobs of both tenants mid-generation on the doomed worker")
+        # Frozen (SIGSTOP) before what it holds is read, so nothing it holds can finish between that read and the
+        # kill, at any engine speed; holding nothing at that moment (between two waves of jobs), it goes on and
+        # we wait again.
+        while True:
+            await wait_until(mid_generation, "jobs of both tenants mid-generation on the doomed worker")
+            doomed.send_signal(signal.SIGSTOP)
+            async with client.pipeline(transaction=False) as pipe:
+                for job_id in a_ids + b_ids:
+                    pipe.hget(KEYS.job(job_id), "status")
+                held = [job_id for job_id, status in zip(a_ids + b_ids, await pipe.execute(), strict=True)
+                        if status == b"running"]
+            if held:
+                break
+            doomed.send_signal(signal.SIGCONT)
         doomed.send_signal(signal.SIGKILL)
         doomed.wait()
         rescuer = start_worker_process(redis_url, model, "rescuer", tmp_path / "rescuer.log")
@@ -146,7 +159,10 @@ async def test_a_worker_sigkilled_during_fair_share_loses_nothing_and_every_job_
     assert all(len(v["output"]["token_ids"]) == 48 for v in views.values())
     replies = [msgpack.unpackb(f[b"result"], raw=False)["id"] for _, f in await client.xrange("replies:fair")]
     assert sorted(replies) == sorted(a_ids + b_ids)  # every job finished exactly once
-    assert any(v["worker"] == "rescuer" and v["attempts"] == 2 for v in views.values())  # some were taken over
+    # What the doomed worker held when it was killed was taken over (a commit it had already sent when it was
+    # frozen may still have landed, so not necessarily every one of them).
+    assert any(views[job_id]["worker"] == "rescuer" and views[job_id]["attempts"] >= 2 for job_id in held), [
+        views[job_id] for job_id in held]
     for tenant in ("flood", "small"):  # nothing left behind in the tenants' streams
         assert await client.xlen(KEYS.tenant_lane(Lane.BATCH, tenant)) == 0
     await client.aclose()
