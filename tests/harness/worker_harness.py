@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -56,6 +57,30 @@ async def wait_until(condition: Callable[[], bool | Awaitable[bool]], what: str,
             return
         assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
         await asyncio.sleep(poll_s)
+
+
+async def kill_holding(proc: subprocess.Popen[bytes], ready: Callable[[], Awaitable[bool]],
+                       held_jobs: Callable[[], Awaitable[list[str]]], what: str) -> list[str]:
+    """SIGKILL `proc` (a crash: no drain, no hand-back) once `ready()` holds, at a moment `held_jobs()` names
+    some; returns those.
+
+    The process is frozen (SIGSTOP) before `held_jobs()` reads Redis, so what it holds cannot change between that
+    read and the kill, at any engine speed; when it holds nothing at that moment (between two jobs), it goes on
+    and the wait starts again."""
+    while True:
+        await wait_until(ready, what)
+        proc.send_signal(signal.SIGSTOP)
+        held: list[str] = []
+        try:
+            held = await held_jobs()
+        finally:
+            if not held:  # also when the read failed: a frozen process would not stop at the test's cleanup
+                proc.send_signal(signal.SIGCONT)
+        if held:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return held
 
 
 async def wait_terminal(client: aioredis.Redis, ids: Iterable[str], timeout_s: float = WAIT_S) -> dict[str, dict[str, Any]]:

@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.lanes import LANES
-from tests.harness.worker_harness import KEYS, WAIT_S, start_worker_process, wait_terminal, wait_until, xadd_job
+from tests.harness.worker_harness import (KEYS, WAIT_S, kill_holding, start_worker_process, wait_terminal, wait_until,
+                                         xadd_job)
 
 END_OF_EVENTS = "end-of-events"
 """A job id no worker runs: the test publishes on its channel once every worker has stopped."""
@@ -46,8 +47,8 @@ async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_mo
     extra_args = [] if speculative is None else ["--speculative", speculative]
     if draft:
         extra_args += ["--draft-model", cycling_draft]
-    # Far more tokens than pass while the test looks for jobs mid-generation, so the jobs it sees running are still
-    # running when the worker is killed, at any engine speed.
+    # The worker is frozen before it is seen holding a checkpointed job and killed frozen, so that job is
+    # mid-generation at the kill at any engine speed; 300 tokens keep several running at once.
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     specs = [JobSpec(id=f"crash-{i}", prompt=f"crash prompt {i}", params=params, lane=LANES[i % 3],
                      reply_to="replies:crash") for i in range(14)]
@@ -89,9 +90,15 @@ async def test_sigkill_mid_generation_every_job_succeeds_once(redis_url, tiny_mo
             queued = sum(1 for status, _ in records if status in (None, b"queued"))
             return mid >= 8 and queued > 0
 
-        await wait_until(mid_generation, "8 jobs mid-generation and more queued")
-        first.send_signal(signal.SIGKILL)
-        first.wait()
+        async def checkpointed() -> list[str]:  # running jobs with a checkpoint: each resumes from it
+            async with client.pipeline(transaction=False) as pipe:
+                for spec in specs:
+                    pipe.hmget(KEYS.job(spec.id), ["status", "checkpoint"])
+                records = await pipe.execute()
+            return [spec.id for spec, (status, ckpt) in zip(specs, records, strict=True)
+                    if status == b"running" and ckpt]
+
+        await kill_holding(first, mid_generation, checkpointed, "8 jobs mid-generation and more queued")
         second = start_worker(redis_url, model, "rescuer", tmp_path / "rescuer.log", extra_args)
         views = await wait_terminal(client, [s.id for s in specs])
         # Every final event reaches the listener before a marker published after the rescuer stopped.

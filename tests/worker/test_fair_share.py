@@ -24,7 +24,7 @@ from gateway.app import init_app
 from gateway.config import GatewayConfig
 from scheduler.protocol.lanes import Lane
 from scheduler.protocol.tenants import TenantLimits
-from tests.harness.worker_harness import KEYS, start_worker_process, wait_terminal, wait_until
+from tests.harness.worker_harness import KEYS, kill_holding, start_worker_process, wait_terminal, wait_until
 
 NUM_A = 60
 NUM_B = 6
@@ -133,22 +133,15 @@ async def test_a_worker_sigkilled_during_fair_share_loses_nothing_and_every_job_
             done = sum(1 for status, _ in records if status == b"succeeded")
             return mid >= 4 and done >= 2
 
-        # Frozen (SIGSTOP) before what it holds is read, so nothing it holds can finish between that read and the
-        # kill, at any engine speed; holding nothing at that moment (between two waves of jobs), it goes on and
-        # we wait again.
-        while True:
-            await wait_until(mid_generation, "jobs of both tenants mid-generation on the doomed worker")
-            doomed.send_signal(signal.SIGSTOP)
+        async def running() -> list[str]:
             async with client.pipeline(transaction=False) as pipe:
                 for job_id in a_ids + b_ids:
                     pipe.hget(KEYS.job(job_id), "status")
-                held = [job_id for job_id, status in zip(a_ids + b_ids, await pipe.execute(), strict=True)
-                        if status == b"running"]
-            if held:
-                break
-            doomed.send_signal(signal.SIGCONT)
-        doomed.send_signal(signal.SIGKILL)
-        doomed.wait()
+                statuses = await pipe.execute()
+            return [job_id for job_id, status in zip(a_ids + b_ids, statuses, strict=True) if status == b"running"]
+
+        held = await kill_holding(doomed, mid_generation, running,
+                                  "jobs of both tenants mid-generation on the doomed worker")
         rescuer = start_worker_process(redis_url, model, "rescuer", tmp_path / "rescuer.log")
         views = await wait_terminal(client, a_ids + b_ids)
         await wait_until(lambda: _no_active(client), "both tenants retired from the batch lane")
