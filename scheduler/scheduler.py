@@ -22,6 +22,12 @@ sequence (priority number at most that) is admitted leaves out the running
 sequences less urgent than the cutoff: the urgent prefill does not share
 its step with, say, 63 batch decodes, and those decodes wait one step.
 When no urgent sequence can be admitted, the step is an ordinary one.
+With ``lower_prefill_tokens`` set too, the less urgent sequences prefill at
+most that many prompt tokens per step (a new admission is chunked to fit, a
+long prompt continues over several steps; their decodes are not counted):
+when many batch requests finish at once and as many new ones are admitted,
+their prefills are spread over several steps instead of one long one, and an
+urgent request arriving meanwhile waits for a short step, not that long one.
 
 Batching modes:
 
@@ -58,6 +64,8 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self._lower_prefill_left: int | None = None
+        """What the current step may still prefill of the less urgent sequences (``_lower_prefill_tokens``)."""
         self.block_manager = block_manager
         self.clock = clock
         self.waiting: list[Sequence] = []
@@ -157,6 +165,7 @@ class Scheduler:
                 self._start_group()
             self._schedule_running(out, budget)
             return out
+        self._lower_prefill_left = self._lower_prefill_tokens()
         cutoff = self._prefill_alone_cutoff()
         if cutoff is None:
             budget = self._schedule_running(out, budget)
@@ -170,6 +179,23 @@ class Scheduler:
             budget = self._schedule_running(out, budget, skip={s.seq for s in out.scheduled})
         self._start_waiting(out, budget)
         return out
+
+    def _lower_prefill_tokens(self) -> int | None:
+        """This step's allowance of prompt tokens for the less urgent sequences (``lower_prefill_tokens``);
+        None: no allowance but the step's budget."""
+        if self.config.prefill_alone_priority is None or self.config.policy is not Policy.PRIORITY:
+            return None
+        return self.config.lower_prefill_tokens
+
+    def _capped_prefill(self, seq: Sequence, num_new: int) -> int:
+        """``num_new`` prompt tokens of ``seq``, cut to what is left of the less urgent sequences' allowance
+        when ``seq`` is one of them and prefills (a decode's one token is never cut); the allowance shrinks."""
+        left, cutoff = self._lower_prefill_left, self.config.prefill_alone_priority
+        if left is None or cutoff is None or seq.priority <= cutoff or num_new <= 1:
+            return num_new
+        num_new = min(num_new, left)
+        self._lower_prefill_left = left - num_new
+        return num_new
 
     def _prefill_alone_cutoff(self) -> int | None:
         """``prefill_alone_priority`` when this step should prefill urgent sequences without the less urgent
@@ -199,7 +225,7 @@ class Scheduler:
                 # Padding stops once it would run past the context length.
                 num_new = 1 if seq.num_computed_tokens < self.config.max_model_len else 0
             else:
-                num_new = min(seq.num_uncomputed_tokens, budget)
+                num_new = self._capped_prefill(seq, min(seq.num_uncomputed_tokens, budget))
             if num_new == 0:
                 continue
             spec = self._fitting_spec_tokens(seq, num_new, budget)
@@ -259,7 +285,9 @@ class Scheduler:
             if up_to_priority is not None and seq.priority > up_to_priority:
                 break
             prefix = bm.lookup_prefix(seq.token_ids)
-            num_new = min(seq.num_tokens - prefix.num_blocks * bm.block_size, budget)
+            num_new = self._capped_prefill(seq, min(seq.num_tokens - prefix.num_blocks * bm.block_size, budget))
+            if num_new == 0:
+                break  # the less urgent ones' allowance is spent; everyone behind is less urgent still
             if len(self.running) >= self.config.max_num_seqs or not bm.can_allocate(seq, num_new, prefix):
                 victims = self._priority_victims(seq, num_new, prefix)
                 if not victims:

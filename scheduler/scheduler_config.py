@@ -65,6 +65,11 @@ class SchedulerConfig:
     """Under the ``priority`` policy in continuous batching: a waiting sequence whose priority number is at most
     this is prefilled in a step that leaves out running sequences of a higher number (their decodes wait that
     one step), so its first token does not wait on their work. None: never."""
+    lower_prefill_tokens: int | None = None
+    """With ``prefill_alone_priority`` set: the most prompt tokens the running and waiting sequences of a higher
+    priority number prefill in one step, new admissions and continued chunks together (their decodes are not
+    counted). It bounds how long one step runs while a batch refills its slots, and so how long an urgent request
+    arriving meanwhile waits for that step to end. None: only ``max_num_batched_tokens`` bounds them."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -77,5 +82,9 @@ class SchedulerConfig:
         if self.prefill_alone_priority is not None and (
                 isinstance(self.prefill_alone_priority, bool) or not isinstance(self.prefill_alone_priority, int)):
             raise ValueError(f"prefill_alone_priority: must be an integer or None, got {self.prefill_alone_priority!r}")
+        if self.lower_prefill_tokens is not None and (
+                isinstance(self.lower_prefill_tokens, bool) or not isinstance(self.lower_prefill_tokens, int)
+                or self.lower_prefill_tokens < 1):
+            raise ValueError(f"lower_prefill_tokens: must be a positive integer or None, got {self.lower_prefill_tokens!r}")
         if not self.max_wait_ms >= 0:
             raise ValueError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms!r}")

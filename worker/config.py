@@ -27,8 +27,14 @@ from worker.engine.config import DEFAULT_MODEL_NAME, EngineConfig
 ENGINE_FLAGS = (
     *(f.name for f in dataclasses.fields(EngineConfig) if f.metadata.get("flag", True)),
     "torch_threads", "engine_process", "interactive_reserve", "interactive_prefill_alone",
+    "lower_lane_prefill_tokens",
 )
 """The worker's engine settings: `carpool up` takes each of them and hands it to its worker."""
+
+
+CPU_LOWER_LANE_PREFILL_TOKENS = 256
+"""``--lower-lane-prefill-tokens`` on CPU: with the built-in model on a 2-core CPU a step of 1,200 prompt tokens
+takes ~160 ms, one of 256 about a fifth of that (bench/RESULTS.md)."""
 
 
 def default_worker_name() -> str:
@@ -67,6 +73,11 @@ class WorkerConfig:
         "prefill a new interactive job in an engine step of its own, without the lower lanes' decodes (they wait "
         "that one step), so its first token does not wait on a full batch's work; needs --policy priority and "
         "--batching continuous"))
+    lower_lane_prefill_tokens: int | None = field(default=None, metadata=help_text(
+        "with --interactive-prefill-alone: the most prompt tokens the standard and batch lanes' jobs prefill in one "
+        "engine step (a prompt longer than what is left continues in the next steps), so a step stays short while "
+        "many batch jobs start at once and an interactive job arriving meanwhile waits for a short step; "
+        f"0: only --max-num-batched-tokens bounds them; default: {CPU_LOWER_LANE_PREFILL_TOKENS} on CPU, 0 on CUDA"))
     lane_weights: dict[str, int] = field(
         default_factory=lambda: {lane.value: w for lane, w in DEFAULT_LANE_WEIGHTS.items()},
         metadata=help_text("share of reads per lane once interactive work is taken"),
@@ -110,8 +121,15 @@ class WorkerConfig:
             raise ValueError(f"read_block_ms: must be >= 1, got {self.read_block_ms}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: must be a TCP port or 0, got {self.metrics_port}")
-        self.engine = dataclasses.replace(self.engine, prefill_alone_priority=(
-            lane_priority_bound(Lane.INTERACTIVE) if self.interactive_prefill_alone else None))
+        if self.lower_lane_prefill_tokens is not None and self.lower_lane_prefill_tokens < 0:
+            raise ValueError(f"lower_lane_prefill_tokens: must be >= 0, got {self.lower_lane_prefill_tokens}")
+        lower_prefill = self.lower_lane_prefill_tokens
+        if lower_prefill is None:
+            lower_prefill = CPU_LOWER_LANE_PREFILL_TOKENS if self.engine.device == "cpu" else 0
+        self.engine = dataclasses.replace(
+            self.engine,
+            prefill_alone_priority=lane_priority_bound(Lane.INTERACTIVE) if self.interactive_prefill_alone else None,
+            lower_prefill_tokens=lower_prefill or None)
         lanes = {lane.value for lane in Lane}
         for name, weight in self.lane_weights.items():
             if name not in lanes:

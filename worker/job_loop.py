@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from scheduler.protocol.job import JobSpec, JobStatus, WebhookEvent
 from scheduler.protocol.job_record import EventType, job_view
 from scheduler.protocol.keys import Keys
-from scheduler.protocol.lanes import engine_priority
+from scheduler.protocol.lanes import Lane, engine_priority
 from scheduler.protocol.redis_replies import read_hash
 from scheduler.protocol.webhooks import OutputThrottle, delivery_fields, running_view
 from scheduler.runtime.tasks import raise_if_cancelled
@@ -62,6 +62,8 @@ class JobLoop:
         self._reserved = 0
         self._adds: list[tuple[RunningJob, int]] = []
         self._aborts: list[str] = []
+        self._in_flight: deque[tuple[asyncio.Future[Tick], bool]] = deque()
+        """Ticks handed to the engine whose replies are not read yet, in order, each with whether it steps."""
         self._work = asyncio.Event()
         self.slot_freed = asyncio.Event()
         self.commits = CommitTasks(store, self.metrics)
@@ -108,6 +110,12 @@ class JobLoop:
         priority = engine_priority(spec.lane, spec.priority)
         self._adds.append((job, priority))
         self._work.set()
+        if spec.lane is Lane.INTERACTIVE and self._in_flight:
+            # The engine is busy with ticks already sent: hand it this job now, in a tick of its own that does
+            # not step. The engine process takes in ticks sent ahead before its next step (see
+            # ``worker.engine.process``), so the job joins the step after the one running, not the one after
+            # the ticks in flight.
+            self._in_flight.append((self._send_tick(do_step=False), False))
 
     def cancel(self, job_id: str) -> bool:
         """Stop a job we run at the next step and commit it as cancelled."""
@@ -146,12 +154,13 @@ class JobLoop:
         events. What a step's handling decides (new jobs in freed slots, a checkpoint reply saying
         "drop" or "cancel") goes out with the tick after the one already in flight (the engine
         process takes it in before its next step, see ``worker.engine.process``); the output of a
-        job that is no longer ours is ignored.
+        job that is no longer ours is ignored. A new interactive job does not wait for a reply: it goes
+        out at once, in a tick that does not step (``start``), and joins the next step.
         """
         loop = asyncio.get_running_loop()
         num_unfinished = 0
         handling: asyncio.Task[None] | None = None
-        in_flight: deque[asyncio.Future[Tick]] = deque()
+        in_flight = self._in_flight
         try:
             while True:
                 raise_if_cancelled()
@@ -166,25 +175,27 @@ class JobLoop:
                     # Admission window: an idle engine waits briefly so jobs arriving together start together.
                     if self.config.engine.max_wait_ms > 0 and self.free > 0:
                         await asyncio.sleep(self.config.engine.max_wait_ms / 1000)
-                while len(in_flight) < TICKS_IN_FLIGHT and (
+                while sum(does_step for _, does_step in in_flight) < TICKS_IN_FLIGHT and (
                         not in_flight or num_unfinished or self._adds or self._aborts):
-                    in_flight.append(self._send_tick())
+                    in_flight.append((self._send_tick(), True))
                 if handling is not None:
                     pending, handling = handling, None
                     await pending
-                tick = await in_flight[0]
+                future, did_step = in_flight[0]
+                tick = await future
                 in_flight.popleft()
                 num_unfinished = tick.num_unfinished
                 self.stats = tick.stats
                 self.metrics.record_step(tick.stats)
                 handling = loop.create_task(self._handle(tick), name="step events")
-                if num_unfinished and not tick.outputs and tick.stats.last_step_num_seqs == 0:
+                if did_step and num_unfinished and not tick.outputs and tick.stats.last_step_num_seqs == 0:
                     await asyncio.sleep(IDLE_STEP_SLEEP_S)  # the engine holds work back (dynamic batching window)
         finally:
-            for future in in_flight:
+            for future, _ in in_flight:
                 if not future.cancel() and not future.cancelled() and future.exception() is not None:
                     # Cancelling a tick only stops the wait for it; one that already failed is reported here.
                     log.error("an engine tick failed", exc_info=future.exception())
+            in_flight.clear()
             # Only a step's handling not yet awaited is left here (cancelled in the idle sleep).
             if handling is not None:
                 handling.cancel()
@@ -192,15 +203,15 @@ class JobLoop:
                 if isinstance(result, Exception):
                     log.error("handling the last engine step failed", exc_info=result)
 
-    def _send_tick(self) -> asyncio.Future[Tick]:
-        """Hand the engine the jobs queued since the last tick, the aborts, and one step."""
+    def _send_tick(self, do_step: bool = True) -> asyncio.Future[Tick]:
+        """Hand the engine the jobs queued since the last tick, the aborts, and one step (unless not ``do_step``)."""
         adds = [(job.spec.id, job.spec, priority, job.token_ids) for job, priority in self._adds]
         now = time.time()
         for job, _ in self._adds:
             if job.trace is not None:
                 job.trace.admitted(now)
         self._adds, aborts, self._aborts = [], self._aborts, []
-        return self.engine.tick(adds, aborts, True)
+        return self.engine.tick(adds, aborts, do_step)
 
     async def _handle(self, tick: Tick) -> None:
         for job_id, rejection in tick.rejected.items():

@@ -95,6 +95,9 @@ class EngineConfig:
     prefill_alone_priority: int | None = field(default=None, metadata={"flag": False})
     """Requests of priority number at most this are prefilled in a step without the less urgent running ones'
     decodes (``SchedulerConfig.prefill_alone_priority``); the worker sets it from ``--interactive-prefill-alone``."""
+    lower_prefill_tokens: int | None = field(default=None, metadata={"flag": False})
+    """The most prompt tokens the less urgent requests prefill in one step (``SchedulerConfig.lower_prefill_tokens``);
+    the worker sets it from ``--lower-lane-prefill-tokens``."""
 
     def __post_init__(self) -> None:
         # Plain strings naming a mode, policy, implementation or quantization are kept as their enum members.

@@ -100,6 +100,7 @@ class Engine:
                 policy=config.policy,
                 max_wait_ms=config.max_wait_ms,
                 prefill_alone_priority=config.prefill_alone_priority,
+                lower_prefill_tokens=config.lower_prefill_tokens,
             ),
             self.block_manager,
         )
