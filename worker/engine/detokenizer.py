@@ -5,7 +5,10 @@ several byte tokens (it decodes to U+FFFD until complete), and some
 tokenizers render a token differently depending on what precedes it (leading
 spaces). So the detokenizer decodes a short window that starts a few tokens
 before the new ones and emits only the text that the new tokens add, and
-only once it no longer ends in an incomplete character.
+only once it no longer ends in an incomplete character. Where the tokenizer's
+bytes are known (``ByteTableDecoder``), a trailing U+FFFD that no later byte
+can complete (a lone continuation byte, say) is emitted at once rather than
+held until some later token ends in a whole character.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ class IncrementalDetokenizer:
         decode = self._decoder.decode
         prefix_len = len(decode(self._ids[self._prefix_offset : self._read_offset]))
         full_text = decode(self._ids[self._prefix_offset :])
-        is_complete = is_final or not full_text.endswith(REPLACEMENT_CHAR)
+        is_complete = (is_final or not full_text.endswith(REPLACEMENT_CHAR)
+                       or not self._decoder.may_end_mid_character(self._ids[self._prefix_offset:]))
         # Text before a trailing partial character is stable already.
         stable_end = len(full_text) if is_complete else len(full_text.rstrip(REPLACEMENT_CHAR))
         start = prefix_len + self._num_emitted_pending

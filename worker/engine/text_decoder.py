@@ -11,6 +11,7 @@ and of a seeded sample of random sequences; otherwise the tokenizer decodes.
 
 from __future__ import annotations
 
+import codecs
 import random
 from typing import Protocol
 
@@ -24,6 +25,11 @@ CHECK_SEQUENCE_LEN = 12
 
 class TextDecoder(Protocol):
     def decode(self, ids: list[int]) -> str: ...
+
+    def may_end_mid_character(self, ids: list[int]) -> bool:
+        """Whether a trailing U+FFFD of ``decode(ids)`` may be a character that later ids complete; False only
+        when it certainly stands for bytes that no continuation makes valid."""
+        ...
 
 
 class TokenizerDecoder:
@@ -41,6 +47,9 @@ class TokenizerDecoder:
         assert isinstance(text, str), type(text)
         return text
 
+    def may_end_mid_character(self, ids: list[int]) -> bool:
+        return True  # the tokenizer's text alone cannot tell an incomplete character from an invalid one
+
 
 class ByteTableDecoder:
     """Concatenates each id's bytes and decodes them as UTF-8, invalid bytes replaced."""
@@ -57,6 +66,19 @@ class ByteTableDecoder:
         except IndexError:
             return self._fallback.decode(ids)
         return data.decode("utf-8", "replace")
+
+    def may_end_mid_character(self, ids: list[int]) -> bool:
+        """Whether the ids' bytes end in the start of a UTF-8 character still missing bytes. A byte that starts
+        no character, or a start followed by a byte that cannot continue it, is U+FFFD for good."""
+        table = self._table
+        try:
+            data = b"".join([table[i] for i in ids])
+        except IndexError:
+            return True
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(data[-3:], final=False)  # a character still missing bytes has at most 3 of its 4
+        pending, _ = decoder.getstate()
+        return bool(pending)
 
 
 def text_decoder_for(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> TextDecoder:

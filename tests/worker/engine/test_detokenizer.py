@@ -39,6 +39,32 @@ def test_multibyte_character_is_emitted_only_when_complete(tokenizer) -> None:
     assert detok.text == "😀!"
 
 
+def test_bytes_that_no_continuation_makes_valid_are_emitted_at_once(tokenizer) -> None:
+    # A random-weight byte-level model emits such bytes often; holding each until some later token ends in a
+    # whole character would delay every following character for nothing.
+    detok = IncrementalDetokenizer(tokenizer, [tokenizer.bos_token_id])
+    assert detok.push([0x80]) == "\ufffd"  # a continuation byte with nothing to continue
+    assert detok.push([0xFF]) == "\ufffd"  # never part of UTF-8
+    assert detok.push([0xE6]) == ""  # may start a character: held
+    assert detok.push([ord("a")]) == "\ufffda"  # it did not: the start is lost, the "a" is not
+    assert detok.push([0xE6, 0xBC]) == ""
+    assert detok.push([0xA2]) == "漢"
+    assert detok.text == "\ufffd\ufffd\ufffda漢"
+
+
+def test_random_bytes_stream_to_exactly_their_decode(tokenizer) -> None:
+    rng = random.Random(1)
+    for _ in range(200):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(0, 8))]
+        output = [rng.choice([rng.randrange(256), rng.randrange(0x80, 0xC0), rng.randrange(0xC2, 0xF5)])
+                  for _ in range(rng.randint(1, 12))]
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        pieces = [detok.push([b]) for b in output] + [detok.flush()]
+        context = prompt[-6:]
+        whole = bytes(context + output).decode("utf-8", "replace")[len(bytes(context).decode("utf-8", "replace")):]
+        assert "".join(pieces) == detok.text == whole, (prompt, output)
+
+
 def test_special_tokens_are_skipped_or_kept(tokenizer) -> None:
     ids = [*b"hi", tokenizer.eos_token_id]
     skipping = IncrementalDetokenizer(tokenizer, [])

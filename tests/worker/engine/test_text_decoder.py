@@ -43,21 +43,28 @@ def test_ids_past_the_vocabulary_fall_back_to_the_tokenizer(tokenizer) -> None:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_streamed_pieces_and_text_equal_the_general_path(tokenizer, seed: int) -> None:
+def test_streamed_text_equals_the_general_path_and_is_never_behind_it(tokenizer, seed: int) -> None:
+    """The byte table knows which trailing U+FFFD no later byte completes and emits it at once, where the
+    general path must hold every trailing U+FFFD: its text is always a prefix of the table's, and in the end
+    the same."""
     rng = random.Random(seed)
     size = len(tokenizer)
     prompt = _random_ids(rng, size, rng.randint(0, 10))
     fast = IncrementalDetokenizer(tokenizer, prompt, decoder=text_decoder_for(tokenizer))
     general = IncrementalDetokenizer(tokenizer, prompt, decoder=TokenizerDecoder(tokenizer, True))
-    pushed = 0
+    pushed, num_ahead = 0, 0
     while pushed < 300:
         chunk = _random_ids(rng, size, rng.randint(1, 3))
         pushed += len(chunk)
-        assert fast.push(chunk) == general.push(chunk)
-        assert fast.text == general.text
-    assert fast.flush() == general.flush()
+        fast.push(chunk)
+        general.push(chunk)
+        assert fast.text.startswith(general.text)
+        num_ahead += len(fast.text) > len(general.text)
+    fast.flush()
+    general.flush()
     assert fast.text == general.text
     assert "\ufffd" in fast.text  # the draw did split and break characters
+    assert num_ahead > 0  # and the table path emitted some of them earlier
 
 
 def test_a_loaded_checkpoint_tokenizer_gets_the_byte_table(tiny_model) -> None:
