@@ -5,7 +5,9 @@ Text deltas come from the jobs' token events, each choice's placed by a
 checkpoint and repeats tokens and text already sent, and each character goes
 out once; events a slow reader lost are read back from the job's event log,
 and a choice's final record carries whatever is still missing. The response
-starts with the first token (or after ``--sse-heartbeat-s`` of waiting), so a
+starts with the first token (or after ``--sse-heartbeat-s`` of waiting), also
+when that token's text is held back because it is part of a character (chat's
+first chunks, naming the role, then mark the first token), so a
 request the worker refuses before any token (a prompt too long for the
 context) is answered with a 4xx in OpenAI's error shape, as without
 streaming. Every second without an event the stream checks its client: one
@@ -147,6 +149,8 @@ async def stream_choices(request: web.Request, req: OpenAIRequest, watch: Choice
                 text = "".join(e["text"] for e in taken)
                 if text:
                     await out.send(out.chunk(index, text=text))
+                elif not out.is_open:
+                    await out.open()  # the first token, its text held back (part of a character): the stream starts
             elif event["type"] == "final":
                 if not await finish(index, event["job"]):
                     return out.response

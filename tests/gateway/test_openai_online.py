@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import openai
@@ -14,7 +15,7 @@ from scheduler.protocol.keys import Keys
 from scheduler.protocol.keys import Keys
 from tests.harness.openai_support import MODEL_NAME, openai_service
 from tests.harness.openai_support import MODEL_NAME, openai_service
-from tests.harness.worker_harness import wait_until
+from tests.harness.worker_harness import WAIT_S, HeldReplies, wait_until
 
 KEYS = Keys()
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -229,3 +230,38 @@ async def test_chat_without_max_tokens_gets_the_rest_of_the_context_and_too_long
         with pytest.raises(openai.BadRequestError) as refused:
             await svc.client.completions.create(model=MODEL_NAME, prompt=list(range(3, 3 + context)))
         assert (refused.value.param, refused.value.code) == ("prompt", "context_length_exceeded")
+
+
+async def test_a_chat_stream_starts_with_its_first_token_even_when_that_token_has_no_text_yet(redis_url, model) -> None:
+    """A byte-level model's first token may be the first byte of a character: its text waits for the next token,
+    but the stream, and with it the chunk naming the role, starts at once. The worker's replies are held after
+    the first, so the second token cannot have been computed when that chunk arrives."""
+    from transformers import AutoTokenizer
+
+    from worker.engine.engine import Engine
+    from worker.engine.prompt_input import apply_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(0)
+    candidates = [[{"role": "user", "content": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ")
+                                                         for _ in range(rng.randint(3, 16)))}] for _ in range(300)]
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    firsts = Engine(model=model, max_num_seqs=8).generate(
+        [apply_chat_template(tokenizer, m) for m in candidates], one)
+    # A byte that starts a multi-byte character (the byte-level tokenizer's ids are the byte values).
+    starts = [m for m, c in zip(candidates, firsts) if 0xC2 <= c.token_ids[0] <= 0xF4]
+    assert starts, "no prompt's first token starts a character"
+    messages = starts[0]
+    expected = offline(model, apply_chat_template(tokenizer, messages), 6)
+    runner = HeldReplies(Engine(model=model, max_num_seqs=8))
+    # No heartbeat while the test waits: one would start the stream too.
+    async with openai_service(redis_url, runner, sse_heartbeat_s=2 * WAIT_S) as svc:
+        await runner.hold(passes=1)
+        stream = await svc.client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6,
+                                                          stream=True, **GREEDY)
+        chunks = aiter(stream)
+        first = await asyncio.wait_for(anext(chunks), WAIT_S)
+        assert first.choices[0].delta.role == "assistant" and not first.choices[0].delta.content
+        await runner.release()
+        rest = [c async for c in chunks]
+    assert "".join(c.choices[0].delta.content or "" for c in rest if c.choices) == expected.text

@@ -138,6 +138,53 @@ class StepLog:
         await self._thread.aclose()
 
 
+class HeldReplies:
+    """An engine runner that ticks a real in-process engine on its thread and lets the test hold its replies:
+    after ``hold(n)`` only ``n`` more replies reach the worker until ``release()``. Notes every tick sent: the
+    jobs it adds, whether it steps, and how many ticks were out unanswered when it was sent. What the worker
+    does while replies are held is then fixed by construction, whatever the engine's speed."""
+
+    def __init__(self, engine: Any) -> None:
+        from worker.engine.tick import EngineThread
+
+        self.max_num_seqs: int = engine.max_num_seqs
+        self.max_model_len: int = engine.max_model_len
+        self.sent: list[tuple[list[str], bool, int]] = []
+        self.unanswered = 0
+        self._passes: int | None = None
+        self._changed = asyncio.Condition()
+        self._thread = EngineThread(engine)
+
+    async def hold(self, passes: int = 0) -> None:
+        async with self._changed:
+            self._passes = passes
+
+    async def release(self) -> None:
+        async with self._changed:
+            self._passes = None
+            self._changed.notify_all()
+
+    def tick(self, adds: list[Any], aborts: list[str], do_step: bool) -> asyncio.Future[Any]:
+        self.sent.append(([add[0] for add in adds], do_step, self.unanswered))
+        self.unanswered += 1
+        inner = self._thread.tick(adds, aborts, do_step)
+
+        async def reply() -> Any:
+            result = await inner
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._passes is None or self._passes > 0)
+                if self._passes is not None:
+                    self._passes -= 1
+            self.unanswered -= 1
+            return result
+
+        return asyncio.ensure_future(reply())
+
+    async def aclose(self) -> None:
+        await self.release()
+        await self._thread.aclose()
+
+
 @asynccontextmanager
 async def running_worker(redis_url: str, engine: Any, **overrides: Any) -> AsyncIterator[Any]:
     """A WorkerService on `engine` inside this event loop; shut down (two phases) on exit."""

@@ -8,51 +8,16 @@ the worker sends then is fixed by construction, whatever the engine's speed.
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
-
 import pytest
 import redis.asyncio as aioredis
 
 from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.lanes import Lane
-from tests.harness.worker_harness import running_worker, wait_terminal, wait_until, xadd_job
+from tests.harness.worker_harness import HeldReplies, running_worker, wait_terminal, wait_until, xadd_job
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-
-
-class HeldReplies:
-    """Ticks a real in-process engine; while ``hold`` is set, no reply reaches the worker. Notes every tick
-    sent: the jobs it adds, whether it steps, and how many ticks were out unanswered when it was sent."""
-
-    def __init__(self, engine: Any) -> None:
-        from worker.engine.tick import EngineThread
-
-        self.max_num_seqs: int = engine.max_num_seqs
-        self.max_model_len: int = engine.max_model_len
-        self.sent: list[tuple[list[str], bool, int]] = []
-        self.unanswered = 0
-        self.released = asyncio.Event()
-        self.released.set()
-        self._thread = EngineThread(engine)
-
-    def tick(self, adds: list[Any], aborts: list[str], do_step: bool) -> asyncio.Future[Any]:
-        self.sent.append(([add[0] for add in adds], do_step, self.unanswered))
-        self.unanswered += 1
-        inner = self._thread.tick(adds, aborts, do_step)
-
-        async def reply() -> Any:
-            result = await inner
-            await self.released.wait()
-            self.unanswered -= 1
-            return result
-
-        return asyncio.ensure_future(reply())
-
-    async def aclose(self) -> None:
-        await self._thread.aclose()
 
 
 async def test_an_interactive_job_is_sent_while_the_ticks_in_flight_are_unanswered(redis_url, tiny_model):
@@ -67,14 +32,14 @@ async def test_an_interactive_job_is_sent_while_the_ticks_in_flight_are_unanswer
         await xadd_job(client, batch)
         await wait_until(lambda: bool(service.job_loop.jobs.get(batch.id) and service.job_loop.jobs[batch.id].token_ids),
                          "the batch job decoding")
-        runner.released.clear()
+        await runner.hold()
         await wait_until(lambda: runner.unanswered == 2, "two stepping ticks out, neither answered")
         num_sent = len(runner.sent)
         await xadd_job(client, chat)
         await wait_until(lambda: any(chat.id in adds for adds, _, _ in runner.sent), "the chat sent to the engine")
         # Sent at once with no reply read in between: a tick that only adds it, the two stepping ones still out.
         assert runner.sent[num_sent:] == [([chat.id], False, 2)], runner.sent[num_sent:]
-        runner.released.set()
+        await runner.release()
         views = await wait_terminal(client, [batch.id, chat.id])
 
     expected = Engine(model=model, max_num_seqs=4).generate([batch.prompt, chat.prompt], [LONG, GREEDY])
