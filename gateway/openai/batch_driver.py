@@ -29,7 +29,7 @@ from gateway import appkeys
 from gateway.admission import InvalidJob, LaneFull
 from gateway.api_keys import Caller
 from gateway.cancel import AlreadyFinished, JobNotFound
-from gateway.openai.batch_counts import BatchCounts
+from gateway.openai.batch_counts import RECORDS_PER_ROUND_TRIP, BatchCounts
 from gateway.openai.batch_lines import LineError, custom_id_of, error_line, parse_line, result_line
 from gateway.openai.batches import COUNTERS, BatchStatus, batch_store
 from gateway.openai.choices import served_models
@@ -212,7 +212,8 @@ class BatchDriver:
         out_bytes = err_bytes = num_out = num_err = 0
         start = 0
         while custom_ids := [as_bytes(c).decode() for c in
-                             await self._redis.lrange(keys.batch_custom_ids(batch_id), start, start + PAGE_LINES - 1)]:
+                             await self._redis.lrange(keys.batch_custom_ids(batch_id), start,
+                                                      start + RECORDS_PER_ROUND_TRIP - 1)]:
             numbers = range(start, start + len(custom_ids))
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hmget(keys.batch_errors(batch_id), [str(n) for n in numbers])
