@@ -54,8 +54,13 @@ def _name(value: object) -> str:
 
 
 def _linear_bytes(runner: ModelRunner) -> int:
+    """Bytes the four layer matrices hold: quantized, their data and scales; otherwise, the matrices in the model's
+    dtype (a full-precision model may hold them packed for CPU as well, which is not what quantization compares)."""
     layers = runner.model.layers  # type: ignore[attr-defined]
-    return sum(w.nbytes for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    weights = [w for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if all(isinstance(w, QuantizedWeight) for w in weights):
+        return sum(w.nbytes for w in weights)
+    return sum(w.shape[0] * w.shape[1] for w in weights) * runner.dtype.itemsize
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:

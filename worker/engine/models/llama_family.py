@@ -32,6 +32,7 @@ from kernels import norm_act
 from kernels.rope_kv import rope_store_kv
 from worker.engine.attention import PagedAttentionMetadata, attend_cached, paged_attention
 from worker.engine.kernel_checks import check_model_kernels
+from worker.engine.models.packed import can_pack, check_packing, pack_weight
 from worker.engine.models.quantization import LinearWeight, Quantization, linear, quantize_weight
 from worker.engine.models.rope import RotaryEmbedding, apply_rope
 
@@ -106,11 +107,14 @@ class LlamaFamilyModel:
         def fused(*names: str) -> torch.Tensor:
             return torch.cat([weights.pop(n) for n in names]).to(device=device, dtype=dtype)
 
+        self.packed = quantization is None and self._packing_works(config, weights, device, dtype)
+
         def matrix(weight: torch.Tensor) -> LinearWeight:
             # Quantized from the checkpoint's values, not from their rounding to `dtype`.
-            if quantization is None:
-                return weight.to(device=device, dtype=dtype)
-            return quantize_weight(weight.to(device=device), quantization, dtype)
+            if quantization is not None:
+                return quantize_weight(weight.to(device=device), quantization, dtype)
+            plain = weight.to(device=device, dtype=dtype)
+            return pack_weight(plain) if self.packed else plain
 
         def fused_matrix(*names: str) -> LinearWeight:
             return matrix(torch.cat([weights.pop(n) for n in names]))
@@ -136,11 +140,13 @@ class LlamaFamilyModel:
             if mlp + "gate_proj.bias" in weights:
                 raise ValueError("model: carpool's models have no MLP biases (mlp_bias)")
         self.norm = take("norm.weight")
+        # A tied lm_head is the embedding table itself, which the embedding lookup reads plain: it is not packed.
+        self.lm_head: LinearWeight
         if getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights:
             weights.pop("lm_head.weight", None)
             self.lm_head = self.embed
         else:
-            self.lm_head = take("lm_head.weight")
+            self.lm_head = matrix(weights.pop("lm_head.weight")) if self.packed else take("lm_head.weight")
         self.vocab_size = self.lm_head.shape[0]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
@@ -158,7 +164,26 @@ class LlamaFamilyModel:
         if logit_rows is not None:
             hidden, residual = hidden.index_select(0, logit_rows), residual.index_select(0, logit_rows)
         hidden, _ = self._add_rms_norm(hidden, residual, self.norm, self.eps)
-        return F.linear(hidden, self.lm_head)
+        return linear(hidden, self.lm_head)
+
+    @staticmethod
+    def _packing_works(config: PretrainedConfig, weights: dict[str, torch.Tensor], device: torch.device,
+                       dtype: torch.dtype) -> bool:
+        """Whether fp32 weights are packed for oneDNN on this CPU (`worker.engine.models.packed`), checked on the
+        model's own matrix shapes."""
+        if not can_pack(device, dtype):
+            return False
+        names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")
+        q, k, v, o, gate, up, down = (weights[f"layers.0.{n}.weight"].shape for n in names)
+        shapes = [(q[0] + k[0] + v[0], q[1]), (o[0], o[1]), (gate[0] + up[0], gate[1]), (down[0], down[1])]
+        failure = check_packing(shapes)
+        if failure is not None:
+            log.warning("packed fp32 weights failed their start-up check (%s); the model multiplies its plain "
+                        "weights instead", failure)
+            return False
+        log.info("fp32 weights packed for oneDNN at load (%d layers)", config.num_hidden_layers)
+        return True
 
     def _attention(self, index: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    metadata: PagedAttentionMetadata) -> torch.Tensor:

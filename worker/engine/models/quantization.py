@@ -3,9 +3,10 @@
 carpool's own models hold their fused layers' weights this way; a model that runs through transformers has
 each of its `nn.Linear` layers but the output projection replaced by a `QuantizedLinear` at load.
 
-A layer's weight is a `LinearWeight`: either a plain tensor or a
-`QuantizedWeight`, and `linear(x, weight, bias)` is `F.linear` for both, so
-the model's call sites read as before. Quantization is symmetric per output
+A layer's weight is a `LinearWeight`: a plain tensor, a `QuantizedWeight`,
+or an fp32 weight packed for CPU (`worker.engine.models.packed`), and
+`linear(x, weight, bias)` is `F.linear` for each, so the model's call sites
+read as before. Quantization is symmetric per output
 row: `scale = max|w_row| / QMAX`, `w ≈ data * scale`, with the scale held in
 the model's dtype and rounded to it before the row is quantized, so
 `dequantize()` gives exactly the weights the products use. Activations, the
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.engine.config import QUANTIZATIONS, Quantization
+from worker.engine.models.packed import PackedWeight, packed_linear
 
 
 # The largest magnitude each storage type holds; a row's largest weight maps onto it.
@@ -84,7 +86,7 @@ class QuantizedWeight:
         return (self.data.to(torch.float32) * self.scales.to(torch.float32)[:, None]).to(dtype)
 
 
-LinearWeight = torch.Tensor | QuantizedWeight
+LinearWeight = torch.Tensor | QuantizedWeight | PackedWeight
 
 
 def quantize_weight(weight: torch.Tensor, quantization: Quantization, dtype: torch.dtype) -> QuantizedWeight:
@@ -100,9 +102,11 @@ def quantize_weight(weight: torch.Tensor, quantization: Quantization, dtype: tor
 
 
 def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a plain or a quantized weight; the result is in `x`'s dtype."""
+    """`F.linear(x, weight, bias)` for a plain, packed or quantized weight; the result is in `x`'s dtype."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
+    if isinstance(weight, PackedWeight):
+        return packed_linear(x, weight, bias)
     if (weight.data.dtype == torch.int8 and x.device.type == "cpu" and x.dtype in _INT8_KERNEL_DTYPES
             and weight.shape[1] % _INT8_KERNEL_ROW_MULTIPLE == 0):
         flat = x.reshape(-1, x.shape[-1]).contiguous()

@@ -1,0 +1,63 @@
+"""fp32 weights packed for oneDNN on CPU: the same products as `F.linear`, and which models hold them.
+
+Greedy tokens and logits of packed models against transformers are checked
+where every own model is (`test_own_models.py`): on CPU in fp32 those models
+run with packed weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.engine.model_runner import ModelRunner
+from worker.engine.models.packed import KEEP_PLAIN_BELOW, PackedWeight, check_packing, pack_weight, packed_linear
+
+# Relative to the product's largest value: the two differ by the order of fp32 sums.
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (1024, 1024)], ids=["small", "large"])
+@pytest.mark.parametrize("rows", [1, 2, 8, 33])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_packed_product_is_f_linear(shape: tuple[int, int], rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(shape, generator=gen)
+    bias = torch.randn(shape[0], generator=gen) if with_bias else None
+    x = torch.randn((rows, shape[1]), generator=gen)
+    packed = pack_weight(weight)
+    # Small matrices keep a plain copy for one-row products; large ones are held packed only.
+    assert (packed.plain is not None) == (weight.numel() < KEEP_PLAIN_BELOW)
+    assert packed.shape == weight.shape
+    assert packed.nbytes == weight.nbytes * (2 if packed.plain is not None else 1)
+    want = F.linear(x, weight, bias)
+    got = packed_linear(x, packed, bias)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=TOLERANCE * float(want.abs().max()), rtol=0)
+
+
+def test_check_passes_on_this_cpu() -> None:
+    assert check_packing([(96, 64), (64, 172)]) is None
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_cpu_fp32_models_hold_packed_weights(tiny_model: Callable[..., str], tied: bool) -> None:
+    path = tiny_model("qwen2", tie_word_embeddings=tied)
+    runner = ModelRunner(path, dtype="float32", num_blocks=8, model_impl="carpool")
+    model = runner.model
+    assert model.packed  # type: ignore[attr-defined]
+    for layer in model.layers:  # type: ignore[attr-defined]
+        assert all(isinstance(w, PackedWeight) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    # A tied output projection is the embedding table, which the lookup reads plain.
+    assert isinstance(model.lm_head, torch.Tensor) == tied  # type: ignore[attr-defined]
+    assert (model.lm_head is model.embed) == tied  # type: ignore[attr-defined]
+
+
+def test_other_dtypes_keep_plain_weights(tiny_model: Callable[..., str]) -> None:
+    runner = ModelRunner(tiny_model("llama"), dtype="bfloat16", num_blocks=8, model_impl="carpool")
+    layer = runner.model.layers[0]  # type: ignore[attr-defined]
+    assert not runner.model.packed  # type: ignore[attr-defined]
+    assert all(isinstance(w, torch.Tensor) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))

@@ -1,0 +1,83 @@
+"""fp32 weights pre-packed for oneDNN's matrix product on CPU: carpool's own models, at load.
+
+`F.linear` on CPU hands an fp32 product to MKL's GEMM, which re-lays the
+weight into its blocked format on every call; with a few rows, as in a
+decode step, that re-layout costs as much as the product. Packing the
+weight once into oneDNN's layout (`torch.ops.mkldnn._reorder_linear_weight`,
+the op torch's compiler uses when it freezes a CPU model) and multiplying
+with `_linear_pointwise` made products of 2 to 32 rows 1.3 to 3 times
+faster on one core of an AVX-512 CPU (bench/RESULTS.md). oneDNN's call costs about 12 us
+more than MKL's, though, which is most of a one-row product by a small
+matrix: a matrix under `KEEP_PLAIN_BELOW` elements keeps its plain copy as
+well, for one-row products, and larger ones are packed only (their one-row
+products cost about the same either way).
+
+Both are private torch ops, so packing is checked once per model on its own
+shapes: if the ops are missing or give another product than `F.linear`
+(beyond fp32 rounding), the model keeps its plain weights and the start-up
+log says why. Only fp32 weights on CPU are packed: bf16 and fp16 already go
+to oneDNN through `F.linear`, and CUDA has its own GEMMs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Relative to the largest value of the product: packed and plain differ by the order of fp32 sums only.
+_TOLERANCE = 1e-4
+# Matrices smaller than this (4 MiB of fp32) keep a plain copy for one-row products.
+KEEP_PLAIN_BELOW = 1 << 20
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A `[out, in]` fp32 weight in oneDNN's blocked layout (opaque: only `packed_linear` reads it)."""
+
+    data: torch.Tensor
+    plain: torch.Tensor | None
+    """The weight as it was, kept for one-row products when it is small."""
+    shape: torch.Size
+    nbytes: int
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    assert weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu", (
+        weight.shape, weight.dtype, weight.device)
+    # No batch-size hint: one layout serves every number of rows a step has.
+    data = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    plain = weight.contiguous() if weight.numel() < KEEP_PLAIN_BELOW else None
+    return PackedWeight(data, plain, weight.shape, weight.nbytes * (1 if plain is None else 2))
+
+
+def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with the packed weight."""
+    if weight.plain is not None and x.numel() == x.shape[-1]:
+        return F.linear(x, weight.plain, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight.data, bias, "none", [], "")
+
+
+def check_packing(shapes: list[tuple[int, int]]) -> str | None:
+    """None when packed products of these `[out, in]` shapes match `F.linear`'s for 1, 3 and 8 rows, else why not."""
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for out_features, in_features in sorted(set(shapes)):
+            weight = torch.randn((out_features, in_features), generator=gen)
+            bias = torch.randn((out_features,), generator=gen)
+            packed = pack_weight(weight)
+            for rows in (1, 3, 8):
+                x = torch.randn((rows, in_features), generator=gen)
+                want = F.linear(x, weight, bias)
+                got = packed_linear(x, packed, bias)
+                scale = float(want.abs().max()) or 1.0
+                if got.shape != want.shape or float((got - want).abs().max()) > _TOLERANCE * scale:
+                    return f"[{out_features}, {in_features}] with {rows} rows differs from F.linear"
+    except (RuntimeError, AttributeError) as error:  # a torch build without the ops, or one that refuses a shape
+        return f"{type(error).__name__}: {error}"
+    return None
