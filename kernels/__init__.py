@@ -15,10 +15,16 @@ import torch
 
 from kernels.kv_store import store_kv
 from kernels.paged_attention import paged_attention
-from kernels.paged_attention_torch import paged_attention_torch, store_kv_torch, store_kv_torch_padded
+from kernels.paged_attention_torch import new_kv_cache, paged_attention_torch, store_kv_torch, store_kv_torch_padded
 
 StoreKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 Attention = Callable[..., torch.Tensor]
+NewCache = Callable[[int, int, int, int, torch.dtype, torch.device], torch.Tensor]
+
+
+def new_token_major_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                          device: torch.device) -> torch.Tensor:
+    return torch.zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,10 @@ class AttentionBackend:
     store_kv_padded: StoreKV
     """The store a recorded (graph) decode step uses: real rows first, then padding rows (slot -1) that must
     leave the cache as it was, and no host reads."""
+    new_cache: NewCache
+    """A zeroed cache of one layer's keys or values, `(num_blocks, block_size, kv_heads, head_dim, dtype, device)`:
+    `[num_blocks, block_size, kv_heads, head_dim]` for every backend, over the storage layout its attention reads
+    fastest."""
 
 
 BACKEND_NAMES = ("torch", "triton")
@@ -38,10 +48,10 @@ BACKEND_NAMES = ("torch", "triton")
 
 def get_backend(name: str) -> AttentionBackend:
     if name == "torch":
-        return AttentionBackend("torch", store_kv_torch, paged_attention_torch, store_kv_torch_padded)
+        return AttentionBackend("torch", store_kv_torch, paged_attention_torch, store_kv_torch_padded, new_kv_cache)
     if name == "triton":
         # The Triton store masks slot -1 itself.
-        return AttentionBackend("triton", store_kv, paged_attention, store_kv)
+        return AttentionBackend("triton", store_kv, paged_attention, store_kv, new_token_major_cache)
     raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")
 
 

@@ -10,10 +10,31 @@ import torch
 from kernels import get_backend
 from kernels.kv_store import store_kv_reference
 from kernels.paged_attention import paged_attention_reference
-from kernels.paged_attention_torch import paged_attention_torch, store_kv_torch
-from tests.harness.kernel_batches import MIXED_CASES, assert_close, make_batch
+from kernels.paged_attention_torch import (
+    new_kv_cache,
+    paged_attention_torch,
+    store_kv_torch,
+    store_kv_torch_padded,
+)
+from tests.harness.kernel_batches import MIXED_CASES, PagedBatch, assert_close, make_batch
 
 CPU = torch.device("cpu")
+LAYOUTS = ["token-major", "head-major"]
+
+
+def _in_layout(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same cache contents over token-major storage (as made) or head-major (the backend's own)."""
+    if layout == "token-major":
+        return cache
+    copy = new_kv_cache(*cache.shape, dtype=cache.dtype, device=cache.device)
+    # With one kv head (or one slot per block) both layouts are the same memory.
+    assert copy.shape == cache.shape and copy.permute(2, 0, 1, 3).is_contiguous()
+    return copy.copy_(cache)
+
+
+def _batch_in_layout(batch: PagedBatch, layout: str) -> tuple[torch.Tensor, ...]:
+    q, k_cache, v_cache, *rest = batch.args()
+    return (q, _in_layout(k_cache, layout), _in_layout(v_cache, layout), *rest)
 
 
 def _irregular_cases(seed: int, num_decodes: int, num_chunks: int) -> list[tuple[int, int]]:
@@ -27,31 +48,37 @@ def _irregular_cases(seed: int, num_decodes: int, num_chunks: int) -> list[tuple
     return cases
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2), (6, 2), (8, 1)],
                          ids=["mha", "gqa2", "gqa4", "gqa3", "mqa"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_mixed_steps_match_reference(num_heads: int, num_kv_heads: int, block_size: int) -> None:
+def test_mixed_steps_match_reference(num_heads: int, num_kv_heads: int, block_size: int, layout: str) -> None:
     for seed in range(3):
         cases = _irregular_cases(seed * 31 + block_size, num_decodes=5, num_chunks=2)
         batch = make_batch(cases, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16,
                            block_size=block_size, dtype=torch.float32, device=CPU, seed=seed)
         expected = paged_attention_reference(*batch.args())
-        assert_close(paged_attention_torch(*batch.args()), expected, torch.float32)
+        args = _batch_in_layout(batch, layout)
+        assert_close(paged_attention_torch(*args), expected, torch.float32)
         # Host hints must not change the result.
-        hinted = paged_attention_torch(*batch.args(), max_query_len=max(q for q, _ in cases),
+        hinted = paged_attention_torch(*args, max_query_len=max(q for q, _ in cases),
                                        max_seq_len=max(c for _, c in cases))
         assert_close(hinted, expected, torch.float32)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 3)], ids=["mha", "gqa4", "gqa2"])
-def test_decode_only_steps_match_reference(num_heads: int, num_kv_heads: int) -> None:
+def test_decode_only_steps_match_reference(num_heads: int, num_kv_heads: int, layout: str) -> None:
     # Context lengths 1, block-aligned, mid-block, and one far longer than the rest.
     cases = [(1, 1), (1, 16), (1, 17), (1, 250), (1, 3), (1, 64), (1, 31)]
     batch = make_batch(cases, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32,
                        block_size=16, dtype=torch.float32, device=CPU, seed=num_heads)
     expected = paged_attention_reference(*batch.args())
-    assert_close(paged_attention_torch(*batch.args()), expected, torch.float32)
-    assert_close(paged_attention_torch(*batch.args(), max_query_len=1, max_seq_len=250), expected, torch.float32)
+    args = _batch_in_layout(batch, layout)
+    assert_close(paged_attention_torch(*args), expected, torch.float32)
+    assert_close(paged_attention_torch(*args, max_query_len=1, max_seq_len=250), expected, torch.float32)
+    # A replayed decode step attends over the block table's whole width, masked on the device.
+    assert_close(paged_attention_torch(*args, is_graphed=True), expected, torch.float32)
 
 
 def test_each_row_equals_attending_alone() -> None:
@@ -69,11 +96,12 @@ def test_each_row_equals_attending_alone() -> None:
         assert_close(together[starts[s] : starts[s + 1]], alone, torch.float32)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_half_precision_matches_reference(dtype: torch.dtype) -> None:
+def test_half_precision_matches_reference(dtype: torch.dtype, layout: str) -> None:
     batch = make_batch(MIXED_CASES, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                        dtype=dtype, device=CPU, seed=5)
-    out = paged_attention_torch(*batch.args())
+    out = paged_attention_torch(*_batch_in_layout(batch, layout))
     assert out.dtype == dtype
     assert_close(out, paged_attention_reference(*batch.args()), dtype)
 
@@ -90,18 +118,19 @@ def test_out_in_place_and_strided_query() -> None:
     assert_close(out, paged_attention_reference(*batch.args()), torch.float32)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("with_padding", [False, True], ids=["dense", "padded"])
-def test_store_kv_matches_reference(with_padding: bool) -> None:
+def test_store_kv_matches_reference(with_padding: bool, layout: str) -> None:
     num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 3, 16
     gen = torch.Generator().manual_seed(4)
-    k_cache = torch.randn((num_blocks, block_size, num_kv_heads, head_dim), generator=gen)
-    v_cache = torch.randn(k_cache.shape, generator=gen)
+    k_expected = torch.randn((num_blocks, block_size, num_kv_heads, head_dim), generator=gen)
+    v_expected = torch.randn(k_expected.shape, generator=gen)
+    k_cache, v_cache = _in_layout(k_expected.clone(), layout), _in_layout(v_expected.clone(), layout)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:10]
     if with_padding:
         slots[[0, 6]] = -1
     keys = torch.randn((10, num_kv_heads, head_dim), generator=gen)
     values = torch.randn((10, num_kv_heads, head_dim), generator=gen)
-    k_expected, v_expected = k_cache.clone(), v_cache.clone()
     store_kv_reference(keys, values, k_expected, v_expected, slots)
     store_kv_torch(keys, values, k_cache, v_cache, slots)
     assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
@@ -110,6 +139,27 @@ def test_store_kv_matches_reference(with_padding: bool) -> None:
     assert torch.equal(v_cache[slots[kept] // block_size, slots[kept] % block_size], values[kept])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_padded_store_leaves_the_cache_as_the_real_rows_do(layout: str) -> None:
+    """A replayed step's store: real rows, then padding rows (slot -1) that must change nothing."""
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 4, 2, 8
+    gen = torch.Generator().manual_seed(9)
+    k_expected = torch.randn((num_blocks, block_size, num_kv_heads, head_dim), generator=gen)
+    v_expected = torch.randn(k_expected.shape, generator=gen)
+    k_cache, v_cache = _in_layout(k_expected.clone(), layout), _in_layout(v_expected.clone(), layout)
+    slots = torch.tensor([7, 2, 13, -1, -1])
+    keys = torch.randn((5, num_kv_heads, head_dim), generator=gen)
+    values = torch.randn((5, num_kv_heads, head_dim), generator=gen)
+    store_kv_reference(keys, values, k_expected, v_expected, slots)
+    store_kv_torch_padded(keys, values, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    assert torch.equal(k_cache[1, 3], keys[0]), "slot 7 is block 1, offset 3"
+
+
 def test_torch_backend_is_the_batched_path() -> None:
     backend = get_backend("torch")
     assert (backend.name, backend.store_kv, backend.attention) == ("torch", store_kv_torch, paged_attention_torch)
+    cache = backend.new_cache(3, 4, 2, 8, torch.float32, CPU)
+    assert cache.shape == (3, 4, 2, 8) and bool((cache == 0).all())
+    assert cache.permute(2, 0, 1, 3).is_contiguous(), "the torch backend's cache is head-major in memory"
+    assert get_backend("triton").new_cache(3, 4, 2, 8, torch.float32, CPU).is_contiguous()

@@ -120,10 +120,10 @@ class ModelRunner:
         self.num_blocks = num_blocks if num_blocks is not None else self._default_num_blocks(kv_cache_memory_gb)
         if self.num_blocks <= 0:
             raise ValueError(f"num_blocks: the KV cache must hold at least one block, got {self.num_blocks}")
-        cache_shape = (self.num_blocks, block_size, self.num_kv_heads, self.head_dim)
         # Zeroed, not empty: a kernel that masks unused slots must never meet NaN garbage.
-        self.k_caches = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v_caches = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        cache_shape = (self.num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        self.k_caches = [self.backend.new_cache(*cache_shape) for _ in range(self.num_layers)]
+        self.v_caches = [self.backend.new_cache(*cache_shape) for _ in range(self.num_layers)]
         self._workspace = Workspace()
         self.num_heads: int = config.num_attention_heads
         self._num_multiprocessors = num_multiprocessors(self.device)
