@@ -3,8 +3,13 @@
     python -m bench.step_profile --model PATH [--dtype bfloat16] [--batches 1,8,32,128] [--modes eager,graphs]
     python -m bench.step_profile --device cpu --model PATH --dtype float32 --model-impls carpool,transformers
     python -m bench.step_profile --device cpu --model PATH --dtype float32 --quantization int8
+    python -m bench.step_profile --device cpu --model PATH --dtype float32 --model-impls carpool,transformers \
+        --alternate 25
 
 On CPU it reports the wall time only (graphs are CUDA's), for each model implementation asked for.
+With `--alternate ROUNDS` (CPU) every implementation's engine is built first, then they are stepped in
+turns, 20 steps each per round, and the fastest round of each is reported: on a machine whose speed
+drifts from minute to minute, both sides of the comparison then see the same minutes.
 
 For each mode and batch size, fills the engine with that many decoding requests, times 100
 steps (wall clock; each step ends with its sampled tokens on the host), then profiles 20 more.
@@ -19,6 +24,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.autograd import DeviceType
@@ -61,18 +67,25 @@ def _merged_length_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, timed_steps: int = 100,
-                  model_impl: str = "auto", quantization: str | None = None) -> StepProfile:
+def _filled_engine(model: str, device: str, dtype: str, batch: int, model_impl: str, quantization: str | None,
+                   cuda_graphs: bool = False) -> Any:
+    """An engine with `batch` requests of 32-token prompts, past their prefills and decoding."""
     from worker import Engine
 
-    is_cuda = device.startswith("cuda")
-    engine = Engine(model=model, device=device, dtype=dtype, max_num_seqs=batch, cuda_graphs=mode == "graphs",
+    engine = Engine(model=model, device=device, dtype=dtype, max_num_seqs=batch, cuda_graphs=cuda_graphs,
                     model_impl=model_impl, quantization=quantization)
-    assert mode == "eager" or engine.runner.graph_sizes, "CUDA graphs were asked for but not recorded (see the log)"
     for i in range(batch):
-        engine.add_request(f"r{i}", [65 + i % 20] * 32, SamplingParams(max_tokens=400, ignore_eos=True))
+        engine.add_request(f"r{i}", [65 + i % 20] * 32, SamplingParams(max_tokens=2000, ignore_eos=True))
     for _ in range(30):  # past the prefills, into steady decoding
         engine.step()
+    return engine
+
+
+def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, timed_steps: int = 100,
+                  model_impl: str = "auto", quantization: str | None = None) -> StepProfile:
+    is_cuda = device.startswith("cuda")
+    engine = _filled_engine(model, device, dtype, batch, model_impl, quantization, cuda_graphs=mode == "graphs")
+    assert mode == "eager" or engine.runner.graph_sizes, "CUDA graphs were asked for but not recorded (see the log)"
     impl = engine.runner.model_choice.impl.value
     if is_cuda:
         torch.cuda.synchronize()
@@ -105,6 +118,20 @@ def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, ti
     )
 
 
+def alternate_cpu(model: str, dtype: str, batch: int, impls: list[str], rounds: int,
+                  quantization: str | None = None, steps_per_round: int = 20) -> dict[str, float]:
+    """Fastest ms per step of each implementation, stepped in turns: `{impl: ms}`."""
+    engines = {impl: _filled_engine(model, "cpu", dtype, batch, impl, quantization) for impl in impls}
+    best = dict.fromkeys(engines, float("inf"))
+    for _ in range(rounds):
+        for impl, engine in engines.items():
+            start = time.perf_counter()
+            for _ in range(steps_per_round):
+                engine.step()
+            best[impl] = min(best[impl], 1e3 * (time.perf_counter() - start) / steps_per_round)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory")
@@ -117,6 +144,8 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, choices=["int8", "fp8"], help="weights; default: unquantized")
     parser.add_argument("--timed-steps", type=int, default=100)
     parser.add_argument("--tables", action="store_true", help="also print each run's top kernels")
+    parser.add_argument("--alternate", type=int, default=None, metavar="ROUNDS",
+                        help="CPU: step the implementations in turns for this many rounds; report each one's fastest")
     args = parser.parse_args()
     is_cuda = args.device.startswith("cuda")
     if is_cuda and not torch.cuda.is_available():
@@ -131,6 +160,19 @@ def main() -> None:
     name = torch.cuda.get_device_name() if is_cuda else "CPU, 1 torch thread"
     weights = f", {args.quantization} weights" if args.quantization else ""
     print(f"device: {name}; model {args.model}, {args.dtype}{weights}\n")
+    if args.alternate is not None:
+        if is_cuda:
+            sys.exit("--alternate: CPU only (on CUDA, kernel time does not drift with the machine's load)")
+        impls = args.model_impls.split(",")
+        print("| batch | " + " | ".join(f"{impl} ms/step" for impl in impls) + " | " +
+              " | ".join(f"{impl} / {impls[-1]}" for impl in impls[:-1]) + " |")
+        print("|---" * (2 * len(impls)) + "|")
+        for batch in (int(b) for b in args.batches.split(",")):
+            best = alternate_cpu(args.model, args.dtype, batch, impls, args.alternate, args.quantization)
+            ratios = [best[impl] / best[impls[-1]] for impl in impls[:-1]]
+            print(f"| {batch} | " + " | ".join(f"{best[impl]:.2f}" for impl in impls) + " | " +
+                  " | ".join(f"{r:.2f}" for r in ratios) + " |", flush=True)
+        return
     rows = []
     for impl in args.model_impls.split(","):
         for mode in modes:
