@@ -5,8 +5,10 @@ weight into its blocked format on every call; with a few rows, as in a
 decode step, that re-layout costs as much as the product. Packing the
 weight once into oneDNN's layout (`torch.ops.mkldnn._reorder_linear_weight`,
 the op torch's compiler uses when it freezes a CPU model) and multiplying
-with `_linear_pointwise` made products of 2 to 32 rows 1.3 to 3 times
-faster on one core of an AVX-512 CPU (bench/RESULTS.md). oneDNN's call costs about 12 us
+with `_linear_pointwise` made a decode step's 17 products for the default
+model 1.6x faster at 8 rows and 1.35x at 32, and a 1B model's matrices 1.5-3x
+faster at 2 to 8 rows, on one core of an AVX-512 CPU (bench/RESULTS.md).
+oneDNN's call costs about 12 us
 more than MKL's, though, which is most of a one-row product by a small
 matrix: a matrix under `KEEP_PLAIN_BELOW` elements keeps its plain copy as
 well, for one-row products, and larger ones are packed only (their one-row
