@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.engine.model_runner import ModelRunner
-from worker.engine.models.packed import KEEP_PLAIN_BELOW, PackedWeight, check_packing, pack_weight, packed_linear
+from worker.engine.models.packed import KEEP_PLAIN_BELOW, PackedWeight, pack_verified, pack_weight, packed_linear
 
 # Relative to the product's largest value: the two differ by the order of fp32 sums.
 TOLERANCE = 1e-5
@@ -39,8 +39,14 @@ def test_packed_product_is_f_linear(shape: tuple[int, int], rows: int, with_bias
     torch.testing.assert_close(got, want, atol=TOLERANCE * float(want.abs().max()), rtol=0)
 
 
-def test_check_passes_on_this_cpu() -> None:
-    assert check_packing([(96, 64), (64, 172)]) is None
+@pytest.mark.parametrize("shape", [(96, 64), (64, 172), (262, 256)])
+def test_packing_passes_its_check_on_this_cpu(shape: tuple[int, int]) -> None:
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    packed = pack_verified(weight)
+    assert isinstance(packed, PackedWeight), packed
+    x = torch.randn((4, shape[1]))
+    torch.testing.assert_close(packed_linear(x, packed), F.linear(x, weight), rtol=0,
+                               atol=TOLERANCE * float(F.linear(x, weight).abs().max()))
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -32,7 +32,7 @@ from kernels import norm_act
 from kernels.rope_kv import rope_store_kv
 from worker.engine.attention import PagedAttentionMetadata, attend_cached, paged_attention
 from worker.engine.kernel_checks import check_model_kernels
-from worker.engine.models.packed import can_pack, check_packing, pack_weight
+from worker.engine.models.packed import can_pack, pack_verified
 from worker.engine.models.quantization import LinearWeight, Quantization, linear, quantize_weight
 from worker.engine.models.rope import RotaryEmbedding, apply_rope
 
@@ -107,14 +107,23 @@ class LlamaFamilyModel:
         def fused(*names: str) -> torch.Tensor:
             return torch.cat([weights.pop(n) for n in names]).to(device=device, dtype=dtype)
 
-        self.packed = quantization is None and self._packing_works(config, weights, device, dtype)
+        # Packing stops at the first weight that fails its check (and says why); those packed before it passed.
+        self.packed = quantization is None and can_pack(device, dtype)
 
         def matrix(weight: torch.Tensor) -> LinearWeight:
             # Quantized from the checkpoint's values, not from their rounding to `dtype`.
             if quantization is not None:
                 return quantize_weight(weight.to(device=device), quantization, dtype)
             plain = weight.to(device=device, dtype=dtype)
-            return pack_weight(plain) if self.packed else plain
+            if not self.packed:
+                return plain
+            packed = pack_verified(plain)
+            if isinstance(packed, str):
+                log.warning("packing fp32 weights for oneDNN failed its check (%s); the remaining weights stay "
+                            "plain", packed)
+                self.packed = False
+                return plain
+            return packed
 
         def fused_matrix(*names: str) -> LinearWeight:
             return matrix(torch.cat([weights.pop(n) for n in names]))
@@ -148,6 +157,8 @@ class LlamaFamilyModel:
         else:
             self.lm_head = matrix(weights.pop("lm_head.weight")) if self.packed else take("lm_head.weight")
         self.vocab_size = self.lm_head.shape[0]
+        if self.packed:
+            log.info("fp32 weights packed for oneDNN at load")
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
                  logit_rows: torch.Tensor | None) -> torch.Tensor:
@@ -165,25 +176,6 @@ class LlamaFamilyModel:
             hidden, residual = hidden.index_select(0, logit_rows), residual.index_select(0, logit_rows)
         hidden, _ = self._add_rms_norm(hidden, residual, self.norm, self.eps)
         return linear(hidden, self.lm_head)
-
-    @staticmethod
-    def _packing_works(config: PretrainedConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                       dtype: torch.dtype) -> bool:
-        """Whether fp32 weights are packed for oneDNN on this CPU (`worker.engine.models.packed`), checked on the
-        model's own matrix shapes."""
-        if not can_pack(device, dtype):
-            return False
-        names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                 "mlp.up_proj", "mlp.down_proj")
-        q, k, v, o, gate, up, down = (weights[f"layers.0.{n}.weight"].shape for n in names)
-        shapes = [(q[0] + k[0] + v[0], q[1]), (o[0], o[1]), (gate[0] + up[0], gate[1]), (down[0], down[1])]
-        failure = check_packing(shapes)
-        if failure is not None:
-            log.warning("packed fp32 weights failed their start-up check (%s); the model multiplies its plain "
-                        "weights instead", failure)
-            return False
-        log.info("fp32 weights packed for oneDNN at load (%d layers)", config.num_hidden_layers)
-        return True
 
     def _attention(self, index: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    metadata: PagedAttentionMetadata) -> torch.Tensor:

@@ -14,10 +14,10 @@ matrix: a matrix under `KEEP_PLAIN_BELOW` elements keeps its plain copy as
 well, for one-row products, and larger ones are packed only (their one-row
 products cost about the same either way).
 
-Both are private torch ops, so packing is checked once per model on its own
-shapes: if the ops are missing or give another product than `F.linear`
-(beyond fp32 rounding), the model keeps its plain weights and the start-up
-log says why. Only fp32 weights on CPU are packed: bf16 and fp16 already go
+Both are private torch ops, so each packed weight is checked at load against
+`F.linear` on a few rows: if the ops are missing or give another product
+(beyond fp32 rounding), the model keeps that weight and the rest plain and
+the start-up log says why. Only fp32 weights on CPU are packed: bf16 and fp16 already go
 to oneDNN through `F.linear`, and CUDA has its own GEMMs.
 """
 
@@ -65,21 +65,16 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight.data, bias, "none", [], "")
 
 
-def check_packing(shapes: list[tuple[int, int]]) -> str | None:
-    """None when packed products of these `[out, in]` shapes match `F.linear`'s for 1, 3 and 8 rows, else why not."""
-    gen = torch.Generator().manual_seed(0)
+def pack_verified(weight: torch.Tensor) -> PackedWeight | str:
+    """`weight` packed, once its product of a few rows matched `F.linear`'s; otherwise why it cannot be used."""
+    rows = torch.randn((3, weight.shape[1]), generator=torch.Generator().manual_seed(0))
     try:
-        for out_features, in_features in sorted(set(shapes)):
-            weight = torch.randn((out_features, in_features), generator=gen)
-            bias = torch.randn((out_features,), generator=gen)
-            packed = pack_weight(weight)
-            for rows in (1, 3, 8):
-                x = torch.randn((rows, in_features), generator=gen)
-                want = F.linear(x, weight, bias)
-                got = packed_linear(x, packed, bias)
-                scale = float(want.abs().max()) or 1.0
-                if got.shape != want.shape or float((got - want).abs().max()) > _TOLERANCE * scale:
-                    return f"[{out_features}, {in_features}] with {rows} rows differs from F.linear"
+        packed = pack_weight(weight)
+        got = torch.ops.mkldnn._linear_pointwise(rows, packed.data, None, "none", [], "")
     except (RuntimeError, AttributeError) as error:  # a torch build without the ops, or one that refuses a shape
         return f"{type(error).__name__}: {error}"
-    return None
+    want = F.linear(rows, weight)
+    scale = float(want.abs().max()) or 1.0
+    if got.shape != want.shape or not float((got - want).abs().max()) <= _TOLERANCE * scale:
+        return f"the packed product of a [{weight.shape[0]}, {weight.shape[1]}] weight differs from F.linear's"
+    return packed
