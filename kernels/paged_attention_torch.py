@@ -18,11 +18,12 @@ backend indexes, `[num_blocks, block_size, kv_heads, head_dim]`, as a view
 over storage laid out head-major, `[kv_heads, num_blocks, block_size,
 head_dim]`. Gathering a sequence's blocks then yields each kv head's context
 contiguous, which is the layout SDPA reads fastest on CPU; from the
-token-major layout its reads stride across the heads. On one core that made
-decode steps of the default model 8 % faster at 8 sequences of 600-900
-tokens and 18 % at 32 of 300-500, and changed nothing measurable at short
-contexts (bench/RESULTS.md). Every function here also takes a cache
-allocated token-major.
+token-major layout its reads stride across the heads. For the default model
+on one core, with one engine per process, that made no difference at 8
+sequences of 600-900 tokens; at 32 of 300-500, head-major steps were steady
+where token-major ones took from the same time to 60 % longer
+(bench/RESULTS.md). Every function here also takes a cache allocated
+token-major.
 """
 
 from __future__ import annotations

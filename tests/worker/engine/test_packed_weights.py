@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.engine.model_runner import ModelRunner
-from worker.engine.models.packed import KEEP_PLAIN_BELOW, PackedWeight, pack_verified, pack_weight, packed_linear
+from worker.engine.models.packed import PackedWeight, pack_verified, pack_weight, packed_linear
 
 # Relative to the product's largest value: the two differ by the order of fp32 sums.
 TOLERANCE = 1e-5
@@ -29,10 +29,9 @@ def test_packed_product_is_f_linear(shape: tuple[int, int], rows: int, with_bias
     bias = torch.randn(shape[0], generator=gen) if with_bias else None
     x = torch.randn((rows, shape[1]), generator=gen)
     packed = pack_weight(weight)
-    # Small matrices keep a plain copy for one-row products; large ones are held packed only.
-    assert (packed.plain is not None) == (weight.numel() < KEEP_PLAIN_BELOW)
-    assert packed.shape == weight.shape
-    assert packed.nbytes == weight.nbytes * (2 if packed.plain is not None else 1)
+    # The plain copy serves one-row products; both copies count in the bytes held.
+    assert torch.equal(packed.plain, weight) and packed.shape == weight.shape
+    assert packed.nbytes == 2 * weight.nbytes
     want = F.linear(x, weight, bias)
     got = packed_linear(x, packed, bias)
     assert got.shape == want.shape and got.dtype == torch.float32

@@ -32,7 +32,7 @@ from kernels import norm_act
 from kernels.rope_kv import rope_store_kv
 from worker.engine.attention import PagedAttentionMetadata, attend_cached, paged_attention
 from worker.engine.kernel_checks import check_model_kernels
-from worker.engine.models.packed import can_pack, pack_verified
+from worker.engine.models.packed import PackedWeight, can_pack, pack_verified
 from worker.engine.models.quantization import LinearWeight, Quantization, linear, quantize_weight
 from worker.engine.models.rope import RotaryEmbedding, apply_rope
 
@@ -158,7 +158,10 @@ class LlamaFamilyModel:
             self.lm_head = matrix(weights.pop("lm_head.weight")) if self.packed else take("lm_head.weight")
         self.vocab_size = self.lm_head.shape[0]
         if self.packed:
-            log.info("fp32 weights packed for oneDNN at load")
+            matrices = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            extra = sum(w.plain.nbytes for w in [*matrices, self.lm_head] if isinstance(w, PackedWeight))
+            log.info("fp32 weights packed for oneDNN at load, plain copies kept for one-row products (+%d MiB)",
+                     extra >> 20)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
                  logit_rows: torch.Tensor | None) -> torch.Tensor:

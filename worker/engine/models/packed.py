@@ -5,14 +5,17 @@ weight into its blocked format on every call; with a few rows, as in a
 decode step, that re-layout costs as much as the product. Packing the
 weight once into oneDNN's layout (`torch.ops.mkldnn._reorder_linear_weight`,
 the op torch's compiler uses when it freezes a CPU model) and multiplying
-with `_linear_pointwise` made a decode step's 17 products for the default
-model 1.6x faster at 8 rows and 1.35x at 32, and a 1B model's matrices 1.5-3x
-faster at 2 to 8 rows, on one core of an AVX-512 CPU (bench/RESULTS.md).
-oneDNN's call costs about 12 us
-more than MKL's, though, which is most of a one-row product by a small
-matrix: a matrix under `KEEP_PLAIN_BELOW` elements keeps its plain copy as
-well, for one-row products, and larger ones are packed only (their one-row
-products cost about the same either way).
+with `_linear_pointwise` made a 1B model's matrices 1.5-3x faster at 2 to
+8 rows, timed alone on one core of an AVX-512 CPU (bench/RESULTS.md). The
+default model's 17 products got 1.6x faster at 8 rows timed alone, but its
+11.6 MB of weights stay in the CPU's cache during a whole step, where MKL's
+re-layout is cheap: there the gain was within noise at 8 rows.
+One-row products, though, are
+slower through oneDNN: its call costs about 12 us more than MKL's, most of
+a one-row product by a small matrix, and in whole steps of an 87M-parameter
+model at batch 1 the packed weights cost 15 % more. So each packed weight
+keeps its plain copy for one-row products: on CPU in fp32 the own model
+holds its matrices twice, which the start-up log states.
 
 Both are private torch ops, so each packed weight is checked at load against
 `F.linear` on a few rows: if the ops are missing or give another product
@@ -30,8 +33,6 @@ import torch.nn.functional as F
 
 # Relative to the largest value of the product: packed and plain differ by the order of fp32 sums only.
 _TOLERANCE = 1e-4
-# Matrices smaller than this (4 MiB of fp32) keep a plain copy for one-row products.
-KEEP_PLAIN_BELOW = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,8 @@ class PackedWeight:
     """A `[out, in]` fp32 weight in oneDNN's blocked layout (opaque: only `packed_linear` reads it)."""
 
     data: torch.Tensor
-    plain: torch.Tensor | None
-    """The weight as it was, kept for one-row products when it is small."""
+    plain: torch.Tensor
+    """The weight as it was, for one-row products."""
     shape: torch.Size
     nbytes: int
 
@@ -54,13 +55,13 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
         weight.shape, weight.dtype, weight.device)
     # No batch-size hint: one layout serves every number of rows a step has.
     data = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-    plain = weight.contiguous() if weight.numel() < KEEP_PLAIN_BELOW else None
-    return PackedWeight(data, plain, weight.shape, weight.nbytes * (1 if plain is None else 2))
+    plain = weight.contiguous()
+    return PackedWeight(data, plain, weight.shape, 2 * weight.nbytes)
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with the packed weight."""
-    if weight.plain is not None and x.numel() == x.shape[-1]:
+    if x.numel() == x.shape[-1]:
         return F.linear(x, weight.plain, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight.data, bias, "none", [], "")
 
