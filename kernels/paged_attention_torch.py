@@ -209,15 +209,14 @@ def _head_major(cache: torch.Tensor) -> torch.Tensor | None:
     return heads_first if heads_first.is_contiguous() else None
 
 
-def _slot_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The cache as rows of one slot's `[d]` per kv head, and the axis slots run along: `(view, axis)`.
-
-    Token-major: `[slots, kv_heads, d]` along 0; head-major: `[kv_heads, slots, d]` along 1.
-    """
+def _write_slots(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+    """Slot `slots[t]` of a token-major or head-major cache takes `new[t]` (`[tokens, kv_heads, d]`)."""
     heads_first = _head_major(cache)
-    if heads_first is not None:
-        return heads_first.reshape(cache.shape[2], -1, cache.shape[3]), 1
-    return cache.view(-1, *cache.shape[2:]), 0
+    if heads_first is None:
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.to(cache.dtype))
+    else:
+        flat = heads_first.reshape(cache.shape[2], -1, cache.shape[3])  # [kv_heads, slots, d], a view
+        flat.index_copy_(1, slots, new.to(cache.dtype).transpose(0, 1))
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, name: str, workspace: Workspace | None) -> torch.Tensor:
@@ -290,9 +289,8 @@ def store_kv_torch(
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
         return
     slots = slot_mapping.long()
-    for cache, new in ((k_cache, key), (v_cache, value)):
-        rows, axis = _slot_rows(cache)
-        rows.index_copy_(axis, slots, new.to(cache.dtype) if axis == 0 else new.to(cache.dtype).transpose(0, 1))
+    _write_slots(k_cache, slots, key)
+    _write_slots(v_cache, slots, value)
 
 
 def store_kv_torch_padded(
@@ -311,8 +309,6 @@ def store_kv_torch_padded(
     slots = slot_mapping.long()
     is_real = slots >= 0
     slots = torch.where(is_real, slots, slots[:1])
-    is_real_row = is_real[:, None, None]
-    for cache, new in ((k_cache, key), (v_cache, value)):
-        rows, axis = _slot_rows(cache)
-        padded = torch.where(is_real_row, new, new[:1]).to(cache.dtype)
-        rows.index_copy_(axis, slots, padded if axis == 0 else padded.transpose(0, 1))
+    rows = is_real[:, None, None]
+    _write_slots(k_cache, slots, torch.where(rows, key, key[:1]))
+    _write_slots(v_cache, slots, torch.where(rows, value, value[:1]))
