@@ -53,9 +53,9 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 def pack_weight(weight: torch.Tensor) -> PackedWeight:
     assert weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu", (
         weight.shape, weight.dtype, weight.device)
-    # No batch-size hint: one layout serves every number of rows a step has.
-    data = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     plain = weight.contiguous()
+    # No batch-size hint: one layout serves every number of rows a step has.
+    data = torch.ops.mkldnn._reorder_linear_weight(plain, None)
     return PackedWeight(data, plain, weight.shape, 2 * weight.nbytes)
 
 
@@ -68,10 +68,11 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
 
 def pack_verified(weight: torch.Tensor) -> PackedWeight | str:
     """`weight` packed, once its product of a few rows matched `F.linear`'s; otherwise why it cannot be used."""
+    # Three rows: more than one, so the product goes through the packed weight, not the plain copy.
     rows = torch.randn((3, weight.shape[1]), generator=torch.Generator().manual_seed(0))
     try:
         packed = pack_weight(weight)
-        got = torch.ops.mkldnn._linear_pointwise(rows, packed.data, None, "none", [], "")
+        got = packed_linear(rows, packed)
     except (RuntimeError, AttributeError) as error:  # a torch build without the ops, or one that refuses a shape
         return f"{type(error).__name__}: {error}"
     want = F.linear(rows, weight)
