@@ -68,12 +68,12 @@ def _merged_length_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def _filled_engine(model: str, device: str, dtype: str, batch: int, model_impl: str, quantization: str | None,
-                   cuda_graphs: bool = False) -> Any:
+                   cuda_graphs: bool = False, cpu_kernels: bool | None = None) -> Any:
     """An engine with `batch` requests of 32-token prompts, past their prefills and decoding."""
     from worker import Engine
 
     engine = Engine(model=model, device=device, dtype=dtype, max_num_seqs=batch, cuda_graphs=cuda_graphs,
-                    model_impl=model_impl, quantization=quantization)
+                    model_impl=model_impl, quantization=quantization, cpu_kernels=cpu_kernels)
     for i in range(batch):
         engine.add_request(f"r{i}", [65 + i % 20] * 32, SamplingParams(max_tokens=2000, ignore_eos=True))
     for _ in range(30):  # past the prefills, into steady decoding
@@ -82,9 +82,11 @@ def _filled_engine(model: str, device: str, dtype: str, batch: int, model_impl: 
 
 
 def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, timed_steps: int = 100,
-                  model_impl: str = "auto", quantization: str | None = None) -> StepProfile:
+                  model_impl: str = "auto", quantization: str | None = None,
+                  cpu_kernels: bool | None = None) -> StepProfile:
     is_cuda = device.startswith("cuda")
-    engine = _filled_engine(model, device, dtype, batch, model_impl, quantization, cuda_graphs=mode == "graphs")
+    engine = _filled_engine(model, device, dtype, batch, model_impl, quantization, cuda_graphs=mode == "graphs",
+                            cpu_kernels=cpu_kernels)
     assert mode == "eager" or engine.runner.graph_sizes, "CUDA graphs were asked for but not recorded (see the log)"
     impl = engine.runner.model_choice.impl.value
     if is_cuda:
@@ -119,9 +121,11 @@ def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, ti
 
 
 def alternate_cpu(model: str, dtype: str, batch: int, impls: list[str], rounds: int,
-                  quantization: str | None = None, steps_per_round: int = 20) -> dict[str, float]:
+                  quantization: str | None = None, steps_per_round: int = 20,
+                  cpu_kernels: bool | None = None) -> dict[str, float]:
     """Fastest ms per step of each implementation, stepped in turns: `{impl: ms}`."""
-    engines = {impl: _filled_engine(model, "cpu", dtype, batch, impl, quantization) for impl in impls}
+    engines = {impl: _filled_engine(model, "cpu", dtype, batch, impl, quantization, cpu_kernels=cpu_kernels)
+               for impl in impls}
     best = dict.fromkeys(engines, float("inf"))
     for _ in range(rounds):
         for impl, engine in engines.items():
@@ -142,11 +146,14 @@ def main() -> None:
                         help="eager, graphs (decode steps replayed as CUDA graphs); default: both on CUDA, eager on CPU")
     parser.add_argument("--model-impls", default="auto", help="comma-separated: auto, carpool, transformers")
     parser.add_argument("--quantization", default=None, choices=["int8", "fp8"], help="weights; default: unquantized")
+    parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "on", "off"],
+                        help="CPU: the compiled decode-attention kernel (the engine's --cpu-kernels); default: auto")
     parser.add_argument("--timed-steps", type=int, default=100)
     parser.add_argument("--tables", action="store_true", help="also print each run's top kernels")
     parser.add_argument("--alternate", type=int, default=None, metavar="ROUNDS",
                         help="CPU: step the implementations in turns for this many rounds; report each one's fastest")
     args = parser.parse_args()
+    cpu_kernels = {"auto": None, "on": True, "off": False}[args.cpu_kernels]
     is_cuda = args.device.startswith("cuda")
     if is_cuda and not torch.cuda.is_available():
         sys.exit("bench.step_profile --device cuda needs a CUDA device; none is available here (try --device cpu).")
@@ -168,7 +175,8 @@ def main() -> None:
               " | ".join(f"{impl} / {impls[-1]}" for impl in impls[:-1]) + " |")
         print("|---" * (2 * len(impls)) + "|")
         for batch in (int(b) for b in args.batches.split(",")):
-            best = alternate_cpu(args.model, args.dtype, batch, impls, args.alternate, args.quantization)
+            best = alternate_cpu(args.model, args.dtype, batch, impls, args.alternate, args.quantization,
+                                 cpu_kernels=cpu_kernels)
             ratios = [best[impl] / best[impls[-1]] for impl in impls[:-1]]
             print(f"| {batch} | " + " | ".join(f"{best[impl]:.2f}" for impl in impls) + " | " +
                   " | ".join(f"{r:.2f}" for r in ratios) + " |", flush=True)
@@ -178,7 +186,7 @@ def main() -> None:
         for mode in modes:
             for batch in (int(b) for b in args.batches.split(",")):
                 result = profile_batch(args.model, args.device, args.dtype, batch, mode, args.timed_steps, impl,
-                                       args.quantization)
+                                       args.quantization, cpu_kernels)
                 rows.append(result)
                 if args.tables and result.top_kernels:
                     print(f"## {impl}, {mode}, batch {batch}\n{result.top_kernels}")

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kv_store import store_kv_reference
+from kernels.paged_attention_cpu import CpuDecodeAttention
 from kernels.workspace import Workspace
 
 # Python and launch cost of attending one more group, in bytes of fp32 keys and values gathered in the
@@ -130,6 +131,7 @@ def paged_attention_torch(
     decode_groups: list[DecodeGroup] | None = None,
     workspace: Workspace | None = None,
     is_graphed: bool = False,
+    cpu_decode: CpuDecodeAttention | None = None,
     **_launch_hints: int | None,
 ) -> torch.Tensor:
     """Batched paged attention; the keyword arguments are host hints that change no result.
@@ -144,7 +146,11 @@ def paged_attention_torch(
     its query offsets and context lengths once. `is_graphed` marks a
     decode-only step recorded once and replayed: every sequence then attends
     over the block table's whole width, masked by its length on the device,
-    so nothing is planned from host lengths.
+    so nothing is planned from host lengths. `cpu_decode` (the compiled CPU
+    kernel of `paged_attention_cpu.py`) attends every sequence of a few new
+    tokens (decodes, speculative verification) in one call, reading the cache
+    in place, when it accepts these tensors; `decode_groups` are then not
+    needed, and only longer chunks go through SDPA.
     """
     assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (q.shape, k_cache.shape)
     assert q.shape[1] % k_cache.shape[2] == 0, (q.shape, k_cache.shape)
@@ -165,6 +171,12 @@ def paged_attention_torch(
         return out
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    attended_query_len = 0  # sequences with at most this many new tokens are attended already
+    if cpu_decode is not None and cpu_decode.accepts(q, k_cache, v_cache, out):
+        attended_query_len = cpu_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
+        if max_query_len <= attended_query_len:
+            return out
+        decode_groups = []  # done: only the longer prefill chunks are left
     starts: list[int] = []
     if max_query_len > 1 or decode_groups is None:
         starts = cu_seqlens_q.tolist()
@@ -181,7 +193,7 @@ def paged_attention_torch(
         out[rows] = o.squeeze(1).to(out.dtype)
     chunk_lens = seq_lens.tolist() if max_query_len > 1 else []
     for s, q_len in enumerate(q_lens):
-        if q_len <= 1:
+        if q_len <= max(attended_query_len, 1):
             continue
         start, seq_len = starts[s], int(chunk_lens[s])
         # Only this sequence's own blocks: a short prompt beside a long context gathers a few, not the longest's.

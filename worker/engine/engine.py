@@ -74,7 +74,7 @@ class Engine:
             num_blocks=config.num_blocks, kv_cache_memory_gb=config.kv_cache_memory_gb,
             attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, cuda_graphs=config.cuda_graphs,
-            model_impl=config.model_impl, quantization=config.quantization,
+            model_impl=config.model_impl, quantization=config.quantization, cpu_kernels=config.cpu_kernels,
         )
         self.tokenizer = self.runner.tokenizer
         # Chosen once here, not per request: the choice checks the tokenizer over its whole vocabulary.

@@ -1,6 +1,7 @@
-"""Start-up checks of the Triton kernels on the model's own shapes, against their torch references.
+"""Start-up checks of the Triton kernels and the compiled CPU decode kernel on the model's own shapes, against
+their torch references.
 
-A kernel that fails to compile for a GPU, or computes something else there,
+A kernel that fails to compile for a GPU or CPU, or computes something else there,
 must not take the worker down or serve wrong tokens: the runner checks each
 kernel family once on a small batch of the model's shapes and dtype, and on
 a failure runs the plain-torch path instead, with a log line saying why.
@@ -9,6 +10,8 @@ a failure runs the plain-torch path instead, with a log line saying why.
 from __future__ import annotations
 
 import torch
+
+from kernels.paged_attention_cpu import CpuDecodeAttention
 
 # Relative to the reference's largest value: the kernels differ from their references by rounding only.
 _TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -91,5 +94,45 @@ def check_model_kernels(device: torch.device, dtype: torch.dtype, hidden: int, i
         if not (_close(got_q, want_q, dtype) and all(_close(a, b, dtype) for a, b in zip(caches, expected))):
             return "RoPE with the KV write differs from its reference"
     except Exception as e:  # a compile or launch failure on this GPU
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def check_cpu_decode_attention(kernel: CpuDecodeAttention, num_heads: int, num_kv_heads: int, head_dim: int,
+                               block_size: int) -> str | None:
+    """None when the compiled CPU kernel gives the reference's rows on the model's shapes, in the torch
+    backend's cache layout, for decodes and a short chunk, and leaves a longer chunk's rows alone; else why not."""
+    from kernels.paged_attention import paged_attention_reference
+    from kernels.paged_attention_cpu import MAX_QUERY_LEN
+    from kernels.paged_attention_torch import new_kv_cache
+
+    try:
+        gen = torch.Generator().manual_seed(0)
+        # Decodes of one token, of a block and one more, of several blocks; a short chunk and a long one.
+        long_chunk = MAX_QUERY_LEN + 1
+        q_lens = [1, 1, 3, long_chunk, 1]
+        seq_lens = [1, block_size + 1, 2 * block_size + 3, long_chunk + block_size, 3 * block_size]
+        width = max(-(-n // block_size) for n in seq_lens)
+        num_blocks = len(seq_lens) * width + 1
+        tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width].view(len(seq_lens), width)
+        cpu = torch.device("cpu")
+        k_cache, v_cache = (new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32, cpu)
+                            for _ in range(2))
+        k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
+        v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
+        q = torch.randn((sum(q_lens), num_heads, head_dim), generator=gen)
+        starts = [sum(q_lens[:s]) for s in range(len(q_lens) + 1)]
+        cu = torch.tensor(starts, dtype=torch.int32)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        out = torch.full_like(q, 7.0)
+        limit = kernel(q, k_cache, v_cache, tables.int(), cu, lens, head_dim**-0.5, out)
+        want = paged_attention_reference(q, k_cache, v_cache, tables.int(), cu, lens, head_dim**-0.5)
+        attended = [t for s, n in enumerate(q_lens) if n <= limit for t in range(starts[s], starts[s + 1])]
+        left = [t for s, n in enumerate(q_lens) if n > limit for t in range(starts[s], starts[s + 1])]
+        if not _close(out[attended], want[attended], torch.float32):
+            return "the compiled CPU attention differs from its reference"
+        if not bool((out[left] == 7.0).all()):
+            return "the compiled CPU attention wrote the rows of a chunk longer than it takes"
+    except Exception as e:  # a library that loaded but misbehaves on these shapes
         return f"{type(e).__name__}: {e}"
     return None

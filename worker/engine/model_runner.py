@@ -10,12 +10,14 @@ decode steps replay CUDA graphs recorded at start-up (`worker.engine.graph_runne
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from kernels import get_backend
+from kernels.paged_attention_cpu import CpuDecodeAttention, kernels_cache_dir, load_cpu_decode_attention
 from kernels.paged_attention_torch import plan_decode_groups
 from kernels.split_kv import MAX_SPLITS, num_multiprocessors, plan_kv_splits
 from kernels.workspace import Workspace
@@ -28,7 +30,7 @@ from worker.engine.graph_runner import (
     graph_batch_sizes,
     rope_type,
 )
-from worker.engine.kernel_checks import check_paged_attention
+from worker.engine.kernel_checks import check_cpu_decode_attention, check_paged_attention
 from worker.engine.models import CausalLM, choose_model_impl, load_causal_lm
 from worker.engine.models.quantization import check_device_supports, parse_quantization
 from worker.engine.step_inputs import StepInputs, StepSeq, StepShape
@@ -73,12 +75,15 @@ class ModelRunner:
         model_impl: str = "auto",
         model_kernels: bool | None = None,
         quantization: str | None = None,
+        cpu_kernels: bool | None = None,
     ) -> None:
         """`cuda_graphs` records decode steps as CUDA graphs (None: on for CUDA with the Triton backend);
         `model_impl` picks carpool's own model (`carpool`, the Llama family), transformers' (`transformers`),
         or the first by the checkpoint's architecture (`auto`); `model_kernels` has carpool's models use their
         fused Triton kernels (default: on CUDA; on CPU only under TRITON_INTERPRET=1, for tests); `quantization`
-        (`int8`, `fp8`) holds carpool's models' linear weights quantized per output channel (None: in `dtype`)."""
+        (`int8`, `fp8`) holds carpool's models' linear weights quantized per output channel (None: in `dtype`);
+        `cpu_kernels` has the torch backend attend decoding sequences with the compiled C kernel of
+        `kernels/paged_attention_cpu.py` (None: where it builds and passes its check; True: or fail)."""
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         self.device = torch.device(device)
@@ -126,6 +131,8 @@ class ModelRunner:
         self.v_caches = [self.backend.new_cache(*cache_shape) for _ in range(self.num_layers)]
         self._workspace = Workspace()
         self.num_heads: int = config.num_attention_heads
+        self.cpu_decode: CpuDecodeAttention | None = self._load_cpu_decode(cpu_kernels)
+        """The compiled CPU kernel that attends decoding sequences; None where the backend's own path does."""
         self._num_multiprocessors = num_multiprocessors(self.device)
         max_blocks_per_seq = min(-(-self.max_model_len // block_size), self.num_blocks)
         self.inputs = StepInputs(max_num_seqs, max(max_num_batched_tokens, max_num_seqs), max_blocks_per_seq,
@@ -166,6 +173,29 @@ class ModelRunner:
             return False
         log.info("decode steps replay recorded graphs at batch sizes %s", sizes)
         return True
+
+    def _load_cpu_decode(self, wanted: bool | None) -> CpuDecodeAttention | None:
+        """The compiled CPU decode kernel when asked for (None: where it serves), checked on this model's shapes."""
+        if wanted is False:
+            return None
+        serves = self.backend.name == "torch" and self.device.type == "cpu" and self.dtype == torch.float32
+        if not serves:
+            if wanted:
+                raise ValueError("cpu_kernels: the compiled decode attention serves the torch backend on CPU with "
+                                 f"float32 caches, not {self.backend.name} on {self.device} with {self.dtype}")
+            return None
+        kernel = load_cpu_decode_attention(kernels_cache_dir(os.environ), os.environ.get("CC") or "cc")
+        failure = kernel if isinstance(kernel, str) else check_cpu_decode_attention(
+            kernel, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+        if failure is not None:
+            if wanted:
+                raise ValueError(f"cpu_kernels: the compiled decode attention is not available: {failure}")
+            log.warning("decode attention runs on the torch path: the compiled CPU kernel is not available (%s)",
+                        failure)
+            return None
+        assert isinstance(kernel, CpuDecodeAttention)
+        log.info("decode attention: carpool's compiled CPU kernel (%s)", kernel.library)
+        return kernel
 
     @property
     def graph_sizes(self) -> list[int]:
@@ -269,6 +299,8 @@ class ModelRunner:
             return {"num_kv_splits": self._num_kv_splits(shape.num_seqs), "workspace": self._workspace}
         if self.backend.name != "torch":
             return {}
+        if self.cpu_decode is not None:  # one call attends every decode: no groups to plan
+            return {"cpu_decode": self.cpu_decode, "workspace": self._workspace}
         # The torch backend's decode groups, planned once per step rather than once per layer.
         decodes = [i for i, seq in enumerate(batch) if len(seq.token_ids) == 1]
         # Keys and values of one block in fp32, the precision the backend attends in.

@@ -1,0 +1,117 @@
+/* Paged decode attention on CPU: every sequence with a few new query tokens (one when decoding) attends to
+ * its cached context, read in place from the paged fp32 cache, with no gathered copy.
+ *
+ * Built and checked at start-up by kernels/paged_attention_cpu.py, which documents the contract. For each
+ * (sequence, kv head), one pass over the sequence's blocks keeps an online softmax per query row, a row
+ * being (new token, query head of the group): each block's keys serve every row that shares them while
+ * they are in the L1 cache.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define MAX_BLOCK_SIZE 256
+#define MAX_ROWS 256        /* query rows of one (sequence, kv head): new tokens * group */
+#define MAX_ROWS_DIM 16384  /* rows * head_dim */
+
+/* Sequences with 1..max_query_len new tokens are attended (decodes, and a few tokens being verified);
+ * query i of such a sequence sits at position seq_len - q_len + i and sees the keys up to it. Rows of
+ * other sequences are left alone.
+ *
+ * Returns 0 on success; -1 for shapes beyond the limits above; otherwise 1 + the index of the first
+ * sequence whose query offsets, length or block table are out of range (nothing of that sequence or
+ * after it is written). */
+int64_t paged_decode_attention_f32(
+    const float *q, int64_t q_stride_token, int64_t q_stride_head,
+    const float *k_cache, const float *v_cache, int64_t num_blocks,
+    int64_t stride_block, int64_t stride_slot, int64_t stride_head,
+    const int32_t *block_tables, int64_t table_width, int64_t table_stride,
+    const int32_t *cu_seqlens_q, const int32_t *seq_lens, int64_t num_seqs, int64_t num_tokens,
+    int64_t max_query_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    float scale, float *out, int64_t out_stride_token, int64_t out_stride_head)
+{
+    if (num_kv_heads < 1)
+        return -1;
+    const int64_t group = num_heads / num_kv_heads;
+    if (block_size < 1 || block_size > MAX_BLOCK_SIZE || group < 1 || group * num_kv_heads != num_heads
+        || max_query_len < 1 || max_query_len * group > MAX_ROWS || max_query_len * group * head_dim > MAX_ROWS_DIM)
+        return -1;
+    float acc[MAX_ROWS_DIM];
+    float running_max[MAX_ROWS], running_sum[MAX_ROWS];
+    float scores[MAX_BLOCK_SIZE];
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t first = cu_seqlens_q[s];
+        const int64_t q_len = cu_seqlens_q[s + 1] - first;
+        if (q_len < 1 || q_len > max_query_len)
+            continue; /* no new token, or a prefill chunk: not for this kernel */
+        const int64_t len = seq_lens[s];
+        const int32_t *table = block_tables + s * table_stride;
+        const int64_t used_blocks = (len + block_size - 1) / block_size;
+        if (first < 0 || first + q_len > num_tokens || len < q_len || used_blocks > table_width)
+            return 1 + s;
+        for (int64_t b = 0; b < used_blocks; b++)
+            if (table[b] < 0 || table[b] >= num_blocks)
+                return 1 + s;
+        const int64_t rows = q_len * group;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            for (int64_t i = 0; i < rows * head_dim; i++)
+                acc[i] = 0.0f;
+            for (int64_t r = 0; r < rows; r++) {
+                running_max[r] = -INFINITY;
+                running_sum[r] = 0.0f;
+            }
+            for (int64_t b = 0; b < used_blocks; b++) {
+                const int64_t start = b * block_size;
+                const int64_t in_block = len - start < block_size ? len - start : block_size;
+                const float *keys = k_cache + table[b] * stride_block + h * stride_head;
+                const float *values = v_cache + table[b] * stride_block + h * stride_head;
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t i = r / group, j = r % group;
+                    const int64_t visible = len - q_len + i + 1 - start; /* keys of this block up to query i */
+                    const int64_t count = visible < in_block ? visible : in_block;
+                    if (count <= 0)
+                        continue;
+                    const float *query = q + (first + i) * q_stride_token + (h * group + j) * q_stride_head;
+                    float block_max = -INFINITY;
+                    for (int64_t t = 0; t < count; t++) {
+                        const float *key = keys + t * stride_slot;
+                        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                        for (int64_t d = 0; d < head_dim; d++)
+                            dot += query[d] * key[d];
+                        scores[t] = dot * scale;
+                        block_max = scores[t] > block_max ? scores[t] : block_max;
+                    }
+                    const float new_max = block_max > running_max[r] ? block_max : running_max[r];
+                    const float rescale = expf(running_max[r] - new_max);
+                    float block_sum = 0.0f;
+                    for (int64_t t = 0; t < count; t++) {
+                        scores[t] = expf(scores[t] - new_max);
+                        block_sum += scores[t];
+                    }
+                    running_sum[r] = running_sum[r] * rescale + block_sum;
+                    running_max[r] = new_max;
+                    float *row = acc + r * head_dim;
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; d++)
+                        row[d] *= rescale;
+                    for (int64_t t = 0; t < count; t++) {
+                        const float *value = values + t * stride_slot;
+                        const float p = scores[t];
+#pragma omp simd
+                        for (int64_t d = 0; d < head_dim; d++)
+                            row[d] += p * value[d];
+                    }
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t i = r / group, j = r % group;
+                float *o = out + (first + i) * out_stride_token + (h * group + j) * out_stride_head;
+                const float inverse = running_sum[r] > 0.0f ? 1.0f / running_sum[r] : 0.0f;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++)
+                    o[d] = acc[r * head_dim + d] * inverse;
+            }
+        }
+    }
+    return 0;
+}

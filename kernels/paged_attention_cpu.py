@@ -1,0 +1,175 @@
+"""Paged decode attention on CPU, compiled from C at start-up: the torch backend's decode path.
+
+The torch backend (`paged_attention_torch.py`) attends with SDPA over
+contexts it first gathers out of the paged cache: for every layer of every
+step it copies each decoding sequence's whole context, then SDPA reads the
+copy again. `paged_attention_cpu.c` reads the keys and values in place,
+block by block, with an online softmax per query row. It takes every
+sequence with at most `MAX_QUERY_LEN` new tokens: decodes, and the few
+tokens of a speculative verification; longer prefill chunks stay on the
+torch path. For the default model at 8 sequences of 50-450 tokens on
+one core of an AVX-512 CPU, attention went from about a third of a decode
+step to an eighth (bench/RESULTS.md).
+
+There is no C extension to install: `load_cpu_decode_attention` compiles the
+one source file with the system's C compiler (`cc`, or `$CC`) into a shared
+library under a build folder, keyed by the source, the compiler and the CPU
+(it is built for the CPU it runs on), and loads it with ctypes. A machine
+without a compiler, or a build that fails, gets the reason as a string and
+the backend's torch path. The runner checks the loaded kernel against the
+reference on the model's own shapes before using it
+(`worker.engine.kernel_checks`). fp32 caches only: a bf16 or fp16 model's
+cache takes the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_suffix(".c")
+_SYMBOL = "paged_decode_attention_f32"
+# -ffast-math lets the compiler vectorise the dot products and exponentials (reassociated fp32 sums, as
+# SDPA's own kernels reorder them); infinities stay meaningful, as the running maximum starts at -inf.
+_FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp-simd", "-fPIC", "-shared")
+_NATIVE_FLAGS = ("-march=native",)
+_COMPILE_TIMEOUT_S = 120
+# The C source's limits (MAX_BLOCK_SIZE, MAX_ROWS, MAX_ROWS_DIM), and the most new tokens of a sequence it is
+# given: decodes and speculative verification; a longer prefill chunk is attended by SDPA, which does that better.
+MAX_BLOCK_SIZE, MAX_ROWS, MAX_ROWS_DIM = 256, 256, 16384
+MAX_QUERY_LEN = 16
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float,
+             _P, _I, _I]
+
+
+def kernels_cache_dir(environ: Mapping[str, str]) -> Path:
+    """`$XDG_CACHE_HOME/carpool/kernels` (or `~/.cache/...`); call at the edge with `os.environ`."""
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "carpool" / "kernels"
+
+
+def query_limit(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
+    """The most new tokens per sequence the kernel attends for these shapes; 0 when it takes none of them."""
+    group = num_heads // max(num_kv_heads, 1)
+    if num_kv_heads < 1 or group < 1 or group * num_kv_heads != num_heads or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        return 0
+    return max(0, min(MAX_QUERY_LEN, MAX_ROWS // group, MAX_ROWS_DIM // (group * head_dim)))
+
+
+class CpuDecodeAttention:
+    """The loaded kernel. Callable like the backends' attention; attends the decode sequences only."""
+
+    def __init__(self, library: Path) -> None:
+        self.library = library
+        function = getattr(ctypes.CDLL(str(library)), _SYMBOL)
+        function.argtypes = _ARGTYPES
+        function.restype = ctypes.c_int64
+        self._function = function
+
+    def accepts(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether these are tensors the kernel reads and writes: fp32 on CPU, head_dim contiguous, the k and
+        v caches of one layout, `out` shaped as `q`, and shapes within the kernel's limits."""
+        tensors = (q, k_cache, v_cache, out)
+        return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
+                and k_cache.stride() == v_cache.stride() and out.shape == q.shape
+                and query_limit(q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]) > 0)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> int:
+        """Write the rows of every sequence with at most `query_limit` new tokens; return that limit.
+
+        Arguments as `paged_attention_reference`'s (kernels/paged_attention.py); `out` fp32 with head_dim
+        contiguous. Rows of longer chunks are left as they were, for the caller to attend. Raises
+        ValueError for tensors the kernel does not read, or a sequence whose offsets, length or block table
+        are out of range.
+        """
+        if not self.accepts(q, k_cache, v_cache, out):
+            raise ValueError("cpu decode attention: needs fp32 CPU tensors, head_dim contiguous, k and v caches "
+                             "of one layout, out shaped as q, and shapes within the kernel's limits")
+        tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+        if tables.stride(-1) != 1:
+            tables = tables.contiguous()
+        cu = cu_seqlens_q.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        num_seqs = lens.shape[0]
+        if cu.shape[0] != num_seqs + 1 or tables.shape[0] < num_seqs:
+            raise ValueError("cpu decode attention: cu_seqlens_q needs num_seqs + 1 entries and a block-table row "
+                             "per sequence")
+        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        limit = query_limit(q.shape[1], num_kv_heads, head_dim, block_size)
+        status = self._function(
+            q.data_ptr(), q.stride(0), q.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2),
+            tables.data_ptr(), tables.shape[1], tables.stride(0),
+            cu.data_ptr(), lens.data_ptr(), num_seqs, q.shape[0],
+            limit, q.shape[1], num_kv_heads, head_dim, block_size, scale,
+            out.data_ptr(), out.stride(0), out.stride(1),
+        )
+        if status != 0:
+            which = "shapes beyond its limits" if status < 0 else f"sequence {status - 1}'s offsets, length or blocks"
+            raise ValueError(f"cpu decode attention: {which} out of range")
+        return limit
+
+
+def _cpu_identity() -> str:
+    """What `-march=native` compiles for: the CPU's model and feature flags (Linux), else the platform."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = ("model name", "flags", "Features", "CPU part")
+    picked = {line.split(":")[0].strip(): line for line in lines if line.split(":")[0].strip() in wanted}
+    return platform.machine() + platform.processor() + "".join(sorted(picked.values()))
+
+
+def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
+    """None when `target` was built, else the compiler's complaint."""
+    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        done = subprocess.run([compiler, *flags, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True,
+                              text=True, timeout=_COMPILE_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"{type(error).__name__}: {error}"
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        return (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    os.replace(partial, target)  # atomic: a concurrent build of the same key writes the same library
+    return None
+
+
+def load_cpu_decode_attention(build_dir: Path, compiler: str = "cc") -> CpuDecodeAttention | str:
+    """The kernel, built into `build_dir` if no build for this source, compiler and CPU is there yet;
+    otherwise why it cannot be had."""
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"no C compiler ({compiler!r}: {type(error).__name__}: {error})"
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), compiler.encode(), version.stdout.encode(), " ".join(_FLAGS).encode(),
+                 _cpu_identity().encode()):
+        key.update(part + b"\0")
+    target = build_dir / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        try:
+            build_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            return f"cannot create {str(build_dir)!r}: {error}"
+        failure = _compile(compiler, _FLAGS + _NATIVE_FLAGS, target)
+        if failure is not None:  # a compiler without -march=native: portable code is still faster than torch's
+            failure = _compile(compiler, _FLAGS, target)
+        if failure is not None:
+            return f"compiling {SOURCE.name} failed: {failure}"
+    try:
+        return CpuDecodeAttention(target)
+    except (OSError, AttributeError) as error:
+        return f"loading {target.name} failed: {error}"
