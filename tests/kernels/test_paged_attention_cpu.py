@@ -183,3 +183,16 @@ def test_runner_uses_the_kernel_and_falls_back_without_a_compiler(tiny_model: Ca
     assert ModelRunner(tiny_llama, block_size=4, num_blocks=32, cpu_kernels=False).cpu_decode is None
     with pytest.raises(ValueError, match="float32 caches"):
         ModelRunner(tiny_llama, block_size=4, num_blocks=32, dtype="bfloat16", cpu_kernels=True)
+
+
+def test_peaked_and_flat_softmax(kernel: CpuDecodeAttention) -> None:
+    """Scores hundreds apart (weights that underflow next to the maximum) and scores all equal."""
+    batch = make_batch([(1, 70), (3, 45), (1, 1), (1, 200)], num_heads=4, num_kv_heads=2, head_dim=32,
+                       block_size=16, dtype=torch.float32, device=CPU, seed=6)
+    q, k_cache, v_cache, tables, cu, lens, _ = batch.args()
+    for scale in (40.0, 0.0):
+        out = torch.empty_like(q)
+        kernel(q, k_cache, v_cache, tables, cu, lens, scale, out)
+        expected = paged_attention_reference(q, k_cache, v_cache, tables, cu, lens, scale)
+        assert bool(torch.isfinite(out).all())
+        assert_close(out, expected, torch.float32)
