@@ -12,11 +12,9 @@ one core of an AVX-512 CPU, attention went from about a third of a decode
 step to an eighth (bench/RESULTS.md).
 
 There is no C extension to install: `load_cpu_decode_attention` compiles the
-one source file with the system's C compiler (`cc`, or `$CC`) into a shared
-library under a build folder, keyed by the source, the compiler and the CPU
-(it is built for the CPU it runs on), and loads it with ctypes. A machine
-without a compiler, or a build that fails, gets the reason as a string and
-the backend's torch path. The runner checks the loaded kernel against the
+one source file with the system's C compiler (`kernels/cpu_build.py`) and
+loads it with ctypes. A machine without a compiler, or a build that fails,
+gets the reason as a string and the backend's torch path. The runner checks the loaded kernel against the
 reference on the model's own shapes before using it
 (`worker.engine.kernel_checks`). fp32 caches only: a bf16 or fp16 model's
 cache takes the torch path.
@@ -25,22 +23,17 @@ cache takes the torch path.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import subprocess
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from kernels.cpu_build import build_library
+
 SOURCE = Path(__file__).with_suffix(".c")
 _SYMBOL = "paged_decode_attention_f32"
-# -ffast-math lets the compiler vectorise the dot products and exponentials (reassociated fp32 sums, as
-# SDPA's own kernels reorder them); infinities stay meaningful, as the running maximum starts at -inf.
-_FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp-simd", "-fPIC", "-shared")
-_NATIVE_FLAGS = ("-march=native",)
-_COMPILE_TIMEOUT_S = 120
+# -ffast-math lets the compiler vectorise the dot products (reassociated fp32 sums, as SDPA's own kernels
+# reorder them); infinities stay meaningful, as the running maximum starts at -inf.
+_FLAGS = ("-ffast-math", "-fno-finite-math-only")
 # The C source's limits (MAX_BLOCK_SIZE, MAX_ROWS, MAX_ROWS_DIM), and the most new tokens of a sequence it is
 # given: decodes and speculative verification; a longer prefill chunk is attended by SDPA, which does that better.
 MAX_BLOCK_SIZE, MAX_ROWS, MAX_ROWS_DIM = 256, 256, 16384
@@ -49,12 +42,6 @@ MAX_QUERY_LEN = 16
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float,
              _P, _I, _I]
-
-
-def kernels_cache_dir(environ: Mapping[str, str]) -> Path:
-    """`$XDG_CACHE_HOME/carpool/kernels` (or `~/.cache/...`); call at the edge with `os.environ`."""
-    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "carpool" / "kernels"
 
 
 def query_limit(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
@@ -121,55 +108,13 @@ class CpuDecodeAttention:
         return limit
 
 
-def _cpu_identity() -> str:
-    """What `-march=native` compiles for: the CPU's model and feature flags (Linux), else the platform."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    wanted = ("model name", "flags", "Features", "CPU part")
-    picked = {line.split(":")[0].strip(): line for line in lines if line.split(":")[0].strip() in wanted}
-    return platform.machine() + platform.processor() + "".join(sorted(picked.values()))
-
-
-def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
-    """None when `target` was built, else the compiler's complaint."""
-    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        done = subprocess.run([compiler, *flags, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True,
-                              text=True, timeout=_COMPILE_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return f"{type(error).__name__}: {error}"
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        return (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-    os.replace(partial, target)  # atomic: a concurrent build of the same key writes the same library
-    return None
-
-
 def load_cpu_decode_attention(build_dir: Path, compiler: str = "cc") -> CpuDecodeAttention | str:
-    """The kernel, built into `build_dir` if no build for this source, compiler and CPU is there yet;
-    otherwise why it cannot be had."""
+    """The kernel, built into `build_dir` unless a build for this source, compiler and CPU is there
+    (`kernels.cpu_build`); otherwise why it cannot be had."""
+    library = build_library(SOURCE, _FLAGS, build_dir, compiler)
+    if isinstance(library, str):
+        return library
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return f"no C compiler ({compiler!r}: {type(error).__name__}: {error})"
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), version.stdout.encode(), " ".join(_FLAGS).encode(),
-                 _cpu_identity().encode()):
-        key.update(part + b"\0")
-    target = build_dir / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        try:
-            build_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            return f"cannot create {str(build_dir)!r}: {error}"
-        failure = _compile(compiler, _FLAGS + _NATIVE_FLAGS, target)
-        if failure is not None:  # a compiler without -march=native: portable code is still faster than torch's
-            failure = _compile(compiler, _FLAGS, target)
-        if failure is not None:
-            return f"compiling {SOURCE.name} failed: {failure}"
-    try:
-        return CpuDecodeAttention(target)
+        return CpuDecodeAttention(library)
     except (OSError, AttributeError) as error:
-        return f"loading {target.name} failed: {error}"
+        return f"loading {library.name} failed: {error}"

@@ -164,6 +164,7 @@ def test_runner_uses_the_kernel_and_falls_back_without_a_compiler(tiny_model: Ca
                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     from worker.engine.model_runner import ModelRunner
+    from worker.engine.models.llama_family import LlamaFamilyModel
 
     tiny_llama = tiny_model("llama")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -172,15 +173,20 @@ def test_runner_uses_the_kernel_and_falls_back_without_a_compiler(tiny_model: Ca
     assert runner.cpu_decode is not None
     assert runner.cpu_decode.library.parent == tmp_path / "cache" / "carpool" / "kernels"
     assert "compiled CPU kernel" in caplog.text
+    assert isinstance(runner.model, LlamaFamilyModel) and runner.model.cpu_ops is not None
+    assert "RoPE + KV store by compiled CPU kernels" in caplog.text
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="worker.engine.model_runner"):
         fallback = ModelRunner(tiny_llama, block_size=4, num_blocks=32)
     assert fallback.cpu_decode is None
+    assert isinstance(fallback.model, LlamaFamilyModel) and fallback.model.cpu_ops is None
     assert "no C compiler" in caplog.text
     with pytest.raises(ValueError, match="cpu_kernels: .*no C compiler"):
         ModelRunner(tiny_llama, block_size=4, num_blocks=32, cpu_kernels=True)
-    assert ModelRunner(tiny_llama, block_size=4, num_blocks=32, cpu_kernels=False).cpu_decode is None
+    plain = ModelRunner(tiny_llama, block_size=4, num_blocks=32, cpu_kernels=False)
+    assert plain.cpu_decode is None
+    assert isinstance(plain.model, LlamaFamilyModel) and plain.model.cpu_ops is None
     with pytest.raises(ValueError, match="float32 caches"):
         ModelRunner(tiny_llama, block_size=4, num_blocks=32, dtype="bfloat16", cpu_kernels=True)
 

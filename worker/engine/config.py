@@ -73,9 +73,10 @@ class EngineConfig:
     cuda_graphs: bool | None = field(default=None, metadata=help_text(
         "replay decode steps as CUDA graphs recorded at start-up; default: on for CUDA with the Triton backend"))
     cpu_kernels: bool | None = field(default=None, metadata=help_text(
-        "CPU: attend decoding sequences with carpool's C kernel, compiled at start-up with the system's C compiler "
-        "($CC, else cc) into $XDG_CACHE_HOME/carpool/kernels (~/.cache/...) and checked against the torch path; "
-        "default: on where it builds and passes, else the torch path, and the start-up log says which"))
+        "CPU, fp32: carpool's C kernels (decode attention over the paged cache; for carpool's own models also "
+        "add + RMSNorm and RoPE + KV store), compiled at start-up with the system's C compiler ($CC, else cc) "
+        "into $XDG_CACHE_HOME/carpool/kernels (~/.cache/...) and checked against the torch path; default: on "
+        "where they build and pass, else the torch path, and the start-up log says which"))
     async_scheduling: bool | None = field(default=None, metadata=help_text(
         "schedule and launch the next engine step before turning this one's tokens into outputs (a finishing "
         "request then computes one token more, dropped); default: on for CUDA"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.model_ops_cpu import CpuModelOps
 from kernels.paged_attention_cpu import CpuDecodeAttention
 
 # Relative to the reference's largest value: the kernels differ from their references by rounding only.
@@ -133,6 +134,40 @@ def check_cpu_decode_attention(kernel: CpuDecodeAttention, num_heads: int, num_k
             return "the compiled CPU attention differs from its reference"
         if not bool((out[left] == 7.0).all()):
             return "the compiled CPU attention wrote the rows of a chunk longer than it takes"
+    except Exception as e:  # a library that loaded but misbehaves on these shapes
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def check_cpu_model_ops(ops: CpuModelOps, hidden: int, num_heads: int, num_kv_heads: int,
+                        head_dim: int) -> str | None:
+    """None when the compiled add + RMSNorm and RoPE + KV store give their references' results on the model's
+    shapes (queries and keys strided as split from the fused qkv product), else why not."""
+    from kernels.norm_act import add_rms_norm_reference
+    from kernels.paged_attention_torch import new_kv_cache
+    from kernels.rope_kv import rope_store_kv_reference
+
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x, residual = torch.randn((5, hidden), generator=gen), torch.randn((5, hidden), generator=gen)
+        weight = torch.randn(hidden, generator=gen)
+        for given in (None, residual):
+            got, want = ops.add_rms_norm(x, given, weight, 1e-6), add_rms_norm_reference(x, given, weight, 1e-6)
+            if not (_close(got[0], want[0], torch.float32) and torch.equal(got[1], want[1])):
+                return "the compiled add + RMSNorm differs from its reference"
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        qkv = torch.randn((5, q_size + 2 * kv_size), generator=gen)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = q.view(5, num_heads, head_dim), k.view(5, num_kv_heads, head_dim), v.view(5, num_kv_heads, head_dim)
+        cos, sin = torch.randn((5, head_dim), generator=gen), torch.randn((5, head_dim), generator=gen)
+        cpu = torch.device("cpu")
+        caches = [new_kv_cache(3, 4, num_kv_heads, head_dim, torch.float32, cpu) for _ in range(4)]
+        slots = torch.tensor([5, -1, 0, 11, 2])
+        got_q = ops.rope_store_kv(q, k, v, cos, sin, caches[0], caches[1], slots)
+        want_q = rope_store_kv_reference(q, k, v, cos, sin, caches[2], caches[3], slots)
+        if not (_close(got_q, want_q, torch.float32) and torch.equal(caches[0], caches[2])
+                and torch.equal(caches[1], caches[3])):
+            return "the compiled RoPE + KV store differs from its reference"
     except Exception as e:  # a library that loaded but misbehaves on these shapes
         return f"{type(e).__name__}: {e}"
     return None

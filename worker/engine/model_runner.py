@@ -17,11 +17,14 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from kernels import get_backend
-from kernels.paged_attention_cpu import CpuDecodeAttention, kernels_cache_dir, load_cpu_decode_attention
+from kernels.cpu_build import kernels_cache_dir
+from kernels.model_ops_cpu import CpuModelOps, load_cpu_model_ops
+from kernels.paged_attention_cpu import CpuDecodeAttention, load_cpu_decode_attention
 from kernels.paged_attention_torch import plan_decode_groups
 from kernels.split_kv import MAX_SPLITS, num_multiprocessors, plan_kv_splits
 from kernels.workspace import Workspace
 from worker.engine.attention import PagedAttentionMetadata
+from worker.engine.config import ModelImpl
 from worker.engine.graph_runner import (
     HOST_BRANCHING_ROPE,
     CaptureBackend,
@@ -30,7 +33,7 @@ from worker.engine.graph_runner import (
     graph_batch_sizes,
     rope_type,
 )
-from worker.engine.kernel_checks import check_cpu_decode_attention, check_paged_attention
+from worker.engine.kernel_checks import check_cpu_decode_attention, check_cpu_model_ops, check_paged_attention
 from worker.engine.models import CausalLM, choose_model_impl, load_causal_lm
 from worker.engine.models.quantization import check_device_supports, parse_quantization
 from worker.engine.step_inputs import StepInputs, StepSeq, StepShape
@@ -103,9 +106,10 @@ class ModelRunner:
         weights = self.quantization.value if self.quantization else str(self.dtype).removeprefix("torch.")
         log.info("model %s: %s implementation (%s), %s weights", model_path, self.model_choice.impl.value,
                  self.model_choice.reason, weights)
+        cpu_ops = self._load_cpu_model_ops(config, cpu_kernels)
         try:
             self.model: CausalLM = load_causal_lm(model_path, config, self.model_choice.impl, self.dtype, self.device,
-                                                  self.max_model_len, model_kernels, self.quantization)
+                                                  self.max_model_len, model_kernels, self.quantization, cpu_ops)
         except OSError as e:
             raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
         self.config = config
@@ -173,6 +177,28 @@ class ModelRunner:
             return False
         log.info("decode steps replay recorded graphs at batch sizes %s", sizes)
         return True
+
+    def _load_cpu_model_ops(self, config: PretrainedConfig, wanted: bool | None) -> CpuModelOps | None:
+        """carpool's models' add + RMSNorm and RoPE + KV store compiled for the CPU, when they serve this model
+        and are asked for (None: where they build and pass their check)."""
+        if wanted is False or self.model_choice.impl is not ModelImpl.CARPOOL:
+            return None
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return None  # the Triton kernels on CUDA; the references for other dtypes
+        ops = load_cpu_model_ops(kernels_cache_dir(os.environ), os.environ.get("CC") or "cc")
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        failure = ops if isinstance(ops, str) else check_cpu_model_ops(
+            ops, config.hidden_size, num_heads, getattr(config, "num_key_value_heads", None) or num_heads, head_dim)
+        if failure is not None:
+            if wanted:
+                raise ValueError(f"cpu_kernels: the compiled model ops are not available: {failure}")
+            log.warning("carpool's model runs its norms and RoPE on the torch path: the compiled CPU ops are not "
+                        "available (%s)", failure)
+            return None
+        assert isinstance(ops, CpuModelOps)
+        log.info("carpool's model: add + RMSNorm and RoPE + KV store by compiled CPU kernels (%s)", ops.library)
+        return ops
 
     def _load_cpu_decode(self, wanted: bool | None) -> CpuDecodeAttention | None:
         """The compiled CPU decode kernel when asked for (None: where it serves), checked on this model's shapes."""

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from kernels.model_ops_cpu import CpuModelOps
 from worker.engine.attention import METADATA_KWARG, PagedAttentionMetadata, register_paged_attention
 from worker.engine.config import MODEL_IMPLS, ModelImpl, Quantization
 from worker.engine.graph_runner import rope_type
@@ -77,12 +78,13 @@ class TransformersModel:
 
 def load_causal_lm(path: str, config: PretrainedConfig, impl: ModelImpl, dtype: torch.dtype,
                    device: torch.device, max_positions: int, use_kernels: bool | None = None,
-                   quantization: Quantization | None = None) -> CausalLM:
+                   quantization: Quantization | None = None, cpu_ops: CpuModelOps | None = None) -> CausalLM:
     """`use_kernels`: carpool's models use the fused Triton kernels (default: on CUDA); `quantization`: how their
-    linear weights are held (None: in `dtype`)."""
+    linear weights are held (None: in `dtype`); `cpu_ops`: the same fusions compiled for the CPU, for carpool's
+    models in fp32 on CPU."""
     if impl is ModelImpl.CARPOOL:
         return LlamaFamilyModel(config, read_safetensors(path), dtype, device, max_positions, use_kernels,
-                                quantization)
+                                quantization, cpu_ops)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
                                                  attn_implementation=register_paged_attention())
     # transformers declares PreTrainedModel.to through functools.wraps, and typeshed's `_Wrapped` binds no

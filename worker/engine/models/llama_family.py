@@ -4,9 +4,11 @@ Built from a checkpoint directory's `config.json` (parsed by transformers)
 and its safetensors weights, with q/k/v fused into one matrix and gate/up
 into another at load time, so a layer is five matrix products: qkv, o,
 gate_up, down, and the step's one lm_head product over the sampled rows.
-Residual adds are fused into the RMSNorm that follows them, and on CUDA
-RoPE is applied by the kernel that writes the KV cache (`kernels/norm_act.py`,
-`kernels/rope_kv.py`; their torch references run on CPU). With a
+Residual adds are fused into the RMSNorm that follows them, and RoPE is
+applied by the kernel that writes the KV cache: Triton kernels on CUDA
+(`kernels/norm_act.py`, `kernels/rope_kv.py`), the same fusions compiled
+from C on CPU in fp32 (`kernels/model_ops_cpu.py`), and their torch
+references otherwise. With a
 `quantization` the four layer matrices are held as int8 or fp8 with per-row
 scales (`worker.engine.models.quantization`); embeddings, norms and lm_head stay in
 the model's dtype. Attention goes
@@ -29,6 +31,7 @@ from safetensors import safe_open
 from transformers import PretrainedConfig
 
 from kernels import norm_act
+from kernels.model_ops_cpu import CpuModelOps
 from kernels.rope_kv import rope_store_kv
 from worker.engine.attention import PagedAttentionMetadata, attend_cached, paged_attention
 from worker.engine.kernel_checks import check_model_kernels
@@ -65,10 +68,11 @@ class LlamaFamilyModel:
 
     def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, use_kernels: bool | None = None,
-                 quantization: Quantization | None = None) -> None:
+                 quantization: Quantization | None = None, cpu_ops: CpuModelOps | None = None) -> None:
         """`use_kernels`: the fused Triton kernels of `kernels/norm_act.py` and `kernels/rope_kv.py` (default:
-        on CUDA); otherwise their plain-torch references. `quantization`: how qkv, o, gate_up and down are
-        held (None: in `dtype`)."""
+        on CUDA); otherwise `cpu_ops`, the same fusions compiled for the CPU (`kernels/model_ops_cpu.py`), when
+        given for an fp32 model on CPU; otherwise their plain-torch references. `quantization`: how qkv, o,
+        gate_up and down are held (None: in `dtype`)."""
         arch = (config.architectures or [""])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"model: carpool's models cover {sorted(ARCHITECTURES)}, not {arch!r}")
@@ -89,7 +93,9 @@ class LlamaFamilyModel:
                 log.warning("the fused model kernels failed their start-up check (%s); running their torch "
                             "references instead", failure)
                 self.use_kernels = False
-        self._add_rms_norm = norm_act.add_rms_norm if self.use_kernels else norm_act.add_rms_norm_reference
+        self.cpu_ops = cpu_ops if (not self.use_kernels and device.type == "cpu" and dtype == torch.float32) else None
+        self._add_rms_norm = (norm_act.add_rms_norm if self.use_kernels else
+                              self.cpu_ops.add_rms_norm if self.cpu_ops is not None else norm_act.add_rms_norm_reference)
         self._silu_and_mul = norm_act.silu_and_mul if self.use_kernels else norm_act.silu_and_mul_reference
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -194,6 +200,10 @@ class LlamaFamilyModel:
             # RoPE applied where the keys are written: one kernel for both rotations and the KV store.
             q = rope_store_kv(q, k, v, cos, sin, metadata.k_caches[index], metadata.v_caches[index],
                               metadata.slot_mapping)
+            out = attend_cached(index, q, metadata, self.scale)
+        elif self.cpu_ops is not None:
+            q = self.cpu_ops.rope_store_kv(q, k, v, cos, sin, metadata.k_caches[index], metadata.v_caches[index],
+                                           metadata.slot_mapping)
             out = attend_cached(index, q, metadata, self.scale)
         else:
             out = paged_attention(index, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, metadata, self.scale)

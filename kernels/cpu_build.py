@@ -1,0 +1,83 @@
+"""Build a C source file of `kernels/` into a shared library with the machine's C compiler, once per machine.
+
+carpool's CPU kernels (`paged_attention_cpu.c`, `model_ops_cpu.c`) are plain
+C with no Python or torch headers: `build_library` runs the compiler (`cc`,
+or `$CC`) on one file and returns the library's path for ctypes to load. The
+library's name hashes the source, the flags, the compiler's version and the
+CPU's model and feature flags (the code is built with `-march=native`), so a
+changed source, compiler or CPU gets a build of its own; it is written under
+a temporary name and renamed into place, so concurrent workers never load a
+partial file. A machine without a compiler, or a build that fails, gets the
+reason as a string, and its callers run their torch paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+_COMPILE_TIMEOUT_S = 120
+_COMMON_FLAGS = ("-O3", "-fopenmp-simd", "-fPIC", "-shared")
+_NATIVE_FLAGS = ("-march=native",)
+
+
+def kernels_cache_dir(environ: Mapping[str, str]) -> Path:
+    """`$XDG_CACHE_HOME/carpool/kernels` (or `~/.cache/...`); call at the edge with `os.environ`."""
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "carpool" / "kernels"
+
+
+def _cpu_identity() -> str:
+    """What `-march=native` compiles for: the CPU's model and feature flags (Linux), else the platform."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = ("model name", "flags", "Features", "CPU part")
+    picked = {line.split(":")[0].strip(): line for line in lines if line.split(":")[0].strip() in wanted}
+    return platform.machine() + platform.processor() + "".join(sorted(picked.values()))
+
+
+def _compile(compiler: str, source: Path, flags: tuple[str, ...], target: Path) -> str | None:
+    """None when `target` was built, else the compiler's complaint."""
+    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        done = subprocess.run([compiler, *flags, "-o", str(partial), str(source), "-lm"], capture_output=True,
+                              text=True, timeout=_COMPILE_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"{type(error).__name__}: {error}"
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        return (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    os.replace(partial, target)  # atomic: a concurrent build of the same key writes the same library
+    return None
+
+
+def build_library(source: Path, flags: tuple[str, ...], build_dir: Path, compiler: str = "cc") -> Path | str:
+    """The shared library of `source` built with `flags` (besides -O3, -march=native and the shared-library
+    ones) in `build_dir`, built now unless a build for this source, compiler and CPU is there; else why not."""
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"no C compiler ({compiler!r}: {type(error).__name__}: {error})"
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), compiler.encode(), version.stdout.encode(), " ".join(flags).encode(),
+                 _cpu_identity().encode()):
+        key.update(part + b"\0")
+    target = build_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"cannot create {str(build_dir)!r}: {error}"
+    failure = _compile(compiler, source, _COMMON_FLAGS + flags + _NATIVE_FLAGS, target)
+    if failure is not None:  # a compiler without -march=native: portable code still beats the torch path
+        failure = _compile(compiler, source, _COMMON_FLAGS + flags, target)
+    if failure is not None:
+        return f"compiling {source.name} failed: {failure}"
+    return target
