@@ -6,7 +6,7 @@ RMSNorm are seven ops, RoPE of q and k and the KV store about twenty, per
 layer and step, which for a small model is time comparable to its matrix
 products. `model_ops_cpu.c` does each group in one call, with the
 references' arithmetic in fp32 (the sum of squares in another order). It is
-built like the attention kernel (`kernels/cpu_build.py`, without fast-math
+built like the attention kernel (`kernels/cpu_build.py`, without reassociation
 and without contracting multiply-adds, so each product rounds as torch's
 does), and the runner checks it against the references on the model's
 shapes before the model uses it (`worker/engine/kernel_checks.py`). fp32 on
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import build_library
+from kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_suffix(".c")
 _FLAGS = ("-ffp-contract=off",)
@@ -48,7 +48,8 @@ class CpuModelOps:
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """`add_rms_norm_reference` (kernels/norm_act.py): the normed rows and the residual sum, `[rows, hidden]`."""
-        if x.dim() != 2 or not _rows_ok(x, weight, *([residual] if residual is not None else [])) or (
+        tensors = (x, weight) if residual is None else (x, weight, residual)
+        if x.dim() != 2 or weight.dim() != 1 or not _rows_ok(*tensors) or (
                 weight.shape != x.shape[1:] or not weight.is_contiguous()
                 or (residual is not None and residual.shape != x.shape)):
             raise ValueError("cpu add_rms_norm: needs fp32 CPU rows [rows, hidden] with hidden contiguous, and a "
@@ -65,6 +66,10 @@ class CpuModelOps:
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
         """`rope_store_kv_reference` (kernels/rope_kv.py): RoPE'd keys and the values into their cache slots (-1:
         none), and the RoPE'd queries returned, `[tokens, heads, head_dim]`."""
+        if (q.dim(), k.dim(), k_cache.dim(), cos.dim(), slot_mapping.dim()) != (3, 3, 4, 2, 1) or (
+                slot_mapping.device.type != "cpu"):
+            raise ValueError("cpu rope_store_kv: needs q, k, v [tokens, heads, head_dim], caches [blocks, slots, "
+                             "kv_heads, head_dim], cos and sin [tokens, head_dim] and slot_mapping [tokens] on CPU")
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         if (not _rows_ok(q, k, v, cos, sin, k_cache, v_cache) or k.shape != v.shape or k.shape[0] != num_tokens
@@ -75,7 +80,7 @@ class CpuModelOps:
             raise ValueError("cpu rope_store_kv: needs fp32 CPU tensors with head_dim contiguous and even, q/k/v "
                              "of the same tokens, caches of one layout, and cos/sin [tokens, head_dim]")
         slots = slot_mapping.to(torch.int64).contiguous()
-        q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype)
+        q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         num_blocks, block_size = k_cache.shape[:2]
         status = self._rope(
             q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
@@ -90,11 +95,6 @@ class CpuModelOps:
 
 
 def load_cpu_model_ops(build_dir: Path, compiler: str = "cc") -> CpuModelOps | str:
-    """The ops, built into `build_dir` unless a build for this source, compiler and CPU is there; else why not."""
-    library = build_library(SOURCE, _FLAGS, build_dir, compiler)
-    if isinstance(library, str):
-        return library
-    try:
-        return CpuModelOps(library)
-    except (OSError, AttributeError) as error:
-        return f"loading {library.name} failed: {error}"
+    """The library, built into `build_dir` unless a build for this source, compiler and CPU is there
+    (`kernels.cpu_build`); otherwise why it cannot be had."""
+    return load_library(SOURCE, _FLAGS, build_dir, compiler, CpuModelOps)

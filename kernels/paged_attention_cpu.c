@@ -20,7 +20,7 @@
  * about 1e-38 rather than 0, which weighs nothing against the terms near the maximum (e^0 = 1). */
 static inline float exp_nonpositive(float x)
 {
-    const float t = (x > -87.0f ? x : -87.0f) * 1.44269504088896341f;
+    const float t = (x < -87.0f ? -87.0f : x) * 1.44269504088896341f; /* NaN stays NaN */
     const float whole = rintf(t);
     const float f = t - whole;
     const float p = 1.0f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f

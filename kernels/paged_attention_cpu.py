@@ -27,13 +27,14 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import build_library
+from kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_suffix(".c")
 _SYMBOL = "paged_decode_attention_f32"
-# -ffast-math lets the compiler vectorise the dot products (reassociated fp32 sums, as SDPA's own kernels
-# reorder them); infinities stay meaningful, as the running maximum starts at -inf.
-_FLAGS = ("-ffast-math", "-fno-finite-math-only")
+# Reassociated fp32 sums let the compiler vectorise the dot products, as SDPA's own kernels reorder them. Not
+# -ffast-math: with it, gcc links a constructor that sets flush-to-zero for the whole process when the
+# library loads, which would change every other computation in it.
+_FLAGS = ("-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
 # The C source's limits (MAX_BLOCK_SIZE, MAX_ROWS, MAX_ROWS_DIM), and the most new tokens of a sequence it is
 # given: decodes and speculative verification; a longer prefill chunk is attended by SDPA, which does that better.
 MAX_BLOCK_SIZE, MAX_ROWS, MAX_ROWS_DIM = 256, 256, 16384
@@ -47,7 +48,8 @@ _ARGTYPES = [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I,
 def query_limit(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
     """The most new tokens per sequence the kernel attends for these shapes; 0 when it takes none of them."""
     group = num_heads // max(num_kv_heads, 1)
-    if num_kv_heads < 1 or group < 1 or group * num_kv_heads != num_heads or not 1 <= block_size <= MAX_BLOCK_SIZE:
+    if (num_kv_heads < 1 or group < 1 or group * num_kv_heads != num_heads or head_dim < 1
+            or not 1 <= block_size <= MAX_BLOCK_SIZE):
         return 0
     return max(0, min(MAX_QUERY_LEN, MAX_ROWS // group, MAX_ROWS_DIM // (group * head_dim)))
 
@@ -65,10 +67,14 @@ class CpuDecodeAttention:
     def accepts(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> bool:
         """Whether these are tensors the kernel reads and writes: fp32 on CPU, head_dim contiguous, the k and
         v caches of one layout, `out` shaped as `q`, and shapes within the kernel's limits."""
-        tensors = (q, k_cache, v_cache, out)
-        return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
-                and k_cache.stride() == v_cache.stride() and out.shape == q.shape
-                and query_limit(q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]) > 0)
+        if q.dim() != 3 or k_cache.dim() != 4 or out.shape != q.shape or k_cache.shape != v_cache.shape:
+            return False
+        if q.shape[2] != k_cache.shape[3] or k_cache.stride() != v_cache.stride():
+            return False
+        for t in (q, k_cache, v_cache, out):
+            if t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1:
+                return False
+        return query_limit(q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]) > 0
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> int:
@@ -82,6 +88,11 @@ class CpuDecodeAttention:
         if not self.accepts(q, k_cache, v_cache, out):
             raise ValueError("cpu decode attention: needs fp32 CPU tensors, head_dim contiguous, k and v caches "
                              "of one layout, out shaped as q, and shapes within the kernel's limits")
+        metadata = (block_tables, cu_seqlens_q, seq_lens)
+        if any(t.device.type != "cpu" for t in metadata) or (block_tables.dim(), cu_seqlens_q.dim(),
+                                                                seq_lens.dim()) != (2, 1, 1):
+            raise ValueError("cpu decode attention: block_tables [num_seqs, width], cu_seqlens_q [num_seqs + 1] and "
+                             "seq_lens [num_seqs] must be CPU tensors")
         tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
         if tables.stride(-1) != 1:
             tables = tables.contiguous()
@@ -109,12 +120,6 @@ class CpuDecodeAttention:
 
 
 def load_cpu_decode_attention(build_dir: Path, compiler: str = "cc") -> CpuDecodeAttention | str:
-    """The kernel, built into `build_dir` unless a build for this source, compiler and CPU is there
+    """The library, built into `build_dir` unless a build for this source, compiler and CPU is there
     (`kernels.cpu_build`); otherwise why it cannot be had."""
-    library = build_library(SOURCE, _FLAGS, build_dir, compiler)
-    if isinstance(library, str):
-        return library
-    try:
-        return CpuDecodeAttention(library)
-    except (OSError, AttributeError) as error:
-        return f"loading {library.name} failed: {error}"
+    return load_library(SOURCE, _FLAGS, build_dir, compiler, CpuDecodeAttention)

@@ -83,3 +83,24 @@ def test_other_dtypes_are_refused(ops: CpuModelOps) -> None:
     x = torch.randn((2, 16), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="fp32"):
         ops.add_rms_norm(x, None, torch.ones(16, dtype=torch.bfloat16), 1e-6)
+
+
+def test_tensors_the_ops_cannot_read_are_refused(ops: CpuModelOps) -> None:
+    q, k, v = torch.randn((2, 2, 8)), torch.randn((2, 1, 8)), torch.randn((2, 1, 8))
+    cos, sin = torch.randn((2, 8)), torch.randn((2, 8))
+    k_cache, v_cache = torch.zeros((2, 4, 1, 8)), torch.zeros((2, 4, 1, 8))
+    slots = torch.tensor([0, 1])
+    wrong = [
+        (q, k.flatten(1), v, cos, sin, k_cache, v_cache, slots),
+        (q, k, v, cos[:1], sin[:1], k_cache, v_cache, slots),
+        (q, k, v, cos, sin, k_cache, v_cache[:1], slots),
+        (q, k, v, cos, sin, k_cache, v_cache, slots.to("meta")),
+        (q[..., :6], k[..., :6], v[..., :6], cos[:, :6], sin[:, :6], k_cache, v_cache, slots),
+    ]
+    for args in wrong:
+        with pytest.raises(ValueError, match="cpu rope_store_kv"):
+            ops.rope_store_kv(*args)
+    with pytest.raises(ValueError, match="cpu add_rms_norm"):
+        ops.add_rms_norm(torch.randn(4), None, torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="cpu add_rms_norm"):
+        ops.add_rms_norm(torch.randn((2, 4)), None, torch.ones((1, 4)), 1e-6)

@@ -202,3 +202,53 @@ def test_peaked_and_flat_softmax(kernel: CpuDecodeAttention) -> None:
         expected = paged_attention_reference(q, k_cache, v_cache, tables, cu, lens, scale)
         assert bool(torch.isfinite(out).all())
         assert_close(out, expected, torch.float32)
+
+
+def test_tensors_the_kernel_cannot_read_are_refused(kernel: CpuDecodeAttention) -> None:
+    batch = make_batch([(1, 20), (1, 9)], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8,
+                       dtype=torch.float32, device=CPU, seed=5)
+    q, k_cache, v_cache, tables, cu, lens, scale = batch.args()
+    narrow_q = q[..., :16]  # a head_dim smaller than the cache's: the kernel would write past out
+    wrong = [
+        (narrow_q, k_cache, v_cache, tables, cu, lens, torch.empty_like(narrow_q)),
+        (q.flatten(1), k_cache, v_cache, tables, cu, lens, torch.empty_like(q.flatten(1))),
+        (q, k_cache, v_cache[:1], tables, cu, lens, torch.empty_like(q)),
+        (q, k_cache, v_cache, tables.to("meta"), cu, lens, torch.empty_like(q)),
+        (q, k_cache, v_cache, tables[0], cu, lens, torch.empty_like(q)),
+    ]
+    for q_, k_, v_, tables_, cu_, lens_, out in wrong:
+        with pytest.raises(ValueError, match="cpu decode attention"):
+            kernel(q_, k_, v_, tables_, cu_, lens_, scale, out)
+
+
+def test_a_nan_query_gives_nan_as_sdpa_does(kernel: CpuDecodeAttention) -> None:
+    batch = make_batch([(1, 20), (1, 9)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=4,
+                       dtype=torch.float32, device=CPU, seed=6)
+    q = batch.q.clone()
+    q[0, 0, 3] = float("nan")
+    out = torch.empty_like(q)
+    kernel(q, *batch.args()[1:6], batch.scale, out)
+    assert bool(out[0, 0].isnan().all()), "a NaN score is not silently dropped"
+    assert bool(torch.isfinite(out[1]).all())
+
+
+def test_a_cached_build_that_will_not_load_is_built_again(kernel: CpuDecodeAttention, tmp_path: Path) -> None:
+    # Where a build of this source, compiler and CPU goes (never a file this process has loaded: rewriting a
+    # mapped library in place would crash it), holding something that is not a library.
+    broken = tmp_path / kernel.library.name
+    broken.write_bytes(b"not a shared library")
+    again = load_cpu_decode_attention(tmp_path, os.environ.get("CC") or "cc")
+    assert isinstance(again, CpuDecodeAttention) and again.library == broken
+    assert broken.read_bytes()[:4] == b"\x7fELF"
+    assert [p.name for p in tmp_path.iterdir()] == [broken.name]
+
+
+def test_loading_the_kernels_leaves_the_floating_point_mode_alone(kernel: CpuDecodeAttention) -> None:
+    """A library built with -ffast-math would set flush-to-zero for the whole process as it loads."""
+    from kernels.model_ops_cpu import CpuModelOps, load_cpu_model_ops
+
+    ops = load_cpu_model_ops(kernel.library.parent, os.environ.get("CC") or "cc")
+    assert isinstance(ops, CpuModelOps)
+    smallest = 5e-324  # a subnormal double: flushed to zero, it would multiply to 0.0
+    assert smallest * 1.0 == smallest
+    assert float(torch.tensor([1e-40]) * 1.0) > 0.0, "fp32 subnormals survive in torch too"

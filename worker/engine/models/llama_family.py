@@ -93,7 +93,8 @@ class LlamaFamilyModel:
                 log.warning("the fused model kernels failed their start-up check (%s); running their torch "
                             "references instead", failure)
                 self.use_kernels = False
-        self.cpu_ops = cpu_ops if (not self.use_kernels and device.type == "cpu" and dtype == torch.float32) else None
+        serves = not self.use_kernels and device.type == "cpu" and dtype == torch.float32
+        self.cpu_ops = cpu_ops if serves else None
         self._add_rms_norm = (norm_act.add_rms_norm if self.use_kernels else
                               self.cpu_ops.add_rms_norm if self.cpu_ops is not None else norm_act.add_rms_norm_reference)
         self._silu_and_mul = norm_act.silu_and_mul if self.use_kernels else norm_act.silu_and_mul_reference
