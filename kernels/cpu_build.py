@@ -41,6 +41,11 @@ def kernels_cache_dir(environ: Mapping[str, str]) -> Path:
     return Path(base) / "carpool" / "kernels"
 
 
+def compiler_of(environ: Mapping[str, str]) -> str:
+    """The C compiler to build with: `$CC`, else `cc`; call at the edge with `os.environ`."""
+    return environ.get("CC") or "cc"
+
+
 def _cpu_identity() -> str:
     """What `-march=native` compiles for: the CPU's model and feature flags (Linux), else the platform."""
     try:

@@ -14,14 +14,14 @@ void add_rms_norm_f32(const float *x, int64_t x_stride, const float *residual, i
 {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
-        float *total = residual != 0 ? residual_out + r * residual_out_stride : out + r * out_stride;
+        const float *total = xr;
         if (residual != 0) {
             const float *rr = residual + r * residual_stride;
+            float *sum = residual_out + r * residual_out_stride;
 #pragma omp simd
             for (int64_t i = 0; i < hidden; i++)
-                total[i] = rr[i] + xr[i];
-        } else {
-            total = (float *)xr;
+                sum[i] = rr[i] + xr[i];
+            total = sum;
         }
         float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)

@@ -85,9 +85,18 @@ class CpuDecodeAttention:
         ValueError for tensors the kernel does not read, or a sequence whose offsets, length or block table
         are out of range.
         """
-        if not self.accepts(q, k_cache, v_cache, out):
+        limit = self.try_attend(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
+        if limit == 0:
             raise ValueError("cpu decode attention: needs fp32 CPU tensors, head_dim contiguous, k and v caches "
                              "of one layout, out shaped as q, and shapes within the kernel's limits")
+        return limit
+
+    def try_attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> int:
+        """As the call, but 0 (and nothing written) for tensors the kernel does not read, rather than an error:
+        the backend's path, which then attends them itself, checks them once."""
+        if not self.accepts(q, k_cache, v_cache, out):
+            return 0
         metadata = (block_tables, cu_seqlens_q, seq_lens)
         if any(t.device.type != "cpu" for t in metadata) or (block_tables.dim(), cu_seqlens_q.dim(),
                                                                 seq_lens.dim()) != (2, 1, 1):

@@ -171,9 +171,10 @@ def paged_attention_torch(
         return out
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    attended_query_len = 0  # sequences with at most this many new tokens are attended already
-    if cpu_decode is not None and cpu_decode.accepts(q, k_cache, v_cache, out):
-        attended_query_len = cpu_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
+    # Sequences with at most this many new tokens are attended by the compiled kernel (0: none).
+    attended_query_len = 0 if cpu_decode is None else cpu_decode.try_attend(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
+    if attended_query_len:
         if max_query_len <= attended_query_len:
             return out
         decode_groups = []  # done: only the longer prefill chunks are left

@@ -5,7 +5,6 @@ Like the attention kernel's tests, these compile C with the machine's compiler (
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from kernels.model_ops_cpu import CpuModelOps, load_cpu_model_ops
 from kernels.norm_act import add_rms_norm_reference
 from kernels.paged_attention_torch import new_kv_cache
 from kernels.rope_kv import rope_store_kv_reference
+from tests.harness.cpu_kernels import compiled
 from tests.harness.kernel_batches import assert_close
 
 CPU = torch.device("cpu")
@@ -21,9 +21,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory: pytest.TempPathFactory) -> CpuModelOps:
-    loaded = load_cpu_model_ops(tmp_path_factory.mktemp("kernels"), os.environ.get("CC") or "cc")
-    assert isinstance(loaded, CpuModelOps), f"these tests need a C compiler: {loaded}"
-    return loaded
+    return compiled(load_cpu_model_ops, tmp_path_factory.mktemp("kernels"))
 
 
 @pytest.mark.parametrize("hidden", [8, 256, 1000])

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.cpu_build import compiler_of
 from kernels.paged_attention import paged_attention_reference
 from kernels.paged_attention_cpu import MAX_QUERY_LEN, CpuDecodeAttention, load_cpu_decode_attention, query_limit
 from kernels.paged_attention_torch import new_kv_cache, paged_attention_torch
+from tests.harness.cpu_kernels import compiled
 from tests.harness.kernel_batches import PagedBatch, assert_close, make_batch
 
 CPU = torch.device("cpu")
@@ -25,9 +27,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> CpuDecodeAttention:
-    loaded = load_cpu_decode_attention(tmp_path_factory.mktemp("kernels"), os.environ.get("CC") or "cc")
-    assert isinstance(loaded, CpuDecodeAttention), f"these tests need a C compiler: {loaded}"
-    return loaded
+    return compiled(load_cpu_decode_attention, tmp_path_factory.mktemp("kernels"))
 
 
 def _head_major(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +136,7 @@ def test_half_precision_caches_take_the_torch_path(kernel: CpuDecodeAttention) -
 
 
 def test_build_is_cached_and_shared(tmp_path: Path) -> None:
-    compiler = os.environ.get("CC") or "cc"
+    compiler = compiler_of(os.environ)
     first = load_cpu_decode_attention(tmp_path, compiler)
     assert isinstance(first, CpuDecodeAttention)
     built = first.library.stat().st_mtime_ns
@@ -237,7 +237,7 @@ def test_a_cached_build_that_will_not_load_is_built_again(kernel: CpuDecodeAtten
     # mapped library in place would crash it), holding something that is not a library.
     broken = tmp_path / kernel.library.name
     broken.write_bytes(b"not a shared library")
-    again = load_cpu_decode_attention(tmp_path, os.environ.get("CC") or "cc")
+    again = load_cpu_decode_attention(tmp_path, compiler_of(os.environ))
     assert isinstance(again, CpuDecodeAttention) and again.library == broken
     assert broken.read_bytes()[:4] == b"\x7fELF"
     assert [p.name for p in tmp_path.iterdir()] == [broken.name]
@@ -245,10 +245,9 @@ def test_a_cached_build_that_will_not_load_is_built_again(kernel: CpuDecodeAtten
 
 def test_loading_the_kernels_leaves_the_floating_point_mode_alone(kernel: CpuDecodeAttention) -> None:
     """A library built with -ffast-math would set flush-to-zero for the whole process as it loads."""
-    from kernels.model_ops_cpu import CpuModelOps, load_cpu_model_ops
+    from kernels.model_ops_cpu import load_cpu_model_ops
 
-    ops = load_cpu_model_ops(kernel.library.parent, os.environ.get("CC") or "cc")
-    assert isinstance(ops, CpuModelOps)
+    compiled(load_cpu_model_ops, kernel.library.parent)
     smallest = 5e-324  # a subnormal double: flushed to zero, it would multiply to 0.0
     assert smallest * 1.0 == smallest
     assert float(torch.tensor([1e-40]) * 1.0) > 0.0, "fp32 subnormals survive in torch too"

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from kernels import get_backend
-from kernels.cpu_build import kernels_cache_dir
+from kernels.cpu_build import compiler_of, kernels_cache_dir
 from kernels.model_ops_cpu import CpuModelOps, load_cpu_model_ops
 from kernels.paged_attention_cpu import CpuDecodeAttention, load_cpu_decode_attention
 from kernels.paged_attention_torch import plan_decode_groups
@@ -41,6 +41,8 @@ from worker.engine.step_inputs import StepInputs, StepSeq, StepShape
 __all__ = ["ModelRunner", "StepSeq"]
 
 log = logging.getLogger(__name__)
+
+CpuLibrary = TypeVar("CpuLibrary", CpuModelOps, CpuDecodeAttention)
 
 GIB = 1024**3
 # CPU default cache budget, allocated (zeroed) up front.
@@ -106,7 +108,10 @@ class ModelRunner:
         weights = self.quantization.value if self.quantization else str(self.dtype).removeprefix("torch.")
         log.info("model %s: %s implementation (%s), %s weights", model_path, self.model_choice.impl.value,
                  self.model_choice.reason, weights)
-        cpu_ops = self._load_cpu_model_ops(config, cpu_kernels)
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        cpu_ops = self._load_cpu_model_ops(config.hidden_size, cpu_kernels)
         try:
             self.model: CausalLM = load_causal_lm(model_path, config, self.model_choice.impl, self.dtype, self.device,
                                                   self.max_model_len, model_kernels, self.quantization, cpu_ops)
@@ -115,17 +120,13 @@ class ModelRunner:
         self.config = config
         self.eos_token_ids: set[int] = _eos_token_ids(model_path, config)
         if self.backend.name == "triton" and self.device.type == "cuda":
-            failure = check_paged_attention(self.device, self.dtype, config.num_attention_heads,
-                                            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                                            getattr(config, "head_dim", None)
-                                            or config.hidden_size // config.num_attention_heads, block_size)
+            failure = check_paged_attention(self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim,
+                                            block_size)
             if failure is not None:
                 log.warning("the Triton attention kernels failed their start-up check (%s); attention runs on the "
                             "torch backend", failure)
                 self.backend = get_backend("torch")
         self.num_layers: int = config.num_hidden_layers
-        self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_blocks = num_blocks if num_blocks is not None else self._default_num_blocks(kv_cache_memory_gb)
         if self.num_blocks <= 0:
             raise ValueError(f"num_blocks: the KV cache must hold at least one block, got {self.num_blocks}")
@@ -134,7 +135,6 @@ class ModelRunner:
         self.k_caches = [self.backend.new_cache(*cache_shape) for _ in range(self.num_layers)]
         self.v_caches = [self.backend.new_cache(*cache_shape) for _ in range(self.num_layers)]
         self._workspace = Workspace()
-        self.num_heads: int = config.num_attention_heads
         self.cpu_decode: CpuDecodeAttention | None = self._load_cpu_decode(cpu_kernels)
         """The compiled CPU kernel that attends decoding sequences; None where the backend's own path does."""
         self._num_multiprocessors = num_multiprocessors(self.device)
@@ -178,27 +178,19 @@ class ModelRunner:
         log.info("decode steps replay recorded graphs at batch sizes %s", sizes)
         return True
 
-    def _load_cpu_model_ops(self, config: PretrainedConfig, wanted: bool | None) -> CpuModelOps | None:
+    def _load_cpu_model_ops(self, hidden_size: int, wanted: bool | None) -> CpuModelOps | None:
         """carpool's models' add + RMSNorm and RoPE + KV store compiled for the CPU, when they serve this model
         and are asked for (None: where they build and pass their check)."""
         if wanted is False or self.model_choice.impl is not ModelImpl.CARPOOL:
             return None
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return None  # the Triton kernels on CUDA; the references for other dtypes
-        ops = load_cpu_model_ops(kernels_cache_dir(os.environ), os.environ.get("CC") or "cc")
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        failure = ops if isinstance(ops, str) else check_cpu_model_ops(
-            ops, config.hidden_size, num_heads, getattr(config, "num_key_value_heads", None) or num_heads, head_dim)
-        if failure is not None:
-            if wanted:
-                raise ValueError(f"cpu_kernels: the compiled model ops are not available: {failure}")
-            log.warning("carpool's model runs its norms and RoPE on the torch path: the compiled CPU ops are not "
-                        "available (%s)", failure)
-            return None
-        assert isinstance(ops, CpuModelOps)
-        log.info("carpool's model: add + RMSNorm and RoPE + KV store by compiled CPU kernels (%s)", ops.library)
-        return ops
+        ops = load_cpu_model_ops(kernels_cache_dir(os.environ), compiler_of(os.environ))
+        failure = ops if isinstance(ops, str) else check_cpu_model_ops(ops, hidden_size, self.num_heads,
+                                                                       self.num_kv_heads, self.head_dim)
+        return _accepted(ops, failure, wanted, "the compiled model ops",
+                         "carpool's model runs its norms and RoPE on the torch path",
+                         "carpool's model: add + RMSNorm and RoPE + KV store by compiled CPU kernels")
 
     def _load_cpu_decode(self, wanted: bool | None) -> CpuDecodeAttention | None:
         """The compiled CPU decode kernel when asked for (None: where it serves), checked on this model's shapes."""
@@ -210,18 +202,11 @@ class ModelRunner:
                 raise ValueError("cpu_kernels: the compiled decode attention serves the torch backend on CPU with "
                                  f"float32 caches, not {self.backend.name} on {self.device} with {self.dtype}")
             return None
-        kernel = load_cpu_decode_attention(kernels_cache_dir(os.environ), os.environ.get("CC") or "cc")
+        kernel = load_cpu_decode_attention(kernels_cache_dir(os.environ), compiler_of(os.environ))
         failure = kernel if isinstance(kernel, str) else check_cpu_decode_attention(
             kernel, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
-        if failure is not None:
-            if wanted:
-                raise ValueError(f"cpu_kernels: the compiled decode attention is not available: {failure}")
-            log.warning("decode attention runs on the torch path: the compiled CPU kernel is not available (%s)",
-                        failure)
-            return None
-        assert isinstance(kernel, CpuDecodeAttention)
-        log.info("decode attention: carpool's compiled CPU kernel (%s)", kernel.library)
-        return kernel
+        return _accepted(kernel, failure, wanted, "the compiled decode attention",
+                         "decode attention runs on the torch path", "decode attention: carpool's compiled CPU kernel")
 
     @property
     def graph_sizes(self) -> list[int]:
@@ -334,6 +319,20 @@ class ModelRunner:
         groups = plan_decode_groups(decodes, [batch[i].start_pos + 1 for i in decodes], block_tables,
                                     self.block_size, block_row_bytes) if decodes else []
         return {"decode_groups": groups, "workspace": self._workspace}
+
+
+def _accepted(loaded: CpuLibrary | str, failure: str | None, wanted: bool | None, what: str, fallback: str,
+              serving: str) -> CpuLibrary | None:
+    """A compiled CPU library that loaded and passed its check (`failure` None), and the start-up log line that
+    says so; else None and a warning naming the `fallback`, or an error when it was `wanted`."""
+    if failure is not None:
+        if wanted:
+            raise ValueError(f"cpu_kernels: {what} cannot be used: {failure}")
+        log.warning("%s: %s cannot be used (%s)", fallback, what, failure)
+        return None
+    assert not isinstance(loaded, str)
+    log.info("%s (%s)", serving, loaded.library)
+    return loaded
 
 
 def _model_dtype(config: PretrainedConfig, dtype: str | None) -> torch.dtype:
