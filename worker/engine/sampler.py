@@ -9,7 +9,10 @@ The draw is an exponential race: with `E_i ~ Exp(1)` i.i.d.,
 `(seed, position, token)` computed on the logits' device (worker/engine/noise.py),
 so a seeded request's token is a pure function of `(seed, position, logits)`
 whatever the batch. Unseeded rows draw their noise from the Sampler's own
-generator on the device in one pass (the hash takes about forty).
+generator on the device in one pass (the hash takes about forty). On a CPU,
+a step without seeded rows draws by inverse CDF instead (`inverse_cdf_draw`):
+one uniform number per row rather than an exponential per token, which
+for a vocabulary of 100k tokens is most of the draw's time there.
 
 All of it runs on the logits' device; the host learns the step's results by
 one copy at the end (`Sampler._fetch`), and waits only there.
@@ -53,6 +56,16 @@ class SampledToken:
     """Log-probability of the token under the final distribution, when logprobs were asked for."""
     top_logprobs: dict[int, float] | None
     """The most likely alternatives under that distribution (tokens ruled out are left off)."""
+
+
+def inverse_cdf_draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs` `[rows, vocab]`, token i with probability `probs[i]` over the row's sum: the
+    first whose running sum (in float64) exceeds a uniform draw scaled to that sum. A token of probability 0 is
+    never drawn."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)  # a third of cumsum(dtype=float64)'s time on a CPU
+    draw = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64, device=probs.device)
+    # A row that is NaN throughout finds no index; the clamp keeps it a token id, as the race's argmax does.
+    return torch.searchsorted(cdf, draw * cdf[:, -1:], right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def filter_logits(
@@ -207,6 +220,12 @@ class Sampler:
             filtered = filter_logits(filtered, ints[:, TOP_K], floats[:, TOP_P], floats[:, MIN_P])
         # The exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is distributed as p.
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if not seeded and self.device.type == "cpu":
+            drawn = inverse_cdf_draw(filtered.softmax(dim=-1), self._generator)
+            if not any(p.is_greedy for p in params):
+                return filtered, drawn
+            return (torch.where(is_greedy, logits, filtered),
+                    torch.where(is_greedy.squeeze(-1), logits.argmax(dim=-1), drawn))
         if len(seeded) == len(params):
             noise = exponential_noise(ints[:, SEED], positions, self._token_keys, self._noise_rows_per_chunk)
         else:

@@ -127,6 +127,27 @@ def test_unfiltered_rows_race_over_the_whole_tempered_distribution() -> None:
     assert drawn == expected
 
 
+@pytest.mark.parametrize("greedy_beside", [False, True])
+def test_unseeded_draws_follow_the_distribution(greedy_beside: bool) -> None:
+    """Unseeded rows (drawn by inverse CDF on a CPU) come out in proportion to their probabilities, never a
+    token ruled out, and a greedy row beside them stays the argmax."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    num_draws = 4000
+    logits = probs.log().expand(num_draws, -1)
+    requests = [_request(f"u{i}", temperature=1.0) for i in range(num_draws)]
+    if greedy_beside:
+        logits = torch.cat([logits, torch.tensor([[0.0, 0.0, 0.0, 5.0, 0.0]])])
+        requests.append(_request("greedy", temperature=0.0))
+    tokens = [t.token_id for t in Sampler(5, seed=11).sample(logits, requests)]
+    if greedy_beside:
+        assert tokens.pop() == 3
+    counts = torch.bincount(torch.tensor(tokens), minlength=5)
+    assert counts[4] == 0
+    # Each count within five standard deviations of its expectation (a false failure is about 1e-6 likely).
+    expected, spread = num_draws * probs[:4], (num_draws * probs[:4] * (1 - probs[:4])).sqrt()
+    assert ((counts[:4] - expected).abs() <= 5 * spread).all(), counts
+
+
 def test_unseeded_draws_follow_the_sampler_seed_and_not_the_global_rng() -> None:
     logits = torch.zeros(20, 1000)
     requests = [_request(f"u{i}", temperature=1.0) for i in range(20)]
