@@ -1,5 +1,5 @@
-/* carpool's own models' small fused ops on CPU, fp32: residual add + RMSNorm, and RoPE applied where the
- * KV cache is written. The same fusions as the Triton kernels of kernels/norm_act.py and kernels/rope_kv.py,
+/* carpool's own models' small fused ops on CPU, fp32: residual add + RMSNorm, SiLU-and-multiply, and RoPE
+ * applied where the KV cache is written. The same fusions as the Triton kernels of kernels/norm_act.py and kernels/rope_kv.py,
  * with the same plain-torch references; built and checked at start-up by kernels/model_ops_cpu.py. Each
  * replaces several torch ops (and their dispatch) per layer with one call.
  */
@@ -82,4 +82,39 @@ int64_t rope_store_kv_f32(const float *q, int64_t q_stride_token, int64_t q_stri
         }
     }
     return 0;
+}
+
+/* e^x, written so that the compiler vectorises it (the C library's expf is a call per element): x = n ln 2 + r
+ * with n the nearest integer to x / ln 2, and ln 2 split in two so that n ln 2 is subtracted without rounding
+ * (Cody and Waite); e^r, |r| <= ln(2) / 2, by its degree-7 Taylor polynomial (within 6e-9 relative); then two
+ * factors of 2^(n/2), each a normal float, so that results past the float range overflow to infinity and tiny
+ * ones underflow gradually, as expf's do. NaN gives NaN. */
+static inline float exp_f32(float x)
+{
+    const float c = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x); /* e^-104 rounds to 0, e^89 to infinity */
+    const float rounded = rintf(c * 1.44269504088896341f);
+    const float n = rounded == rounded ? rounded : 0.0f; /* NaN: r carries it; the scale stays defined */
+    const float r = (c - n * 0.693359375f) - n * -2.12194440e-4f;
+    const float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.66666667e-1f + r * (4.16666667e-2f
+                    + r * (8.33333333e-3f + r * (1.38888889e-3f + r * 1.98412698e-4f))))));
+    const int32_t k = (int32_t)n, half = k / 2;
+    const int32_t bits_a = (half + 127) * (1 << 23), bits_b = (k - half + 127) * (1 << 23);
+    float scale_a, scale_b;
+    __builtin_memcpy(&scale_a, &bits_a, sizeof scale_a);
+    __builtin_memcpy(&scale_b, &bits_b, sizeof scale_b);
+    return p * scale_a * scale_b;
+}
+
+/* out = silu(gate) * up per row, gate the first `inter` values of a gate_up row and up the next `inter`:
+ * silu(x) = x / (1 + e^-x) as torch computes it, its e^x and this one within a few units in the last place. */
+void silu_and_mul_f32(const float *gate_up, int64_t gate_up_stride, float *out, int64_t out_stride, int64_t rows,
+                      int64_t inter)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * gate_up_stride, *up = gate + inter;
+        float *o = out + r * out_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++)
+            o[i] = gate[i] / (1.0f + exp_f32(-gate[i])) * up[i];
+    }
 }

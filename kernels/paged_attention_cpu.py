@@ -62,7 +62,7 @@ class CpuDecodeAttention:
         function = getattr(ctypes.CDLL(str(library)), _SYMBOL)
         function.argtypes = _ARGTYPES
         function.restype = ctypes.c_int64
-        self._function = function
+        self.function = function
 
     def accepts(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> bool:
         """Whether these are tensors the kernel reads and writes: fp32 on CPU, head_dim contiguous, the k and
@@ -76,6 +76,10 @@ class CpuDecodeAttention:
                 return False
         return query_limit(q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]) > 0
 
+    def plan(self, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> DecodePlan:
+        """One step's sequences, checked once for every layer's call (`DecodePlan`)."""
+        return DecodePlan(self, block_tables, cu_seqlens_q, seq_lens)
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> int:
         """Write the rows of every sequence with at most `query_limit` new tokens; return that limit.
@@ -85,18 +89,22 @@ class CpuDecodeAttention:
         ValueError for tensors the kernel does not read, or a sequence whose offsets, length or block table
         are out of range.
         """
-        limit = self.try_attend(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
+        limit = self.plan(block_tables, cu_seqlens_q, seq_lens).try_attend(q, k_cache, v_cache, scale, out)
         if limit == 0:
             raise ValueError("cpu decode attention: needs fp32 CPU tensors, head_dim contiguous, k and v caches "
                              "of one layout, out shaped as q, and shapes within the kernel's limits")
         return limit
 
-    def try_attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                   cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> int:
-        """As the call, but 0 (and nothing written) for tensors the kernel does not read, rather than an error:
-        the backend's path, which then attends them itself, checks them once."""
-        if not self.accepts(q, k_cache, v_cache, out):
-            return 0
+
+class DecodePlan:
+    """One step's block tables, query offsets and context lengths, checked and converted for the kernel once:
+    each layer's call then checks only its own query, caches and output.
+
+    Raises ValueError for metadata the kernel cannot be given (not on the CPU, wrong ranks, too few entries).
+    """
+
+    def __init__(self, kernel: CpuDecodeAttention, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 seq_lens: torch.Tensor) -> None:
         metadata = (block_tables, cu_seqlens_q, seq_lens)
         if any(t.device.type != "cpu" for t in metadata) or (block_tables.dim(), cu_seqlens_q.dim(),
                                                                 seq_lens.dim()) != (2, 1, 1):
@@ -105,20 +113,31 @@ class CpuDecodeAttention:
         tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
         if tables.stride(-1) != 1:
             tables = tables.contiguous()
-        cu = cu_seqlens_q.to(torch.int32).contiguous()
-        lens = seq_lens.to(torch.int32).contiguous()
+        cu, lens = _int32(cu_seqlens_q), _int32(seq_lens)
         num_seqs = lens.shape[0]
         if cu.shape[0] != num_seqs + 1 or tables.shape[0] < num_seqs:
             raise ValueError("cpu decode attention: cu_seqlens_q needs num_seqs + 1 entries and a block-table row "
                              "per sequence")
+        self.kernel = kernel
+        # Held: the kernel reads them through these addresses.
+        self._tensors = (tables, cu, lens)
+        self._metadata = (tables.data_ptr(), tables.shape[1], tables.stride(0), cu.data_ptr(), lens.data_ptr(),
+                          num_seqs)
+
+    def try_attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                   out: torch.Tensor) -> int:
+        """Write the rows of every sequence with at most `query_limit` new tokens and return that limit; 0 (and
+        nothing written) for tensors the kernel does not read (`CpuDecodeAttention.accepts`), which the caller
+        then attends itself. Raises ValueError for a sequence whose offsets, length or blocks are out of range."""
+        if not self.kernel.accepts(q, k_cache, v_cache, out):
+            return 0
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         limit = query_limit(q.shape[1], num_kv_heads, head_dim, block_size)
-        status = self._function(
+        tables, width, table_stride, cu, lens, num_seqs = self._metadata
+        status = self.kernel.function(
             q.data_ptr(), q.stride(0), q.stride(1),
             k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2),
-            tables.data_ptr(), tables.shape[1], tables.stride(0),
-            cu.data_ptr(), lens.data_ptr(), num_seqs, q.shape[0],
+            k_cache.stride(2), tables, width, table_stride, cu, lens, num_seqs, q.shape[0],
             limit, q.shape[1], num_kv_heads, head_dim, block_size, scale,
             out.data_ptr(), out.stride(0), out.stride(1),
         )
@@ -126,6 +145,10 @@ class CpuDecodeAttention:
             which = "shapes beyond its limits" if status < 0 else f"sequence {status - 1}'s offsets, length or blocks"
             raise ValueError(f"cpu decode attention: {which} out of range")
         return limit
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
 def load_cpu_decode_attention(build_dir: Path, compiler: str = "cc") -> CpuDecodeAttention | str:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kv_store import store_kv_reference
-from kernels.paged_attention_cpu import CpuDecodeAttention
+from kernels.paged_attention_cpu import DecodePlan
 from kernels.workspace import Workspace
 
 # Python and launch cost of attending one more group, in bytes of fp32 keys and values gathered in the
@@ -131,7 +131,7 @@ def paged_attention_torch(
     decode_groups: list[DecodeGroup] | None = None,
     workspace: Workspace | None = None,
     is_graphed: bool = False,
-    cpu_decode: CpuDecodeAttention | None = None,
+    cpu_decode: DecodePlan | None = None,
     **_launch_hints: int | None,
 ) -> torch.Tensor:
     """Batched paged attention; the keyword arguments are host hints that change no result.
@@ -147,9 +147,10 @@ def paged_attention_torch(
     decode-only step recorded once and replayed: every sequence then attends
     over the block table's whole width, masked by its length on the device,
     so nothing is planned from host lengths. `cpu_decode` (the compiled CPU
-    kernel of `paged_attention_cpu.py`) attends every sequence of a few new
-    tokens (decodes, speculative verification) in one call, reading the cache
-    in place, when it accepts these tensors; `decode_groups` are then not
+    kernel of `paged_attention_cpu.py`, planned for this call's block tables,
+    query offsets and lengths) attends every sequence of a few new tokens
+    (decodes, speculative verification) in one call, reading the cache in
+    place, when it accepts these tensors; `decode_groups` are then not
     needed, and only longer chunks go through SDPA.
     """
     assert q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (q.shape, k_cache.shape)
@@ -172,8 +173,7 @@ def paged_attention_torch(
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     # Sequences with at most this many new tokens are attended by the compiled kernel (0: none).
-    attended_query_len = 0 if cpu_decode is None else cpu_decode.try_attend(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
+    attended_query_len = 0 if cpu_decode is None else cpu_decode.try_attend(q, k_cache, v_cache, scale, out)
     if attended_query_len:
         if max_query_len <= attended_query_len:
             return out

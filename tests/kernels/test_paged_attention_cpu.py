@@ -17,7 +17,7 @@ import torch
 
 from kernels.cpu_build import compiler_of
 from kernels.paged_attention import paged_attention_reference
-from kernels.paged_attention_cpu import MAX_QUERY_LEN, CpuDecodeAttention, load_cpu_decode_attention, query_limit
+from kernels.paged_attention_cpu import MAX_QUERY_LEN, CpuDecodeAttention, DecodePlan, load_cpu_decode_attention, query_limit
 from kernels.paged_attention_torch import new_kv_cache, paged_attention_torch
 from tests.harness.cpu_kernels import compiled
 from tests.harness.kernel_batches import PagedBatch, assert_close, make_batch
@@ -36,6 +36,10 @@ def _head_major(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         copy = new_kv_cache(*cache.shape, dtype=cache.dtype, device=CPU)
         caches.append(copy.copy_(cache))
     return caches[0], caches[1]
+
+
+def _plan(kernel: CpuDecodeAttention, batch: PagedBatch) -> DecodePlan:
+    return kernel.plan(batch.block_tables, batch.cu_seqlens_q, batch.seq_lens)
 
 
 def _cases(seed: int, num_decodes: int, num_chunks: int, block_size: int) -> list[tuple[int, int]]:
@@ -67,7 +71,7 @@ def test_torch_backend_with_the_kernel_matches_reference(kernel: CpuDecodeAttent
             q, k_cache, v_cache, *rest = batch.args()
             if layout == "head-major":
                 k_cache, v_cache = _head_major(batch)
-            got = paged_attention_torch(q, k_cache, v_cache, *rest, cpu_decode=kernel,
+            got = paged_attention_torch(q, k_cache, v_cache, *rest, cpu_decode=_plan(kernel, batch),
                                         max_query_len=max(n for n, _ in cases))
             assert_close(got, expected, torch.float32)
 
@@ -93,7 +97,7 @@ def test_query_limit_keeps_rows_within_the_kernel(kernel: CpuDecodeAttention) ->
     assert query_limit(8, 3, 64, 16) == 0 and query_limit(8, 2, 64, 512) == 0
     batch = make_batch([(3, 40), (2, 9), (1, 30)], num_heads=64, num_kv_heads=1, head_dim=128, block_size=16,
                        dtype=torch.float32, device=CPU, seed=8)
-    got = paged_attention_torch(*batch.args(), cpu_decode=kernel)
+    got = paged_attention_torch(*batch.args(), cpu_decode=_plan(kernel, batch))
     assert_close(got, paged_attention_reference(*batch.args()), torch.float32)
 
 
@@ -131,7 +135,7 @@ def test_half_precision_caches_take_the_torch_path(kernel: CpuDecodeAttention) -
     assert not kernel.accepts(q, k_cache, v_cache, torch.empty_like(q))
     with pytest.raises(ValueError, match="fp32"):
         kernel(*batch.args(), out=torch.empty_like(q))
-    got = paged_attention_torch(*batch.args(), cpu_decode=kernel)
+    got = paged_attention_torch(*batch.args(), cpu_decode=_plan(kernel, batch))
     assert_close(got, paged_attention_reference(*batch.args()), torch.bfloat16)
 
 

@@ -139,11 +139,12 @@ def check_cpu_decode_attention(kernel: CpuDecodeAttention, num_heads: int, num_k
     return None
 
 
-def check_cpu_model_ops(ops: CpuModelOps, hidden: int, num_heads: int, num_kv_heads: int,
+def check_cpu_model_ops(ops: CpuModelOps, hidden: int, intermediate: int, num_heads: int, num_kv_heads: int,
                         head_dim: int) -> str | None:
-    """None when the compiled add + RMSNorm and RoPE + KV store give their references' results on the model's
-    shapes (queries and keys strided as split from the fused qkv product), else why not."""
-    from kernels.norm_act import add_rms_norm_reference
+    """None when the compiled add + RMSNorm, SiLU-and-multiply and RoPE + KV store give their references' results
+    on the model's shapes, called one by one and through a forward's calls (queries, keys and values read out of
+    the fused qkv rows), else why not."""
+    from kernels.norm_act import add_rms_norm_reference, silu_and_mul_reference
     from kernels.paged_attention_torch import new_kv_cache
     from kernels.rope_kv import rope_store_kv_reference
 
@@ -155,19 +156,36 @@ def check_cpu_model_ops(ops: CpuModelOps, hidden: int, num_heads: int, num_kv_he
             got, want = ops.add_rms_norm(x, given, weight, 1e-6), add_rms_norm_reference(x, given, weight, 1e-6)
             if not (_close(got[0], want[0], torch.float32) and torch.equal(got[1], want[1])):
                 return "the compiled add + RMSNorm differs from its reference"
+        gate_up = 3 * torch.randn((5, 2 * intermediate), generator=gen)
+        if not _close(ops.silu_and_mul(gate_up), silu_and_mul_reference(gate_up), torch.float32):
+            return "the compiled SiLU-and-multiply differs from its reference"
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         qkv = torch.randn((5, q_size + 2 * kv_size), generator=gen)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q, k, v = q.view(5, num_heads, head_dim), k.view(5, num_kv_heads, head_dim), v.view(5, num_kv_heads, head_dim)
         cos, sin = torch.randn((5, head_dim), generator=gen), torch.randn((5, head_dim), generator=gen)
         cpu = torch.device("cpu")
-        caches = [new_kv_cache(3, 4, num_kv_heads, head_dim, torch.float32, cpu) for _ in range(4)]
+        caches = [new_kv_cache(3, 4, num_kv_heads, head_dim, torch.float32, cpu) for _ in range(6)]
         slots = torch.tensor([5, -1, 0, 11, 2])
         got_q = ops.rope_store_kv(q, k, v, cos, sin, caches[0], caches[1], slots)
         want_q = rope_store_kv_reference(q, k, v, cos, sin, caches[2], caches[3], slots)
         if not (_close(got_q, want_q, torch.float32) and torch.equal(caches[0], caches[2])
                 and torch.equal(caches[1], caches[3])):
             return "the compiled RoPE + KV store differs from its reference"
+        # A forward's calls: the second of two layers, the residual stream kept in place, buffers reused.
+        forward = ops.forward(hidden, intermediate, num_heads, num_kv_heads, head_dim, cos, sin, slots,
+                              [caches[2], caches[4]], [caches[3], caches[5]], None)
+        first, stream = forward.add_rms_norm(x.clone(), None, weight, 1e-6)
+        normed, stream = forward.add_rms_norm(residual, stream, weight, 1e-6)
+        want_normed, want_stream = add_rms_norm_reference(residual, x, weight, 1e-6)
+        if not (_close(normed, want_normed, torch.float32) and torch.equal(stream, want_stream)):
+            return "the compiled add + RMSNorm of a forward differs from its reference"
+        if not _close(forward.silu_and_mul(gate_up), silu_and_mul_reference(gate_up), torch.float32):
+            return "the compiled SiLU-and-multiply of a forward differs from its reference"
+        got_q = forward.rope_store_kv(1, qkv)
+        if not (_close(got_q, want_q, torch.float32) and torch.equal(caches[4], caches[2])
+                and torch.equal(caches[5], caches[3])):
+            return "the compiled RoPE + KV store of a forward differs from its reference"
     except Exception as e:  # a library that loaded but misbehaves on these shapes
         return f"{type(e).__name__}: {e}"
     return None

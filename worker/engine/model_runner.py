@@ -111,7 +111,7 @@ class ModelRunner:
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        cpu_ops = self._load_cpu_model_ops(config.hidden_size, cpu_kernels)
+        cpu_ops = self._load_cpu_model_ops(config.hidden_size, config.intermediate_size, cpu_kernels)
         try:
             self.model: CausalLM = load_causal_lm(model_path, config, self.model_choice.impl, self.dtype, self.device,
                                                   self.max_model_len, model_kernels, self.quantization, cpu_ops)
@@ -178,19 +178,21 @@ class ModelRunner:
         log.info("decode steps replay recorded graphs at batch sizes %s", sizes)
         return True
 
-    def _load_cpu_model_ops(self, hidden_size: int, wanted: bool | None) -> CpuModelOps | None:
-        """carpool's models' add + RMSNorm and RoPE + KV store compiled for the CPU, when they serve this model
-        and are asked for (None: where they build and pass their check)."""
+    def _load_cpu_model_ops(self, hidden_size: int, intermediate_size: int, wanted: bool | None) -> CpuModelOps | None:
+        """carpool's models' add + RMSNorm, SiLU-and-multiply and RoPE + KV store compiled for the CPU, when they
+        serve this model and are asked for (None: where they build and pass their check)."""
         if wanted is False or self.model_choice.impl is not ModelImpl.CARPOOL:
             return None
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return None  # the Triton kernels on CUDA; the references for other dtypes
         ops = load_cpu_model_ops(kernels_cache_dir(os.environ), compiler_of(os.environ))
-        failure = ops if isinstance(ops, str) else check_cpu_model_ops(ops, hidden_size, self.num_heads,
-                                                                       self.num_kv_heads, self.head_dim)
+        failure = ops if isinstance(ops, str) else check_cpu_model_ops(ops, hidden_size, intermediate_size,
+                                                                       self.num_heads, self.num_kv_heads,
+                                                                       self.head_dim)
         return _accepted(ops, failure, wanted, "the compiled model ops",
-                         "carpool's model runs its norms and RoPE on the torch path",
-                         "carpool's model: add + RMSNorm and RoPE + KV store by compiled CPU kernels")
+                         "carpool's model runs its norms, SiLU and RoPE on the torch path",
+                         "carpool's model: add + RMSNorm, SiLU-and-multiply and RoPE + KV store by compiled CPU "
+                         "kernels")
 
     def _load_cpu_decode(self, wanted: bool | None) -> CpuDecodeAttention | None:
         """The compiled CPU decode kernel when asked for (None: where it serves), checked on this model's shapes."""
@@ -258,17 +260,18 @@ class ModelRunner:
     def _forward(self, shape: StepShape, batch: list[StepSeq]) -> torch.Tensor:
         inputs = self.inputs
         block_tables = inputs.step_table[: shape.num_seqs]
+        cu_seqlens_q, seq_lens = inputs.view("cu_seqlens_q", shape.num_seqs + 1), inputs.view("seq_lens", shape.num_seqs)
         metadata = PagedAttentionMetadata(
             backend=self.backend,
             k_caches=self.k_caches,
             v_caches=self.v_caches,
             slot_mapping=inputs.view("slot_mapping", shape.num_tokens),
             block_tables=block_tables,
-            cu_seqlens_q=inputs.view("cu_seqlens_q", shape.num_seqs + 1),
-            seq_lens=inputs.view("seq_lens", shape.num_seqs),
+            cu_seqlens_q=cu_seqlens_q,
+            seq_lens=seq_lens,
             max_query_len=shape.max_query_len,
             max_seq_len=shape.max_seq_len,
-            backend_hints=self._backend_hints(batch, block_tables, shape),
+            backend_hints=self._backend_hints(batch, block_tables, cu_seqlens_q, seq_lens, shape),
         )
         # Only the rows sampled from go through lm_head (all of them: None).
         logit_rows = None if shape.num_logits == shape.num_tokens else inputs.view("logit_rows", shape.num_logits)
@@ -304,14 +307,16 @@ class ModelRunner:
     def _num_kv_splits(self, num_seqs: int) -> int:
         return plan_kv_splits(self._num_multiprocessors, num_seqs * self.num_kv_heads)
 
-    def _backend_hints(self, batch: list[StepSeq], block_tables: torch.Tensor, shape: StepShape) -> dict[str, Any]:
+    def _backend_hints(self, batch: list[StepSeq], block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       seq_lens: torch.Tensor, shape: StepShape) -> dict[str, Any]:
         """Per-step settings the backend would otherwise derive per layer."""
         if self.backend.name == "triton":
             return {"num_kv_splits": self._num_kv_splits(shape.num_seqs), "workspace": self._workspace}
         if self.backend.name != "torch":
             return {}
-        if self.cpu_decode is not None:  # one call attends every decode: no groups to plan
-            return {"cpu_decode": self.cpu_decode, "workspace": self._workspace}
+        if self.cpu_decode is not None:  # one call per layer attends every decode: no groups to plan
+            return {"cpu_decode": self.cpu_decode.plan(block_tables, cu_seqlens_q, seq_lens),
+                    "workspace": self._workspace}
         # The torch backend's decode groups, planned once per step rather than once per layer.
         decodes = [i for i, seq in enumerate(batch) if len(seq.token_ids) == 1]
         # Keys and values of one block in fp32, the precision the backend attends in.

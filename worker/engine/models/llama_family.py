@@ -4,11 +4,12 @@ Built from a checkpoint directory's `config.json` (parsed by transformers)
 and its safetensors weights, with q/k/v fused into one matrix and gate/up
 into another at load time, so a layer is five matrix products: qkv, o,
 gate_up, down, and the step's one lm_head product over the sampled rows.
-Residual adds are fused into the RMSNorm that follows them, and RoPE is
-applied by the kernel that writes the KV cache: Triton kernels on CUDA
-(`kernels/norm_act.py`, `kernels/rope_kv.py`), the same fusions compiled
-from C on CPU in fp32 (`kernels/model_ops_cpu.py`), and their torch
-references otherwise. With a
+Residual adds are fused into the RMSNorm that follows them, SiLU into the
+multiply by `up`, and RoPE is applied by the kernel that writes the KV
+cache: Triton kernels on CUDA (`kernels/norm_act.py`, `kernels/rope_kv.py`),
+the same fusions compiled from C on CPU in fp32 (`kernels/model_ops_cpu.py`,
+one forward's calls checked once per step, with the compiled attention
+called directly for decodes), and their torch references otherwise. With a
 `quantization` the four layer matrices are held as int8 or fp8 with per-row
 scales (`worker.engine.models.quantization`); embeddings, norms and lm_head stay in
 the model's dtype. Attention goes
@@ -31,7 +32,7 @@ from safetensors import safe_open
 from transformers import PretrainedConfig
 
 from kernels import norm_act
-from kernels.model_ops_cpu import CpuModelOps
+from kernels.model_ops_cpu import CpuForward, CpuModelOps
 from kernels.rope_kv import rope_store_kv
 from worker.engine.attention import PagedAttentionMetadata, attend_cached, paged_attention
 from worker.engine.kernel_checks import check_model_kernels
@@ -175,12 +176,19 @@ class LlamaFamilyModel:
         """Logits of `logit_rows` (every token when None), in the model's dtype."""
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rope(positions)
+        # On CPU in fp32 the compiled ops, through one forward's calls (their shared arguments checked once).
+        step = None if self.cpu_ops is None else self.cpu_ops.forward(
+            self.config.hidden_size, self.config.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
+            cos, sin, metadata.slot_mapping, metadata.k_caches, metadata.v_caches,
+            metadata.backend_hints.get("cpu_decode"))
+        add_rms_norm = self._add_rms_norm if step is None else step.add_rms_norm
+        silu_and_mul = self._silu_and_mul if step is None else step.silu_and_mul
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            x, residual = self._add_rms_norm(hidden, residual, layer.input_norm, self.eps)
-            x = self._attention(i, layer, x, cos, sin, metadata)
-            x, residual = self._add_rms_norm(x, residual, layer.post_norm, self.eps)
-            hidden = linear(self._silu_and_mul(linear(x, layer.gate_up)), layer.down)
+            x, residual = add_rms_norm(hidden, residual, layer.input_norm, self.eps)
+            x = self._attention(i, layer, x, cos, sin, metadata, step)
+            x, residual = add_rms_norm(x, residual, layer.post_norm, self.eps)
+            hidden = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down)
         assert residual is not None, "a model has at least one layer"
         if logit_rows is not None:
             hidden, residual = hidden.index_select(0, logit_rows), residual.index_select(0, logit_rows)
@@ -188,10 +196,17 @@ class LlamaFamilyModel:
         return linear(hidden, self.lm_head)
 
     def _attention(self, index: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   metadata: PagedAttentionMetadata) -> torch.Tensor:
+                   metadata: PagedAttentionMetadata, step: CpuForward | None) -> torch.Tensor:
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = linear(x, layer.qkv, layer.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = linear(x, layer.qkv, layer.qkv_bias)
+        if step is not None and layer.q_norm is None:
+            q = step.rope_store_kv(index, qkv)
+            out = step.attend(index, q, metadata.max_query_len, self.scale)
+            if out is None:
+                out = attend_cached(index, q, metadata, self.scale)
+            return linear(out.view(num_tokens, q_size), layer.o, layer.o_bias)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
