@@ -190,9 +190,10 @@ class LlamaFamilyModel:
             x, residual = add_rms_norm(x, residual, layer.post_norm, self.eps)
             hidden = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down)
         assert residual is not None, "a model has at least one layer"
-        if logit_rows is not None:
+        if logit_rows is not None:  # fewer rows than the forward's: the checked call
             hidden, residual = hidden.index_select(0, logit_rows), residual.index_select(0, logit_rows)
-        hidden, _ = self._add_rms_norm(hidden, residual, self.norm, self.eps)
+            add_rms_norm = self._add_rms_norm
+        hidden, _ = add_rms_norm(hidden, residual, self.norm, self.eps)
         return linear(hidden, self.lm_head)
 
     def _attention(self, index: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
