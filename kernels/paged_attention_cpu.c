@@ -68,53 +68,56 @@ static inline __attribute__((always_inline)) void attend_unit(
         const int64_t in_block = len - start < block_size ? len - start : block_size;
         const float *keys = k_cache + table[b] * stride_block;
         const float *values = v_cache + table[b] * stride_block;
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t i = r / group, j = r % group;
-            const int64_t visible = len - q_len + i + 1 - start; /* keys of this block up to query i */
-            const int64_t count = visible < in_block ? visible : in_block;
-            if (count <= 0)
-                continue;
-            const float *query = q + (first + i) * q_stride_token + (head * group + j) * q_stride_head;
-            float block_max = -INFINITY;
-            for (int64_t t = 0; t < count; t++) {
-                const float *key = keys + t * stride_slot;
-                float dot = 0.0f;
+        /* Row r is (new token i, query head j of the group): r = i * group + j. */
+        for (int64_t i = 0; i < q_len; i++) {
+            for (int64_t j = 0; j < group; j++) {
+                const int64_t r = i * group + j;
+                const int64_t visible = len - q_len + i + 1 - start; /* keys of this block up to query i */
+                const int64_t count = visible < in_block ? visible : in_block;
+                if (count <= 0)
+                    continue;
+                const float *query = q + (first + i) * q_stride_token + (head * group + j) * q_stride_head;
+                float block_max = -INFINITY;
+                for (int64_t t = 0; t < count; t++) {
+                    const float *key = keys + t * stride_slot;
+                    float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; d++)
-                    dot += query[d] * key[d];
-                scores[t] = dot * scale;
-                block_max = scores[t] > block_max ? scores[t] : block_max;
-            }
-            const float new_max = block_max > running_max[r] ? block_max : running_max[r];
-            const float rescale = exp_nonpositive(running_max[r] - new_max);
-            float block_sum = 0.0f;
+                    for (int64_t d = 0; d < head_dim; d++)
+                        dot += query[d] * key[d];
+                    scores[t] = dot * scale;
+                    block_max = scores[t] > block_max ? scores[t] : block_max;
+                }
+                const float new_max = block_max > running_max[r] ? block_max : running_max[r];
+                const float rescale = exp_nonpositive(running_max[r] - new_max);
+                float block_sum = 0.0f;
 #pragma omp simd reduction(+ : block_sum)
-            for (int64_t t = 0; t < count; t++) {
-                scores[t] = exp_nonpositive(scores[t] - new_max);
-                block_sum += scores[t];
-            }
-            running_sum[r] = running_sum[r] * rescale + block_sum;
-            running_max[r] = new_max;
-            float *row = acc + r * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++)
-                row[d] *= rescale;
-            /* Four values per pass over the row: a quarter of the loads and stores of the accumulator. */
-            int64_t t = 0;
-            for (; t + 4 <= count; t += 4) {
-                const float *v0 = values + t * stride_slot, *v1 = v0 + stride_slot;
-                const float *v2 = v1 + stride_slot, *v3 = v2 + stride_slot;
-                const float p0 = scores[t], p1 = scores[t + 1], p2 = scores[t + 2], p3 = scores[t + 3];
+                for (int64_t t = 0; t < count; t++) {
+                    scores[t] = exp_nonpositive(scores[t] - new_max);
+                    block_sum += scores[t];
+                }
+                running_sum[r] = running_sum[r] * rescale + block_sum;
+                running_max[r] = new_max;
+                float *row = acc + r * head_dim;
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; d++)
-                    row[d] += (p0 * v0[d] + p1 * v1[d]) + (p2 * v2[d] + p3 * v3[d]);
-            }
-            for (; t < count; t++) {
-                const float *value = values + t * stride_slot;
-                const float p = scores[t];
+                    row[d] *= rescale;
+                /* Four values per pass over the row: a quarter of the loads and stores of the accumulator. */
+                int64_t t = 0;
+                for (; t + 4 <= count; t += 4) {
+                    const float *v0 = values + t * stride_slot, *v1 = v0 + stride_slot;
+                    const float *v2 = v1 + stride_slot, *v3 = v2 + stride_slot;
+                    const float p0 = scores[t], p1 = scores[t + 1], p2 = scores[t + 2], p3 = scores[t + 3];
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++)
-                    row[d] += p * value[d];
+                    for (int64_t d = 0; d < head_dim; d++)
+                        row[d] += (p0 * v0[d] + p1 * v1[d]) + (p2 * v2[d] + p3 * v3[d]);
+                }
+                for (; t < count; t++) {
+                    const float *value = values + t * stride_slot;
+                    const float p = scores[t];
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; d++)
+                        row[d] += p * value[d];
+                }
             }
         }
     }
