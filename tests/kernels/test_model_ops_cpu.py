@@ -212,7 +212,8 @@ def test_forward_attends_decodes_and_leaves_longer_chunks_to_the_caller(ops: Cpu
 
 def test_forward_refuses_what_its_kernels_cannot_read(ops: CpuModelOps) -> None:
     case = _ForwardCase()
-    shapes, cos, sin, slots, k_caches, v_caches = case.shapes, case.cos, case.sin, case.slots, case.k_caches, case.v_caches
+    shapes, cos, sin, slots = case.shapes, case.cos, case.sin, case.slots
+    k_caches, v_caches = case.k_caches, case.v_caches
     hidden, intermediate = shapes[:2]
     half = [c.to(torch.bfloat16) for c in k_caches]
     for wrong in ((cos[:2], sin[:2], slots, k_caches, v_caches), (cos, sin, slots, half, v_caches),

@@ -17,7 +17,9 @@ import torch
 
 from kernels.cpu_build import compiler_of
 from kernels.paged_attention import paged_attention_reference
-from kernels.paged_attention_cpu import MAX_QUERY_LEN, CpuDecodeAttention, DecodePlan, load_cpu_decode_attention, query_limit
+from kernels.paged_attention_cpu import (
+    MAX_QUERY_LEN, CpuDecodeAttention, DecodePlan, load_cpu_decode_attention, query_limit,
+)
 from kernels.paged_attention_torch import new_kv_cache, paged_attention_torch
 from tests.harness.cpu_kernels import compiled
 from tests.harness.kernel_batches import PagedBatch, assert_close, make_batch

@@ -175,7 +175,7 @@ def check_cpu_model_ops(ops: CpuModelOps, hidden: int, intermediate: int, num_he
         # A forward's calls: the second of two layers, the residual stream kept in place, buffers reused.
         forward = ops.forward(hidden, intermediate, num_heads, num_kv_heads, head_dim, cos, sin, slots,
                               [caches[2], caches[4]], [caches[3], caches[5]], None)
-        first, stream = forward.add_rms_norm(x.clone(), None, weight, 1e-6)
+        _, stream = forward.add_rms_norm(x.clone(), None, weight, 1e-6)
         normed, stream = forward.add_rms_norm(residual, stream, weight, 1e-6)
         want_normed, want_stream = add_rms_norm_reference(residual, x, weight, 1e-6)
         if not (_close(normed, want_normed, torch.float32) and torch.equal(stream, want_stream)):

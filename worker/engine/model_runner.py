@@ -260,7 +260,8 @@ class ModelRunner:
     def _forward(self, shape: StepShape, batch: list[StepSeq]) -> torch.Tensor:
         inputs = self.inputs
         block_tables = inputs.step_table[: shape.num_seqs]
-        cu_seqlens_q, seq_lens = inputs.view("cu_seqlens_q", shape.num_seqs + 1), inputs.view("seq_lens", shape.num_seqs)
+        cu_seqlens_q = inputs.view("cu_seqlens_q", shape.num_seqs + 1)
+        seq_lens = inputs.view("seq_lens", shape.num_seqs)
         metadata = PagedAttentionMetadata(
             backend=self.backend,
             k_caches=self.k_caches,
