@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,9 +97,18 @@ class LlamaFamilyModel:
                 self.use_kernels = False
         serves = not self.use_kernels and device.type == "cpu" and dtype == torch.float32
         self.cpu_ops = cpu_ops if serves else None
-        self._add_rms_norm = (norm_act.add_rms_norm if self.use_kernels else
-                              self.cpu_ops.add_rms_norm if self.cpu_ops is not None else norm_act.add_rms_norm_reference)
-        self._silu_and_mul = norm_act.silu_and_mul if self.use_kernels else norm_act.silu_and_mul_reference
+        # The fused ops one by one: Triton on CUDA, the compiled ones on CPU (a forward goes through
+        # `cpu_ops.forward` instead, but for a final norm over fewer rows), otherwise the torch references.
+        self._add_rms_norm: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float],
+                                     tuple[torch.Tensor, torch.Tensor]]
+        self._silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+        if self.use_kernels:
+            self._add_rms_norm, self._silu_and_mul = norm_act.add_rms_norm, norm_act.silu_and_mul
+        elif self.cpu_ops is not None:
+            self._add_rms_norm, self._silu_and_mul = self.cpu_ops.add_rms_norm, self.cpu_ops.silu_and_mul
+        else:
+            self._add_rms_norm = norm_act.add_rms_norm_reference
+            self._silu_and_mul = norm_act.silu_and_mul_reference
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
