@@ -126,13 +126,14 @@ class CpuModelOps:
                   head_dim: int) -> bool:
         """Whether every layer's caches are ones `rope_store_kv` writes (`[blocks, slots, kv_heads, head_dim]`,
         fp32 on CPU, k and v of one layout). Checked once for the same tensors (which no one resizes in place)."""
-        tensors = [*k_caches, *v_caches]
+        if len(k_caches) != len(v_caches):
+            return False
+        tensors = [*k_caches, *v_caches]  # equal halves: the same list means the same k/v pairs
         checked = self._checked_caches
         if checked is not None and checked[0] == (num_kv_heads, head_dim) and len(checked[1]) == len(tensors) and all(
                 a is b for a, b in zip(checked[1], tensors)):
             return True
-        if len(k_caches) != len(v_caches) or not all(
-                _caches_ok(k, v, num_kv_heads, head_dim) for k, v in zip(k_caches, v_caches)):
+        if not all(_caches_ok(k, v, num_kv_heads, head_dim) for k, v in zip(k_caches, v_caches)):
             return False
         self._checked_caches = ((num_kv_heads, head_dim), tensors)
         return True

@@ -21,7 +21,8 @@
 static inline float exp_nonpositive(float x)
 {
     const float t = (x < -87.0f ? -87.0f : x) * 1.44269504088896341f; /* NaN stays NaN */
-    const float whole = rintf(t);
+    const float rounded = rintf(t);
+    const float whole = rounded == rounded ? rounded : 0.0f; /* NaN: f carries it; the scale stays defined */
     const float f = t - whole;
     const float p = 1.0f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f
                     + f * (0.00133335581f + f * 0.000154035304f)))));
