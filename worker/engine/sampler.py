@@ -222,20 +222,16 @@ class Sampler:
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
         if not seeded and self.device.type == "cpu":
             drawn = inverse_cdf_draw(filtered.softmax(dim=-1), self._generator)
-            if not any(p.is_greedy for p in params):
-                return filtered, drawn
-            return (torch.where(is_greedy, logits, filtered),
-                    torch.where(is_greedy.squeeze(-1), logits.argmax(dim=-1), drawn))
-        if len(seeded) == len(params):
-            noise = exponential_noise(ints[:, SEED], positions, self._token_keys, self._noise_rows_per_chunk)
         else:
-            noise = torch.empty_like(filtered).exponential_(generator=self._generator)
-            if seeded:
-                index = to_device(seeded, torch.int64, self.device)
-                noise[index] = exponential_noise(ints[index, SEED], positions[index], self._token_keys,
-                                                 self._noise_rows_per_chunk)
-        race = filtered.softmax(dim=-1).div_(noise)
-        drawn = race.argmax(dim=-1)
+            if len(seeded) == len(params):
+                noise = exponential_noise(ints[:, SEED], positions, self._token_keys, self._noise_rows_per_chunk)
+            else:
+                noise = torch.empty_like(filtered).exponential_(generator=self._generator)
+                if seeded:
+                    index = to_device(seeded, torch.int64, self.device)
+                    noise[index] = exponential_noise(ints[index, SEED], positions[index], self._token_keys,
+                                                     self._noise_rows_per_chunk)
+            drawn = filtered.softmax(dim=-1).div_(noise).argmax(dim=-1)
         if not any(p.is_greedy for p in params):
             return filtered, drawn
         return torch.where(is_greedy, logits, filtered), torch.where(is_greedy.squeeze(-1), logits.argmax(dim=-1), drawn)
