@@ -64,7 +64,8 @@ def inverse_cdf_draw(probs: torch.Tensor, generator: torch.Generator) -> torch.T
     never drawn."""
     cdf = probs.to(torch.float64).cumsum(dim=-1)  # a third of cumsum(dtype=float64)'s time on a CPU
     draw = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64, device=probs.device)
-    # A row that is NaN throughout finds no index; the clamp keeps it a token id, as the race's argmax does.
+    # A row that is NaN throughout (logits that are, from a broken model) finds no index; the clamp keeps its
+    # token a valid id.
     return torch.searchsorted(cdf, draw * cdf[:, -1:], right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
@@ -213,7 +214,12 @@ class Sampler:
         """
         temperature = floats[:, TEMPERATURE:TEMPERATURE + 1]
         is_greedy = temperature == 0.0
-        filtered = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature)
+        # Each row shifted by its largest logit before the division, which leaves every distribution and filter
+        # as it was (they depend on differences of logits only) but cannot overflow: with a temperature so small
+        # that logit / temperature passes the float range (1e-40, say), the row's top logits become 0 and the
+        # rest -inf, the argmax the distribution tends to, instead of infinities whose softmax is NaN.
+        shifted = logits - logits.amax(dim=-1, keepdim=True)
+        filtered = shifted.div_(torch.where(is_greedy, torch.ones_like(temperature), temperature))
         # top_p 1 keeps every token (transformers skips its top-p warper there too), so a step
         # whose sampled rows ask for no filter skips the sort over the vocabulary.
         if any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params):

@@ -204,3 +204,19 @@ def _draw_list(logits: torch.Tensor, num_draws: int, **params: object) -> list[i
     sampler = Sampler(logits.shape[-1], seed=11)
     rows = logits.expand(num_draws, -1)
     return [t.token_id for t in sampler.sample(rows, [_request(f"d{i}", **params) for i in range(num_draws)])]
+
+
+@pytest.mark.parametrize("extra", [{}, {"seed": 5}, {"top_p": 0.9}, {"top_k": 3, "seed": 1}])
+def test_a_temperature_too_small_for_the_float_range_draws_the_argmax(extra: dict[str, object]) -> None:
+    """logit / 1e-40 passes the float range; the draw is then the limit of a falling temperature, the argmax
+    (the draw by inverse CDF, the race, and both behind a filter), with the whole probability on it."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(8)) * 4
+    requests = [_request(f"t{i}", position=i, temperature=1e-40, logprobs=2, **extra) for i in range(6)]
+    tokens = Sampler(300, seed=3).sample(logits, requests)
+    assert [t.token_id for t in tokens] == logits.argmax(dim=-1).tolist()
+    assert all(t.logprob == 0.0 and t.top_logprobs == {t.token_id: 0.0} for t in tokens)
+
+
+def test_a_tiny_temperature_keeps_tied_top_tokens_and_only_those() -> None:
+    logits = torch.tensor([[1.0, 3.0, -2.0, 3.0, 0.5]])
+    assert _draw_many(logits, 200, temperature=1e-40) == {1, 3}
