@@ -38,18 +38,14 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         # Characters of the pending tokens' text already emitted while a partial character waits.
         self._num_emitted_pending = 0
-        self._pieces: list[str] = []
-        self._joined = ""
-        """``"".join(self._pieces)`` as of the last time ``text`` was read."""
-        self._num_joined = 0
+        # Grown piece by piece: the engine reads the text every step, and a join of every piece so far walked
+        # one Python object per piece each time; appending copies the characters only (a memcpy).
+        self._text = ""
 
     @property
     def text(self) -> str:
         """All output text emitted so far."""
-        if self._num_joined != len(self._pieces):
-            self._joined = "".join(self._pieces)
-            self._num_joined = len(self._pieces)
-        return self._joined
+        return self._text
 
     def push(self, token_ids: list[int]) -> str:
         """Add output tokens; return the text that became stable (possibly empty)."""
@@ -78,8 +74,7 @@ class IncrementalDetokenizer:
             self._num_emitted_pending = 0
         else:
             self._num_emitted_pending += len(new_text)
-        if new_text:
-            self._pieces.append(new_text)
+        self._text += new_text
         return new_text
 
 
