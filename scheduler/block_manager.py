@@ -90,6 +90,8 @@ class BlockManager:
         candidates); a block comes back only if no one else holds it.
         """
         num_needed = self.num_new_blocks_needed(seq, num_new_tokens)
+        if prefix is None and num_needed <= self.num_free_blocks:
+            return True  # releasing sequences only adds free blocks (a decode inside its last block needs none)
         freed = Counter(b for s in released for b in s.block_table)
         num_free = self.num_free_blocks + sum(1 for b, n in freed.items() if self._ref_counts[b] == n)
         if prefix is not None:

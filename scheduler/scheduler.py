@@ -214,10 +214,11 @@ class Scheduler:
         """Schedule the running sequences' next tokens, all of them or only those whose priority number is at
         most ``up_to_priority``, less any in ``skip``; returns the budget left."""
         bm = self.block_manager
+        preempted: set[Sequence] = set()  # a set: a scan of `running` per sequence made a step O(n^2)
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted earlier in this loop
+            if seq in preempted:  # earlier in this loop
                 continue
             if (up_to_priority is not None and seq.priority > up_to_priority) or (skip and seq in skip):
                 continue
@@ -232,9 +233,10 @@ class Scheduler:
             while not bm.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 budget += self._preempt(victim, out)
+                preempted.add(victim)
                 if victim is seq:
                     break
-            if seq not in self.running:
+            if seq in preempted:
                 continue
             bm.allocate_for(seq, num_new + len(spec))
             out.scheduled.append(ScheduledSeq(seq, num_new + len(spec), spec))
