@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.config import MODEL_DTYPES
 from scheduler.params import SamplingParams
+from worker.engine.startup_heap import freeze_startup_heap
 
 # Host calls that put work on the GPU: one per kernel launched eagerly, one per graph replayed.
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
@@ -69,7 +70,8 @@ def _merged_length_us(intervals: list[tuple[float, float]]) -> float:
 
 def _filled_engine(model: str, device: str, dtype: str, batch: int, model_impl: str, quantization: str | None,
                    cuda_graphs: bool = False, cpu_kernels: bool | None = None) -> Any:
-    """An engine with `batch` requests of 32-token prompts, past their prefills and decoding."""
+    """An engine with `batch` requests of 32-token prompts, past their prefills and decoding; the heap is then
+    frozen (`worker.engine.startup_heap`), so an engine built here steps as one in `carpool worker` does."""
     from worker import Engine
 
     engine = Engine(model=model, device=device, dtype=dtype, max_num_seqs=batch, cuda_graphs=cuda_graphs,
@@ -78,6 +80,7 @@ def _filled_engine(model: str, device: str, dtype: str, batch: int, model_impl: 
         engine.add_request(f"r{i}", [65 + i % 20] * 32, SamplingParams(max_tokens=2000, ignore_eos=True))
     for _ in range(30):  # past the prefills, into steady decoding
         engine.step()
+    freeze_startup_heap()  # as a worker's engine process does once its engine is built
     return engine
 
 

@@ -24,6 +24,7 @@ from scheduler.telemetry.otel import Telemetry, TelemetryConfig, telemetry_confi
 from worker.config import WorkerConfig
 from worker.engine.process import EngineProcess, EngineStartError
 from worker.engine.tick import EngineThread
+from worker.engine.startup_heap import freeze_startup_heap
 from worker.engine.torch_threads import apply_torch_threads
 from worker.engine.wire import EngineRunner
 
@@ -81,6 +82,7 @@ def generate(config: WorkerConfig, prompt: str, params: SamplingParams) -> int:
 
     apply_torch_threads(config.torch_threads, config.engine.device)
     engine = Engine(config.engine)
+    freeze_startup_heap()
     (completion,) = engine.generate([prompt], params)
     if config.engine.model is None:
         print(f"carpool generate: {BUILTIN_MODEL_NOTICE}", file=sys.stderr)
@@ -107,6 +109,7 @@ async def start_engine(config: WorkerConfig) -> EngineRunner:
         engine = await asyncio.get_running_loop().run_in_executor(None, lambda: Engine(engine_config))
     except Exception as e:
         raise EngineStartError(f"{type(e).__name__}: {e}") from e
+    freeze_startup_heap()
     return EngineThread(engine)
 
 

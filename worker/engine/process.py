@@ -221,6 +221,7 @@ def serve_engine(sock: socket.socket, config: EngineConfig, torch_threads: int, 
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from worker.engine.startup_heap import freeze_startup_heap
     from worker.engine.torch_threads import apply_torch_threads
 
     with sock:
@@ -232,6 +233,7 @@ def serve_engine(sock: socket.socket, config: EngineConfig, torch_threads: int, 
         except Exception as e:
             sock.sendall(frame(EngineError(f"{type(e).__name__}: {e}")))
             return
+        freeze_startup_heap()
         sock.sendall(frame(EngineReady(engine.max_num_seqs, engine.max_model_len)))
         sent_ahead: deque[TickRequest | None] = deque()
         """Ticks read ahead of the one about to run; their jobs and aborts are already taken in."""

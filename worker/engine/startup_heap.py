@@ -1,0 +1,26 @@
+"""The garbage collector and the heap an engine process builds at start-up, settled once at its edge.
+
+Loading torch, transformers, a tokenizer and a model leaves a few hundred
+thousand objects the cyclic garbage collector tracks, and they live as long
+as the process. A decode step allocates thousands of small objects (a few
+dozen per request), so the collector runs about once a step, and its older
+generations keep walking that start-up heap: on the built-in model's shape
+at 128 sequences that was 0.5-0.7 ms of a 4-5 ms step on one CPU core.
+`gc.freeze()` moves everything alive at start-up into a generation the
+collector never scans; what the steps allocate is collected as before.
+Objects frozen there are not freed if they later become unreachable in a
+cycle, which is why this is for the start-up heap of a long-lived process
+(`carpool worker`'s engine, `carpool generate`, the benchmarks' engines),
+not something a library constructor does to its caller's process.
+"""
+
+from __future__ import annotations
+
+import gc
+
+
+def freeze_startup_heap() -> int:
+    """Collect once, then exempt every object still alive from later collections; returns how many were."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
