@@ -7,8 +7,10 @@
 2. decode steps replayed as CUDA graphs against eager steps: greedy tokens of one batch of prompts
    of 100 to ~8k tokens, 200 new tokens each, on the 1B model;
 3. `bench.step_profile` at batch 1, 8, 32 and 128, eager and graphed, carpool's own model (and the
-   transformers path at batch 32, eager and graphed, for comparison);
-4. continuous batching on `skewed` at 32 slots (`bench.skewed_gpu`), eager and graphed;
+   transformers path at batch 32, eager and graphed, for comparison), with the matrix products' kernel time
+   and the rate they read the model's matrices at, against the memory bandwidth a device copy measures;
+4. continuous batching on `skewed` at 32 slots (`bench.skewed_gpu`), eager and graphed, and transformers'
+   padded `generate` and `generate_batch` on the same workload and slots;
 5. quantized weights: the decode step (graphed) at batch 8 and 32 with `int8` and `fp8` weights against
    the model's dtype (targets on an H100: at most 0.6x of bf16's step);
 6. prompt lookup: the repetitive workload (`bench.repetitive`, on a cycling copy of the 1B model) at
@@ -28,6 +30,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_paged_decode.py",
@@ -40,6 +43,7 @@ REPETITIVE_REQUESTS = 64
 REPETITIVE_NEW_TOKENS = 256
 IDENTITY_PROMPT_LENS = [100, 400, 1000, 2000, 3000, 4500, 6000, 7900]
 IDENTITY_NEW_TOKENS = 200
+COPY_BYTES = 2 << 30
 
 
 def run_tests(timeout_s: float) -> str:
@@ -142,6 +146,22 @@ def prompt_lookup(model: str, dtype: str, output: Path) -> list[str]:
     return lines
 
 
+def copy_bandwidth_gbps(num_bytes: int = COPY_BYTES, repeats: int = 10) -> float:
+    """The GPU memory's measured bandwidth: a device-to-device copy, its bytes read and written over its time."""
+    import torch
+
+    source = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    target.copy_(source)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        target.copy_(source)
+    end.record()
+    end.synchronize()
+    return 2 * num_bytes * repeats / (start.elapsed_time(end) / 1e3) / 1e9
+
+
 def guarded(row: Callable[[], str], name: str, width: int) -> str:
     """One part's table row, or a row naming its error: a failing part never stops the parts after it."""
     try:
@@ -178,30 +198,45 @@ def main() -> None:
     lines.append(guarded(lambda: graph_identity(args.model, args.dtype), "graph vs eager greedy", 3))
     print(lines[-1], flush=True)
 
-    from bench.skewed_gpu import skewed_tokens_per_s
-    from bench.step_profile import profile_batch
+    from bench.skewed_gpu import peer_tokens_per_s, skewed_tokens_per_s
+    from bench.step_profile import TABLE_HEADER, profile_batch, table_row
 
-    lines += ["", "| model | mode | batch | step wall ms | GPU kernel ms | GPU busy | kernels/step | launches/step |",
-              "|---|---|---|---|---|---|---|---|"]
+    copy_gbps: float | None = None
+    try:
+        copy_gbps = copy_bandwidth_gbps()
+        bandwidth = f"{copy_gbps:,.0f} GB/s"
+    except Exception as exc:  # reported; the rows then give the read rate without its share
+        traceback.print_exc()
+        bandwidth = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+    torch.cuda.empty_cache()  # the copy's buffers: the engines below size their caches from free memory
+    lines += ["", f"measured memory bandwidth (a device-to-device copy of {COPY_BYTES >> 30} GiB, read and write "
+                  f"counted): {bandwidth}; `weights read at` is the model's matrices' bytes over the "
+                  "matrix-product kernels' time, and its share of that bandwidth", "", TABLE_HEADER]
     runs = [(impl, mode, batch) for impl, batches in (("carpool", (1, 8, 32, 128)), ("transformers", (32,)))
             for mode in ("eager", "graphs") for batch in batches]
     for impl, mode, batch in runs:
         def profile_row(impl: str = impl, mode: str = mode, batch: int = batch) -> str:
             r = profile_batch(args.model, "cuda", args.dtype, batch, mode, model_impl=impl)
             print(r.top_kernels, flush=True)
-            return (f"| {r.model_impl} | {mode} | {batch} | {r.step_ms:.2f} | {r.kernel_ms:.2f} | "
-                    f"{100 * r.busy_share:.0f} % | {r.num_kernels:.0f} | {r.num_launches:.0f} |")
+            return table_row(r, copy_gbps)
 
-        lines.append(guarded(profile_row, f"{impl} {mode} {batch}", 8))
+        lines.append(guarded(profile_row, f"{impl} {mode} {batch}", 10))
         print(lines[-1], flush=True)
         torch.cuda.empty_cache()
     lines += ["", "| skewed, 32 slots, 64 requests | output tokens | output tok/s |", "|---|---|---|"]
-    for mode in ("eager", "graphs"):
-        def skewed_row(mode: str = mode) -> str:
-            rate, num_tokens = skewed_tokens_per_s(args.model, 32, 64, "cuda", args.dtype, cuda_graphs=mode == "graphs")
-            return f"| {mode} | {num_tokens} | {rate:,.0f} |"
+    systems: list[tuple[str, Callable[[], tuple[float, int]]]] = [
+        (f"carpool, {mode}", partial(skewed_tokens_per_s, args.model, 32, 64, "cuda", args.dtype,
+                                     cuda_graphs=mode == "graphs"))
+        for mode in ("eager", "graphs")
+    ]
+    systems += [(f"transformers {peer}", partial(peer_tokens_per_s, peer, args.model, 32, 64, "cuda", args.dtype))
+                for peer in ("generate", "generate_batch")]
+    for name, measure in systems:
+        def skewed_row(name: str = name, measure: Callable[[], tuple[float, int]] = measure) -> str:
+            rate, num_tokens = measure()
+            return f"| {name} | {num_tokens} | {rate:,.0f} |"
 
-        lines.append(guarded(skewed_row, mode, 3))
+        lines.append(guarded(skewed_row, name, 3))
         print(lines[-1], flush=True)
         torch.cuda.empty_cache()
     lines += quantized_steps(args.model, args.dtype)

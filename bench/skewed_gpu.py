@@ -25,6 +25,29 @@ def skewed_tokens_per_s(model: str, max_num_seqs: int, num_requests: int, device
     return tokens / run.duration_s, tokens
 
 
+def peer_tokens_per_s(peer: str, model: str, max_num_seqs: int, num_requests: int, device: str,
+                      dtype: str) -> tuple[float, int]:
+    """(output tokens/s, output tokens) of transformers' padded `generate` (`peer="generate"`, groups of
+    `max_num_seqs`) or its continuous `generate_batch` on the same `skewed` requests, after a short warm-up
+    (as `carpool bench` runs them)."""
+    from bench.peers import load_hf_model, run_hf_generate, run_hf_generate_batch
+
+    hf_model, tokenizer = load_hf_model(model, device, dtype)
+    warm = skewed(2, seed=99, output_scale=0.02)
+    workload = skewed(num_requests, seed=0)
+    if peer == "generate":
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        run_hf_generate(hf_model, pad_id, warm, max_num_seqs)
+        run = run_hf_generate(hf_model, pad_id, workload, max_num_seqs)
+    elif peer == "generate_batch":
+        run_hf_generate_batch(hf_model, warm, max_num_seqs)
+        run = run_hf_generate_batch(hf_model, workload, max_num_seqs)
+    else:
+        raise ValueError(f"peer: generate or generate_batch, not {peer!r}")
+    tokens = sum(t.num_output_tokens for t in run.requests)
+    return tokens / run.duration_s, tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)

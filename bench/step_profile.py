@@ -21,6 +21,7 @@ whose wall time is far above its kernel time is bound by the host (Python and la
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -36,6 +37,10 @@ from worker.engine.startup_heap import freeze_startup_heap
 
 # Host calls that put work on the GPU: one per kernel launched eagerly, one per graph replayed.
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
+# Pieces of the names of the kernels torch's matrix products run on NVIDIA GPUs: cuBLAS's GEMM and GEMV kernels
+# (`sm90_xmma_gemm_...`, `gemv2T_kernel_val`, `splitKreduce_kernel` of a split-K product), cuBLASLt's
+# `nvjet_...` and CUTLASS's.
+MATMUL_KERNEL_MARKERS = ("gemm", "gemv", "splitkreduce", "nvjet", "cutlass", "xmma")
 MODES = ("eager", "graphs")
 
 
@@ -50,6 +55,33 @@ class StepProfile:
     num_kernels: float
     num_launches: float
     top_kernels: str
+    matmul_ms: float
+    """GPU time a step spends in matrix-product kernels (`is_matmul_kernel`)."""
+    matrix_bytes: float
+    """Bytes of the matrices a step reads (carpool's own models; NaN for the transformers path)."""
+
+    @property
+    def matmul_gbps(self) -> float:
+        """The rate the matrix products read their weights at: the floor of their traffic over their time."""
+        return self.matrix_bytes / self.matmul_ms / 1e6
+
+
+TABLE_HEADER = ("| model | mode | batch | step wall ms | GPU kernel ms | GPU busy | kernels/step | launches/step "
+                "| matmul kernel ms | weights read at |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def table_row(r: StepProfile, peak_gbps: float | None = None) -> str:
+    """`r` under `TABLE_HEADER`; the weights' read rate also as a share of `peak_gbps`, when given."""
+    rate = "–" if math.isnan(r.matmul_gbps) else f"{r.matmul_gbps:,.0f} GB/s"
+    if peak_gbps and not math.isnan(r.matmul_gbps):
+        rate += f" ({100 * r.matmul_gbps / peak_gbps:.0f} %)"
+    return (f"| {r.model_impl} | {r.mode} | {r.batch} | {r.step_ms:.2f} | {r.kernel_ms:.2f} | {100 * r.busy_share:.0f} % "
+            f"| {r.num_kernels:.0f} | {r.num_launches:.0f} | {r.matmul_ms:.2f} | {rate} |")
+
+
+def is_matmul_kernel(name: str) -> bool:
+    lowered = name.lower()
+    return any(marker in lowered for marker in MATMUL_KERNEL_MARKERS)
 
 
 def _merged_length_us(intervals: list[tuple[float, float]]) -> float:
@@ -92,6 +124,7 @@ def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, ti
                             cpu_kernels=cpu_kernels)
     assert mode == "eager" or engine.runner.graph_sizes, "CUDA graphs were asked for but not recorded (see the log)"
     impl = engine.runner.model_choice.impl.value
+    matrix_bytes = float(getattr(engine.runner.model, "matrix_nbytes", float("nan")))
     if is_cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -101,7 +134,7 @@ def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, ti
     if not is_cuda:
         return StepProfile(mode=mode, model_impl=impl, batch=batch, step_ms=step_ms, kernel_ms=float("nan"),
                            busy_share=float("nan"), num_kernels=float("nan"), num_launches=float("nan"),
-                           top_kernels="")
+                           top_kernels="", matmul_ms=float("nan"), matrix_bytes=matrix_bytes)
     profiled_steps = 20
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         torch.cuda.synchronize()
@@ -113,13 +146,15 @@ def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, ti
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     kernel_us = sum(end - start for start, end in intervals)
+    matmul_us = sum(e.time_range.end - e.time_range.start for e in kernels if is_matmul_kernel(e.name))
     busy_us = _merged_length_us(intervals)
     launches = sum(1 for e in prof.events() if e.name in LAUNCH_EVENTS)
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=8)
     return StepProfile(
         mode=mode, model_impl=impl, batch=batch, step_ms=step_ms, kernel_ms=kernel_us / profiled_steps / 1e3,
         busy_share=busy_us / profiled_wall_us, num_kernels=len(kernels) / profiled_steps,
-        num_launches=launches / profiled_steps, top_kernels=table,
+        num_launches=launches / profiled_steps, top_kernels=table, matmul_ms=matmul_us / profiled_steps / 1e3,
+        matrix_bytes=matrix_bytes,
     )
 
 
@@ -195,11 +230,9 @@ def main() -> None:
                     print(f"## {impl}, {mode}, batch {batch}\n{result.top_kernels}")
                 if is_cuda:
                     torch.cuda.empty_cache()
-    print("| model | mode | batch | step wall ms | GPU kernel ms | GPU busy | kernels/step | launches/step |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(TABLE_HEADER)
     for r in rows:
-        print(f"| {r.model_impl} | {r.mode} | {r.batch} | {r.step_ms:.2f} | {r.kernel_ms:.2f} | {100 * r.busy_share:.0f} % "
-              f"| {r.num_kernels:.0f} | {r.num_launches:.0f} |")
+        print(table_row(r))
 
 
 if __name__ == "__main__":

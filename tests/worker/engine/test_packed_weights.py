@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.engine.model_runner import ModelRunner
+from worker.engine.models.llama_family import read_safetensors
 from worker.engine.models.packed import PackedWeight, pack_verified, pack_weight, packed_linear
 
 # Relative to the product's largest value: the two differ by the order of fp32 sums.
@@ -66,3 +67,15 @@ def test_other_dtypes_keep_plain_weights(tiny_model: Callable[..., str]) -> None
     layer = runner.model.layers[0]  # type: ignore[attr-defined]
     assert not runner.model.packed  # type: ignore[attr-defined]
     assert all(isinstance(w, torch.Tensor) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+
+
+@pytest.mark.parametrize(("dtype", "tied"), [("float32", False), ("float32", True), ("bfloat16", False)])
+def test_matrix_bytes_count_each_matrix_once(tiny_model: Callable[..., str], dtype: str, tied: bool) -> None:
+    """What a decode step reads of the matrices: the checkpoint's projections and output layer in the model's
+    dtype, a packed weight's two copies counted once."""
+    path = tiny_model("llama", tie_word_embeddings=tied)
+    weights = read_safetensors(path)
+    names = [n for n in weights if n.endswith("_proj.weight")] + ["embed_tokens.weight" if tied else "lm_head.weight"]
+    element_size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    runner = ModelRunner(path, dtype=dtype, num_blocks=8, model_impl="carpool")
+    assert runner.model.matrix_nbytes == element_size * sum(weights[n].numel() for n in names)  # type: ignore[attr-defined]

@@ -181,6 +181,16 @@ class LlamaFamilyModel:
             log.info("fp32 weights packed for oneDNN at load, plain copies kept for one-row products (+%d MiB)",
                      extra >> 20)
 
+    @property
+    def matrix_nbytes(self) -> int:
+        """Bytes of the matrices a decode step reads once each, every layer's four and lm_head: the floor of a
+        step's memory traffic (a packed CPU weight's two copies counted once, as a product reads one)."""
+        def read(weight: LinearWeight) -> int:
+            return weight.plain.nbytes if isinstance(weight, PackedWeight) else weight.nbytes
+
+        layers = sum(read(w) for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return layers + read(self.lm_head)
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
                  logit_rows: torch.Tensor | None) -> torch.Tensor:
         """Logits of `logit_rows` (every token when None), in the model's dtype."""
