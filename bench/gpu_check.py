@@ -183,6 +183,9 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("bench.gpu_check needs a CUDA GPU; none is available here.")
+    from bench.step_profile import freeze_imported_heap
+
+    freeze_imported_heap()
     if not (Path(args.model) / "config.json").exists():
         from bench.gpu.make_1b_model import main as make_model
 
