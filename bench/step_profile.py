@@ -62,8 +62,9 @@ class StepProfile:
 
     @property
     def matmul_gbps(self) -> float:
-        """The rate the matrix products read their weights at: the floor of their traffic over their time."""
-        return self.matrix_bytes / self.matmul_ms / 1e6
+        """The rate the matrix products read their weights at: the floor of their traffic over their time; NaN
+        where no kernel was told to be a matrix product (a naming this module does not know), not a division by 0."""
+        return self.matrix_bytes / self.matmul_ms / 1e6 if self.matmul_ms > 0 else float("nan")
 
 
 TABLE_HEADER = ("| model | mode | batch | step wall ms | GPU kernel ms | GPU busy | kernels/step | launches/step "

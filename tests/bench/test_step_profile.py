@@ -3,6 +3,7 @@ reads, the table's rows, and transformers' runs of `skewed` beside carpool's."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -48,6 +49,8 @@ def test_a_profile_on_cpu_carries_the_matrix_bytes_of_carpool_models_only(tiny_m
         row = table_row(profile, peak_gbps=3000.0)
         assert math.isnan(profile.matmul_ms) and row.endswith("| nan | – |")
         assert row.count("|") == TABLE_HEADER.splitlines()[0].count("|")
+    # A GPU profile whose kernels none were told to be matrix products: the row says so, the table goes on.
+    assert table_row(dataclasses.replace(own, matmul_ms=0.0), peak_gbps=3000.0).endswith("| 0.00 | – |")
 
 
 @pytest.mark.parametrize("peer", ["generate", "generate_batch"])
