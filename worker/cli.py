@@ -23,8 +23,8 @@ from scheduler.telemetry.log_format import configure_logging
 from scheduler.telemetry.otel import Telemetry, TelemetryConfig, telemetry_config_from_env
 from worker.config import WorkerConfig
 from worker.engine.process import EngineProcess, EngineStartError
-from worker.engine.tick import EngineThread
 from worker.engine.startup_heap import freeze_startup_heap
+from worker.engine.tick import EngineThread
 from worker.engine.torch_threads import apply_torch_threads
 from worker.engine.wire import EngineRunner
 
