@@ -38,7 +38,10 @@ def redis_server_binary() -> str:
 
 
 def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on `port` now. With SO_REUSEADDR, as redis-server binds: the closed
+    connections of a Redis just stopped (TIME_WAIT) do not hold the port, a listening server does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+import redis
 import redis.asyncio as aioredis
 
 from gateway.api_keys import KeyStore
@@ -39,10 +40,15 @@ def add_keys_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> N
 
 def run_keys(args: argparse.Namespace, data_dir: Path) -> int:
     try:
-        return asyncio.run(_run(args, resolve_redis_url(args.redis_url, data_dir)))
+        redis_url = resolve_redis_url(args.redis_url, data_dir)
+        return asyncio.run(_run(args, redis_url))
     except ValueError as e:
         print(f"carpool keys: {e}", file=sys.stderr)
         return 2
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        print(f"carpool keys: cannot reach Redis at {redis_url} ({e}); is `carpool up` running, or is it another "
+              "deployment's Redis (--redis-url)?", file=sys.stderr)
+        return 1
 
 
 async def _run(args: argparse.Namespace, redis_url: str) -> int:

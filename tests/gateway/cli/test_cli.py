@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
 from gateway.app import init_app
-from gateway.cli.embedded_redis import free_port
+from gateway.cli.embedded_redis import free_port, is_port_free
 from gateway.cli.main import DELEGATED_VERBS, build_parser, main
 from gateway.cli.up import UpConfig
 from gateway.config import GatewayConfig
@@ -101,6 +102,30 @@ async def test_submit_reports_a_refusal(gateway_url: str, capsys: pytest.Capture
 def test_submit_reports_an_unreachable_gateway(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["submit", "x", "--gateway", f"http://127.0.0.1:{free_port()}"], env={}) == 1
     assert "cannot reach the gateway" in capsys.readouterr().err
+
+
+def test_keys_reports_an_unreachable_redis(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"redis://127.0.0.1:{free_port()}"
+    assert main(["keys", "create", "--tenant", "acme", "--redis-url", url], env={}) == 1
+    err = capsys.readouterr().err
+    assert f"cannot reach Redis at {url}" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_port_held_only_by_closed_connections_is_free() -> None:
+    """A Redis stopped a moment ago leaves its served connections in TIME_WAIT on its port: `carpool up` may
+    start a new one there at once (redis-server binds with SO_REUSEADDR)."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as redis-server's listener
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert not is_port_free(port)  # a listening server holds it
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            served, _ = listener.accept()
+            served.close()  # the server's side closes first: its end of the connection waits in TIME_WAIT
+            client.recv(1)
+    assert is_port_free(port)
 
 
 def _carpool(*args: str, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess[str]:
