@@ -13,15 +13,24 @@ Objects frozen there are not freed if they later become unreachable in a
 cycle, which is why this is for the start-up heap of a long-lived process
 (`carpool worker`'s engine, `carpool generate`, the benchmarks' engines),
 not something a library constructor does to its caller's process.
+
+At exit the heap is unfrozen again, so that the interpreter's last
+collection frees it like any other: extensions built with nanobind (Triton's)
+print every object of theirs still alive then as a leak, a screenful on each
+clean stop.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 
 
 def freeze_startup_heap() -> int:
-    """Collect once, then exempt every object still alive from later collections; returns how many were."""
+    """Collect once, then exempt every object still alive from later collections until the process exits;
+    returns how many were."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however often the heap is frozen
+    atexit.register(gc.unfreeze)
     return gc.get_freeze_count()
