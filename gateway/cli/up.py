@@ -169,7 +169,12 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
         readyz = f"http://127.0.0.1:{metrics_port}/readyz"
         is_ready = await wait_ready(worker, readyz, config.ready_timeout_s, stop)
         if is_ready:
-            print(f'carpool: ready — try: carpool submit "hello" --wait --gateway {base}', flush=True)
+            if config.api_keys:  # every /v1 route needs a key: the plain hint would be refused
+                print("carpool: ready — every request needs a key; in another shell try: export CARPOOL_API_KEY="
+                      f"$(carpool keys create --tenant acme --redis-url {redis_url}) && carpool submit \"hello\" "
+                      f"--wait --gateway {base}", flush=True)
+            else:
+                print(f'carpool: ready — try: carpool submit "hello" --wait --gateway {base}', flush=True)
             waiter = asyncio.create_task(stop.wait())
             died = asyncio.create_task(worker.wait())
             await asyncio.wait({waiter, died}, return_when=asyncio.FIRST_COMPLETED)

@@ -168,6 +168,7 @@ def test_up_then_submit_wait_prints_a_completion(tiny_model: Callable[..., str],
     out = log_path.read_text()
     assert code == 0, out
     assert out.index("carpool: shutting down") < out.index("carpool: worker stopped (0)") < out.index("carpool: redis stopped")
+    assert "leaked" not in out  # no extension module's leak report on a clean stop
     # the gateway logs JSON lines like `carpool gateway` (the worker child's own say carpool-worker)
     services = {json.loads(line)["service"] for line in out.splitlines() if line.startswith("{")}
     assert {"carpool-gateway", "carpool-worker"} <= services, out
