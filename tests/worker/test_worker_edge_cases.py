@@ -52,6 +52,27 @@ async def test_invalid_json_job_with_an_id_is_marked_failed(redis_url, engine):
     await client.aclose()
 
 
+async def test_a_stop_token_past_the_vocabulary_fails_its_job_and_the_rest_run(redis_url, engine):
+    """min_tokens masks the stop tokens by index into the logits: an id past the vocabulary must fail the job
+    at intake, not the sampler's step (which would stop the worker and every job batched with it)."""
+    client = aioredis.Redis.from_url(redis_url)
+    lane = KEYS.lane(Lane.STANDARD)
+    async with running_worker(redis_url, engine) as service:
+        poison = {"v": 1, "id": "poison", "prompt": "hello",
+                  "params": {"stop_token_ids": [engine.runner.vocab_size], "min_tokens": 1, "max_tokens": 4}}
+        await client.xadd(lane, {"job": json.dumps(poison)})
+        for i in range(3):
+            body = {"v": 1, "id": f"fine-{i}", "prompt": "hello", "params": {"max_tokens": 4, "min_tokens": 2,
+                                                                             "stop_token_ids": [5]}}
+            await client.xadd(lane, {"job": json.dumps(body)})
+        views = await wait_terminal(client, ["poison", "fine-0", "fine-1", "fine-2"])
+        assert not service.has_failed and not service.stopped.is_set()
+    assert views["poison"]["status"] == "failed"
+    assert "stop_token_ids: token id" in views["poison"]["error"]["message"]
+    assert [views[f"fine-{i}"]["status"] for i in range(3)] == ["succeeded"] * 3
+    await client.aclose()
+
+
 async def test_direct_job_without_a_lane_field_belongs_to_the_lane_it_was_added_to(redis_url, engine):
     client = aioredis.Redis.from_url(redis_url)
     async with running_worker(redis_url, engine):

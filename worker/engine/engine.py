@@ -30,7 +30,7 @@ from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.model_runner import ModelRunner, StepSeq
-from worker.engine.prompt_input import check_token_ids, prompt_token_ids
+from worker.engine.prompt_input import check_token_ids, max_prompt_chars, prompt_token_ids
 from worker.engine.records import EngineStats
 from worker.engine.request_state import Completion, RequestOutput, RequestState
 from worker.engine.sampler import SampledToken, SampleRequest, Sampler
@@ -89,6 +89,8 @@ class Engine:
         self.max_model_len = min(
             max_model_len or self.runner.max_model_len, self.runner.num_blocks * self.runner.block_size
         )
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
+        """Longer text prompts are refused before they are tokenized (`prompt_input.max_prompt_chars`)."""
         self.max_num_seqs = config.max_num_seqs
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -138,9 +140,11 @@ class Engine:
         # belongs to that request, so it must not reach the caller as this one's.
         self._pending = [o for o in self._pending if o.request_id != request_id]
         params = params if params is not None else SamplingParams()
-        prompt_ids = prompt_token_ids(self.tokenizer, self.runner.vocab_size, prompt, messages)
+        prompt_ids = prompt_token_ids(self.tokenizer, self.runner.vocab_size, prompt, messages, self.max_prompt_chars)
         resumed = list(resume_token_ids or [])
         check_token_ids("resume_token_ids", resumed, self.runner.vocab_size)
+        # The sampler masks them (until min_tokens) by index into the logits: an id past the vocabulary is refused.
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.runner.vocab_size)
         if params.max_tokens is None:  # as many as fit: the rest of the context (a prompt that fills it is refused)
             params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(prompt_ids)))
         assert params.max_tokens is not None

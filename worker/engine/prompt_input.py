@@ -7,10 +7,26 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 
+# How many times the longest token's characters a text prompt may hold per token of context before it is refused
+# untokenized. A token covers at most that many characters of the text it came from, so a longer prompt cannot fit;
+# the margin is for normalizers that drop characters (control characters, combining accents) before splitting.
+_CHARS_MARGIN = 4
+
+
+def max_prompt_chars(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> int:
+    """The most characters of text a prompt may have to be tokenized at all: beyond it the prompt cannot fit in
+    `max_model_len` tokens, and tokenizing megabytes of it would hold the engine up for seconds to minutes."""
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    return _CHARS_MARGIN * max_model_len * max(longest, 1)
+
+
 def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, prompt: str | list[int] | None,
-                     messages: list[dict[str, Any]] | None) -> list[int]:
+                     messages: list[dict[str, Any]] | None, max_chars: int | None = None) -> list[int]:
+    """Checked token ids of the prompt. `max_chars` (`max_prompt_chars`): a longer text is refused untokenized."""
     if (prompt is None) == (messages is None):
         raise ValueError("prompt: give exactly one of prompt or messages")
+    if max_chars is not None:
+        _check_length(prompt, messages, max_chars)
     if messages is not None:
         ids = apply_chat_template(tokenizer, messages)
     elif isinstance(prompt, str):
@@ -23,6 +39,17 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, prompt
     if not ids:
         raise ValueError("prompt: must not be empty")
     return ids
+
+
+def _check_length(prompt: str | list[int] | None, messages: list[dict[str, Any]] | None, max_chars: int) -> None:
+    if isinstance(prompt, str) and len(prompt) > max_chars:
+        raise ValueError(f"prompt: {len(prompt)} characters cannot fit the model's context (at most {max_chars} "
+                         "characters are tokenized)")
+    if isinstance(messages, list):
+        total = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+        if total > max_chars:
+            raise ValueError(f"messages: {total} characters of content cannot fit the model's context (at most "
+                             f"{max_chars} characters are tokenized)")
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[int]:

@@ -192,10 +192,29 @@ def test_bad_requests_are_rejected_clearly(engine: Engine) -> None:
         engine.add_request("x", [1, 10**6], FULL)
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request("x", PROMPT, SamplingParams(max_tokens=engine.max_model_len))
+    # A stop token past the vocabulary would index past the logits when min_tokens masks it.
+    with pytest.raises(ValueError, match=r"stop_token_ids: token id 262 is outside the vocabulary"):
+        engine.add_request("x", PROMPT, SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=[3, 262]))
+    # Text far longer than the context is refused before the tokenizer reads it.
+    huge = "a" * (engine.max_prompt_chars + 1)
+    with pytest.raises(ValueError, match=rf"prompt: {len(huge)} characters cannot fit"):
+        engine.add_request("x", huge, FULL)
+    with pytest.raises(ValueError, match=rf"messages: {len(huge)} characters of content cannot fit"):
+        engine.add_request("x", messages=[{"role": "user", "content": huge}], params=FULL)
     engine.add_request("x", PROMPT, FULL)
     with pytest.raises(ValueError, match="already"):
         engine.add_request("x", PROMPT, FULL)
     assert engine.num_unfinished_requests() == 1
+
+
+def test_the_prompt_character_limit_only_refuses_what_cannot_fit(engine: Engine) -> None:
+    """The limit lies above what the context can hold, whatever the text: at the limit, the longest tokens of
+    the vocabulary repeated still make more tokens than the context has."""
+    longest = max(engine.tokenizer.get_vocab(), key=len)
+    text = engine.tokenizer.convert_tokens_to_string([longest]) * (engine.max_prompt_chars // max(len(longest), 1))
+    assert len(text) <= engine.max_prompt_chars
+    with pytest.raises(ValueError, match="max_model_len"):  # tokenized, then refused by its token count
+        engine.add_request("y", text[: engine.max_prompt_chars], FULL)
 
 
 def test_messages_use_the_chat_template(engine: Engine) -> None:
