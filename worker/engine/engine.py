@@ -143,8 +143,6 @@ class Engine:
         prompt_ids = prompt_token_ids(self.tokenizer, self.runner.vocab_size, prompt, messages, self.max_prompt_chars)
         resumed = list(resume_token_ids or [])
         check_token_ids("resume_token_ids", resumed, self.runner.vocab_size)
-        # The sampler masks them (until min_tokens) by index into the logits: an id past the vocabulary is refused.
-        check_token_ids("stop_token_ids", params.stop_token_ids, self.runner.vocab_size)
         if params.max_tokens is None:  # as many as fit: the rest of the context (a prompt that fills it is refused)
             params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(prompt_ids)))
         assert params.max_tokens is not None

@@ -167,8 +167,10 @@ class Sampler:
         params = [r.params for r, n in zip(requests, counts) for _ in range(n)]
         first_rows = list(itertools.accumulate(counts, initial=0))
         # Everything the step needs from the host in one transfer: rows, positions, suppressed (row, id) pairs.
-        suppress_rows = [first_rows[i] for i, r in enumerate(requests) for _ in r.suppress_token_ids]
-        suppress_ids = [t for r in requests for t in r.suppress_token_ids]
+        # A stop id past the vocabulary can never be drawn, so there is nothing of it to suppress (and no logit).
+        suppressed = [(first_rows[i], t) for i, r in enumerate(requests) for t in r.suppress_token_ids
+                      if t < self.vocab_size]
+        suppress_rows, suppress_ids = [row for row, _ in suppressed], [t for _, t in suppressed]
         parts = [row_index, positions, suppress_rows, suppress_ids]
         step = to_device([v for part in parts for v in part], torch.int64, self.device)
         rows, positions, suppress_rows_t, suppress_ids_t = step.split([len(p) for p in parts])
