@@ -234,11 +234,13 @@ class LaneConsumer:
             lost |= {EntryRef(stream, eid.decode() if isinstance(eid, bytes) else eid) for eid in gone}
         return lost
 
-    async def hand_back(self, jobs: dict[EntryRef, str]) -> None:
-        """Make our entries look long idle so the next worker's XAUTOCLAIM takes them at once, and count a
-        clean hand-back on each job's record. ``jobs``: entry -> job id."""
+    async def hand_back(self, jobs: dict[EntryRef, str], is_clean: bool = True) -> None:
+        """Make our entries look long idle so the next worker's XAUTOCLAIM takes them at once, and, for a clean
+        stop, count a clean hand-back on each job's record (not counted against max_deliveries). ``jobs``:
+        entry -> job id."""
         by_stream: dict[str, list[str]] = {}
         for ref, job_id in jobs.items():
             by_stream.setdefault(ref.stream, []).extend([ref.entry_id, self.keys.job(job_id)])
         for stream, pairs in by_stream.items():
-            await self._hand_back(keys=[stream], args=[CONSUMER_GROUP, self.name, HANDBACK_IDLE_MS, *pairs])
+            await self._hand_back(keys=[stream], args=[CONSUMER_GROUP, self.name, HANDBACK_IDLE_MS,
+                                                       "1" if is_clean else "", *pairs])

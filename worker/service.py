@@ -103,7 +103,8 @@ class WorkerService:
                 pass
         if self.job_loop.jobs:
             jobs = await self.job_loop.checkpoint_all()
-            await self.consumer.hand_back(jobs)
+            # Stopping because the engine or a loop failed is no clean stop: those deliveries count.
+            await self.consumer.hand_back(jobs, is_clean=not self._failed())
             # Workers with a free slot take them over now, ahead of newer entries, not at their next
             # periodic reclaim (every lease_s / 4).
             await self.client.publish(self.keys.control, pack({"type": "handback", "worker": self.config.worker_name}))

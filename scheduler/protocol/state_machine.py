@@ -296,20 +296,24 @@ KEYS: lane stream. ARGV: group, consumer, entry ids. Returns the ids this consum
 
 HAND_BACK = _job_script("""
 local n = 0
-for i = 4, #ARGV, 2 do
+for i = 5, #ARGV, 2 do
   local info = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
   if info[1] and info[1][2] == ARGV[2] then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
-    redis.call('HINCRBY', ARGV[i + 1], '@handbacks@', 1)
+    if ARGV[4] == '1' then
+      redis.call('HINCRBY', ARGV[i + 1], '@handbacks@', 1)
+    end
     n = n + 1
   end
 end
 return n
 """)
-"""Worker (shutting down): each entry still its own is made to look long idle, and its job counts one
-clean hand-back (a delivery that does not count against max_deliveries: the job did nothing wrong).
-KEYS: lane stream. ARGV: group, consumer, idle ms, then (entry id, job record key) pairs.
-Returns how many were handed back."""
+"""Worker (shutting down): each entry still its own is made to look long idle, and, when the worker stops
+cleanly, its job counts one clean hand-back (a delivery that does not count against max_deliveries: the job
+did nothing wrong). A worker stopping because its engine or a loop failed hands back uncounted: that delivery
+counts, as a crash's would, so a job that brings down every worker it reaches ends within max_deliveries.
+KEYS: lane stream. ARGV: group, consumer, idle ms, "1" for a clean hand-back (else ""), then (entry id, job
+record key) pairs. Returns how many were handed back."""
 
 COMMIT = _job_script(_TERMINAL + _COMMIT_TERMINAL + """
 local won = 0

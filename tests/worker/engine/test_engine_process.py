@@ -130,6 +130,9 @@ async def test_a_killed_engine_process_fails_the_worker_and_its_jobs_finish_else
         statuses = [await client.hget(KEYS.job(s.id), "status") for s in specs]
         assert b"succeeded" not in statuses
     assert engine.process.exitcode == -signal.SIGKILL
+    # A worker stopped by its engine's failure is no clean stop: its hand-back is not counted on the records,
+    # so the delivery counts against --max-deliveries, as a crash's would, and a crash loop ends.
+    assert {await client.hget(KEYS.job(s.id), "handbacks") for s in specs} <= {None, b"0"}
     rescuer = Engine(model=model, max_num_seqs=4)
     async with running_worker(redis_url, rescuer, lease_s=1.0):
         views = await wait_terminal(client, [s.id for s in specs])
