@@ -36,6 +36,7 @@ from gateway.webhooks import check_webhook_url_async
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher
 from scheduler.protocol.keys import Keys
+from scheduler.protocol.redis_client import connection_options
 from scheduler.runtime.tasks import cancel_and_reap
 from scheduler.telemetry.otel import Telemetry
 
@@ -76,7 +77,7 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     # request is answered 503): a burst of requests queues instead of failing past the pool size.
     pool = aioredis.BlockingConnectionPool.from_url(
         config.redis_url, max_connections=config.redis_max_connections, timeout=config.redis_pool_timeout_s,
-        health_check_interval=30,
+        **connection_options(),
     )
     client = aioredis.Redis(connection_pool=pool)
     app[appkeys.REDIS] = client

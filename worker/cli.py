@@ -115,7 +115,7 @@ async def start_engine(config: WorkerConfig) -> EngineRunner:
 
 async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None = None) -> int:
     """Run until SIGTERM/SIGINT (or a failed background task), then shut down in two phases."""
-    import redis.asyncio as aioredis
+    from scheduler.protocol.redis_client import connect as connect_redis
 
     from worker.service import WorkerService
 
@@ -126,7 +126,7 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
         print(f"carpool worker: cannot start the engine: {e}", file=sys.stderr)
         return 1
     loop = asyncio.get_running_loop()
-    client = aioredis.Redis.from_url(config.redis_url)
+    client = connect_redis(config.redis_url)
     telemetry = Telemetry(telemetry_config or TelemetryConfig(service_name="carpool-worker"))
     service = WorkerService(config, runner, client, telemetry)
     def on_signal() -> None:

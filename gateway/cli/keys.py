@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import redis
-import redis.asyncio as aioredis
 
 from gateway.api_keys import KeyStore
 from gateway.cli.redis_cli import resolve_redis_url
 from scheduler.protocol.keys import DEFAULT_PREFIX, Keys
+from scheduler.protocol.redis_client import connect as connect_redis
 from scheduler.protocol.tenants import parse_limits
 
 
@@ -52,7 +52,7 @@ def run_keys(args: argparse.Namespace, data_dir: Path) -> int:
 
 
 async def _run(args: argparse.Namespace, redis_url: str) -> int:
-    client = aioredis.Redis.from_url(redis_url)
+    client = connect_redis(redis_url)
     store = KeyStore(client, Keys(args.key_prefix))
     try:
         if args.action == "create":

@@ -13,7 +13,6 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
-import redis.asyncio as aioredis
 from aiohttp import web
 
 from gateway.webhooks.config import WebhookConfig
@@ -21,6 +20,7 @@ from gateway.webhooks.dispatcher import WebhookDispatcher
 from gateway.webhooks.metrics import WebhookMetrics, dispatcher_http_app
 from gateway.webhooks.signing import generate_secret
 from scheduler.protocol.keys import DEFAULT_PREFIX, Keys
+from scheduler.protocol.redis_client import connect as connect_redis
 from scheduler.runtime.tasks import cancel_and_reap
 from scheduler.telemetry.otel import Telemetry
 
@@ -62,7 +62,7 @@ async def serve(redis_url: str, keys: Keys, config: WebhookConfig, telemetry: Te
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    client = aioredis.Redis.from_url(redis_url)
+    client = connect_redis(redis_url)
     metrics = WebhookMetrics(telemetry) if telemetry is not None else None
     http: web.AppRunner | None = None
     try:
