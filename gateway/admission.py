@@ -5,7 +5,10 @@ field); its deadline must lie ahead and its token-id prompt must fit the
 model (400); a repeated `Idempotency-Key` or job id returns the job that
 already exists (nothing enqueued twice); a lane at its maximum depth, or a
 tenant at its maximum of queued jobs, refuses with 429. The body never names
-the tenant: the caller's is written into the message. The idempotency key's claim, those checks' outcome, the record and the
+the tenant: the caller's is written into the message. Idempotency keys and job
+ids are the tenant's own: another tenant's key is another key, and a job id
+that another tenant's job holds is refused without saying anything of that
+job. The idempotency key's claim, those checks' outcome, the record and the
 lane entry are one atomic script, so a crash anywhere leaves either all of
 them or none.
 """
@@ -26,7 +29,9 @@ from gateway.context_length import ContextLength
 from gateway.rate_limits import Reservation
 from scheduler.protocol import state_machine
 from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, new_job_id
-from scheduler.protocol.job_record import F_CREATED_AT, F_ID, F_LANE, F_PRIORITY, F_RESERVATION, F_SPEC, F_STATUS
+from scheduler.protocol.job_record import (
+    F_CREATED_AT, F_ID, F_LANE, F_PRIORITY, F_RESERVATION, F_SPEC, F_STATUS, tenant_of_record,
+)
 from scheduler.protocol.keys import CONSUMER_GROUP, WAKE_MAXLEN, Keys
 from scheduler.protocol.lanes import LANES, Lane
 from scheduler.protocol.redis_replies import as_bytes, as_optional_bytes
@@ -75,6 +80,14 @@ def check_fits(spec: JobSpec, max_len: int) -> None:
         raise InvalidJob("params.max_tokens", f"must be below the model's context length of {max_len}")
 
 
+class JobIdTaken(InvalidJob):
+    """The job id names another tenant's job, which this caller may neither see nor take over."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__("id", f"{job_id!r} is taken; choose another id, or leave it out to get a fresh one")
+        self.job_id = job_id
+
+
 class LaneFull(Exception):
     def __init__(self, lane: Lane, depth: int, max_depth: int) -> None:
         super().__init__(f"lane {lane.value} is full ({depth} jobs, at most {max_depth})")
@@ -84,8 +97,9 @@ class LaneFull(Exception):
 class QuotaExceeded(Exception):
     """The tenant already has its maximum of jobs waiting or running."""
 
-    def __init__(self, tenant: str, queued: int, max_queued: int) -> None:
-        super().__init__(f"tenant {tenant!r} has {queued} jobs queued or running, its maximum is {max_queued}")
+    def __init__(self, tenant: str, queued: int, max_queued: int, num_needed: int = 1) -> None:
+        needs = f"; this request needs room for {num_needed}" if num_needed > 1 else ""
+        super().__init__(f"tenant {tenant!r} has {queued} jobs queued or running, its maximum is {max_queued}{needs}")
         self.tenant = tenant
         self.max_queued = max_queued
 
@@ -150,33 +164,64 @@ class Admission:
         return await self._context.get()
 
     async def submit(self, body: object, idempotency_key: str | None, *, caller: Caller = OPEN_CALLER,
-                     reservation: Reservation | None = None) -> Admitted:
+                     reservation: Reservation | None = None, num_following: int = 0) -> Admitted:
         """Validate and enqueue a job of `caller`'s tenant (see `enqueue`)."""
         return await self.enqueue(await self.validate(body, caller), idempotency_key, caller=caller,
-                                  reservation=reservation)
+                                  reservation=reservation, num_following=num_following)
+
+    async def find(self, spec: JobSpec, idempotency_key: str | None) -> Admitted | None:
+        """The job of the spec's tenant that `enqueue` would answer with instead of enqueuing (what the
+        Idempotency-Key names, else the job with the spec's id), or None; read without writing, so a retry
+        is answered before it counts against any limit. Raises JobIdTaken, or InvalidJob for a bad key."""
+        idem = self._idempotency(spec, idempotency_key)
+        owner = None if idem is None else as_optional_bytes(await self._redis.get(idem))
+        if owner is not None:
+            status, tenant = await self._status_of(owner.decode())
+            if status is not None and tenant == spec.tenant:
+                return Admitted(owner.decode(), status, spec.lane.value, is_new=False)
+        status, tenant = await self._status_of(spec.id)
+        if status is None:
+            return None
+        if tenant != spec.tenant:
+            raise JobIdTaken(spec.id)
+        return Admitted(spec.id, status, spec.lane.value, is_new=False)
 
     async def enqueue(self, spec: JobSpec, idempotency_key: str | None, *, caller: Caller = OPEN_CALLER,
-                      reservation: Reservation | None = None) -> Admitted:
-        """Enqueue a validated job; `reservation`: the tokens/min this job holds, settled when it ends.
-        Raises LaneFull, QuotaExceeded, IdempotencyInFlight, or InvalidJob for a bad Idempotency-Key."""
-        if idempotency_key is not None and (
-            not idempotency_key or len(idempotency_key) > MAX_IDEMPOTENCY_KEY_LEN or not idempotency_key.isprintable()
-        ):
-            raise InvalidJob("Idempotency-Key", f"must be 1..{MAX_IDEMPOTENCY_KEY_LEN} printable characters")
-        idem = None if idempotency_key is None else self._keys.idempotency(idempotency_key)
+                      reservation: Reservation | None = None, num_following: int = 0) -> Admitted:
+        """Enqueue a validated job; `reservation`: the tokens/min this job holds, settled when it ends;
+        `num_following`: jobs of the same request enqueued next, which the tenant's quota must have room for too.
+        Raises LaneFull, QuotaExceeded, IdempotencyInFlight, JobIdTaken, or InvalidJob for a bad Idempotency-Key."""
+        idem = self._idempotency(spec, idempotency_key)
         for _ in range(MAX_CLAIM_TRIES):
-            verdict, detail = await self._enqueue_once(spec, idem, caller, reservation)
+            verdict, detail = await self._enqueue_once(spec, idem, caller, reservation, num_following)
             if verdict == "enqueued":
                 return Admitted(spec.id, JobStatus.QUEUED.value, spec.lane.value, is_new=True)
             if verdict == "exists":
                 return Admitted(spec.id, detail, spec.lane.value, is_new=False)
+            if verdict == "taken":
+                raise JobIdTaken(spec.id)
             assert verdict == "claimed" and idem is not None, verdict
-            status = as_optional_bytes(await self._redis.hget(self._keys.job(detail), F_STATUS))
-            if status is not None:
-                return Admitted(detail, status.decode(), spec.lane.value, is_new=False)
-            # The key outlived its job's record (deleted, or expired first): it names nothing, so let it go.
+            status, tenant = await self._status_of(detail)
+            if status is not None and tenant == spec.tenant:
+                return Admitted(detail, status, spec.lane.value, is_new=False)
+            # The key outlived its job's record (deleted, or expired first, its id perhaps another tenant's
+            # since): it names nothing of this tenant's, so let it go.
             await self._release(keys=[idem], args=[detail])
         raise IdempotencyInFlight(detail)
+
+    def _idempotency(self, spec: JobSpec, idempotency_key: str | None) -> str | None:
+        """The Redis key of the spec's tenant's Idempotency-Key; raises InvalidJob for a malformed one."""
+        if idempotency_key is None:
+            return None
+        if not idempotency_key or len(idempotency_key) > MAX_IDEMPOTENCY_KEY_LEN or not idempotency_key.isprintable():
+            raise InvalidJob("Idempotency-Key", f"must be 1..{MAX_IDEMPOTENCY_KEY_LEN} printable characters")
+        return self._keys.idempotency(spec.tenant, idempotency_key)
+
+    async def _status_of(self, job_id: str) -> tuple[str | None, str]:
+        """A job's status (None when it has no record) and tenant."""
+        status, packed = await self._redis.hmget(self._keys.job(job_id), [F_STATUS, F_SPEC])
+        record = {} if packed is None else {F_SPEC.encode(): as_bytes(packed)}
+        return None if status is None else as_bytes(status).decode(), tenant_of_record(record)
 
     async def lane_depth(self, lane: Lane) -> int:
         """Jobs in a lane that are waiting or running: in the lane stream, and in its tenants' streams
@@ -206,7 +251,7 @@ class Admission:
         return in_tenants + int(await self._redis.xlen(stream))
 
     async def _enqueue_once(self, spec: JobSpec, idem: str | None, caller: Caller,
-                            reservation: Reservation | None) -> tuple[str, str]:
+                            reservation: Reservation | None, num_following: int) -> tuple[str, str]:
         """Run the enqueue script once: (verdict, detail) as it returns them; raises LaneFull, QuotaExceeded."""
         max_depth = self._config.max_lane_depth[spec.lane.value]
         depth = await self.lane_depth(spec.lane)
@@ -227,7 +272,8 @@ class Admission:
             args: list[str | bytes | int] = [
                 self._config.result_ttl_s, "1" if depth >= max_depth else "",
                 "1" if idem is not None else "", spec.id, packed, spec.tenant if named else "",
-                "" if max_queued is None or not named else max_queued, CONSUMER_GROUP, WAKE_MAXLEN, F_SPEC, packed,
+                "" if max_queued is None or not named else max_queued, CONSUMER_GROUP, WAKE_MAXLEN, 1 + num_following,
+                F_SPEC, packed,
             ]
             for name, value in record.items():
                 args += [name, value]
@@ -240,5 +286,5 @@ class Admission:
             raise LaneFull(spec.lane, depth, max_depth)
         if verdict == "quota":
             assert max_queued is not None
-            raise QuotaExceeded(spec.tenant, int(as_bytes(reply[1])), max_queued)
-        return verdict, as_bytes(reply[1]).decode()
+            raise QuotaExceeded(spec.tenant, int(as_bytes(reply[1])), max_queued, 1 + num_following)
+        return verdict, "" if len(reply) < 2 else as_bytes(reply[1]).decode()

@@ -49,7 +49,8 @@ def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.A
     metrics = GatewayMetrics(telemetry)
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[telemetry_middleware(metrics), error_middleware(config.retry_after_s), auth_middleware(config.api_keys)],
+        middlewares=[telemetry_middleware(metrics), error_middleware(config.retry_after_s, config.max_body_bytes),
+                     auth_middleware(config.api_keys)],
     )
     app[appkeys.CONFIG] = config
     app[appkeys.KEYS] = Keys(config.key_prefix)

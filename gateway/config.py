@@ -36,8 +36,10 @@ class GatewayConfig:
     redis_pool_timeout_s: float = field(default=10.0, metadata={"help": "longest wait for a free pooled Redis connection before the request is answered 503"})
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "largest accepted request body"})
     shutdown_grace_s: float = field(default=5.0, metadata={"help": "seconds open requests get to finish at shutdown"})
-    model_heartbeat_max_age_s: float = field(default=30.0, metadata={"help": "workers heard from within this many seconds name the models GET /v1/models lists"})
-    max_batch_requests: int = field(default=50_000, metadata={"help": "most requests (lines) in one Batch API input file"})
+    model_heartbeat_max_age_s: float = field(default=30.0, metadata={"help": (
+        "workers heard from within this many seconds are live: they name the models GET /v1/models lists and are "
+        "the workers /readyz shows (an older heartbeat, of a worker that died, is removed)")})
+    max_batch_requests: int = field(default=50_000, metadata={"help": "most requests (non-blank lines), and most blank lines, in one Batch API input file"})
     max_batch_file_bytes: int = field(default=100 * 1024 * 1024, metadata={"help": "largest Batch API input file; a larger upload is answered 413"})
     file_ttl_s: int = field(default=DEFAULT_FILE_TTL_S, metadata={"help": "seconds uploaded files, batches and their output files are kept"})
     batch_poll_interval_s: float = field(default=0.5, metadata={"help": "seconds between the batch driver's rounds (enqueue, count finished requests)"})

@@ -3,8 +3,14 @@ or on the OpenAI routes in OpenAI's: ``{"error": {"message", "type", "param", "c
 
 Handlers answer the errors they know (400, 404, 409, 429) with `error_response`;
 `error_middleware` turns the rest into the same shape at the edge: aiohttp's own
-404, 405 and 413, a Redis that is down, restarting or out of free connections
-(503 with ``Retry-After``), and, last, anything unexpected (500, logged).
+404 (no such route), 405 and 413, each with a message naming what was refused, a
+Redis that is down, restarting or out of free connections (503 with
+``Retry-After``), and, last, anything unexpected (500, logged).
+
+Every ``/v1`` path but carpool's own routes (``/v1/jobs…``, ``/v1/usage``) is an
+OpenAI path, a path no route serves included: an OpenAI client that calls an
+endpoint carpool lacks (``POST /v1/embeddings``) gets OpenAI's shape and
+``Invalid URL (POST /v1/embeddings)``, as from OpenAI.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+from aiohttp.web_urldispatcher import MatchInfoError
 
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 
@@ -49,8 +56,8 @@ def unavailable_response(retry_after_s: int, reason: str) -> web.Response:
                           **{"Retry-After": str(retry_after_s)})
 
 
-def error_middleware(retry_after_s: int) -> Middleware:
-    """The middleware, with the ``Retry-After`` seconds it sends with a 503.
+def error_middleware(retry_after_s: int, max_body_bytes: int) -> Middleware:
+    """The middleware, with the ``Retry-After`` seconds it sends with a 503 and the body limit a 413 names.
 
     On the OpenAI routes every error takes OpenAI's shape instead (``{"error": {"message", "type",
     "param", "code"}}``), and their handlers may raise `OpenAIError`.
@@ -67,9 +74,9 @@ def error_middleware(retry_after_s: int) -> Middleware:
             if e.status < 400:
                 raise
             headers = {name: e.headers[name] for name in _KEPT_HEADERS if name in e.headers}
-            message = e.reason if e.text is None else _plain(e.text)
+            message, code = _http_error_message(request, e, max_body_bytes)
             if is_openai:
-                return openai_error_response(e.status, message, headers=headers or None)
+                return openai_error_response(e.status, message, code=code, headers=headers or None)
             kind = _TYPE_OF_STATUS.get(e.status, "server_error" if e.status >= 500 else "invalid_request")
             return error_response(e.status, kind, message, **headers)
         except REDIS_UNAVAILABLE as e:
@@ -92,14 +99,25 @@ def error_middleware(retry_after_s: int) -> Middleware:
     return errors
 
 
-def _plain(text: str) -> str:
-    """aiohttp's error text ("404: Not Found", "Maximum request body size ... exceeded ...") as one line."""
-    return " ".join(text.split())
+def _http_error_message(request: web.Request, e: web.HTTPException, max_body_bytes: int) -> tuple[str, str | None]:
+    """(message, OpenAI code) of an aiohttp error: what was refused, in words, rather than aiohttp's stock text."""
+    is_unrouted = isinstance(request.match_info, MatchInfoError)
+    if e.status == 404 and is_unrouted:
+        return f"Invalid URL ({request.method} {request.path})", "unknown_url"
+    if e.status == 405:
+        allowed = e.headers.get("Allow", "")
+        return (f"Method {request.method} is not allowed on {request.path}"
+                + (f"; allowed: {allowed.replace(',', ', ')}" if allowed else ""), "method_not_allowed")
+    if e.status == 413:
+        return (f"The request body is larger than this server's limit of {max_body_bytes} bytes",
+                "request_too_large")
+    return e.reason if e.text is None else " ".join(e.text.split()), None
 
 
 # ---- the OpenAI routes' shape ------------------------------------------------------------------
 
-OPENAI_PATH_PREFIXES = ("/v1/models", "/v1/completions", "/v1/chat/", "/v1/files", "/v1/batches")
+CARPOOL_V1_ROUTES = frozenset({"jobs", "usage"})
+"""The first segments after ``/v1/`` of carpool's own routes; every other ``/v1`` path is OpenAI's."""
 
 _OPENAI_TYPE_OF_STATUS = {
     400: "invalid_request_error",
@@ -114,7 +132,9 @@ _OPENAI_TYPE_OF_STATUS = {
 
 
 def is_openai_path(path: str) -> bool:
-    return path.startswith(OPENAI_PATH_PREFIXES)
+    """Whether errors on `path` take OpenAI's shape: every ``/v1`` path but carpool's own routes."""
+    parts = path.split("/", 3)
+    return len(parts) >= 2 and parts[1] == "v1" and (len(parts) == 2 or parts[2] not in CARPOOL_V1_ROUTES)
 
 
 class OpenAIError(Exception):

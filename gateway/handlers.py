@@ -6,22 +6,20 @@ import functools
 import json
 import logging
 import time
-from typing import Any
 
-import msgpack
 from aiohttp import web
 from redis.exceptions import RedisError
 
 from gateway import appkeys
-from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull, QuotaExceeded
+from gateway.admission import IdempotencyInFlight, InvalidJob, JobIdTaken, LaneFull, QuotaExceeded
 from gateway.auth import RATE_HEADERS, caller_of, may_see
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.errors import error_response
 from gateway.event_hub import wait_for_terminal
-from gateway.event_hub import wait_for_terminal
 from gateway.metrics import CONTENT_TYPE
-from gateway.rate_limits import RateLimited, Reservation, job_tokens
+from gateway.rate_limits import RateLimited, TooManyTokens, job_tokens
 from gateway.sse import stream_events
+from gateway.worker_heartbeats import live_workers
 from scheduler.protocol.job_record import job_view, json_default, tenant_of_record
 from scheduler.protocol.lanes import LANES
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE, read_hash
@@ -32,54 +30,74 @@ routes = web.RouteTableDef()
 
 _dumps = functools.partial(json.dumps, default=json_default)
 
+_REFUSALS = (InvalidJob, QuotaExceeded, LaneFull, IdempotencyInFlight)
+"""What `Admission.enqueue` raises having enqueued nothing, so the request's reservation goes back."""
+
 
 @routes.post("/v1/jobs")
 async def post_job(request: web.Request) -> web.Response:
     app = request.app
-    metrics, admission, caller = app[appkeys.METRICS], app[appkeys.ADMISSION], caller_of(request)
+    metrics, admission, limiter = app[appkeys.METRICS], app[appkeys.ADMISSION], app[appkeys.LIMITER]
+    caller = caller_of(request)
     try:
         body = await request.json(loads=json.loads)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         metrics.job_rejected("invalid")
         reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
         return error_response(400, "invalid_request", f"body is not valid JSON: {reason}", field="body")
-    reservations: list[Reservation | None] = [None]
+    idempotency_key = request.headers.get("Idempotency-Key")
     try:
         spec = await admission.validate(body, caller)
-        reservations, request[RATE_HEADERS] = await app[appkeys.LIMITER].reserve(caller, [job_tokens(spec.to_wire())])
-        admitted = await admission.enqueue(spec, request.headers.get("Idempotency-Key"), caller=caller,
-                                           reservation=reservations[0])
+        # A retry is answered before it counts against the tenant's limits (without limits, enqueue answers it).
+        admitted = await admission.find(spec, idempotency_key) if caller.limits.is_rate_limited else None
+        if admitted is None:
+            cost = job_tokens(spec.to_wire(), await admission.context_length())
+            reserved, request[RATE_HEADERS] = await limiter.reserve(caller, [cost])
+            try:
+                admitted = await admission.enqueue(spec, idempotency_key, caller=caller, reservation=reserved.jobs[0])
+            except _REFUSALS:
+                request[RATE_HEADERS] = await limiter.release(caller, reserved)
+                raise
+            if not admitted.is_new:
+                request[RATE_HEADERS] = await limiter.release(caller, reserved)
+    except JobIdTaken as e:
+        metrics.job_rejected("invalid")
+        return error_response(409, "conflict", e.message, field=e.field)
     except InvalidJob as e:
-        await app[appkeys.LIMITER].release(caller, reservations)
         metrics.job_rejected("invalid")
         return error_response(400, "invalid_request", e.message, field=e.field)
+    except TooManyTokens as e:
+        metrics.job_rejected("rate_limited")
+        return error_response(400, "invalid_request", str(e), field="params.max_tokens")
     except RateLimited as e:
         metrics.job_rejected("rate_limited")
         return error_response(429, "rate_limited", e.message, **e.headers)
     except QuotaExceeded as e:
-        await app[appkeys.LIMITER].release(caller, reservations)
         metrics.job_rejected("quota")
         retry_after = str(app[appkeys.CONFIG].retry_after_s)
         return error_response(429, "quota_exceeded", str(e), **{"Retry-After": retry_after})
     except LaneFull as e:
-        await app[appkeys.LIMITER].release(caller, reservations)
         metrics.job_rejected("lane_full", e.lane.value)
         retry_after = str(app[appkeys.CONFIG].retry_after_s)
         return error_response(429, "lane_full", str(e), field="lane", **{"Retry-After": retry_after})
     except IdempotencyInFlight as e:
-        await app[appkeys.LIMITER].release(caller, reservations)
         return error_response(409, "conflict", f"a request with this Idempotency-Key is still creating job {e}",
                               field="Idempotency-Key", **{"Retry-After": "1"})
     if admitted.is_new:
         metrics.job_submitted(admitted.lane)
     else:
-        await app[appkeys.LIMITER].release(caller, reservations)
         metrics.job_deduplicated()
     return web.json_response(
         {"id": admitted.job_id, "status": admitted.status},
         status=202 if admitted.is_new else 200,
         headers={"Location": f"/v1/jobs/{admitted.job_id}"},
     )
+
+
+def _no_job(job_id: str) -> web.Response:
+    # A job XADDed straight into a lane gets its record when a worker takes it: until then it is unknown here.
+    return error_response(404, "not_found", f"no job {job_id!r}: unknown, expired, or added straight to a lane "
+                          "and not yet taken by a worker (its record is made then)", field="id")
 
 
 async def _is_visible(request: web.Request, job_id: str) -> bool:
@@ -103,7 +121,7 @@ async def get_job(request: web.Request) -> web.Response:
             return error_response(400, "invalid_request", "must be a non-negative number of seconds", field="wait")
     wait_s = min(wait_s, app[appkeys.CONFIG].max_wait_s)
     if not await _is_visible(request, job_id):
-        return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
+        return _no_job(job_id)
     metrics = app[appkeys.METRICS]
     metrics.waiter_opened()
     try:
@@ -111,7 +129,7 @@ async def get_job(request: web.Request) -> web.Response:
     finally:
         metrics.waiter_closed()
     if not record:
-        return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
+        return _no_job(job_id)
     return web.json_response(job_view(record), dumps=_dumps)
 
 
@@ -121,7 +139,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     redis, keys = app[appkeys.REDIS], app[appkeys.KEYS]
     job_id = request.match_info["id"]
     if not await _is_visible(request, job_id):
-        return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
+        return _no_job(job_id)
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
     })
@@ -144,11 +162,11 @@ async def job_events(request: web.Request) -> web.StreamResponse:
 async def delete_job(request: web.Request) -> web.Response:
     job_id = request.match_info["id"]
     if not await _is_visible(request, job_id):
-        return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
+        return _no_job(job_id)
     try:
         outcome = await request.app[appkeys.CANCELLER].cancel(job_id)
     except JobNotFound:
-        return error_response(404, "not_found", f"no job {job_id!r} (unknown or expired)", field="id")
+        return _no_job(job_id)
     except AlreadyFinished as e:
         return error_response(409, "conflict", f"job {job_id!r} already {e.status}", field="id")
     request.app[appkeys.METRICS].job_cancelled("queued" if outcome.is_cancelled_now else "running")
@@ -167,15 +185,10 @@ async def readyz(request: web.Request) -> web.Response:
     try:
         await redis.ping()
         lanes = {lane.value: await admission.lane_depth(lane) for lane in LANES}
-        raw_workers = await read_hash(redis, keys.workers)
+        workers = await live_workers(redis, keys.workers, max_age_s=app[appkeys.CONFIG].model_heartbeat_max_age_s,
+                                     now=time.time())
     except (RedisError, OSError) as e:
         return web.json_response({"status": "unavailable", "redis": f"unreachable: {e}"}, status=503)
-    workers: dict[str, Any] = {}
-    for name, raw in raw_workers.items():
-        try:
-            workers[name.decode()] = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-        except Exception:  # a heartbeat in an unknown format is still a worker we can name
-            workers[name.decode()] = None
     max_depth = app[appkeys.CONFIG].max_lane_depth
     return web.json_response({
         "status": "ready",

@@ -1,8 +1,9 @@
 """Sampling parameters: what a request asks of the sampler and the stop rules.
 
 Field names and meanings follow the `params` map of the job message. Every
-check raises ``ValueError`` naming the field, so the gateway and the worker
-can turn a bad request into a clear error on the job.
+check raises `InvalidParam` (a ``ValueError`` whose text is ``"name: message"``)
+naming the parameter, so the gateway and the worker can turn a bad request into
+a clear error on the job that names the field at fault.
 """
 
 from __future__ import annotations
@@ -13,6 +14,15 @@ from typing import Any
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
+
+
+class InvalidParam(ValueError):
+    """A sampling parameter is wrong: `name` is the parameter (None: the params map itself)."""
+
+    def __init__(self, name: str | None, message: str) -> None:
+        super().__init__(message if name is None else f"{name}: {message}")
+        self.name = name
+        self.message = message
 
 
 @dataclass
@@ -47,7 +57,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)):
+            raise InvalidParam("stop", f"must be a string or a list of strings, got {type(self.stop).__name__}")
         self.stop = list(self.stop)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            kind = type(self.stop_token_ids).__name__
+            raise InvalidParam("stop_token_ids", f"must be a list of integers, got {kind}")
         self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
@@ -55,7 +70,7 @@ class SamplingParams:
             _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise InvalidParam("min_tokens", f"must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})")
         _check_float("temperature", self.temperature, low=0.0, high=100.0)
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_int("top_k", self.top_k, low=0)
@@ -64,15 +79,17 @@ class SamplingParams:
             _check_int("seed", self.seed, low=0, high=MAX_SEED)
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError("stop: every stop string must be a non-empty string")
+                raise InvalidParam("stop", "must be a string or a list of strings, each non-empty")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, low=0)
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                got = t if isinstance(t, int) and not isinstance(t, bool) else type(t).__name__
+                raise InvalidParam("stop_token_ids", f"must be a list of non-negative integers, got {got}")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError("ignore_eos: must be a boolean")
+            raise InvalidParam("ignore_eos", "must be a boolean")
         if not isinstance(self.include_stop_str_in_output, bool):
-            raise ValueError("include_stop_str_in_output: must be a boolean")
+            raise InvalidParam("include_stop_str_in_output", "must be a boolean")
         if not isinstance(self.speculative, bool):
-            raise ValueError("speculative: must be a boolean")
+            raise InvalidParam("speculative", "must be a boolean")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         _check_float("repetition_penalty", self.repetition_penalty, low=0.0, high=10.0, low_open=True)
@@ -97,15 +114,12 @@ class SamplingParams:
         if data is None:
             return cls()
         if not isinstance(data, dict):
-            raise ValueError("params: must be a map")
+            raise InvalidParam(None, "must be a map")
         known = {f.name for f in fields(cls)}
         unknown = sorted(str(k) for k in data if k not in known)
         if unknown:
-            raise ValueError(f"params.{unknown[0]}: unknown sampling parameter")
-        try:
-            return cls(**data)
-        except TypeError as e:
-            raise ValueError(f"params: {e}") from e
+            raise InvalidParam(unknown[0], "unknown sampling parameter")
+        return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,21 +127,21 @@ class SamplingParams:
 
 def _check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: must be an integer, got {type(value).__name__}")
+        raise InvalidParam(name, f"must be an integer, got {type(value).__name__}")
     if low is not None and value < low:
-        raise ValueError(f"{name}: must be >= {low}, got {value}")
+        raise InvalidParam(name, f"must be >= {low}, got {value}")
     if high is not None and value > high:
-        raise ValueError(f"{name}: must be <= {high}, got {value}")
+        raise InvalidParam(name, f"must be <= {high}, got {value}")
 
 
 def _check_float(
     name: str, value: object, *, low: float, high: float, low_open: bool = False
 ) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: must be a number, got {type(value).__name__}")
+        raise InvalidParam(name, f"must be a number, got {type(value).__name__}")
     v = float(value)
     if not math.isfinite(v):
-        raise ValueError(f"{name}: must be finite")
+        raise InvalidParam(name, "must be finite")
     if (v <= low if low_open else v < low) or v > high:
         bound = "(" if low_open else "["
-        raise ValueError(f"{name}: must be in {bound}{low}, {high}], got {v}")
+        raise InvalidParam(name, f"must be in {bound}{low}, {high}], got {v}")

@@ -33,7 +33,8 @@ from gateway.openai.batch_counts import RECORDS_PER_ROUND_TRIP, BatchCounts
 from gateway.openai.batch_lines import LineError, custom_id_of, error_line, parse_line, result_line
 from gateway.openai.batches import COUNTERS, BatchStatus, batch_store
 from gateway.openai.choices import served_models
-from gateway.openai.files import PAGE_LINES, file_store
+from gateway.openai.files import PAGE_LINES, file_store, is_blank
+from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, PARAM_OF_FIELD
 from gateway.openai.schema import Endpoint
 from scheduler.protocol import state_machine
 from scheduler.protocol.job_record import job_view
@@ -120,12 +121,18 @@ class BatchDriver:
         seen: set[str] = set()
         models = await served_models(self._app)
         model: str | None = None
-        start = 0
+        start = num_blank = 0
         async for page in self._files.pages(b["input_file_id"]):
             custom_ids: list[str] = []
             bad: list[tuple[int, LineError]] = []
+            blank: list[int] = []
             for offset, line in enumerate(page):
                 number = start + offset
+                if is_blank(line):
+                    # Not a request: settled at once, counted nowhere, yet it keeps its line number.
+                    blank.append(number)
+                    custom_ids.append("")
+                    continue
                 try:
                     custom_id, job = parse_line(line, endpoint)
                     if custom_id in seen:
@@ -146,8 +153,11 @@ class BatchDriver:
                 for number, error in bad:
                     pipe.hset(keys.batch_errors(batch_id), str(number), msgpack.packb([error.code, error.message]))
                 await pipe.execute()
-            if bad:
-                await self._counts.mark(batch_id, [(number, "failed") for number, _ in bad])
+            if bad or blank:
+                await self._counts.mark(batch_id, [(number, "failed") for number, _ in bad]
+                                        + [(number, "dropped") for number in blank])
+            num_blank += len(blank)
+        await self._redis.hset(keys.batch(batch_id), "blank", num_blank)
         for key in (keys.batch_custom_ids(batch_id), keys.batch_errors(batch_id), keys.batch_settled(batch_id)):
             await self._redis.expire(key, self._batches.ttl_s)
         await self._batches.move(batch_id, (BatchStatus.VALIDATING,), BatchStatus.IN_PROGRESS,
@@ -180,8 +190,12 @@ class BatchDriver:
                 except LaneFull:
                     await self._redis.hset(self._keys.batch(batch_id), "enqueued", number)
                     return  # the batch lane is full: try again next round
-                except (LineError, InvalidJob) as e:
-                    await self._counts.mark_errors(batch_id, [number], "invalid_request", str(e))
+                except LineError as e:
+                    await self._counts.mark_errors(batch_id, [number], e.code, e.message)
+                except InvalidJob as e:
+                    param = PARAM_OF_FIELD.get(e.field, e.field.removeprefix("params."))
+                    code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_request"
+                    await self._counts.mark_errors(batch_id, [number], code, f"body: {param}: {e.message}")
             cursor += len(page)
         await self._redis.hset(self._keys.batch(batch_id), "enqueued", cursor)
 
@@ -226,11 +240,13 @@ class BatchDriver:
                 if error is not None:
                     code, message = msgpack.unpackb(error)
                     err.append(error_line(custom_id or None, code, f"line {n + 1}: {message}"))
+                elif not custom_id:
+                    continue  # a blank line: every other line has a custom_id or an error
                 elif not record:
                     code = "batch_cancelled" if b.get("outcome") == BatchStatus.CANCELLED.value else "batch_expired"
-                    err.append(error_line(custom_id, code, "the request never ran"))
+                    err.append(error_line(custom_id, code, f"line {n + 1}: the request never ran"))
                 else:
-                    line, is_output = result_line(endpoint, custom_id, job_view(record))
+                    line, is_output = result_line(endpoint, n, custom_id, job_view(record))
                     (out if is_output else err).append(line)
             out_bytes += await self._files.append(out_id, out)
             err_bytes += await self._files.append(err_id, err)

@@ -59,8 +59,12 @@ def error_line(custom_id: str | None, code: str, message: str) -> str:
                        "error": {"code": code, "message": message}})
 
 
-def result_line(endpoint: Endpoint, custom_id: str, view: dict[str, Any]) -> tuple[str, bool]:
-    """(the output- or error-file line of a finished job, whether it goes to the output file)."""
+def result_line(endpoint: Endpoint, number: int, custom_id: str, view: dict[str, Any]) -> tuple[str, bool]:
+    """(the output- or error-file line of the finished job of input line `number` (0-based), whether it goes to
+    the output file).
+
+    A failed request's error has the code the online route answers with (``context_length_exceeded`` for a
+    prompt too long for the context), and its message starts ``line N:``, as every error-file message does."""
     status = view.get("status")
     if status == "succeeded":
         job_id = str(view.get("id"))
@@ -71,5 +75,6 @@ def result_line(endpoint: Endpoint, custom_id: str, view: dict[str, Any]) -> tup
                            "response": {"status_code": 200, "request_id": job_id, "body": body},
                            "error": None}), True
     error = view.get("error") or {}
-    code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(str(status), str(error.get("type")))
-    return error_line(custom_id, code, str(error.get("message", status))), False
+    code = ({"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(str(status))
+            or responses.job_error(view).code)
+    return error_line(custom_id, str(code), f"line {number + 1}: {error.get('message', status)}"), False

@@ -34,7 +34,7 @@ from gateway.auth import caller_of, may_see
 from gateway.errors import OpenAIError, invalid, unsupported
 from gateway.openai.files import file_store
 from gateway.openai.online import read_json
-from gateway.openai.schema import Endpoint
+from gateway.openai.schema import Endpoint, check_metadata
 from scheduler.protocol import state_machine
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import as_bytes, read_hash
@@ -44,7 +44,6 @@ from scheduler.protocol.webhooks import BatchEvent, batch_delivery_fields
 routes = web.RouteTableDef()
 
 COMPLETION_WINDOWS_S = {"24h": 24 * 3600}
-MAX_METADATA_PAIRS = 16
 
 
 class BatchStatus(str, Enum):
@@ -63,9 +62,10 @@ TIME_FIELDS = {BatchStatus.IN_PROGRESS: "in_progress_at", BatchStatus.FINALIZING
                BatchStatus.COMPLETED: "completed_at", BatchStatus.FAILED: "failed_at",
                BatchStatus.EXPIRED: "expired_at", BatchStatus.CANCELLING: "cancelling_at",
                BatchStatus.CANCELLED: "cancelled_at"}
-COUNTERS = ("completed", "failed", "expired", "settled", "enqueued", "low", "input_tokens", "cached_tokens",
+COUNTERS = ("completed", "failed", "expired", "settled", "enqueued", "low", "blank", "input_tokens", "cached_tokens",
             "output_tokens")
-"""The batch hash's counters (besides ``total``), all 0 until validation starts them over."""
+"""The batch hash's counters (besides ``total``, the input file's lines), all 0 until validation starts them
+over. ``blank`` counts the blank lines, which are settled at once and are no requests."""
 
 END_EVENTS = {BatchStatus.COMPLETED: BatchEvent.COMPLETED, BatchStatus.FAILED: BatchEvent.FAILED,
               BatchStatus.EXPIRED: BatchEvent.EXPIRED, BatchStatus.CANCELLED: BatchEvent.CANCELLED}
@@ -139,7 +139,7 @@ class BatchStore:
             "input_file_id": b["input_file_id"], "completion_window": b["completion_window"], "status": b["status"],
             "output_file_id": b.get("output_file_id"), "error_file_id": b.get("error_file_id"),
             "created_at": int(b["created_at"]), "expires_at": int(b["expires_at"]),
-            "request_counts": {"total": int(b["total"]), "completed": int(b["completed"]),
+            "request_counts": {"total": int(b["total"]) - int(b.get("blank", 0)), "completed": int(b["completed"]),
                                "failed": int(b["failed"])},
             "metadata": json.loads(b.get("metadata", "null")), "model": b.get("model"),
             "usage": {"input_tokens": int(b.get("input_tokens", 0)),
@@ -172,14 +172,15 @@ async def create_batch(request: web.Request) -> web.Response:
     window = body.get("completion_window")
     if window not in COMPLETION_WINDOWS_S:
         raise invalid("completion_window", f"must be one of {sorted(COMPLETION_WINDOWS_S)}")
-    metadata = body.get("metadata")
-    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS
-                                 or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        raise invalid("metadata", f"must map at most {MAX_METADATA_PAIRS} strings to strings")
+    metadata = None if body.get("metadata") is None else check_metadata(body["metadata"])
     file_id = body.get("input_file_id")
+    if file_id is None:
+        raise invalid("input_file_id", "required: the id of a file uploaded with purpose batch (POST /v1/files)")
+    if not isinstance(file_id, str):
+        raise invalid("input_file_id", "must be a string: the id of a file uploaded with purpose batch")
     files = file_store(request.app)
-    file = await files.get(file_id) if isinstance(file_id, str) else None
-    if file is None or not isinstance(file_id, str) or not may_see(request, await files.tenant(file_id)):
+    file = await files.get(file_id)
+    if file is None or not may_see(request, await files.tenant(file_id)):
         raise invalid("input_file_id", f"no such file: {file_id!r}")
     if file["purpose"] != "batch":
         raise invalid("input_file_id", "the file's purpose must be batch")
@@ -247,10 +248,19 @@ async def get_batch(request: web.Request) -> web.Response:
 
 @routes.post("/v1/batches/{id}/cancel")
 async def cancel_batch(request: web.Request) -> web.Response:
+    """Cancel a batch that has not ended: 200 with the batch ``cancelling`` (also when a cancel is already under
+    way); 409 ``batch_not_cancellable`` for a batch that has ended or is writing its results."""
     view = await _existing(request)
     store = batch_store(request.app)
     await store.move(view["id"], (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS), BatchStatus.CANCELLING)
-    return web.json_response(await store.view(view["id"]))
+    b = await store.read(view["id"])
+    status = BatchStatus(b["status"])
+    if status is BatchStatus.CANCELLING or (status is BatchStatus.FINALIZING
+                                            and b.get("outcome") == BatchStatus.CANCELLED.value):
+        return web.json_response(store.view_of(b))
+    why = ("is writing its results" if status is BatchStatus.FINALIZING else "has already ended")
+    raise OpenAIError(409, f"Batch {view['id']} cannot be cancelled: it {why} (status {status.value}).",
+                      param="batch_id", code="batch_not_cancellable")
 
 
 async def _existing(request: web.Request) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from gateway.errors import OpenAIError
 from gateway.event_hub import EventHub, Subscription, is_terminal
 from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, PARAM_OF_FIELD
 from gateway.openai.schema import OpenAIRequest
-from gateway.rate_limits import RateLimited, job_tokens
+from gateway.rate_limits import RateLimited, TooManyTokens, job_tokens
 from scheduler.protocol.job_record import job_view
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import read_hash
@@ -55,47 +55,57 @@ async def check_model(app: web.Application, model: str) -> None:
 
 async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: Sequence[str],
                          caller: Caller = OPEN_CALLER) -> dict[str, str]:
-    """Enqueue one job per choice, as `caller`'s; all or none (a refusal cancels the ones already enqueued).
-    Returns the x-ratelimit-* headers the request earned (none for a caller without rate limits)."""
+    """Enqueue one job per choice, as `caller`'s; all or none (a refusal cancels the ones already enqueued, and
+    the first job is admitted only with room in the tenant's quota for every choice). Returns the
+    x-ratelimit-* headers the request earned (none for a caller without rate limits)."""
     admission, metrics, limiter = app[appkeys.ADMISSION], app[appkeys.METRICS], app[appkeys.LIMITER]
+    num_choices, max_queued = len(request.jobs), caller.limits.max_queued
+    if max_queued is not None and num_choices > max_queued:
+        metrics.job_rejected("quota")
+        raise OpenAIError(400, f"n={num_choices} needs {num_choices} jobs queued at once, more than this key's "
+                               f"max_queued of {max_queued}; ask for at most n={max_queued}",
+                          param="n", code="queued_jobs_limit")
+    max_model_len = await admission.context_length()
     try:
-        reservations, headers = await limiter.reserve(caller, [job_tokens(body) for body in request.jobs])
+        reserved, headers = await limiter.reserve(caller, [job_tokens(body, max_model_len) for body in request.jobs])
+    except TooManyTokens as e:
+        metrics.job_rejected("rate_limited")
+        raise OpenAIError(400, str(e), param="max_tokens", code="rate_limit_exceeded") from e
     except RateLimited as e:
         metrics.job_rejected("rate_limited")
         raise OpenAIError(429, e.message, code="rate_limit_exceeded", headers=e.headers) from e
     done: list[str] = []
     try:
-        for job_id, body, reservation in zip(job_ids, request.jobs, reservations):
-            admitted = await admission.submit({**body, "id": job_id}, None, caller=caller, reservation=reservation)
+        for job_id, body, reservation in zip(job_ids, request.jobs, reserved.jobs):
+            admitted = await admission.submit({**body, "id": job_id}, None, caller=caller, reservation=reservation,
+                                              num_following=num_choices - 1 - len(done))
             metrics.job_submitted(admitted.lane)
             done.append(job_id)
-    except InvalidJob as e:
-        metrics.job_rejected("invalid")
+    except (InvalidJob, QuotaExceeded, LaneFull, IdempotencyInFlight) as e:
         await cancel_jobs(app, done)
-        await limiter.release(caller, reservations[len(done):])
-        param = PARAM_OF_FIELD.get(e.field, e.field.removeprefix("params."))
-        code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_value"
-        raise OpenAIError(400, f"{param}: {e.message}", param=param, code=code) from e
-    except QuotaExceeded as e:
-        metrics.job_rejected("quota")
-        await cancel_jobs(app, done)
-        await limiter.release(caller, reservations[len(done):])
-        raise OpenAIError(429, f"{e}; retry later", code="queued_jobs_limit",
-                          retry_after_s=app[appkeys.CONFIG].retry_after_s) from e
-    except LaneFull as e:
-        metrics.job_rejected("lane_full", e.lane.value)
-        await cancel_jobs(app, done)
-        await limiter.release(caller, reservations[len(done):])
-        raise OpenAIError(429, f"{e}; retry later", code="lane_full",
-                          retry_after_s=app[appkeys.CONFIG].retry_after_s) from e
-    except IdempotencyInFlight as e:  # ids are fresh, so only a collision gets here
-        await cancel_jobs(app, done)
-        await limiter.release(caller, reservations[len(done):])
-        raise OpenAIError(409, "request id collision; retry", code="conflict") from e
+        await limiter.release(caller, reserved, reserved.jobs[len(done):])
+        raise _refusal(app, e) from e
     except BaseException:
         await asyncio.shield(cancel_jobs(app, done))
         raise
     return headers
+
+
+def _refusal(app: web.Application, e: Exception) -> OpenAIError:
+    """A refused choice as the request's error, counted in the metrics."""
+    metrics, retry_after_s = app[appkeys.METRICS], app[appkeys.CONFIG].retry_after_s
+    if isinstance(e, InvalidJob):
+        metrics.job_rejected("invalid")
+        param = PARAM_OF_FIELD.get(e.field, e.field.removeprefix("params."))
+        code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_value"
+        return OpenAIError(400, f"{param}: {e.message}", param=param, code=code)
+    if isinstance(e, QuotaExceeded):
+        metrics.job_rejected("quota")
+        return OpenAIError(429, f"{e}; retry later", code="queued_jobs_limit", retry_after_s=retry_after_s)
+    if isinstance(e, LaneFull):
+        metrics.job_rejected("lane_full", e.lane.value)
+        return OpenAIError(429, f"{e}; retry later", code="lane_full", retry_after_s=retry_after_s)
+    return OpenAIError(409, "request id collision; retry", code="conflict")  # ids are fresh: only a collision
 
 
 async def cancel_jobs(app: web.Application, job_ids: Sequence[str]) -> None:

@@ -1,10 +1,13 @@
-"""Files of the Batch API, kept in Redis: ``POST/GET/DELETE /v1/files[/{id}[/content]]``.
+r"""Files of the Batch API, kept in Redis: ``POST/GET/DELETE /v1/files[/{id}[/content]]``.
 
-A file is a metadata hash plus a list holding one element per JSONL line, so a
-50,000-line file is 50,000 small list elements (read in pages with LRANGE),
-never one giant value. Both keys expire after ``--file-ttl-s``. Uploads are
-streamed and refused past ``--max-batch-file-bytes`` (413) or
-``--max-batch-requests`` lines (400).
+A file is a metadata hash plus a list holding one element per line, each with
+its own line ending (``\n``, ``\r\n``, or none on a last line without one), so
+the elements joined are the uploaded bytes exactly, and element ``i`` is line
+``i + 1`` of the user's file, blank lines included. A 50,000-line file is 50,000
+small list elements (read in pages with LRANGE), never one giant value. Both
+keys expire after ``--file-ttl-s``. Uploads are streamed and refused past
+``--max-batch-file-bytes`` (413), or with more than ``--max-batch-requests``
+requests (non-blank lines) or blank lines (400).
 """
 
 from __future__ import annotations
@@ -38,23 +41,27 @@ class FileStore:
 
     async def write(self, file_id: str, filename: str, purpose: str, lines: Sequence[str],
                     tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
-        """Store (or replace) a whole file of `tenant`'s in one transaction; returns its view."""
+        """Store (or replace) a whole file of `tenant`'s in one transaction; returns its view.
+
+        `lines` keep their line endings (`split_lines`): joined, they are the file."""
         lines_key = self._keys.file_lines(file_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(lines_key)
             for start in range(0, len(lines), PAGE_LINES):
                 pipe.rpush(lines_key, *lines[start:start + PAGE_LINES])
-            return await self._publish(pipe, file_id, filename, purpose, sum(len(line.encode()) + 1 for line in lines),
+            return await self._publish(pipe, file_id, filename, purpose, sum(len(line.encode()) for line in lines),
                                        tenant)
 
     async def append(self, file_id: str, lines: Sequence[str]) -> int:
-        """Add lines to a file being built (not listed until `publish`); returns their size in bytes."""
-        if lines:
+        r"""Add lines (without line endings; each gets ``\n``) to a file being built (not listed until `publish`);
+        returns their size in bytes."""
+        ended = [line + "\n" for line in lines]
+        if ended:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.rpush(self._keys.file_lines(file_id), *lines)
+                pipe.rpush(self._keys.file_lines(file_id), *ended)
                 pipe.expire(self._keys.file_lines(file_id), self._ttl_s)
                 await pipe.execute()
-        return sum(len(line.encode()) + 1 for line in lines)
+        return sum(len(line.encode()) for line in ended)
 
     async def publish(self, file_id: str, filename: str, purpose: str, num_bytes: int,
                       tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
@@ -112,6 +119,19 @@ class FileStore:
                 "purpose": meta[b"purpose"].decode(), "status": "processed", "status_details": None}
 
 
+def split_lines(text: str) -> list[str]:
+    r"""The lines of `text`, each keeping its ending: ``"a\r\n\nb"`` -> ``["a\r\n", "\n", "b"]``.
+
+    Only ``\n`` ends a line (as JSONL has it), so the lines joined are `text` again."""
+    parts = text.split("\n")
+    return [part + "\n" for part in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+
+
+def is_blank(line: str) -> bool:
+    """Whether a line holds only JSON whitespace: not a request, skipped, but still counted in line numbers."""
+    return not line.strip(" \t\r\n")
+
+
 def new_file_id() -> str:
     return "file-" + secrets.token_hex(12)
 
@@ -145,12 +165,15 @@ async def upload(request: web.Request) -> web.Response:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise invalid("file", f"must be UTF-8 JSONL: {e}") from e
-    lines = [line.rstrip("\r") for line in text.split("\n")]
-    lines = [line for line in lines if line.strip()]
-    if not lines:
-        raise invalid("file", "holds no lines")
-    if len(lines) > config.max_batch_requests:
-        raise invalid("file", f"{len(lines)} lines; a batch takes at most {config.max_batch_requests} requests")
+    lines = split_lines(text)
+    num_requests = sum(not is_blank(line) for line in lines)
+    if not num_requests:
+        raise invalid("file", "holds no requests (no line but blank ones)")
+    if num_requests > config.max_batch_requests:
+        raise invalid("file", f"{num_requests} requests; a batch takes at most {config.max_batch_requests}")
+    if len(lines) - num_requests > config.max_batch_requests:
+        raise invalid("file", f"{len(lines) - num_requests} blank lines; a file may hold at most "
+                              f"{config.max_batch_requests}")
     view = await file_store(request.app).write(new_file_id(), filename, purpose, lines, caller_of(request).tenant)
     return web.json_response(view)
 
@@ -183,10 +206,18 @@ async def get_file(request: web.Request) -> web.Response:
 @routes.get("/v1/files/{id}/content")
 async def file_content(request: web.Request) -> web.StreamResponse:
     view = await _existing(request)
+    store = file_store(request.app)
+    num_lines = await store.num_lines(view["id"])
     response = web.StreamResponse(headers={"Content-Type": "application/jsonl"})
     await response.prepare(request)
-    async for page in file_store(request.app).pages(view["id"]):
-        await response.write("".join(line + "\n" for line in page).encode())
+    number = 0
+    async for page in store.pages(view["id"]):
+        chunk = []
+        for line in page:
+            number += 1
+            # Files stored before lines kept their endings hold none: those lines get a "\n".
+            chunk.append(line if line.endswith("\n") or number == num_lines else line + "\n")
+        await response.write("".join(chunk).encode())
     await response.write_eof()
     return response
 

@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Any
 
 from gateway.errors import invalid, unsupported
-from scheduler.params import MAX_SEED, SamplingParams
+from scheduler.params import MAX_SEED, InvalidParam, SamplingParams
 from scheduler.protocol.lanes import Lane
 
 
@@ -28,6 +28,13 @@ class Endpoint(str, Enum):
 SERVICE_TIER_LANES = {"priority": Lane.INTERACTIVE, "default": Lane.STANDARD, "auto": Lane.STANDARD,
                       "flex": Lane.BATCH}
 MAX_CHOICES = 16
+MAX_STOP_SEQUENCES = 4
+"""OpenAI's limit on `stop` (carpool's own job API takes more)."""
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+"""OpenAI's limits on `metadata`: at most 16 pairs, string keys of at most 64 characters, string values of at
+most 512."""
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's (and vLLM's) default for /v1/completions. A chat completion without max_tokens generates until EOS
 or the end of the model's context (the job's ``max_tokens`` is null: the worker gives it the rest of the context
@@ -86,10 +93,11 @@ def parse_request(endpoint: Endpoint, body: object, *, default_lane: Lane, is_ba
         raise unsupported("logprobs", "is not available with stream=true")
     try:
         SamplingParams(**params)
+    except InvalidParam as e:
+        name = e.name or "body"
+        raise invalid(renames.get(name, name), e.message) from e
     except (ValueError, TypeError) as e:
-        name, _, message = str(e).partition(": ")
-        param = renames.get(name, name)
-        raise invalid(param, message or str(e)) from e
+        raise invalid("body", str(e)) from e
 
     job: dict[str, Any] = {"lane": _lane(given, default_lane, is_batch).value}
     if "priority" in given:
@@ -99,9 +107,10 @@ def parse_request(endpoint: Endpoint, body: object, *, default_lane: Lane, is_ba
     else:
         job.update(_prompt(given.get("prompt")))
     meta: dict[str, Any] = {"model": model}
-    for name in ("user", "metadata"):
-        if name in given:
-            meta[name] = given[name]
+    if "user" in given:
+        meta["user"] = _user(given["user"])
+    if "metadata" in given:
+        meta["metadata"] = check_metadata(given["metadata"])
     job["metadata"] = meta
     jobs = []
     for i in range(n):
@@ -124,6 +133,9 @@ def _sampling(endpoint: Endpoint, given: dict[str, Any]) -> tuple[dict[str, Any]
     """The job's params, and the OpenAI names of params whose carpool names differ."""
     renames: dict[str, str] = {}
     params = {name: given[name] for name in (*SHARED_PARAMS, *EXTRA_PARAMS) if name in given}
+    stop = given.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
+        raise invalid("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stop)}")
     limit_name = "max_completion_tokens" if "max_completion_tokens" in given else "max_tokens"
     if limit_name in given:
         params["max_tokens"] = given[limit_name]
@@ -141,6 +153,29 @@ def _sampling(endpoint: Endpoint, given: dict[str, Any]) -> tuple[dict[str, Any]
     elif "logprobs" in given:
         params["logprobs"] = given["logprobs"]
     return params, renames
+
+
+def check_metadata(value: object) -> dict[str, str]:
+    """OpenAI's `metadata`, on a request or a batch: at most 16 string keys and string values, of bounded length."""
+    if not isinstance(value, dict):
+        raise invalid("metadata", f"must be an object of at most {MAX_METADATA_PAIRS} string keys and values")
+    if len(value) > MAX_METADATA_PAIRS:
+        raise invalid("metadata", f"at most {MAX_METADATA_PAIRS} keys, got {len(value)}")
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise invalid("metadata", f"keys are at most {MAX_METADATA_KEY_CHARS} characters, {key[:16]!r}… has "
+                                      f"{len(key)}")
+        if not isinstance(item, str):
+            raise invalid(f"metadata.{key}", "must be a string")
+        if len(item) > MAX_METADATA_VALUE_CHARS:
+            raise invalid(f"metadata.{key}", f"must be at most {MAX_METADATA_VALUE_CHARS} characters, got {len(item)}")
+    return value
+
+
+def _user(value: object) -> str:
+    if not isinstance(value, str):
+        raise invalid("user", "must be a string")
+    return value
 
 
 def _lane(given: dict[str, Any], default: Lane, is_batch: bool) -> Lane:
@@ -186,6 +221,8 @@ def _messages(value: object) -> list[dict[str, str]]:
         role = message.get("role")
         if role not in _ROLES:
             raise invalid(f"{where}.role", f"must be one of {sorted(_ROLES)}")
+        if message.get("name") is not None and not isinstance(message["name"], str):
+            raise invalid(f"{where}.name", "must be a string")
         out.append({"role": _ROLES[role], "content": _content(message.get("content"), f"{where}.content")})
     return out
 

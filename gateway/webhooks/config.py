@@ -39,7 +39,9 @@ class WebhookConfig:
         default=DEFAULT_JITTER_FRACTION, metadata={"help": "each retry delay is scaled by a random factor in [1-j, 1+j]"}
     )
     webhook_max_retry_after_s: float = field(
-        default=DEFAULT_MAX_RETRY_AFTER_S, metadata={"help": "longest Retry-After (on 429/503) that is honoured"}
+        default=DEFAULT_MAX_RETRY_AFTER_S, metadata={"help": (
+            "longest Retry-After (on 429/503) that is honoured; a Retry-After lengthens the schedule's delay, "
+            "never shortens it")}
     )
     webhook_concurrency: int = field(default=64, metadata={"help": "deliveries one dispatcher sends at the same time"})
     webhook_poll_s: float = field(default=0.25, metadata={"help": "how often an idle dispatcher looks for new and due deliveries"})

@@ -19,6 +19,7 @@ import secrets
 import socket
 import time
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
 
@@ -41,6 +42,16 @@ LEASE_MARGIN_S = 5.0
 """A claimed attempt comes due again this long after its timeout, in case its dispatcher died."""
 INGEST_BATCH = 100
 REDIS_RETRY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What one POST came to: an HTTP answer, or an error; `is_refused` when the URL itself was refused."""
+
+    status_code: int | None
+    error: str | None
+    retry_after_s: float | None = None
+    is_refused: bool = False
 
 
 class AttemptObserver(Protocol):
@@ -177,18 +188,19 @@ class WebhookDispatcher:
         with span_cm as span:
             started = time.monotonic()
             try:
-                status_code, error, retry_after_s = await self._send(session, c)
+                sent = await self._send(session, c)
             except asyncio.CancelledError:
                 # Shutting down mid-attempt: hand it back so whoever polls next retries it without waiting for the lease.
                 await self._store.release(c, now=time.time())
                 raise
             now = time.time()
-            decision = decide(self._policy, c.attempt, status_code, error, retry_after_s, self._rand.random())
+            decision = decide(self._policy, c.attempt, sent.status_code, sent.error, sent.retry_after_s,
+                              self._rand.random(), is_refused=sent.is_refused)
             if span is not None:
-                _describe_attempt(span, c, status_code, error, decision.outcome)
+                _describe_attempt(span, c, sent.status_code, sent.error, decision.outcome)
         record = AttemptRecord(
-            delivery_id=c.delivery_id, event=c.event, attempt=c.attempt, at=now, status_code=status_code,
-            error=error, next_at=None if decision.delay_s is None else now + decision.delay_s,
+            delivery_id=c.delivery_id, event=c.event, attempt=c.attempt, at=now, status_code=sent.status_code,
+            error=sent.error, next_at=None if decision.delay_s is None else now + decision.delay_s,
             outcome=decision.outcome.value,
         )
         if self._observer is not None:
@@ -199,22 +211,25 @@ class WebhookDispatcher:
             log.info("webhook %s (%s of job %s) attempt %d: %s -> %s", c.delivery_id, c.event, c.job_id,
                      c.attempt, decision.reason, decision.outcome.value)
 
-    async def _send(self, session: aiohttp.ClientSession, c: Claimed) -> tuple[int | None, str | None, float | None]:
-        """One POST; returns (status code, error, Retry-After seconds)."""
+    async def _send(self, session: aiohttp.ClientSession, c: Claimed) -> Sent:
+        """One POST and what it came to."""
         assert self._key is not None
         headers = signed_headers(self._key, c.delivery_id, int(time.time()), c.payload, USER_AGENT)
         try:
             check_webhook_url(c.url, self._allow)  # literal addresses never reach the resolver
             # The response body is never read: an endpoint cannot make us buffer an unbounded answer.
             async with session.post(c.url, data=c.payload, headers=headers, allow_redirects=False) as resp:
-                retry_after_s = parse_retry_after(resp.headers.get("Retry-After"), now=time.time())
-                return resp.status, None, retry_after_s
+                return Sent(resp.status, None, parse_retry_after(resp.headers.get("Retry-After"), now=time.time()))
         except WebhookUrlError as e:
-            return None, f"refused: {e}", None
+            # The scheme, the host's syntax, or an address the rules refuse (also one the host resolved to).
+            return Sent(None, f"refused: {e}", is_refused=True)
+        except (aiohttp.InvalidURL, UnicodeError) as e:
+            # A URL the client cannot send to (a host it will not connect to, one IDNA cannot encode).
+            return Sent(None, f"refused: webhook.url: cannot be sent to ({type(e).__name__}: {e})", is_refused=True)
         except asyncio.TimeoutError:
-            return None, f"timed out after {self._config.webhook_timeout_s:g} s", None
+            return Sent(None, f"timed out after {self._config.webhook_timeout_s:g} s")
         except (aiohttp.ClientError, OSError) as e:
-            return None, f"{type(e).__name__}: {e}", None
+            return Sent(None, f"{type(e).__name__}: {e}")
 
 
 def _describe_attempt(span: Span, c: Claimed, status_code: int | None, error: str | None,

@@ -6,14 +6,14 @@ private ranges, cloud metadata at 169.254.169.254). URLs are checked at
 submission (`check_webhook_url_async`, which resolves the name) and again at
 every delivery, where `VettingResolver` vets the addresses aiohttp is about
 to connect to — the same answer is checked and used, so a name that changes
-its DNS answer between check and connect gains nothing.
+its DNS answer between check and connect gains nothing. The URL's shape
+(scheme, host syntax) is checked first, by ``scheduler.protocol.webhook_url``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
-import re
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,16 +22,11 @@ import yarl
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import ThreadedResolver
 
+from scheduler.protocol.webhook_url import HOST_NAME, parse_webhook_url
+from scheduler.protocol.webhook_url import WebhookUrlError as WebhookUrlError  # raised by every check here
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-ALLOWED_SCHEMES = ("http", "https")
-MAX_URL_LEN = 2048
-_HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9])?)*\.?")
-
-
-class WebhookUrlError(ValueError):
-    """A webhook URL carpool refuses to call; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +52,7 @@ class Allowlist:
             try:
                 networks.append(ipaddress.ip_network(entry, strict=False))
             except ValueError:
-                if not _HOST_NAME.fullmatch(entry):
+                if not HOST_NAME.fullmatch(entry):
                     raise WebhookUrlError(f"webhook allow-list: {raw!r} is neither a host name nor an address/CIDR") from None
                 hosts.add(_normal_host(entry))
         return cls(frozenset(hosts), tuple(networks))
@@ -109,34 +104,12 @@ def check_address(host: str, ip: IPAddress, allow: Allowlist) -> None:
 
 
 def literal_ip(host: str) -> IPAddress | None:
-    """The address a host spells directly, including legacy IPv4 forms like ``2130706433`` or ``127.1``."""
+    """The address a host spells directly; `parse_webhook_url` has refused the legacy IPv4 spellings
+    (``2130706433``, ``127.1``), so an IPv4 address here is dotted-decimal."""
     try:
         return ipaddress.ip_address(host)
     except ValueError:
-        pass
-    if host and all(c in "0123456789abcdefxABCDEFX." for c in host) and host[0].isdigit():
-        try:
-            return ipaddress.IPv4Address(socket.inet_aton(host))
-        except OSError:
-            return None
-    return None
-
-
-def parse_webhook_url(url: str) -> yarl.URL:
-    """Parse and check what can be checked without DNS; raise `WebhookUrlError` otherwise."""
-    if not isinstance(url, str) or not url:
-        raise WebhookUrlError("webhook.url: required")
-    if len(url) > MAX_URL_LEN:
-        raise WebhookUrlError(f"webhook.url: longer than {MAX_URL_LEN} characters")
-    try:
-        parsed = yarl.URL(url)
-    except (ValueError, TypeError) as e:
-        raise WebhookUrlError(f"webhook.url: not a valid URL ({e})") from e
-    if parsed.scheme not in ALLOWED_SCHEMES:
-        raise WebhookUrlError(f"webhook.url: scheme must be http or https, got {parsed.scheme or 'none'!r}")
-    if not parsed.host:
-        raise WebhookUrlError("webhook.url: has no host")
-    return parsed
+        return None
 
 
 def check_webhook_url(url: str, allow: Allowlist) -> None:

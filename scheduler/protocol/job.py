@@ -17,14 +17,16 @@ from typing import Any
 
 import msgpack
 
-from scheduler.params import SamplingParams
+from scheduler.params import InvalidParam, SamplingParams
 from scheduler.protocol.lanes import DEFAULT_LANE, Lane
 from scheduler.protocol.tenants import DEFAULT_TENANT, tenant_of
+from scheduler.protocol.webhook_url import WebhookUrlError, parse_webhook_url
 from scheduler.protocol.wire_values import first_bad_value, key_path
 
 SCHEMA_VERSION = 1
 MAX_ID_LEN = 128
 MAX_MESSAGES = 256
+_NOT_A_MAP = "must be a msgpack map or a JSON object"
 
 
 class JobStatus(str, Enum):
@@ -102,7 +104,7 @@ class JobSpec:
         if bad is not None:
             raise JobValidationError(*bad)
         v = data.get("v", SCHEMA_VERSION)
-        if v != SCHEMA_VERSION:
+        if isinstance(v, bool) or not isinstance(v, int) or v != SCHEMA_VERSION:  # not true, nor 1.0
             raise JobValidationError("v", f"unsupported schema version {v!r}; this server speaks {SCHEMA_VERSION}")
         job_id = data.get("id", default_id)
         if job_id is None:
@@ -129,10 +131,10 @@ class JobSpec:
 
         try:
             params = SamplingParams.from_dict(data.get("params"))
-        except ValueError as e:
-            name = str(e).split(":", 1)[0]
-            field_name = name if name.startswith("params") else f"params.{name}"
-            raise JobValidationError(field_name, str(e).split(":", 1)[-1].strip()) from e
+        except InvalidParam as e:
+            raise JobValidationError("params" if e.name is None else f"params.{e.name}", e.message) from e
+        except (ValueError, TypeError) as e:
+            raise JobValidationError("params", str(e)) from e
 
         try:
             lane = Lane(data.get("lane", DEFAULT_LANE.value))
@@ -193,14 +195,16 @@ class JobSpec:
             try:
                 data = json.loads(raw)
             except ValueError as e:
-                raise JobValidationError("job", f"not valid JSON: {e}") from e
+                raise JobValidationError("job", f"{_NOT_A_MAP}; it starts with '{{' but is not valid JSON: {e}") from e
             except RecursionError as e:
-                raise JobValidationError("job", "not valid JSON: nested too deeply") from e
+                raise JobValidationError("job", f"{_NOT_A_MAP}; it is JSON nested too deeply") from e
             return cls.from_wire(data)
         try:
             data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
         except Exception as e:  # msgpack raises several unrelated types for garbage
-            raise JobValidationError("job", f"not a msgpack map: {e}") from e
+            raise JobValidationError("job", f"{_NOT_A_MAP}; it is neither (msgpack: {e})") from e
+        if not isinstance(data, dict):
+            raise JobValidationError("job", f"{_NOT_A_MAP}; it is a msgpack {type(data).__name__}")
         return cls.from_wire(data)
 
 
@@ -240,6 +244,10 @@ def _parse_webhook(value: object) -> WebhookSpec | None:
     url = value.get("url")
     if not isinstance(url, str) or not url:
         raise JobValidationError("webhook.url", "required string")
+    try:
+        parse_webhook_url(url)  # the same shape check as the gateway's: a URL no retry could ever send to
+    except WebhookUrlError as e:
+        raise JobValidationError("webhook.url", str(e).removeprefix("webhook.url: ")) from e
     unknown = sorted(str(k) for k in value if k not in ("url", "events"))
     if unknown:
         raise JobValidationError(f"webhook.{unknown[0]}", "unknown field")

@@ -130,9 +130,12 @@ class Keys:
         """Pub/sub channel of one job's live events (started, tokens, final)."""
         return f"{self.prefix}:events:{job_id}"
 
-    def idempotency(self, key: str) -> str:
-        """String mapping an ``Idempotency-Key`` header to the job id it created."""
-        return f"{self.prefix}:idem:{key}"
+    def idempotency(self, tenant: str, key: str) -> str:
+        """String mapping one tenant's ``Idempotency-Key`` header to the job id it created. Each tenant has its
+        own keys; the default tenant's (no API keys) are ``idem:{key}``, apart from every named tenant's."""
+        if tenant == DEFAULT_TENANT:
+            return f"{self.prefix}:idem:{key}"
+        return f"{self.prefix}:tenant:{tenant}:idem:{key}"
 
     def events_log(self, job_id: str) -> str:
         """Stream of a running job's events (field ``e`` = the same msgpack as on ``events``), so a late
@@ -188,7 +191,7 @@ class Keys:
         return f"{self.prefix}:file:{file_id}"
 
     def file_lines(self, file_id: str) -> str:
-        """List of the file's JSONL lines in order, one element per line (no newline)."""
+        """List of the file's lines in order, one element per line with its line ending (joined: the file's bytes)."""
         return f"{self.prefix}:file:{file_id}:lines"
 
     @property

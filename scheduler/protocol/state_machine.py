@@ -105,25 +105,43 @@ def _job_script(source: str) -> str:
     return _PLACEHOLDER.sub(name, source)
 
 
+# The tenant a packed job message (msgpack, or JSON from a direct producer) names: '' for the default tenant,
+# as ``tenants.tenant_of`` reads it.
+_NAMED_TENANT = """
+local function named_tenant(raw)
+  local tenant = nil
+  if raw then
+    local ok, job
+    if string.sub(raw, 1, 1) == '{' then ok, job = pcall(cjson.decode, raw) else ok, job = pcall(cmsgpack.unpack, raw) end
+    if ok and type(job) == 'table' and type(job['tenant']) == 'string' then tenant = job['tenant'] end
+  end
+  if tenant and tenant ~= '@default@' and #tenant <= @maxlen@ and string.match(tenant, '^[%w][%w%._%-]*$') then
+    return tenant
+  end
+  return ''
+end
+""".replace("@default@", DEFAULT_TENANT).replace("@maxlen@", str(MAX_TENANT_LEN))
+
 # ---- job record: gateway ---------------------------------------------------------------------------
 
-ENQUEUE = _job_script("""
+ENQUEUE = _job_script(_NAMED_TENANT + """
 local has_key = ARGV[3] == '1'
 if has_key then
   local owner = redis.call('GET', KEYS[3])
   if owner then return {'claimed', owner} end
 end
+local tenant = ARGV[6]
 local status = redis.call('HGET', KEYS[1], '@status@')
 if status then
+  if named_tenant(redis.call('HGET', KEYS[1], '@spec@')) ~= tenant then return {'taken'} end
   if has_key then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1]) end
   return {'exists', status}
 end
 if ARGV[2] == '1' then return {'full'} end
-local tenant = ARGV[6]
 if tenant ~= '' and ARGV[7] ~= '' then
   local queued = 0
   for i = 6, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
-  if queued >= tonumber(ARGV[7]) then return {'quota', tostring(queued)} end
+  if queued + tonumber(ARGV[10]) > tonumber(ARGV[7]) then return {'quota', tostring(queued)} end
 end
 if tenant ~= '' and redis.call('EXISTS', KEYS[2]) == 0 then
   redis.call('XGROUP', 'CREATE', KEYS[2], ARGV[8], '0', 'MKSTREAM')
@@ -134,7 +152,7 @@ if tenant ~= '' and redis.call('SADD', KEYS[4], tenant) == 1 then
   redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', 'tenant', tenant)
 end
 local fields = {}
-for i = 10, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 11, #ARGV do fields[#fields + 1] = ARGV[i] end
 fields[#fields + 1] = '@stream_entry@'
 fields[#fields + 1] = KEYS[2] .. ' ' .. entry
 redis.call('HSET', KEYS[1], unpack(fields))
@@ -149,15 +167,19 @@ enqueued: the key is claimed together with the record and lane entry. A named te
 tenant's stream of the lane, created with the consumer group if new, and the tenant joins the lane's active
 set in the same step (a newly active tenant rings the wake stream), so no worker can retire the tenant
 between the two. Its queued-jobs quota is counted here too, over its streams in every lane (workers delete
-what they acknowledge, so a stream's length is waiting + running).
+what they acknowledge, so a stream's length is waiting + running), with room for the jobs of the same
+request still to come. A job id is one tenant's: a record of another tenant's under this id is neither
+returned nor named by the key, and its status is not told.
 
-KEYS: job record, lane stream (the tenant's), idempotency key (the job record again when the request has
-none), the lane's active-tenant set, wake stream, then the tenant's stream in every lane.
+KEYS: job record, lane stream (the tenant's), idempotency key (the tenant's; the job record again when the
+request has none), the lane's active-tenant set, wake stream, then the tenant's stream in every lane.
 ARGV: ttl_s, '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id, packed spec, tenant
-('' for the default tenant, whose stream is the lane stream), max queued jobs|'', group, wake maxlen, then
-the record's field/value pairs. Returns {'claimed', id} when the idempotency key already names a job,
-{'exists', status} when a record exists for this id (the key, if any, then names it), {'full'} when the
-lane refuses, {'quota', n} when the tenant already has n jobs waiting or running, {'enqueued', entry id}."""
+('' for the default tenant, whose stream is the lane stream), max queued jobs|'', group, wake maxlen, jobs
+the quota must have room for (this one and the request's next ones), then the record's field/value pairs.
+Returns {'claimed', id} when the idempotency key already names a job, {'exists', status} when a record of
+this tenant's exists for this id (the key, if any, then names it), {'taken'} when the record is another
+tenant's, {'full'} when the lane refuses, {'quota', n} when the tenant already has n jobs waiting or running
+and no room for the request's, {'enqueued', entry id}."""
 
 RELEASE_KEY = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -535,7 +557,7 @@ local function id_after(a, b)
 end
 """
 
-ROUTE_TO_TENANTS = _STREAM_IDS + """
+ROUTE_TO_TENANTS = _STREAM_IDS + _NAMED_TENANT + """
 local last = nil
 local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
 if not ok then return 0 end
@@ -555,13 +577,8 @@ for _, entry in ipairs(entries) do
   local id, fields = entry[1], entry[2]
   local raw = nil
   for j = 1, #fields, 2 do if fields[j] == 'job' then raw = fields[j + 1] end end
-  local tenant = nil
-  if raw then
-    local okd, job
-    if string.sub(raw, 1, 1) == '{' then okd, job = pcall(cjson.decode, raw) else okd, job = pcall(cmsgpack.unpack, raw) end
-    if okd and type(job) == 'table' and type(job['tenant']) == 'string' then tenant = job['tenant'] end
-  end
-  if tenant and tenant ~= '@default@' and #tenant <= @maxlen@ and string.match(tenant, '^[%w][%w%._%-]*$') then
+  local tenant = named_tenant(raw)
+  if tenant ~= '' then
     local stream = ARGV[3] .. tenant
     if redis.call('EXISTS', stream) == 0 then
       redis.call('XGROUP', 'CREATE', stream, ARGV[1], '0', 'MKSTREAM')
@@ -581,7 +598,7 @@ for _, entry in ipairs(entries) do
 end
 redis.call('SET', KEYS[2], start)
 return moved
-""".replace("@default@", DEFAULT_TENANT).replace("@maxlen@", str(MAX_TENANT_LEN))
+"""
 """Any worker, before reading a lane: move the lane stream's not-yet-delivered entries whose job names a
 tenant into that tenant's stream (same fields, plus ``routed_from`` = the original id, whose time is the
 job's enqueue time), and mark the tenant active. Entries for the default tenant, and entries that cannot be
@@ -648,10 +665,14 @@ Returns 1 when this call settled the job, 0 when it was already."""
 
 RELEASE_RESERVATION = """
 if redis.call('HGET', KEYS[1], 'id') == ARGV[1] then
-  return redis.call('HINCRBY', KEYS[1], 'tokens', -tonumber(ARGV[2]))
+  -- 0 - n, not -n: Lua writes -0 as "-0", which HINCRBY refuses.
+  redis.call('HINCRBY', KEYS[1], 'requests', 0 - tonumber(ARGV[2]))
+  redis.call('HINCRBY', KEYS[1], 'tokens', 0 - tonumber(ARGV[3]))
 end
-return 0
+local requests = tonumber(redis.call('HGET', KEYS[1], 'requests') or 0)
+return {requests, tonumber(redis.call('HGET', KEYS[1], 'tokens') or 0), redis.call('PTTL', KEYS[1])}
 """
-"""Gateway, for a reservation whose request enqueued no job (refused after reserving): give the tokens back
-while the window is still the one they were reserved in. KEYS: the tenant's window hash. ARGV: window id,
-tokens."""
+"""Gateway, for a request refused after reserving, or answered with a job that already existed: give back its
+request and the tokens of the jobs it did not enqueue, while the window is still the one they were reserved
+in. KEYS: the tenant's window hash. ARGV: window id, requests, tokens. Returns {requests, tokens, window ms
+left} as they stand after (a window that has ended counts nothing)."""

@@ -226,19 +226,28 @@ def decide(
     error: str | None,
     retry_after_s: float | None,
     rand: float,
+    *,
+    is_refused: bool = False,
 ) -> Decision:
-    """Sort one attempt's result into delivered / gone / retry / dead."""
+    """Sort one attempt's result into delivered / gone / retry / dead.
+
+    `is_refused`: the URL itself was refused before any request (its scheme or host, an address the rules
+    refuse, a URL the HTTP client cannot send to), which no retry can change, so the delivery is dead at once.
+    A ``Retry-After`` on a 429 or 503 can lengthen the schedule's delay for this attempt, up to
+    ``max_retry_after_s``, but never shorten it: a receiver answering ``Retry-After: 0`` still gets the schedule.
+    """
     if status_code is not None and 200 <= status_code < 300:
         return Decision(AttemptOutcome.DELIVERED, None, None)
     if status_code == 410:
         return Decision(AttemptOutcome.GONE, None, "receiver answered 410 Gone")
     reason = error if status_code is None else f"receiver answered {status_code}"
+    if is_refused:
+        return Decision(AttemptOutcome.DEAD, None, f"{reason} (attempt {attempt}; not retried, no retry can change it)")
     if attempt >= policy.max_attempts:
         return Decision(AttemptOutcome.DEAD, None, f"{reason} (attempt {attempt} of {policy.max_attempts})")
+    delay = policy.backoff_s(attempt, rand)
     if status_code in (429, 503) and retry_after_s is not None:
-        delay = float(min(max(retry_after_s, 0.0), policy.max_retry_after_s))
-    else:
-        delay = policy.backoff_s(attempt, rand)
+        delay = max(delay, min(retry_after_s, policy.max_retry_after_s))
     return Decision(AttemptOutcome.RETRYING, delay, reason)
 
 

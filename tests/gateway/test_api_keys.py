@@ -154,6 +154,66 @@ async def test_a_tenant_sees_and_cancels_only_its_own_jobs_files_and_batches(key
             assert resp.status == 202 and (await resp.json())["status"] == "cancelled"
 
 
+async def test_idempotency_keys_and_job_ids_are_each_tenants_own(keyed) -> None:
+    url, key_a, key_b, client = keyed
+    a, b = {"Authorization": f"Bearer {key_a}"}, {"Authorization": f"Bearer {key_b}"}
+    job = {"prompt": "x", "params": {"max_tokens": 2}}
+    async with ClientSession() as http:
+        ids = {}
+        for name, headers in (("a", a), ("b", b), ("b again", b)):
+            async with http.post(f"{url}/v1/jobs", headers={**headers, "Idempotency-Key": "shared-k"}, json=job) as resp:
+                ids[name] = (resp.status, (await resp.json())["id"])
+        # The same key names a job of each tenant's own; a retry by b gets b's.
+        assert ids["a"][0] == ids["b"][0] == 202 and ids["a"][1] != ids["b"][1] and ids["b again"] == (200, ids["b"][1])
+        assert await client.get(KEYS.idempotency("tenant-a", "shared-k")) == ids["a"][1].encode()
+        assert await client.get(KEYS.idempotency("tenant-b", "shared-k")) == ids["b"][1].encode()
+        async with http.get(f"{url}/v1/jobs/{ids['b'][1]}", headers=b) as resp:
+            assert resp.status == 200 and (await resp.json())["tenant"] == "tenant-b"
+
+        # A job id another tenant holds is refused, telling nothing of that job, with or without a key.
+        async with http.post(f"{url}/v1/jobs", headers=a, json={**job, "id": "a-job-1"}) as resp:
+            assert resp.status == 202
+        for headers in (b, {**b, "Idempotency-Key": "k2"}):
+            async with http.post(f"{url}/v1/jobs", headers=headers, json={**job, "id": "a-job-1"}) as resp:
+                body = await resp.json()
+                assert resp.status == 409 and body["error"]["type"] == "conflict" and body["error"]["field"] == "id"
+                assert set(body) == {"error"} and "queued" not in json.dumps(body)
+        assert await client.get(KEYS.idempotency("tenant-b", "k2")) is None
+        async with http.get(f"{url}/v1/jobs/a-job-1", headers=a) as resp:
+            view = await resp.json()
+            assert view["tenant"] == "tenant-a" and view["status"] == "queued"
+        # b's jobs are in b's stream only: the two from its key, none from the refused ids.
+        assert await client.xlen(KEYS.tenant_lane("standard", "tenant-b")) == 1
+        assert await client.xlen(KEYS.tenant_lane("standard", "tenant-a")) == 2
+
+        # A key left naming a job that is now another tenant's (its own expired, the id reused) names nothing:
+        # the next request with it makes a job of its own, and hears nothing of the other's.
+        await client.set(KEYS.idempotency("tenant-b", "stale"), "a-job-1")
+        async with http.post(f"{url}/v1/jobs", headers={**b, "Idempotency-Key": "stale"}, json=job) as resp:
+            reply = await resp.json()
+            assert resp.status == 202 and reply["id"] != "a-job-1", reply
+        assert await client.get(KEYS.idempotency("tenant-b", "stale")) == reply["id"].encode()
+
+
+async def test_the_enqueue_script_itself_refuses_another_tenants_job_id(keyed) -> None:
+    """Two tenants racing for one id: the script that writes the record decides, and tells the loser nothing."""
+    from gateway.admission import Admission, JobIdTaken
+    from gateway.api_keys import Caller
+
+    url, key_a, _, client = keyed
+    async with ClientSession() as http:
+        async with http.post(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {key_a}"},
+                             json={"id": "raced", "prompt": "x"}) as resp:
+            assert resp.status == 202
+    admission = Admission(client, KEYS, GatewayConfig(), None)
+    caller_b = Caller("tenant-b", TenantLimits(), is_keyed=True)
+    spec = await admission.validate({"id": "raced", "prompt": "x"}, caller_b)
+    with pytest.raises(JobIdTaken):
+        await admission.enqueue(spec, "k", caller=caller_b)
+    assert await client.get(KEYS.idempotency("tenant-b", "k")) is None
+    assert await client.xlen(KEYS.tenant_lane("standard", "tenant-b")) == 0
+
+
 def _carpool(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT), "CARPOOL_REDIS_URL": redis_url}
     return subprocess.run([sys.executable, "-m", "gateway.cli", "keys", *args], cwd=ROOT, env=env,

@@ -18,6 +18,7 @@ from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.keys import Keys
+from scheduler.protocol.tenants import DEFAULT_TENANT
 
 KEYS = Keys()
 SECRET = generate_secret()
@@ -140,7 +141,7 @@ async def test_idempotency_key_maps_to_the_first_job(client: TestClient, redis: 
     status3, other = await submit(client, {"prompt": "a"}, **{"Idempotency-Key": "order-8"})
     assert (status1, status2, status3) == (202, 200, 202)
     assert second["id"] == first["id"] != other["id"]
-    assert await redis.get(KEYS.idempotency("order-7")) == first["id"].encode()
+    assert await redis.get(KEYS.idempotency(DEFAULT_TENANT, "order-7")) == first["id"].encode()
     assert await redis.xlen(KEYS.lane("standard")) == 2
 
 
@@ -151,7 +152,7 @@ async def test_full_lane_gets_429_with_retry_after(make_client: MakeClient, redi
     assert resp.status == 429
     assert resp.headers["Retry-After"] == "7"
     assert (await resp.json())["error"]["type"] == "lane_full"
-    assert await redis.get(KEYS.idempotency("k1")) is None  # a refused request does not hold its key
+    assert await redis.get(KEYS.idempotency(DEFAULT_TENANT, "k1")) is None  # a refused request does not hold its key
     assert (await submit(client, {"prompt": "x", "lane": "interactive"}))[0] == 202
     assert await redis.xlen(KEYS.lane("batch")) == 2
 

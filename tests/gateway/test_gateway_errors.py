@@ -78,10 +78,72 @@ async def test_aiohttp_errors_answer_in_the_json_shape(client: TestClient) -> No
     assert resp.status == 405
     assert "POST" in resp.headers["Allow"]
     assert_error_shape(await resp.json(), "method_not_allowed")
+    assert (await resp.json())["error"]["message"].startswith("Method PUT is not allowed on /v1/jobs; allowed: ")
 
     resp = await client.post("/v1/jobs", json={"prompt": "x" * 100_000})
     assert resp.status == 413
     assert_error_shape(await resp.json(), "payload_too_large")
+    assert "limit of 65536 bytes" in (await resp.json())["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("params", "field", "words"),
+    [
+        ({"stop": 5}, "params.stop", "must be a string or a list of strings"),
+        ({"stop": {"a": 1}}, "params.stop", "must be a string or a list of strings"),
+        ({"stop": ["ok", 3]}, "params.stop", "must be a string or a list of strings"),
+        ({"stop_token_ids": 5}, "params.stop_token_ids", "must be a list of integers"),
+        ({"stop_token_ids": [1, "2"]}, "params.stop_token_ids", "must be a list of non-negative integers"),
+        ({"min_tokens": 10, "max_tokens": 2}, "params.min_tokens", "must not exceed max_tokens (10 > 2)"),
+        ({"temperature": "hot"}, "params.temperature", "must be a number"),
+        ({"no_such": 1}, "params.no_such", "unknown sampling parameter"),
+    ],
+)
+async def test_a_bad_sampling_parameter_is_400_naming_it(
+    client: TestClient, redis: aioredis.Redis, params: dict[str, Any], field: str, words: str
+) -> None:
+    resp = await client.post("/v1/jobs", json={"prompt": "x", "params": params})
+    reply = await resp.json()
+    assert resp.status == 400, reply
+    assert_error_shape(reply, "invalid_request")
+    assert reply["error"]["field"] == field
+    assert words in reply["error"]["message"] and field not in reply["error"]["message"]
+    assert sum([await redis.xlen(stream) for stream in KEYS.lanes()]) == 0
+
+
+async def test_params_that_are_not_a_map_are_400_naming_params(client: TestClient) -> None:
+    resp = await client.post("/v1/jobs", json={"prompt": "x", "params": [1]})
+    reply = await resp.json()
+    assert resp.status == 400 and reply["error"] == {"type": "invalid_request", "field": "params",
+                                                    "message": "must be a map"}
+
+
+async def test_unknown_openai_routes_and_aiohttp_errors_there_answer_in_openai_shape(client: TestClient) -> None:
+    for method, path in (("POST", "/v1/embeddings"), ("POST", "/v1/responses"), ("GET", "/v1/nothing/here")):
+        resp = await client.request(method, path, json={})
+        assert resp.status == 404
+        assert await resp.json() == {"error": {"message": f"Invalid URL ({method} {path})",
+                                               "type": "invalid_request_error", "param": None,
+                                               "code": "unknown_url"}}
+
+    resp = await client.get("/v1/chat/completions")
+    assert resp.status == 405 and "POST" in resp.headers["Allow"]
+    error = (await resp.json())["error"]
+    assert error["code"] == "method_not_allowed" and error["type"] == "invalid_request_error"
+    assert error["message"].startswith("Method GET is not allowed on /v1/chat/completions; allowed: ")
+    assert "POST" in error["message"]
+
+    resp = await client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user",
+                                                                                       "content": "x" * 100_000}]})
+    assert resp.status == 413
+    error = (await resp.json())["error"]
+    assert error["code"] == "request_too_large"
+    assert error["message"] == "The request body is larger than this server's limit of 65536 bytes"
+
+    # carpool's own routes keep carpool's shape, with the same clear messages.
+    resp = await client.get("/v1/jobs/a/b/c")
+    assert resp.status == 404
+    assert (await resp.json())["error"] == {"type": "not_found", "message": "Invalid URL (GET /v1/jobs/a/b/c)"}
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], str | None]:

@@ -11,6 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from scheduler.protocol.keys import Keys
+from scheduler.protocol.tenants import DEFAULT_TENANT
 from tests.harness.redis_proxy import RedisProxy
 
 KEYS = Keys()
@@ -43,16 +44,16 @@ async def test_redis_lost_right_after_the_key_is_written_leaves_the_key_usable(
 
         view = await (await client.get(f"/v1/jobs/{first['id']}")).json()
         assert view["status"] == "queued"
-    assert await redis.get(KEYS.idempotency("order-42")) == first["id"].encode()
+    assert await redis.get(KEYS.idempotency(DEFAULT_TENANT, "order-42")) == first["id"].encode()
     assert await redis.xlen(KEYS.lane("standard")) == 1
 
 
 async def test_a_key_naming_a_job_that_no_longer_exists_is_taken_over(redis_url: str, redis: aioredis.Redis) -> None:
-    await redis.set(KEYS.idempotency("order-7"), "job_that_never_was", ex=86400)
+    await redis.set(KEYS.idempotency(DEFAULT_TENANT, "order-7"), "job_that_never_was", ex=86400)
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True)
     async with TestClient(TestServer(init_app(config))) as client:
         resp = await client.post("/v1/jobs", json={"prompt": "hello"}, headers={"Idempotency-Key": "order-7"})
         reply = await resp.json()
         assert resp.status == 202, reply
-    assert await redis.get(KEYS.idempotency("order-7")) == reply["id"].encode()
+    assert await redis.get(KEYS.idempotency(DEFAULT_TENANT, "order-7")) == reply["id"].encode()
     assert await redis.xlen(KEYS.lane("standard")) == 1

@@ -205,3 +205,88 @@ async def test_a_batch_survives_a_worker_sigkill_and_a_gateway_restart(redis_url
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=30)
+
+
+async def test_files_are_stored_verbatim_and_a_batch_needs_a_string_input_file_id(redis_url) -> None:
+    async with openai_service(redis_url, None) as svc:
+        for data in (b'{"a":1}', b'{"a":1}\r\n{"b":2}\r\n', b'\n{"a":1}\n\n  \n{"b":2}\n\n', "{\"é\":1}\n".encode()):
+            created = await svc.client.files.create(file=("f.jsonl", io.BytesIO(data)), purpose="batch")
+            assert created.bytes == len(data), data
+            assert (await svc.client.files.retrieve(created.id)).bytes == len(data)
+            assert (await svc.client.files.content(created.id)).content == data
+        try:
+            await svc.client.files.create(file=("f.jsonl", io.BytesIO(b"\n \r\n\n")), purpose="batch")
+            raise AssertionError("a file of blank lines was accepted")
+        except openai.BadRequestError as e:
+            assert e.param == "file" and "no requests" in e.body["message"]
+
+        for body, message in (({}, "input_file_id: required"),
+                              ({"input_file_id": 5}, "input_file_id: must be a string"),
+                              ({"input_file_id": "file-nope"}, "input_file_id: no such file: 'file-nope'")):
+            try:
+                await svc.client.post("/batches", cast_to=object,
+                                      body={"endpoint": CHAT, "completion_window": "24h", **body})
+                raise AssertionError(f"{body} was accepted")
+            except openai.BadRequestError as e:
+                assert e.param == "input_file_id" and e.body["message"].startswith(message), e.body
+        try:
+            await svc.client.batches.create(input_file_id=await upload(svc.client, [json.dumps(chat_line(0))]),
+                                            endpoint=CHAT, completion_window="24h", metadata={"k": 5})
+            raise AssertionError("metadata with a number was accepted")
+        except openai.BadRequestError as e:
+            assert e.param == "metadata.k"
+
+
+async def test_only_a_batch_that_has_not_ended_can_be_cancelled(redis_url) -> None:
+    """No worker serves the model, so the requests wait in the batch lane until the cancel drops them."""
+    async with openai_service(redis_url, None, batch_poll_interval_s=1) as svc:
+        lines = [json.dumps(chat_line(i)) for i in range(5)]
+        batch = await svc.client.batches.create(input_file_id=await upload(svc.client, lines), endpoint=CHAT,
+                                                completion_window="24h")
+        assert (await svc.client.batches.cancel(batch.id)).status == "cancelling"
+        # A cancel already under way answers the same (the driver's next round comes a second later).
+        assert (await svc.client.batches.cancel(batch.id)).status == "cancelling"
+        await wait_batch(svc.client, batch.id, {"cancelled"})
+        try:
+            await svc.client.batches.cancel(batch.id)
+            raise AssertionError("a cancelled batch was cancelled again")
+        except openai.ConflictError as e:
+            assert (e.status_code, e.code, e.param) == (409, "batch_not_cancellable", "batch_id")
+            assert "has already ended (status cancelled)" in e.body["message"]
+
+        # A batch whose file is deleted before the driver reads it fails.
+        failed = await svc.client.batches.create(input_file_id=await upload(svc.client, lines), endpoint=CHAT,
+                                                 completion_window="24h")
+        await svc.client.files.delete(failed.input_file_id)
+        failed = await wait_batch(svc.client, failed.id, {"failed", "cancelled", "completed"})
+        assert failed.status == "failed"
+        try:
+            await svc.client.batches.cancel(failed.id)
+            raise AssertionError("a failed batch was cancelled")
+        except openai.ConflictError as e:
+            assert e.code == "batch_not_cancellable" and "status failed" in e.body["message"]
+
+
+async def test_error_file_lines_count_blank_lines_and_take_the_online_codes(redis_url, tiny_model) -> None:
+    """Blank lines are skipped but numbered as in the user's file; a request the worker refuses (a prompt longer
+    than the context) gets the online route's code, and every error message starts with its line."""
+    from worker.engine.engine import Engine
+
+    too_long = {**chat_line(2), "body": {**chat_line(2)["body"],
+                                         "messages": [{"role": "user", "content": "x" * 2000}]}}
+    data = "\r\n".join(["", json.dumps(chat_line(0)), "", json.dumps(too_long), "  ", "not json",
+                        json.dumps(chat_line(1)), "", ""]).encode()
+    async with openai_service(redis_url, Engine(model=tiny_model(), max_num_seqs=4, max_model_len=256),
+                              batch_poll_interval_s=0.1) as svc:
+        upload_id = (await svc.client.files.create(file=("b.jsonl", io.BytesIO(data)), purpose="batch")).id
+        batch = await svc.client.batches.create(input_file_id=upload_id, endpoint=CHAT, completion_window="24h")
+        batch = await wait_batch(svc.client, batch.id, {"completed", "failed", "expired", "cancelled"})
+        assert batch.status == "completed"
+        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (4, 2, 2)
+        assert [o["custom_id"] for o in await read_lines(svc.client, batch.output_file_id)] == ["req-0", "req-1"]
+        errors = await read_lines(svc.client, batch.error_file_id)
+        assert [(e["custom_id"], e["error"]["code"]) for e in errors] == \
+            [("req-2", "context_length_exceeded"), (None, "invalid_json")]
+        assert errors[0]["error"]["message"].startswith("line 4: messages: ")
+        assert errors[1]["error"]["message"].startswith("line 6: ")
+        assert (await svc.client.files.content(upload_id)).content == data

@@ -265,3 +265,43 @@ async def test_a_chat_stream_starts_with_its_first_token_even_when_that_token_ha
         await runner.release()
         rest = [c async for c in chunks]
     assert "".join(c.choices[0].delta.content or "" for c in rest if c.choices) == expected.text
+
+
+async def test_wrong_types_and_openai_limits_are_400s_naming_the_parameter(redis_url, redis) -> None:
+    """Refused before any job exists, with OpenAI's limits: `stop` up to 4 sequences, `metadata` up to 16 string
+    pairs (keys up to 64 characters, values up to 512), `user` and a message's `name` strings."""
+    long_key, long_value = "k" * 65, "v" * 513
+    cases = [
+        ({"stop": 5}, "stop", "must be a string or a list of strings"),
+        ({"stop": {"a": 1}}, "stop", "must be a string or a list of strings"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop sequences"),
+        ({"extra_body": {"stop_token_ids": 5}}, "stop_token_ids", "must be a list of integers"),
+        ({"max_tokens": 3, "extra_body": {"min_tokens": 10}}, "min_tokens", "must not exceed max_tokens (10 > 3)"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens", "must be >= 1"),
+        ({"metadata": "x"}, "metadata", "must be an object"),
+        ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16 keys"),
+        ({"metadata": {long_key: "v"}}, "metadata", "keys are at most 64 characters"),
+        ({"metadata": {"k": long_value}}, "metadata.k", "at most 512 characters"),
+        ({"metadata": {"k": 5}}, "metadata.k", "must be a string"),
+        ({"user": 5}, "user", "must be a string"),
+        ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "messages[0].name", "must be a string"),
+    ]
+    async with openai_service(redis_url, None) as svc:
+        for args, param, words in cases:
+            create = {"model": MODEL_NAME, "messages": MESSAGES, **args}
+            with pytest.raises(openai.BadRequestError) as refused:
+                await svc.client.chat.completions.create(**create)
+            error = refused.value
+            assert (error.status_code, error.param, error.code) == (400, param, "invalid_value"), (args, error)
+            message = error.body["message"]
+            assert message.startswith(f"{param}: ") and words in message, (args, message)
+            assert message.count(words) == 1 and message.count(f"{param}:") == 1, message
+        with pytest.raises(openai.BadRequestError) as refused:
+            await svc.client.completions.create(model=MODEL_NAME, prompt="x", stop=5)
+        assert refused.value.param == "stop"
+        # The limits themselves are accepted (and reach the queue).
+        ok = asyncio.create_task(svc.client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi", "name": "ann"}], user="u-1", max_tokens=2,
+            stop=["a", "b", "c", "d"], metadata={"k" * 64: "v" * 512, **{str(i): "v" for i in range(15)}}))
+        await wait_until(lambda: redis.xlen(KEYS.lane("interactive")), "the request's job is queued")
+        ok.cancel()

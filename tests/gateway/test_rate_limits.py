@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
+import openai
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import ClientSession
@@ -13,15 +16,29 @@ from aiohttp.test_utils import TestServer
 from gateway.api_keys import KeyStore
 from gateway.app import init_app
 from gateway.config import GatewayConfig
+from gateway.rate_limits import reset_text
 from scheduler.protocol.tenants import TenantLimits
-from tests.harness.worker_harness import KEYS, running_worker, wait_terminal
+from tests.harness.worker_harness import KEYS, running_worker, wait_terminal, wait_until
 
-RESET = re.compile(r"^(\d+ms|\d+(\.\d+)?s|\d+m\d+s)$")
+RESET = re.compile(r"^(\d+ms|\d+(\.\d+)?s|\d+m\d+(\.\d+)?s)$")
 
 
 @pytest.fixture
 async def gateway(redis_url: str) -> AsyncIterator[tuple[str, KeyStore]]:
-    server = TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True, api_keys=True)),
+    async with _gateway(redis_url) as started:
+        yield started
+
+
+@pytest.fixture
+async def gateway_64(redis_url: str) -> AsyncIterator[tuple[str, KeyStore]]:
+    """A gateway that knows the model's context: 64 tokens (`--max-model-len`)."""
+    async with _gateway(redis_url, max_model_len=64) as started:
+        yield started
+
+
+@asynccontextmanager
+async def _gateway(redis_url: str, **config: Any) -> AsyncIterator[tuple[str, KeyStore]]:
+    server = TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True, api_keys=True, **config)),
                         host="127.0.0.1")
     await server.start_server()
     client = aioredis.Redis.from_url(redis_url)
@@ -126,3 +143,154 @@ async def test_tokens_per_minute_reserve_prompt_plus_max_tokens_and_settle_to_re
         async with http.post(f"{url}/v1/jobs", headers=headers, json=body) as resp:
             assert resp.status == 202  # room again within the same window
         await client.aclose()
+
+
+def test_reset_times_are_written_as_openai_writes_them_whatever_the_value() -> None:
+    # Go's duration format: the same shape either side of a minute, never rounded into the next unit.
+    assert [reset_text(ms) for ms in (0, 6, 999, 1000, 1500, 20_000, 59_960, 59_999, 60_000, 61_500, 63_000)] == [
+        "0s", "6ms", "999ms", "1s", "1.5s", "20s", "59.96s", "59.999s", "1m0s", "1m1.5s", "1m3s"]
+    assert all(RESET.match(reset_text(ms)) for ms in range(0, 120_000, 7))
+
+
+async def _usage(url: str, http: ClientSession, headers: dict[str, str]) -> dict[str, Any]:
+    async with http.get(f"{url}/v1/usage", headers=headers) as resp:
+        return await resp.json()
+
+
+async def test_refused_requests_count_no_request_against_rpm(gateway, redis_url, tiny_model) -> None:
+    from worker.engine.engine import Engine
+
+    url, store = gateway
+    key, _ = await store.create("refused", TenantLimits(requests_per_minute=3, max_queued=1))
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"prompt_token_ids": [1, 2, 3], "params": {"max_tokens": 2, "stop_token_ids": list(range(512))}}
+    async with ClientSession() as http:
+        async with http.post(f"{url}/v1/jobs", headers=headers, json=body) as resp:
+            assert resp.status == 202
+            first = (await resp.json())["id"]
+        for _ in range(2):
+            async with http.post(f"{url}/v1/jobs", headers=headers, json=body) as resp:
+                assert resp.status == 429 and (await resp.json())["error"]["type"] == "quota_exceeded"
+                assert resp.headers["x-ratelimit-remaining-requests"] == "2"  # as it stands after the refusal
+        async with http.post(f"{url}/v1/jobs", headers=headers, json={"prompt": 7}) as resp:
+            assert resp.status == 400
+        assert (await _usage(url, http, headers))["window"]["requests"] == 1
+        client = aioredis.Redis.from_url(redis_url)
+        async with running_worker(redis_url, Engine(model=tiny_model(), max_num_seqs=4)):
+            await wait_terminal(client, [first])
+            await wait_until_queued(url, http, headers, 0)
+        await client.aclose()
+        async with http.post(f"{url}/v1/jobs", headers=headers, json={"prompt": "next"}) as resp:
+            assert resp.status == 202, await resp.text()  # the quota's refusals left two of the three requests
+            assert resp.headers["x-ratelimit-remaining-requests"] == "1"
+        assert (await _usage(url, http, headers))["window"]["requests"] == 2
+
+
+async def wait_until_queued(url: str, http: ClientSession, headers: dict[str, str], queued: int) -> None:
+    """Until the tenant has `queued` jobs waiting or running (a worker deletes an entry just after its commit)."""
+    async def settled() -> bool:
+        return (await _usage(url, http, headers))["queued"] == queued
+
+    await wait_until(settled, f"{queued} jobs queued")
+
+
+async def test_an_idempotent_retry_gets_its_job_back_even_with_no_requests_left(gateway) -> None:
+    url, store = gateway
+    key, _ = await store.create("retrying", TenantLimits(requests_per_minute=2, tokens_per_minute=1000))
+    headers = {"Authorization": f"Bearer {key}"}
+    retry = {**headers, "Idempotency-Key": "order-1"}
+    async with ClientSession() as http:
+        answers = []
+        for _ in range(3):
+            async with http.post(f"{url}/v1/jobs", headers=retry, json={"prompt": "x", "params": {"max_tokens": 2}}) as resp:
+                answers.append((resp.status, (await resp.json())["id"]))
+        assert [status for status, _ in answers] == [202, 200, 200] and len({i for _, i in answers}) == 1
+        window = (await _usage(url, http, headers))["window"]
+        assert (window["requests"], window["tokens"]) == (1, 3)  # one job: prompt "x" ~1 token + max_tokens 2
+        async with http.post(f"{url}/v1/jobs", headers=headers, json={"id": "mine", "prompt": "y"}) as resp:
+            assert resp.status == 202 and resp.headers["x-ratelimit-remaining-requests"] == "0"
+        async with http.post(f"{url}/v1/jobs", headers=headers, json={"prompt": "z"}) as resp:
+            assert resp.status == 429  # the window is used up...
+        # ...yet a retry, by key or by id, is answered with its job, and counts nothing.
+        async with http.post(f"{url}/v1/jobs", headers=retry, json={"prompt": "x", "params": {"max_tokens": 2}}) as resp:
+            assert (resp.status, (await resp.json())["id"]) == (200, answers[0][1])
+        async with http.post(f"{url}/v1/jobs", headers=headers, json={"id": "mine", "prompt": "y"}) as resp:
+            assert (resp.status, (await resp.json())["id"]) == (200, "mine")
+        # Another tenant's id is refused as taken (not as over the limit), telling nothing of that job.
+        neighbour, _ = await store.create("neighbour", TenantLimits())
+        async with http.post(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {neighbour}"},
+                             json={"id": "theirs", "prompt": "w"}) as resp:
+            assert resp.status == 202
+        async with http.post(f"{url}/v1/jobs", headers=headers, json={"id": "theirs", "prompt": "w"}) as resp:
+            assert resp.status == 409 and (await resp.json())["error"]["field"] == "id"
+        assert (await _usage(url, http, headers))["window"]["requests"] == 2
+
+
+async def test_a_job_without_max_tokens_reserves_the_rest_of_the_context_then_settles(
+        gateway_64, redis_url, tiny_model) -> None:
+    from worker.engine.engine import Engine
+
+    url, store = gateway_64
+    key, _ = await store.create("unbounded", TenantLimits(tokens_per_minute=100))
+    headers = {"Authorization": f"Bearer {key}"}
+    # 10 prompt tokens and no max_tokens: the job may run to the context's end, 64 tokens in all.
+    body = {"prompt_token_ids": list(range(1, 11)), "params": {"max_tokens": None, "stop_token_ids": list(range(512))}}
+    async with ClientSession() as http:
+        async with http.post(f"{url}/v1/jobs", headers=headers, json=body) as resp:
+            assert resp.status == 202 and resp.headers["x-ratelimit-remaining-tokens"] == "36"
+            job_id = (await resp.json())["id"]
+        async with http.post(f"{url}/v1/jobs", headers=headers, json=body) as resp:
+            assert resp.status == 429 and "requested 64" in (await resp.json())["error"]["message"]
+        client = aioredis.Redis.from_url(redis_url)
+        async with running_worker(redis_url, Engine(model=tiny_model(), max_num_seqs=4)):
+            view = (await wait_terminal(client, [job_id]))[job_id]
+        await client.aclose()
+        assert view["status"] == "succeeded" and view["usage"]["completion_tokens"] == 1
+        assert (await _usage(url, http, headers))["window"]["tokens"] == 11  # settled to the real use
+
+        # A key whose whole minute is less than the context cannot take such a job: a 400 saying so, counting
+        # nothing, on /v1/jobs and on the OpenAI routes (where chat without max_tokens is the default).
+        small, _ = await store.create("small", TenantLimits(requests_per_minute=5, tokens_per_minute=50))
+        small_headers = {"Authorization": f"Bearer {small}"}
+        async with http.post(f"{url}/v1/jobs", headers=small_headers, json=body) as resp:
+            error = (await resp.json())["error"]
+            assert resp.status == 400 and error["field"] == "params.max_tokens"
+            assert "64 tokens" in error["message"] and "50 tokens per minute" in error["message"]
+        oai = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=small, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert refused.value.code == "rate_limit_exceeded" and "64 tokens" in refused.value.message
+        await oai.close()
+        assert (await _usage(url, http, small_headers))["window"]["requests"] == 0
+
+
+async def test_without_a_known_context_an_unbounded_job_reserves_the_whole_minute(gateway) -> None:
+    url, store = gateway  # no --max-model-len and no worker: the context is not known
+    key, _ = await store.create("early", TenantLimits(tokens_per_minute=100))
+    headers = {"Authorization": f"Bearer {key}"}
+    async with ClientSession() as http:
+        async with http.post(f"{url}/v1/jobs", headers=headers,
+                             json={"prompt": "hello", "params": {"max_tokens": None}}) as resp:
+            assert resp.status == 202 and resp.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+async def test_n_over_max_queued_is_a_400_and_n_choices_need_room_for_all(gateway, redis) -> None:
+    url, store = gateway
+    key, _ = await store.create("choosy", TenantLimits(max_queued=3, requests_per_minute=10))
+    headers = {"Authorization": f"Bearer {key}"}
+    oai = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with pytest.raises(openai.BadRequestError) as refused:  # never retryable: n alone is over the quota
+        await oai.chat.completions.create(**chat, n=4)
+    assert refused.value.code == "queued_jobs_limit" and refused.value.param == "n"
+    assert "n=4" in refused.value.message and "max_queued of 3" in refused.value.message
+    async with ClientSession() as http:
+        async with http.post(f"{url}/v1/jobs", headers=headers, json={"prompt": "waiting"}) as resp:
+            assert resp.status == 202
+        with pytest.raises(openai.RateLimitError) as full:  # 1 queued + 3 choices > 3: no choice is enqueued
+            await oai.chat.completions.create(**chat, n=3)
+        assert full.value.code == "queued_jobs_limit"
+        usage = await _usage(url, http, headers)
+    await oai.close()
+    assert usage["queued"] == 1 and usage["window"]["requests"] == 1  # neither refusal counted
+    assert [k async for k in redis.scan_iter(match=KEYS.job("chatcmpl-*"))] == []  # nothing enqueued, nothing to charge

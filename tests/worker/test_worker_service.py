@@ -77,20 +77,27 @@ async def test_poison_entries_are_dead_lettered_and_the_worker_keeps_serving(red
         await client.xadd(lane, {"job": msgpack.packb({"v": 1, "id": "no-prompt"})})
         await client.xadd(lane, {"job": msgpack.packb({"v": 1, "id": "bad-params", "prompt": "hi",
                                                        "params": {"temperature": -1}})})
+        await client.xadd(lane, {"job": b"hello, not a job"})  # neither JSON nor msgpack
+        await client.xadd(lane, {"job": msgpack.packb(5)})  # msgpack, but not a map
+        await client.xadd(lane, {"job": '{"v": 1, "id": "bad-stop", "prompt": "hi", "params": {"stop": 5}}'})
         good = JobSpec(id="good", prompt="still serving", params=SamplingParams(max_tokens=3, temperature=0))
         await xadd_job(client, good)
-        views = await wait_terminal(client, ["no-prompt", "bad-params", "good"])
-        await wait_until(lambda: has_dead(client, 4), "4 dead-lettered entries")
+        views = await wait_terminal(client, ["no-prompt", "bad-params", "bad-stop", "good"])
+        await wait_until(lambda: has_dead(client, 7), "7 dead-lettered entries")
     assert views["good"]["status"] == "succeeded"
     assert views["no-prompt"]["status"] == "failed"
     assert views["no-prompt"]["error"]["field"] == "prompt"
     assert views["bad-params"]["status"] == "failed"
     assert views["bad-params"]["error"]["field"] == "params.temperature"
     assert "temperature" in views["bad-params"]["error"]["message"]
+    assert views["bad-stop"]["status"] == "failed"
+    assert views["bad-stop"]["error"]["field"] == "params.stop"
+    assert views["bad-stop"]["error"]["message"] == "params.stop: must be a string or a list of strings, got int"
     dead = await client.xrange(KEYS.dead)
     reasons = sorted(fields[b"reason"].decode() for _, fields in dead)
-    assert len(dead) == 4
-    assert any("not a msgpack map" in r for r in reasons)
+    assert len(dead) == 7
+    assert sum("job: must be a msgpack map or a JSON object; it is" in r for r in reasons) == 3, reasons
+    assert "invalid job: params.stop: must be a string or a list of strings, got int" in reasons
     assert any("no 'job' field" in r for r in reasons)
     assert (await client.xpending(lane, CONSUMER_GROUP))["pending"] == 0
     await client.aclose()

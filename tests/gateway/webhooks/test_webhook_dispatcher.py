@@ -147,6 +147,53 @@ async def test_retry_after_is_honoured(redis_client, receiver_factory, secret) -
     assert receiver.received[1].at - receiver.received[0].at >= 0.95
 
 
+@pytest.mark.parametrize("retry_after", ["0", "Thu, 01 Jan 1970 00:00:00 GMT"])
+async def test_retry_after_zero_or_past_does_not_shorten_the_schedule(redis_client, receiver_factory, secret,
+                                                                         retry_after: str) -> None:
+    busy = Answer(503, {"Retry-After": retry_after})
+    receiver = await receiver_factory([busy, busy], then=Answer(200))
+    config = fast_config(secret, webhook_retry_schedule_s=[0.4, 0.8])
+    async with WebhookDispatcher(redis_client, KEYS, config):
+        await enqueue(redis_client, "job1", "started", receiver.url)
+        await asyncio.wait_for(receiver.accepted.wait(), WAIT_S)
+    assert [r.status for r in receiver.received] == [503, 503, 200]
+    gaps = [b.at - a.at for a, b in zip(receiver.received, receiver.received[1:])]
+    assert gaps[0] >= 0.39 and gaps[1] >= 0.79, gaps
+
+
+REFUSED_FAST_S = 10.0
+"""A refused delivery is dead within this long; with retries on the schedule below it would take minutes."""
+
+
+async def test_refused_urls_are_dead_at_once_and_free_the_jobs_chain(redis_client, receiver_factory, secret) -> None:
+    receiver = await receiver_factory(then=Answer(200))
+    config = fast_config(secret, webhook_retry_schedule_s=[60.0], webhook_max_attempts=5)
+    urls = {
+        "job-ftp": "ftp://x/hook",
+        "job-private": "http://192.168.1.1/x",
+        "job-integer": f"http://2130706433:{receiver.port}/hook",  # 127.0.0.1 is allow-listed; this spelling is not
+        "job-hex": f"http://0x7f000001:{receiver.port}/hook",
+    }
+    async with WebhookDispatcher(redis_client, KEYS, config):
+        ids = {job_id: [await enqueue(redis_client, job_id, event, url) for event in ("started", "completed")]
+               for job_id, url in urls.items()}
+        all_ids = [i for pair in ids.values() for i in pair]
+        await asyncio.wait_for(wait_for(lambda: states_are(redis_client, all_ids, b"dead")), REFUSED_FAST_S)
+    assert receiver.received == []
+    dead = {fields[b"id"].decode(): fields for _, fields in await redis_client.xrange(KEYS.webhooks_dead)}
+    assert set(dead) == set(all_ids)
+    assert all(fields[b"attempts"] == b"1" and b"refused" in fields[b"reason"] for fields in dead.values())
+    assert b"scheme must be http or https" in dead[ids["job-ftp"][0]][b"reason"]
+    assert b"non-public" in dead[ids["job-private"][0]][b"reason"]
+    assert b"dotted-decimal" in dead[ids["job-integer"][0]][b"reason"]
+    for job_id in urls:
+        attempts = await job_attempts(redis_client, job_id)
+        assert [(a["event"], a["attempt"], a["outcome"]) for a in attempts] == [
+            ("started", 1, "dead"), ("completed", 1, "dead")]
+        assert all(a["error"].startswith("refused: ") and a["next_at"] is None for a in attempts)
+    assert await redis_client.zcard(KEYS.webhooks_retry) == 0
+
+
 async def test_one_jobs_events_arrive_in_order(redis_client, receiver_factory, secret) -> None:
     receiver = await receiver_factory([Answer(500), Answer(500)], then=Answer(200))
     async with WebhookDispatcher(redis_client, KEYS, fast_config(secret)):
@@ -183,7 +230,7 @@ async def test_non_public_url_is_refused_at_delivery_without_traffic(redis_clien
     assert receiver.received == []
     for job_id in ("job1", "job2"):
         attempts = await job_attempts(redis_client, job_id)
-        assert [a["outcome"] for a in attempts] == ["retrying", "dead"]
+        assert [a["outcome"] for a in attempts] == ["dead"], "no retry can change a refusal"
         assert all("refused" in a["error"] and "non-public" in a["error"] for a in attempts)
 
 

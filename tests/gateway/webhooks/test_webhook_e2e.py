@@ -173,3 +173,9 @@ async def test_submission_refuses_a_name_that_does_not_resolve(strict_gateway, r
     await assert_refused_and_nothing_queued(
         strict_gateway, redis_url, "https://no-such-host.invalid/hook", "does not resolve"
     )
+
+
+@pytest.mark.parametrize("host", ["2130706433", "127.1", "0x7f000001"])
+async def test_submission_refuses_legacy_spellings_of_an_allowed_address(gateway, redis_url, host: str) -> None:
+    # 127.0.0.1 is allow-listed, but the dispatcher's HTTP client does not connect to these spellings of it.
+    await assert_refused_and_nothing_queued(gateway, redis_url, f"http://{host}:8290/hook", "dotted-decimal")

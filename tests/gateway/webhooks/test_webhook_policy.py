@@ -66,6 +66,8 @@ def test_backoff_follows_the_schedule_within_jitter() -> None:
         (1, 301, None, None, AttemptOutcome.RETRYING, 0.1),  # redirects are not followed
         (3, 500, None, None, AttemptOutcome.DEAD, None),
         (3, 429, None, 1.0, AttemptOutcome.DEAD, None),
+        (1, 503, None, 0.0, AttemptOutcome.RETRYING, 0.1),  # Retry-After never shortens the schedule
+        (2, 429, None, 0.05, AttemptOutcome.RETRYING, 0.2),
     ],
 )
 def test_decide(attempt, status, error, retry_after, outcome, delay) -> None:
@@ -75,6 +77,33 @@ def test_decide(attempt, status, error, retry_after, outcome, delay) -> None:
     assert decision.delay_s == (None if delay is None else pytest.approx(delay))
     if outcome is AttemptOutcome.DEAD:
         assert "attempt 3 of 3" in (decision.reason or "")
+
+
+@pytest.mark.parametrize("retry_after", ["0", "Thu, 01 Jan 1970 00:00:01 GMT"])
+def test_retry_after_zero_or_past_keeps_the_default_schedule(retry_after: str) -> None:
+    policy = RetryPolicy()
+    now = 1_767_268_800.0
+    delays = []
+    for attempt in range(1, policy.max_attempts + 1):
+        decision = decide(policy, attempt, 503, None, parse_retry_after(retry_after, now=now), 0.5)
+        delays.append(decision.delay_s)
+    assert delays == [5, 30, 120, 600, 1800, 3600, 7200, None]
+    assert sum(d for d in delays if d is not None) > 3.5 * 3600  # "about four hours"
+
+
+def test_retry_after_lengthens_up_to_its_cap_but_never_below_the_schedule() -> None:
+    policy = RetryPolicy(schedule_s=(5.0, 7200.0), jitter_fraction=0.0, max_retry_after_s=3600.0)
+    assert decide(policy, 1, 429, None, 60.0, 0.5).delay_s == 60.0
+    assert decide(policy, 1, 429, None, 99999.0, 0.5).delay_s == 3600.0
+    assert decide(policy, 2, 429, None, 99999.0, 0.5).delay_s == 7200.0  # the cap does not shorten the schedule
+    assert decide(policy, 2, 503, None, 1.0, 0.5).delay_s == 7200.0
+
+
+def test_a_refused_url_is_dead_at_the_first_attempt() -> None:
+    decision = decide(RetryPolicy(), 1, None, "refused: webhook.url: scheme must be http or https, got 'ftp'", None,
+                      0.5, is_refused=True)
+    assert decision.outcome is AttemptOutcome.DEAD and decision.delay_s is None
+    assert decision.reason is not None and "scheme must be http or https" in decision.reason
 
 
 def test_parse_retry_after() -> None:

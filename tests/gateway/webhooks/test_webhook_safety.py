@@ -9,6 +9,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from gateway.webhooks.safety import (
     Allowlist,
@@ -37,11 +38,12 @@ REFUSED = [
     "http://[fd00::1]/hook",
     "http://[::ffff:10.0.0.1]/hook",
     "http://[::ffff:169.254.169.254]/hook",
-    "http://2130706433/hook",
-    "http://0x7f000001/hook",
-    "http://127.1/hook",
     "http://224.0.0.1/hook",
 ]
+
+LEGACY_IPV4 = ["2130706433", "0x7f000001", "0X7F000001", "127.1", "127.0.1", "0177.0.0.1", "017700000001",
+               "127.0.0.01", "127.0.0.1."]
+"""Spellings of 127.0.0.1 that ``inet_aton`` reads but the dispatcher's HTTP client does not connect to."""
 
 
 @pytest.fixture
@@ -85,6 +87,56 @@ async def test_non_public_addresses_are_refused(url: str) -> None:
         check_webhook_url(url, NO_ALLOW)
     with pytest.raises(WebhookUrlError, match="non-public"):
         await check_webhook_url_async(url, NO_ALLOW)
+
+
+@pytest.mark.parametrize("host", LEGACY_IPV4)
+async def test_legacy_ipv4_spellings_are_refused_even_when_the_address_is_allowed(host: str) -> None:
+    allow = Allowlist.parse("127.0.0.1")
+    with pytest.raises(WebhookUrlError, match="dotted-decimal"):
+        check_webhook_url(f"http://{host}:8290/hook", allow)
+    with pytest.raises(WebhookUrlError, match="dotted-decimal"):
+        await check_webhook_url_async(f"http://{host}:8290/hook", NO_ALLOW)
+
+
+async def test_every_url_the_check_admits_the_dispatchers_client_can_send() -> None:
+    """Each spelling of an allow-listed address is either refused by the check or reaches the receiver."""
+    hits: list[str] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        hits.append(request.host)
+        return web.Response(status=204)
+
+    app = web.Application()
+    app.router.add_post("/hook", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    allow = Allowlist.parse("127.0.0.1")
+    admitted = []
+    try:
+        connector = aiohttp.TCPConnector(resolver=VettingResolver(allow), use_dns_cache=False)
+        async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+            for host in ["127.0.0.1", "[::ffff:127.0.0.1]", *LEGACY_IPV4]:
+                url = f"http://{host}:{port}/hook"
+                try:
+                    await check_webhook_url_async(url, allow)
+                except WebhookUrlError:
+                    continue
+                admitted.append(host)
+                async with session.post(url, data=b"{}") as resp:
+                    assert resp.status == 204, url
+    finally:
+        await runner.cleanup()
+    assert admitted == ["127.0.0.1", "[::ffff:127.0.0.1]"] and len(hits) == 2
+
+
+@pytest.mark.parametrize("url", ["http://a..b/hook", "http://ex ample.com/hook", "http://-a.example/hook",
+                                 "http://[::1/hook", "http://example.com:99999/hook", "http://999.1.1.1/hook"])
+def test_malformed_hosts_are_refused(url: str) -> None:
+    with pytest.raises(WebhookUrlError, match="webhook.url"):
+        check_webhook_url(url, Allowlist.parse("0.0.0.0/0"))
 
 
 @pytest.mark.parametrize("url", ["file:///etc/passwd", "ftp://example.com/x", "gopher://example.com/", "//example.com/x"])

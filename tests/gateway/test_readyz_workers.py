@@ -1,0 +1,59 @@
+"""/readyz shows the live workers only: a worker that died without removing its heartbeat drops out of the
+list once its heartbeat is older than --model-heartbeat-max-age-s, and its entry is removed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway.app import init_app
+from gateway.config import GatewayConfig
+from scheduler.protocol.keys import Keys
+
+KEYS = Keys()
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[TestClient]:
+    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, model_heartbeat_max_age_s=5.0)
+    async with TestClient(TestServer(init_app(config))) as client:
+        yield client
+
+
+async def test_a_killed_workers_old_heartbeat_is_not_shown_and_is_pruned(client: TestClient, redis: aioredis.Redis) -> None:
+    now = time.time()
+    await redis.hset(KEYS.workers, "alive", msgpack.packb({"time": now, "running": 1, "capacity": 8}))
+    await redis.hset(KEYS.workers, "killed", msgpack.packb({"time": now - 15 * 60, "running": 3, "capacity": 8}))
+    await redis.hset(KEYS.workers, "just-in-time", msgpack.packb({"time": now - 4.0, "running": 0, "capacity": 4}))
+    resp = await client.get("/readyz")
+    assert resp.status == 200
+    ready = await resp.json()
+    assert ready["status"] == "ready"
+    assert set(ready["workers"]) == {"alive", "just-in-time"}
+    assert ready["workers"]["alive"]["running"] == 1
+    assert set(await redis.hkeys(KEYS.workers)) == {b"alive", b"just-in-time"}
+
+
+async def test_a_worker_heard_from_again_is_shown_again(client: TestClient, redis: aioredis.Redis) -> None:
+    await redis.hset(KEYS.workers, "w1", msgpack.packb({"time": time.time() - 60, "running": 0, "capacity": 8}))
+    assert (await (await client.get("/readyz")).json())["workers"] == {}
+    await redis.hset(KEYS.workers, "w1", msgpack.packb({"time": time.time(), "running": 2, "capacity": 8}))
+    assert (await (await client.get("/readyz")).json())["workers"]["w1"]["running"] == 2
+
+
+async def test_an_unreadable_heartbeat_is_named_and_left_alone(client: TestClient, redis: aioredis.Redis) -> None:
+    await redis.hset(KEYS.workers, "future", b"\xc1 not msgpack")
+    assert (await (await client.get("/readyz")).json())["workers"] == {"future": None}
+    assert await redis.hget(KEYS.workers, "future") == b"\xc1 not msgpack"
