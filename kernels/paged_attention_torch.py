@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.host_pages import zeros_on_huge_pages
 from kernels.kv_store import store_kv_reference
 from kernels.paged_attention_cpu import DecodePlan
 from kernels.workspace import Workspace
@@ -212,8 +213,14 @@ def paged_attention_torch(
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
-    """A zeroed `[num_blocks, block_size, kv_heads, head_dim]` cache whose storage is head-major."""
-    return torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device).permute(1, 2, 0, 3)
+    """A zeroed `[num_blocks, block_size, kv_heads, head_dim]` cache whose storage is head-major (on CPU, on
+    huge pages where the OS grants them: `kernels/host_pages.py`)."""
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    if device.type == "cpu":
+        storage, _ = zeros_on_huge_pages(shape, dtype)
+    else:
+        storage = torch.zeros(shape, dtype=dtype, device=device)
+    return storage.permute(1, 2, 0, 3)
 
 
 def _head_major(cache: torch.Tensor) -> torch.Tensor | None:
