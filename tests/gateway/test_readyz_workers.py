@@ -19,13 +19,6 @@ KEYS = Keys()
 
 
 @pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture
 async def client(redis_url: str) -> AsyncIterator[TestClient]:
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True, model_heartbeat_max_age_s=5.0)
     async with TestClient(TestServer(init_app(config))) as client:
