@@ -76,6 +76,26 @@ async def test_stop_tokens_past_the_vocabulary_are_harmless_under_min_tokens(red
     await client.aclose()
 
 
+async def test_a_prompt_far_past_the_context_is_refused_untokenized_and_the_rest_run(redis_url, engine):
+    client = aioredis.Redis.from_url(redis_url)
+    lane = KEYS.lane(Lane.STANDARD)
+    huge = "a" * (engine.max_prompt_chars + 1)
+    async with running_worker(redis_url, engine):
+        await client.xadd(lane, {"job": json.dumps({"v": 1, "id": "huge", "prompt": huge})})
+        await client.xadd(lane, {"job": json.dumps({"v": 1, "id": "huge-chat", "messages": [
+            {"role": "user", "content": huge}]})})
+        await client.xadd(lane, {"job": json.dumps({"v": 1, "id": "small", "prompt": "hi",
+                                                     "params": {"max_tokens": 3}})})
+        views = await wait_terminal(client, ["huge", "huge-chat", "small"])
+    for job_id, field in (("huge", "prompt"), ("huge-chat", "messages")):
+        error = views[job_id]["error"]
+        assert views[job_id]["status"] == "failed" and error["field"] == field
+        assert "characters" in error["message"] and "cannot fit" in error["message"]  # its length, not its tokens
+        assert error["code"] == "context_length_exceeded"
+    assert views["small"]["status"] == "succeeded"
+    await client.aclose()
+
+
 async def test_direct_job_without_a_lane_field_belongs_to_the_lane_it_was_added_to(redis_url, engine):
     client = aioredis.Redis.from_url(redis_url)
     async with running_worker(redis_url, engine):

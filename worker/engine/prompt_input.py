@@ -13,6 +13,10 @@ from transformers import PreTrainedTokenizerBase
 _CHARS_MARGIN = 4
 
 
+class PromptTooLong(ValueError):
+    """A text prompt (or chat content) refused by its length in characters, before it was tokenized."""
+
+
 def max_prompt_chars(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> int:
     """The most characters of text a prompt may have to be tokenized at all: beyond it the prompt cannot fit in
     `max_model_len` tokens, and tokenizing megabytes of it would hold the engine up for seconds to minutes."""
@@ -43,12 +47,12 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, prompt
 
 def _check_length(prompt: str | list[int] | None, messages: list[dict[str, Any]] | None, max_chars: int) -> None:
     if isinstance(prompt, str) and len(prompt) > max_chars:
-        raise ValueError(f"prompt: {len(prompt)} characters cannot fit the model's context (at most {max_chars} "
+        raise PromptTooLong(f"prompt: {len(prompt)} characters cannot fit the model's context (at most {max_chars} "
                          "characters are tokenized)")
     if isinstance(messages, list):
         total = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
         if total > max_chars:
-            raise ValueError(f"messages: {total} characters of content cannot fit the model's context (at most "
+            raise PromptTooLong(f"messages: {total} characters of content cannot fit the model's context (at most "
                              f"{max_chars} characters are tokenized)")
 
 

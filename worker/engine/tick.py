@@ -53,11 +53,14 @@ def _rejection(engine: Engine, spec: JobSpec, error: ValueError) -> Rejection:
     The engine checks prompt + max_tokens as one sum and names max_tokens; when the prompt leaves no room
     at all, no max_tokens could fit, so the prompt is what the producer must change.
     """
-    from worker.engine.prompt_input import prompt_token_ids
+    from worker.engine.prompt_input import PromptTooLong, prompt_token_ids
 
+    if isinstance(error, PromptTooLong):  # refused untokenized: counting its tokens is what that spared
+        return Rejection(str(error), 0, is_context_exceeded=True)
     prompt = spec.prompt if spec.prompt is not None else spec.prompt_token_ids
     try:
-        num_prompt = len(prompt_token_ids(engine.tokenizer, engine.runner.vocab_size, prompt, spec.messages))
+        num_prompt = len(prompt_token_ids(engine.tokenizer, engine.runner.vocab_size, prompt, spec.messages,
+                                          engine.max_prompt_chars))
     except ValueError:
         return Rejection(str(error), 0)  # the prompt itself is what is wrong, and the engine said so
     max_len = engine.max_model_len
