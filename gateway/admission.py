@@ -78,6 +78,8 @@ def check_fits(spec: JobSpec, max_len: int) -> None:
                              is_context_exceeded=True)
     if max_tokens is not None and max_tokens >= max_len:
         raise InvalidJob("params.max_tokens", f"must be below the model's context length of {max_len}")
+    if spec.params.min_tokens >= max_len:  # with max_tokens left out too: no prompt leaves room for them
+        raise InvalidJob("params.min_tokens", f"must be below the model's context length of {max_len}")
 
 
 class JobIdTaken(InvalidJob):

@@ -49,6 +49,10 @@ def run_keys(args: argparse.Namespace, data_dir: Path) -> int:
         print(f"carpool keys: cannot reach Redis at {redis_url} ({e}); is `carpool up` running, or is it another "
               "deployment's Redis (--redis-url)?", file=sys.stderr)
         return 1
+    except redis.RedisError as e:  # something answered, but not as a Redis that takes these commands
+        print(f"carpool keys: Redis at {redis_url} failed: {type(e).__name__}: {e}; is that address a Redis server "
+              "(--redis-url)?", file=sys.stderr)
+        return 1
 
 
 async def _run(args: argparse.Namespace, redis_url: str) -> int:

@@ -65,6 +65,7 @@ async def submit(client: TestClient, body: dict[str, Any], **headers: str) -> tu
         ({"prompt_token_ids": [1, "x"]}, "prompt_token_ids"),
         ({"prompt_token_ids": list(range(64))}, "prompt_token_ids"),
         ({"prompt": "hi", "params": {"max_tokens": 64}}, "params.max_tokens"),
+        ({"prompt": "hi", "params": {"max_tokens": None, "min_tokens": 64}}, "params.min_tokens"),
         ({"prompt": "hi", "deadline": 1.0}, "deadline"),
         ({"prompt": "hi", "webhook": {"url": "ftp://example.com/hook"}}, "webhook.url"),
         ({"prompt": "hi", "webhook": {"url": "http://127.0.0.1:9/hook"}}, "webhook.url"),

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
@@ -109,6 +110,30 @@ def test_keys_reports_an_unreachable_redis(capsys: pytest.CaptureFixture[str]) -
     assert main(["keys", "create", "--tenant", "acme", "--redis-url", url], env={}) == 1
     err = capsys.readouterr().err
     assert f"cannot reach Redis at {url}" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_keys_reports_a_server_that_is_not_redis(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as listener:  # answers every connection with an HTTP error, as a web server would
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        url = f"redis://127.0.0.1:{listener.getsockname()[1]}"
+
+        def answer() -> None:
+            try:
+                while True:
+                    conn, _ = listener.accept()
+                    with conn:
+                        conn.recv(1024)
+                        conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+            except OSError:  # the listener closed: the test is over
+                return
+
+        server = threading.Thread(target=answer, daemon=True)
+        server.start()
+        assert main(["keys", "list", "--redis-url", url], env={}) == 1
+    err = capsys.readouterr().err
+    assert f"carpool keys: Redis at {url} failed" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
 
 
