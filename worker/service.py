@@ -80,6 +80,9 @@ class WorkerService:
         self._spawn("engine", self.job_loop.run())
         self._spawn("control", self._control())
         self._spawn("leases", self._leases())
+        # The first heartbeat is in Redis before the worker says it is ready: a gateway asked right after
+        # (GET /v1/models, /readyz) then knows this worker and its model.
+        await self._beat()
         self._spawn("heartbeat", self._heartbeat())
         self._spawn("intake", self._intake())
         if self.config.metrics_port:
@@ -243,19 +246,22 @@ class WorkerService:
                 if self.job_loop.cancel(body["id"]):
                     log.info("job %s: cancelled while running", body["id"])
 
+    async def _beat(self) -> None:
+        await self.client.hset(self.keys.workers, self.config.worker_name, pack({
+            "time": time.time(), "running": len(self.job_loop.jobs), "capacity": self.config.capacity,
+            "max_model_len": self.engine.max_model_len, "builtin_model": self.config.engine.model is None,
+            "model": self.config.model_name,
+            "draining": self.is_draining}))
+
     async def _heartbeat(self) -> None:
+        """A heartbeat every interval after the first (`start` writes that one)."""
         while True:
-            try:
-                await self.client.hset(self.keys.workers, self.config.worker_name, pack({
-                    "time": time.time(), "running": len(self.job_loop.jobs), "capacity": self.config.capacity,
-                    "max_model_len": self.engine.max_model_len, "builtin_model": self.config.engine.model is None,
-                    "model": self.config.model_name,
-                    "draining": self.is_draining}))
-            except REDIS_DOWN as e:
-                await _redis_down("heartbeat", e)
-                continue
-            raise_if_cancelled()
             await asyncio.sleep(self.config.heartbeat_interval_s)
+            try:
+                await self._beat()
+            except REDIS_DOWN as e:
+                await _redis_down("heartbeat", e)  # and the next beat an interval later
+            raise_if_cancelled()
 
     # --- health server ---------------------------------------------------------------------------
 

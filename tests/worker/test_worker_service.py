@@ -33,6 +33,17 @@ def engine_factory(tiny_model):
     return make
 
 
+async def test_a_ready_worker_has_its_heartbeat_in_redis(redis_url, engine_factory):
+    """A gateway asked right after a worker is ready (its /v1/models, /readyz) must already know it."""
+    client = aioredis.Redis.from_url(redis_url)
+    async with running_worker(redis_url, engine_factory(), worker_name="w-ready") as service:
+        assert service.is_ready
+        beat = msgpack.unpackb(await client.hget(KEYS.workers, "w-ready"))
+        assert beat["capacity"] == service.config.capacity and beat["max_model_len"] > 0
+    assert not await client.hexists(KEYS.workers, "w-ready")  # a clean stop removes it
+    await client.aclose()
+
+
 async def test_jobs_over_three_lanes_match_offline_engine(redis_url, engine_factory):
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     specs = [
