@@ -112,6 +112,7 @@ class StepLog:
 
         self.engine = engine
         self.max_num_seqs: int = engine.max_num_seqs
+        self.max_model_len: int = engine.max_model_len
         self.added_at: dict[str, int] = {}
         self.finished_at: dict[str, int] = {}
         self._thread = EngineThread(engine)
