@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
 
 from kernels import AttentionBackend
 
@@ -120,5 +119,9 @@ def register_paged_attention() -> str:
     one, transformers builds no attention mask, and the kernel applies
     causality itself.
     """
+    # Here, not at the top: transformers' modeling package takes seconds to import, and carpool's own models
+    # (every Llama-family checkpoint) never need it.
+    from transformers import AttentionInterface
+
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     return ATTN_IMPLEMENTATION

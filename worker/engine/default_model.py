@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
-    AutoModelForCausalLM,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
@@ -165,6 +164,8 @@ def _create_model(path: Path, arch: str, seed: int, shape: dict[str, Any]) -> Pa
     config = _CONFIG_CLASSES[arch](**settings)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        from transformers import AutoModelForCausalLM  # seconds to import: only when a model is made
+
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
     path.mkdir(parents=True, exist_ok=True)

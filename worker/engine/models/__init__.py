@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from kernels.model_ops_cpu import CpuModelOps
 from worker.engine.attention import METADATA_KWARG, PagedAttentionMetadata, register_paged_attention
@@ -85,6 +85,8 @@ def load_causal_lm(path: str, config: PretrainedConfig, impl: ModelImpl, dtype: 
     if impl is ModelImpl.CARPOOL:
         return LlamaFamilyModel(config, read_safetensors(path), dtype, device, max_positions, use_kernels,
                                 quantization, cpu_ops)
+    from transformers import AutoModelForCausalLM  # seconds to import: only for this path (see attention.py)
+
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
                                                  attn_implementation=register_paged_attention())
     # transformers declares PreTrainedModel.to through functools.wraps, and typeshed's `_Wrapped` binds no
