@@ -47,13 +47,13 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, prompt
 
 def _check_length(prompt: str | list[int] | None, messages: list[dict[str, Any]] | None, max_chars: int) -> None:
     if isinstance(prompt, str) and len(prompt) > max_chars:
-        raise PromptTooLong(f"prompt: {len(prompt)} characters cannot fit the model's context (at most {max_chars} "
-                         "characters are tokenized)")
+        raise PromptTooLong(f"prompt: {len(prompt)} characters cannot fit the model's context (at most "
+                            f"{max_chars} characters are tokenized)")
     if isinstance(messages, list):
         total = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
         if total > max_chars:
-            raise PromptTooLong(f"messages: {total} characters of content cannot fit the model's context (at most "
-                             f"{max_chars} characters are tokenized)")
+            raise PromptTooLong(f"messages: {total} characters of content cannot fit the model's context "
+                                f"(at most {max_chars} characters are tokenized)")
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[int]:
