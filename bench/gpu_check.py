@@ -1,35 +1,43 @@
 """The GPU check: one command that builds, checks and times the engine on a CUDA GPU.
 
-    python -m bench.gpu_check [--model /tmp/m1b] [--output gpu-check] [--quick]
+    python -m bench.gpu_check [--model /tmp/m1b] [--output gpu-check] [--parts steps,skewed,...]
+                              [--budget-s 480] [--plan]
 
-1. the kernel and engine tests, compiled for the GPU (`pytest` on the Triton kernel files, the graph
-   runner and the Triton engine's greedy exactness);
-2. decode steps replayed as CUDA graphs against eager steps: greedy tokens of one batch of prompts
-   of 100 to ~8k tokens, 200 new tokens each, on the 1B model;
-3. `bench.step_profile` at batch 1, 8, 32 and 128, eager and graphed, carpool's own model (and the
-   transformers path at batch 32, eager and graphed, for comparison), with the matrix products' kernel time
-   and the rate they read the model's matrices at, against the memory bandwidth a device copy measures;
-4. continuous batching on `skewed` at 32 slots (`bench.skewed_gpu`), eager and graphed, and transformers'
-   padded `generate` and `generate_batch` on the same workload and slots;
-5. quantized weights: the decode step (graphed) at batch 8 and 32 with `int8` and `fp8` weights against
-   the model's dtype (targets on an H100: at most 0.6x of bf16's step);
-6. prompt lookup: the repetitive workload (`bench.repetitive`, on a cycling copy of the 1B model) at
-   32 slots with `--speculative ngram` against without (target on an H100: at least 2x output tok/s),
-   and `skewed` with it against without.
+Its parts, in the order they run (`--parts` picks some, in this order whatever order it names them):
 
-The 1B model (`bench.gpu.make_1b_model`) is built first if `--model` does not exist. Prints one
-table per part, and writes them to OUTPUT/gpu_check.md.
+- `steps`: the GPU memory's bandwidth (a device-to-device copy), then `bench.step_profile`'s decode step for
+  carpool's own model, graphed at batch 32 and 128 first (the targets), then graphed at 1 and 8, then eager,
+  and the transformers path at batch 32, graphed and eager: wall time, GPU kernel time, and the rate the
+  matrix products read the model's matrices at as a share of that bandwidth;
+- `skewed`: continuous batching on `skewed` at 32 slots (`bench.skewed_gpu`), graphed and eager, beside
+  transformers' padded `generate` and `generate_batch` on the same requests and slots;
+- `identity`: greedy tokens of decode steps replayed as CUDA graphs against eager ones, one batch of
+  prompts of 100 to ~8k tokens, 200 new tokens each;
+- `tests`: the kernel and engine tests, compiled for the GPU (`pytest` on the Triton kernel files, the
+  graph runner and the own models' and Triton engine's greedy exactness);
+- `quantized`: the graphed decode step at batch 8 and 32 with `int8` and `fp8` weights against the
+  model's dtype (target on an H100: at most 0.6x of bf16's step);
+- `lookup`: prompt lookup on the repetitive workload (a cycling copy of the model) and on `skewed`, 32
+  slots, with `--speculative ngram` against without (target on an H100: at least 2x output tok/s).
+
+The targets come first so that a short lease measures them. No row starts once `--budget-s` seconds
+have passed since the check began; each row left out is written as not run, so the tables say what is
+missing. OUTPUT/gpu_check.md is rewritten after every row, so whatever ended the run, the rows done are
+there. `--plan` prints the rows the other flags select, without a GPU. The 1B model
+(`bench.gpu.make_1b_model`) is built first if `--model` does not exist.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import random
 import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -38,6 +46,12 @@ KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_pag
                 "tests/worker/engine/test_engine_triton.py", "tests/worker/engine/test_graph_runner.py",
                 "tests/worker/engine/test_own_models.py",
                 "tests/worker/engine/test_speculative.py::test_greedy_ngram_through_the_triton_kernels"]
+PARTS = ("steps", "skewed", "identity", "tests", "quantized", "lookup")
+STEP_RUNS = [("carpool", "graphs", 32), ("carpool", "graphs", 128), ("carpool", "graphs", 1), ("carpool", "graphs", 8),
+             ("carpool", "eager", 32), ("carpool", "eager", 128), ("carpool", "eager", 1), ("carpool", "eager", 8),
+             ("transformers", "graphs", 32), ("transformers", "eager", 32)]
+SKEWED_SLOTS = 32
+SKEWED_REQUESTS = 64
 QUANTIZED_BATCHES = (8, 32)
 REPETITIVE_REQUESTS = 64
 REPETITIVE_NEW_TOKENS = 256
@@ -46,11 +60,90 @@ IDENTITY_NEW_TOKENS = 200
 COPY_BYTES = 2 << 30
 
 
+@dataclass(frozen=True)
+class Row:
+    """One line of a table: `measure` returns it; `name` and `width` (its columns) make the line that says it
+    failed or did not run."""
+
+    name: str
+    measure: Callable[[], str]
+    width: int
+
+
+@dataclass(frozen=True)
+class Section:
+    part: str
+    header: list[str]
+    rows: list[Row]
+
+
+class Report:
+    """The check's markdown, rewritten to `path` after every row, and its time budget: no row starts once
+    `budget_s` seconds have passed since the report was made."""
+
+    def __init__(self, path: Path, title: list[str], budget_s: float, row_limit_s: float | None = None,
+                 started: float | None = None) -> None:
+        self.path = path
+        self.lines = list(title)
+        self.budget_s = budget_s
+        self.row_limit_s = row_limit_s
+        self.started = time.monotonic() if started is None else started
+        """`time.monotonic()` when the check began: the budget counts from then."""
+        self.not_run: list[str] = []
+        self._write()
+
+    def add(self, lines: list[str]) -> None:
+        self.lines += lines
+        self._write()
+
+    def run(self, section: Section) -> None:
+        self.add(["", *section.header])
+        for row in section.rows:
+            row_start = time.monotonic()
+            if row_start - self.started >= self.budget_s:
+                self.not_run.append(row.name)
+                line = _note_row(row, f"not run: the check's {self.budget_s:.0f} s had passed")
+            else:
+                # A row that hangs (a kernel that never ends, say) ends the process with every thread's stack;
+                # the rows before it are in the file already.
+                if self.row_limit_s is not None:
+                    faulthandler.dump_traceback_later(self.row_limit_s, exit=True)
+                try:
+                    line = guarded(row)
+                finally:
+                    faulthandler.cancel_dump_traceback_later()
+                now = time.monotonic()
+                print(f"[{row.name}: {now - row_start:.0f} s; {now - self.started:.0f} s into the check]", flush=True)
+            print(line, flush=True)
+            self.add([line])
+
+    def finish(self) -> None:
+        took = f"The check took {time.monotonic() - self.started:.0f} s"
+        left = f"; not run for its time budget: {', '.join(self.not_run)}." if self.not_run else "."
+        self.add(["", took + left])
+
+    def _write(self) -> None:
+        self.path.write_text("\n".join(self.lines) + "\n")
+
+
+def _note_row(row: Row, note: str) -> str:
+    return "| " + " | ".join([row.name, note] + [""] * (row.width - 2)) + " |"
+
+
+def guarded(row: Row) -> str:
+    """The row's line, or a line naming its error: a failing row never stops the rows after it."""
+    try:
+        return row.measure()
+    except Exception as exc:  # the check reports every failure and goes on
+        traceback.print_exc()
+        return _note_row(row, f"failed: {type(exc).__name__}: {str(exc)[:200]}")
+
+
 def run_tests(timeout_s: float) -> str:
     started = time.perf_counter()
     try:
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
-                                capture_output=True, text=True, timeout=timeout_s)
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-n", "0",
+                                 *KERNEL_TESTS], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as expired:
         print(expired.stdout[-6000:] if expired.stdout else "")
         return f"| compiled kernel and engine tests | stopped after {timeout_s:.0f} s | |"
@@ -83,69 +176,6 @@ def graph_identity(model: str, dtype: str) -> str:
             f"identical ({replayed} replayed steps) | {detail} |")
 
 
-def quantized_steps(model: str, dtype: str) -> list[str]:
-    """The graphed decode step with int8 and fp8 weights against the model's dtype, at each batch."""
-    import torch
-
-    from bench.step_profile import profile_batch
-
-    lines = ["", f"| weights | batch | step wall ms | GPU kernel ms | vs {dtype} |", "|---|---|---|---|---|"]
-    for batch in QUANTIZED_BATCHES:
-        base_ms: dict[str, float] = {}
-        for weights in (None, "int8", "fp8"):
-            def row(weights: str | None = weights, batch: int = batch) -> str:
-                r = profile_batch(model, "cuda", dtype, batch, "graphs", quantization=weights)
-                name = weights or dtype
-                if weights is None:
-                    base_ms["step"] = r.step_ms
-                ratio = f"{r.step_ms / base_ms['step']:.2f}x" if "step" in base_ms else "–"
-                return f"| {name} | {batch} | {r.step_ms:.2f} | {r.kernel_ms:.2f} | {ratio} |"
-
-            lines.append(guarded(row, f"{weights or dtype} {batch}", 5))
-            print(lines[-1], flush=True)
-            torch.cuda.empty_cache()
-    return lines
-
-
-def prompt_lookup(model: str, dtype: str, output: Path) -> list[str]:
-    """Output tok/s with and without prompt lookup on the repetitive workload (a cycling copy of the model)
-    and on `skewed`, 32 slots, engine direct."""
-    import torch
-
-    from bench.offline import make_engine, run_offline
-    from bench.repetitive import make_cycling_model, repetitive
-    from bench.workloads import skewed
-
-    lines = ["", "| workload, 32 slots | speculation | output tokens | output tok/s | accepted / proposed | ratio |",
-             "|---|---|---|---|---|---|"]
-
-    def cycling_path() -> str:
-        path = output / "cycling-model"
-        if not (path / "config.json").exists():
-            make_cycling_model(model, path)
-        return str(path)
-
-    workloads = [("repetitive", repetitive(REPETITIVE_REQUESTS, max_tokens=REPETITIVE_NEW_TOKENS), cycling_path),
-                 ("skewed", skewed(64, seed=0), lambda: model)]
-    for name, workload, path_of in workloads:
-        rates: dict[str | None, float] = {}
-        for speculative in (None, "ngram"):
-            def row(speculative: str | None = speculative) -> str:
-                engine = make_engine(path_of(), "continuous", 32, device="cuda", dtype=dtype, speculative=speculative)
-                run = run_offline(engine, workload, f"continuous, {speculative or 'off'}")
-                tokens = sum(t.num_output_tokens for t in run.requests)
-                rates[speculative] = tokens / run.duration_s
-                stats = engine.stats()
-                ratio = f"{rates[speculative] / rates[None]:.2f}x" if None in rates and speculative else "–"
-                return (f"| {name} | {speculative or 'off'} | {tokens} | {rates[speculative]:,.0f} | "
-                        f"{stats.spec_accepted_tokens:,} / {stats.spec_proposed_tokens:,} | {ratio} |")
-
-            lines.append(guarded(row, f"{name} {speculative or 'off'}", 6))
-            print(lines[-1], flush=True)
-            torch.cuda.empty_cache()
-    return lines
-
-
 def copy_bandwidth_gbps(num_bytes: int = COPY_BYTES, repeats: int = 10) -> float:
     """The GPU memory's measured bandwidth: a device-to-device copy, its bytes read and written over its time."""
     import torch
@@ -162,13 +192,143 @@ def copy_bandwidth_gbps(num_bytes: int = COPY_BYTES, repeats: int = 10) -> float
     return 2 * num_bytes * repeats / (start.elapsed_time(end) / 1e3) / 1e9
 
 
-def guarded(row: Callable[[], str], name: str, width: int) -> str:
-    """One part's table row, or a row naming its error: a failing part never stops the parts after it."""
-    try:
-        return row()
-    except Exception as exc:  # the check reports every failure and goes on
-        traceback.print_exc()
-        return "| " + " | ".join([name, f"failed: {type(exc).__name__}: {str(exc)[:200]}"] + [""] * (width - 2)) + " |"
+def _freeing(measure: Callable[[], str]) -> Callable[[], str]:
+    """`measure`, then the CUDA cache emptied: each engine sizes its KV cache from the memory left free."""
+
+    def run() -> str:
+        import torch
+
+        try:
+            return measure()
+        finally:
+            torch.cuda.empty_cache()
+
+    return run
+
+
+def step_sections(model: str, dtype: str) -> list[Section]:
+    from bench.step_profile import TABLE_HEADER, profile_batch, table_row
+
+    bandwidth: dict[str, float] = {}
+
+    def copy_row() -> str:
+        bandwidth["gbps"] = copy_bandwidth_gbps()
+        return (f"| memory bandwidth | {bandwidth['gbps']:,.0f} GB/s | a device-to-device copy of {COPY_BYTES >> 30} GiB, "
+                "read and write counted; `weights read at` below is the model's matrices' bytes over the matrix-"
+                "product kernels' time, and its share of this |")
+
+    def profile_row(impl: str, mode: str, batch: int) -> str:
+        r = profile_batch(model, "cuda", dtype, batch, mode, model_impl=impl)
+        print(r.top_kernels, flush=True)
+        return table_row(r, bandwidth.get("gbps"))
+
+    return [Section("steps", ["| measure | result | detail |", "|---|---|---|"],
+                    [Row("memory bandwidth", _freeing(copy_row), 3)]),
+            Section("steps", TABLE_HEADER.splitlines(),
+                    [Row(f"{impl} {mode} {batch}", _freeing(partial(profile_row, impl, mode, batch)), 10)
+                     for impl, mode, batch in STEP_RUNS])]
+
+
+def skewed_section(model: str, dtype: str) -> Section:
+    from bench.skewed_gpu import peer_tokens_per_s, skewed_tokens_per_s
+
+    systems: list[tuple[str, Callable[[], tuple[float, int]]]] = [
+        (f"carpool, {mode}", partial(skewed_tokens_per_s, model, SKEWED_SLOTS, SKEWED_REQUESTS, "cuda", dtype,
+                                     cuda_graphs=mode == "graphs"))
+        for mode in ("graphs", "eager")
+    ]
+    systems += [(f"transformers {peer}", partial(peer_tokens_per_s, peer, model, SKEWED_SLOTS, SKEWED_REQUESTS, "cuda",
+                                                 dtype)) for peer in ("generate", "generate_batch")]
+
+    def skewed_row(name: str, measure: Callable[[], tuple[float, int]]) -> str:
+        rate, num_tokens = measure()
+        return f"| {name} | {num_tokens} | {rate:,.0f} |"
+
+    return Section("skewed", [f"| skewed, {SKEWED_SLOTS} slots, {SKEWED_REQUESTS} requests | output tokens | output tok/s |",
+                              "|---|---|---|"],
+                   [Row(name, _freeing(partial(skewed_row, name, measure)), 3) for name, measure in systems])
+
+
+def quantized_section(model: str, dtype: str) -> Section:
+    """The graphed decode step with int8 and fp8 weights against the model's dtype, at each batch."""
+    from bench.step_profile import profile_batch
+
+    base_ms: dict[int, float] = {}
+
+    def row(weights: str | None, batch: int) -> str:
+        r = profile_batch(model, "cuda", dtype, batch, "graphs", quantization=weights)
+        if weights is None:
+            base_ms[batch] = r.step_ms
+        ratio = f"{r.step_ms / base_ms[batch]:.2f}x" if batch in base_ms else "–"
+        return f"| {weights or dtype} | {batch} | {r.step_ms:.2f} | {r.kernel_ms:.2f} | {ratio} |"
+
+    return Section("quantized", [f"| weights | batch | step wall ms | GPU kernel ms | vs {dtype} |", "|---|---|---|---|---|"],
+                   [Row(f"{weights or dtype} {batch}", _freeing(partial(row, weights, batch)), 5)
+                    for batch in QUANTIZED_BATCHES for weights in (None, "int8", "fp8")])
+
+
+def lookup_section(model: str, dtype: str) -> Section:
+    """Output tok/s with and without prompt lookup on the repetitive workload (a cycling copy of the model, made
+    beside it as MODEL-cycling) and on `skewed`, 32 slots, engine direct."""
+    from bench.offline import make_engine, run_offline
+    from bench.repetitive import make_cycling_model, repetitive
+    from bench.workloads import skewed
+
+    def cycling_path() -> str:
+        path = Path(f"{model.rstrip('/')}-cycling")
+        if not (path / "config.json").exists():
+            make_cycling_model(model, path)
+        return str(path)
+
+    rates: dict[tuple[str, str | None], float] = {}
+
+    def row(name: str, workload: object, path_of: Callable[[], str], speculative: str | None) -> str:
+        engine = make_engine(path_of(), "continuous", SKEWED_SLOTS, device="cuda", dtype=dtype, speculative=speculative)
+        run = run_offline(engine, workload, f"continuous, {speculative or 'off'}")  # type: ignore[arg-type]
+        tokens = sum(t.num_output_tokens for t in run.requests)
+        rates[name, speculative] = tokens / run.duration_s
+        stats = engine.stats()
+        ratio = f"{rates[name, speculative] / rates[name, None]:.2f}x" if speculative and (name, None) in rates else "–"
+        return (f"| {name} | {speculative or 'off'} | {tokens} | {rates[name, speculative]:,.0f} | "
+                f"{stats.spec_accepted_tokens:,} / {stats.spec_proposed_tokens:,} | {ratio} |")
+
+    workloads = [("repetitive", repetitive(REPETITIVE_REQUESTS, max_tokens=REPETITIVE_NEW_TOKENS), cycling_path),
+                 ("skewed", skewed(SKEWED_REQUESTS, seed=0), lambda: model)]
+    return Section("lookup", [f"| workload, {SKEWED_SLOTS} slots | speculation | output tokens | output tok/s "
+                              "| accepted / proposed | ratio |", "|---|---|---|---|---|---|"],
+                   [Row(f"{name} {speculative or 'off'}", _freeing(partial(row, name, workload, path_of, speculative)), 6)
+                    for name, workload, path_of in workloads for speculative in (None, "ngram")])
+
+
+def plan(model: str, dtype: str, parts: list[str], tests_timeout_s: float) -> list[Section]:
+    """The sections of the chosen parts, in the order of `PARTS`."""
+    sections: list[Section] = []
+    for part in PARTS:
+        if part not in parts:
+            continue
+        if part == "steps":
+            sections += step_sections(model, dtype)
+        elif part == "skewed":
+            sections.append(skewed_section(model, dtype))
+        elif part == "identity":
+            sections.append(Section("identity", ["| check | result | detail |", "|---|---|---|"],
+                                    [Row("graph vs eager greedy", _freeing(partial(graph_identity, model, dtype)), 3)]))
+        elif part == "tests":
+            sections.append(Section("tests", ["| check | result | detail |", "|---|---|---|"],
+                                    [Row("compiled kernel and engine tests", partial(run_tests, tests_timeout_s), 3)]))
+        elif part == "quantized":
+            sections.append(quantized_section(model, dtype))
+        else:
+            sections.append(lookup_section(model, dtype))
+    return sections
+
+
+def parse_parts(text: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise argparse.ArgumentTypeError(f"parts: a comma-separated list of {', '.join(PARTS)}; not {text!r}")
+    return parts
 
 
 def main() -> None:
@@ -176,13 +336,26 @@ def main() -> None:
     parser.add_argument("--model", default="/tmp/m1b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--output", default="gpu-check")
-    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--parts", type=parse_parts, default=list(PARTS),
+                        help=f"comma-separated, of {','.join(PARTS)} (default: all)")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="seconds after which no row starts (default: no limit)")
+    parser.add_argument("--row-limit-s", type=float, default=600.0,
+                        help="a row running longer ends the check, with every thread's stack printed")
     parser.add_argument("--tests-timeout", type=float, default=300.0, help="seconds before the tests are stopped")
+    parser.add_argument("--plan", action="store_true", help="print the rows the flags select, and stop")
     args = parser.parse_args()
+    started = time.monotonic()
+    output = Path(args.output)
+    sections = plan(args.model, args.dtype, args.parts, args.tests_timeout)
+    if args.plan:
+        for section in sections:
+            print(f"{section.part}: " + "; ".join(row.name for row in section.rows))
+        return
     import torch
 
     if not torch.cuda.is_available():
-        sys.exit("bench.gpu_check needs a CUDA GPU; none is available here.")
+        sys.exit("bench.gpu_check needs a CUDA GPU; none is available here (--plan lists its rows without one).")
     from bench.step_profile import freeze_imported_heap
 
     freeze_imported_heap()
@@ -191,61 +364,14 @@ def main() -> None:
 
         sys.argv = ["make_1b_model", args.model]
         make_model()
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    lines = [f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; model {args.model}, {args.dtype}", "",
-             "| check | result | detail |", "|---|---|---|"]
-    if not args.skip_tests:
-        lines.append(run_tests(args.tests_timeout))
-        print(lines[-1], flush=True)
-    lines.append(guarded(lambda: graph_identity(args.model, args.dtype), "graph vs eager greedy", 3))
-    print(lines[-1], flush=True)
-
-    from bench.skewed_gpu import peer_tokens_per_s, skewed_tokens_per_s
-    from bench.step_profile import TABLE_HEADER, profile_batch, table_row
-
-    copy_gbps: float | None = None
-    try:
-        copy_gbps = copy_bandwidth_gbps()
-        bandwidth = f"{copy_gbps:,.0f} GB/s"
-    except Exception as exc:  # reported; the rows then give the read rate without its share
-        traceback.print_exc()
-        bandwidth = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-    torch.cuda.empty_cache()  # the copy's buffers: the engines below size their caches from free memory
-    lines += ["", f"measured memory bandwidth (a device-to-device copy of {COPY_BYTES >> 30} GiB, read and write "
-                  f"counted): {bandwidth}; `weights read at` is the model's matrices' bytes over the "
-                  "matrix-product kernels' time, and its share of that bandwidth", "", TABLE_HEADER]
-    runs = [(impl, mode, batch) for impl, batches in (("carpool", (1, 8, 32, 128)), ("transformers", (32,)))
-            for mode in ("eager", "graphs") for batch in batches]
-    for impl, mode, batch in runs:
-        def profile_row(impl: str = impl, mode: str = mode, batch: int = batch) -> str:
-            r = profile_batch(args.model, "cuda", args.dtype, batch, mode, model_impl=impl)
-            print(r.top_kernels, flush=True)
-            return table_row(r, copy_gbps)
-
-        lines.append(guarded(profile_row, f"{impl} {mode} {batch}", 10))
-        print(lines[-1], flush=True)
-        torch.cuda.empty_cache()
-    lines += ["", "| skewed, 32 slots, 64 requests | output tokens | output tok/s |", "|---|---|---|"]
-    systems: list[tuple[str, Callable[[], tuple[float, int]]]] = [
-        (f"carpool, {mode}", partial(skewed_tokens_per_s, args.model, 32, 64, "cuda", args.dtype,
-                                     cuda_graphs=mode == "graphs"))
-        for mode in ("eager", "graphs")
-    ]
-    systems += [(f"transformers {peer}", partial(peer_tokens_per_s, peer, args.model, 32, 64, "cuda", args.dtype))
-                for peer in ("generate", "generate_batch")]
-    for name, measure in systems:
-        def skewed_row(name: str = name, measure: Callable[[], tuple[float, int]] = measure) -> str:
-            rate, num_tokens = measure()
-            return f"| {name} | {num_tokens} | {rate:,.0f} |"
-
-        lines.append(guarded(skewed_row, name, 3))
-        print(lines[-1], flush=True)
-        torch.cuda.empty_cache()
-    lines += quantized_steps(args.model, args.dtype)
-    lines += prompt_lookup(args.model, args.dtype, Path(args.output))
-    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    output.mkdir(parents=True, exist_ok=True)
+    report = Report(output / "gpu_check.md",
+                    [f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; model {args.model}, {args.dtype}"],
+                    args.budget_s, args.row_limit_s, started)
+    for section in sections:
+        report.run(section)
+    report.finish()
+    print("\n".join(report.lines))
 
 
 if __name__ == "__main__":

@@ -132,6 +132,8 @@ def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, ti
                             cpu_kernels=cpu_kernels)
     assert mode == "eager" or engine.runner.graph_sizes, "CUDA graphs were asked for but not recorded (see the log)"
     impl = engine.runner.model_choice.impl.value
+    if is_cuda and getattr(engine.runner.model, "use_kernels", True) is False:
+        impl += " (fused kernels failed their start-up check: torch ops)"
     matrix_bytes = float(getattr(engine.runner.model, "matrix_nbytes", float("nan")))
     if is_cuda:
         torch.cuda.synchronize()
