@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
@@ -42,6 +43,8 @@ from scheduler.telemetry.otel import Telemetry
 
 log = logging.getLogger(__name__)
 
+REQUEST_ID_HEADER = "x-request-id"
+
 
 def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.Application:
     """``telemetry`` (built by the CLI from the OTEL_* variables) stays the caller's to shut down."""
@@ -63,6 +66,7 @@ def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.A
     app.cleanup_ctx.append(_batches_ctx)
     if not config.no_webhooks:
         app.cleanup_ctx.append(_webhooks_ctx)
+    app.on_response_prepare.append(_add_request_id)
     app.on_shutdown.append(_wake_waiters)
     app.router.add_routes(routes)
     app.router.add_routes(openai_routes)
@@ -142,6 +146,12 @@ def _webhook_check(config: WebhookConfig) -> WebhookCheck:
         await check_webhook_url_async(url, allow)
 
     return check
+
+
+async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer names itself with ``x-request-id``, as OpenAI's do: the `openai` client shows it as a
+    response's ``_request_id`` and an error's ``request_id``."""
+    response.headers.setdefault(REQUEST_ID_HEADER, "req_" + secrets.token_hex(16))
 
 
 async def _wake_waiters(app: web.Application) -> None:

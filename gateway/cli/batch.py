@@ -67,30 +67,33 @@ def _json(method: str, url: str, body: dict[str, Any] | None = None, api_key: st
     return result
 
 
-def upload(base: str, path: Path, api_key: str | None = None) -> str:
+def upload(base: str, filename: str, data: bytes, api_key: str | None = None) -> str:
     boundary = uuid.uuid4().hex
     parts = [
         f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n".encode(),
-        f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{path.name}\"\r\n"
+        f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n"
         "Content-Type: application/jsonl\r\n\r\n".encode(),
-        path.read_bytes(), f"\r\n--{boundary}--\r\n".encode(),
+        data, f"\r\n--{boundary}--\r\n".encode(),
     ]
     answer = json.loads(_call("POST", f"{base}/v1/files", b"".join(parts), f"multipart/form-data; boundary={boundary}",
                               api_key))
     return str(answer["id"])
 
 
-def endpoint_of(path: Path) -> str:
+def endpoint_of(data: bytes) -> str:
     """The url the file's first line names (its requests all go to one endpoint), else chat completions."""
-    with path.open("rb") as lines:
-        for raw in lines:
-            try:
-                url = json.loads(raw).get("url")
-            except (ValueError, AttributeError):
-                continue
-            if url in ENDPOINTS:
-                return str(url)
+    for raw in data.splitlines():
+        try:
+            url = json.loads(raw).get("url")
+        except (ValueError, AttributeError):
+            continue
+        if url in ENDPOINTS:
+            return str(url)
     return ENDPOINTS[0]
+
+
+class LocalFileError(Exception):
+    """A file on this machine that cannot be read or written: said as such, never as a gateway problem."""
 
 
 def progress_line(batch: dict[str, Any], started: float, start_done: int, start_tokens: int) -> str:
@@ -142,8 +145,11 @@ def run_batch(args: argparse.Namespace) -> int:
         if args.action == "cancel":
             print(json.dumps(_json("POST", f"{base}/v1/batches/{args.batch_id}/cancel", api_key=args.api_key), indent=2))
             return 0
-        endpoint = args.endpoint or endpoint_of(args.file)
-        file_id = upload(base, args.file, args.api_key)
+        data = _read_input(args.file)
+        if args.output is not None and not args.output.parent.is_dir():
+            raise LocalFileError(f"cannot write {args.output}: no directory {args.output.parent}")
+        endpoint = args.endpoint or endpoint_of(data)
+        file_id = upload(base, args.file.name, data, args.api_key)
         batch = _json("POST", f"{base}/v1/batches", {"input_file_id": file_id, "endpoint": endpoint,
                                                      "completion_window": "24h"}, args.api_key)
         print(batch["id"], flush=True)
@@ -153,8 +159,12 @@ def run_batch(args: argparse.Namespace) -> int:
         if args.output is not None:
             for key, path in (("output_file_id", args.output), ("error_file_id", args.output.with_suffix(".errors.jsonl"))):
                 if batch.get(key):
-                    path.write_bytes(_call("GET", f"{base}/v1/files/{batch[key]}/content", api_key=args.api_key))
+                    _write_output(path, _call("GET", f"{base}/v1/files/{batch[key]}/content", api_key=args.api_key),
+                                  batch[key])
                     print(f"wrote {path}", file=sys.stderr)
+    except LocalFileError as e:
+        print(f"carpool batch: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except BatchError as e:
         print(f"carpool batch: refused: {e}", file=sys.stderr)
         return EXIT_REFUSED
@@ -164,3 +174,17 @@ def run_batch(args: argparse.Namespace) -> int:
     if batch["status"] not in FINAL:
         return EXIT_TIMEOUT
     return 0 if batch["status"] == "completed" else EXIT_FAILED
+
+
+def _read_input(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise LocalFileError(f"cannot read {path}: {e.strerror or e}") from e
+
+
+def _write_output(path: Path, data: bytes, file_id: str) -> None:
+    try:
+        path.write_bytes(data)
+    except OSError as e:
+        raise LocalFileError(f"cannot write {path}: {e.strerror or e} (the gateway keeps it as file {file_id})") from e

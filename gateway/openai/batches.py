@@ -22,7 +22,7 @@ import json
 import secrets
 import time
 from enum import Enum
-from typing import Any, cast
+from typing import Any
 
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -33,6 +33,7 @@ from gateway.admission import InvalidJob
 from gateway.auth import caller_of, may_see
 from gateway.errors import OpenAIError, invalid, unsupported
 from gateway.openai.files import file_store
+from gateway.openai.listing import cursor_page
 from gateway.openai.online import read_json
 from gateway.openai.schema import Endpoint, check_metadata
 from scheduler.protocol import state_machine
@@ -80,7 +81,8 @@ class BatchStore:
                      metadata: dict[str, str] | None, tenant: str = DEFAULT_TENANT,
                      webhook_url: str | None = None) -> dict[str, Any]:
         batch_id = "batch_" + secrets.token_hex(12)
-        now = int(time.time())
+        created_s = time.time()
+        now = int(created_s)
         fields: dict[FieldT, EncodableT] = {
             "id": batch_id, "status": BatchStatus.VALIDATING.value, "endpoint": endpoint.value,
             "input_file_id": input_file_id, "completion_window": window, "created_at": now,
@@ -92,7 +94,7 @@ class BatchStore:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)
             pipe.expire(key, self.ttl_s)
-            pipe.zadd(self._keys.batches, {batch_id: now})
+            pipe.zadd(self._keys.batches, {batch_id: created_s})  # sub-second: newest first within a second too
             pipe.zremrangebyscore(self._keys.batches, "-inf", now - self.ttl_s)  # expired ones
             pipe.sadd(self._keys.batches_active, batch_id)
             await pipe.execute()
@@ -205,40 +207,17 @@ async def _webhook_url(request: web.Request, webhook: object) -> str | None:
 
 @routes.get("/v1/batches")
 async def list_batches(request: web.Request) -> web.Response:
-    redis, keys = request.app[appkeys.REDIS], request.app[appkeys.KEYS]
-    try:
-        limit = int(request.query.get("limit", "20"))
-    except ValueError as e:
-        raise invalid("limit", "must be an integer") from e
-    if not 1 <= limit <= 100:
-        raise invalid("limit", "must be within [1, 100]")
-    start = 0
-    if "after" in request.query:
-        rank = await redis.zrevrank(keys.batches, request.query["after"])
-        if rank is None:
-            raise invalid("after", f"no such batch: {request.query['after']!r}")
-        start = cast(int, rank) + 1
     store = batch_store(request.app)
-    views: list[dict[str, Any]] = []
-    has_more = False
-    # Page through the newest-first index, keeping the caller's own batches, until limit + 1 are found.
-    while not has_more:
-        ids = [i.decode() for i in cast(list[bytes], await redis.zrevrange(keys.batches, start, start + 99))]
-        if not ids:
-            break
-        start += len(ids)
-        for batch_id in ids:
-            if not may_see(request, await store.tenant(batch_id)):
-                continue
-            view = await store.view(batch_id)
-            if view is None:
-                continue
-            if len(views) == limit:
-                has_more = True
-                break
-            views.append(view)
-    return web.json_response({"object": "list", "data": views, "first_id": views[0]["id"] if views else None,
-                              "last_id": views[-1]["id"] if views else None, "has_more": has_more})
+
+    async def may_see_batch(batch_id: str) -> bool:
+        return may_see(request, await store.tenant(batch_id))
+
+    async def load(batch_id: str) -> dict[str, Any] | None:
+        return await store.view(batch_id) if await may_see_batch(batch_id) else None
+
+    page = await cursor_page(request, request.app[appkeys.REDIS], request.app[appkeys.KEYS].batches, load,
+                             may_see_batch, default_limit=20, max_limit=100)
+    return web.json_response(page)
 
 
 @routes.get("/v1/batches/{id}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import redis.asyncio as aioredis
 from aiohttp import BodyPartReader, web
@@ -24,6 +24,7 @@ from redis.typing import EncodableT, FieldT
 from gateway import appkeys
 from gateway.auth import caller_of, may_see
 from gateway.errors import OpenAIError, invalid
+from gateway.openai.listing import cursor_page
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import as_bytes, read_hash
 from scheduler.protocol.tenants import DEFAULT_TENANT, tenant_of
@@ -33,6 +34,8 @@ routes = web.RouteTableDef()
 PAGE_LINES = 1000
 """Lines per LRANGE / RPUSH when reading or writing a file."""
 PURPOSES = ("batch",)
+MAX_LIST_LIMIT = 10_000
+"""OpenAI's largest (and default) ``limit`` of ``GET /v1/files``."""
 
 
 class FileStore:
@@ -72,13 +75,14 @@ class FileStore:
     async def _publish(self, pipe: aioredis.client.Pipeline, file_id: str, filename: str, purpose: str, num_bytes: int,
                        tenant: str) -> dict[str, Any]:
         lines_key = self._keys.file_lines(file_id)
-        created_at = int(time.time())
+        created_s = time.time()
+        created_at = int(created_s)
         meta: dict[FieldT, EncodableT] = {"id": file_id, "filename": filename, "purpose": purpose,
                                           "bytes": num_bytes, "created_at": created_at, "tenant": tenant}
         pipe.hset(self._keys.file(file_id), mapping=meta)
         pipe.expire(lines_key, self._ttl_s)
         pipe.expire(self._keys.file(file_id), self._ttl_s)
-        pipe.zadd(self._keys.files, {file_id: created_at})
+        pipe.zadd(self._keys.files, {file_id: created_s})  # sub-second: newest first within a second too
         pipe.zremrangebyscore(self._keys.files, "-inf", created_at - self._ttl_s)  # expired ones
         await pipe.execute()
         return self.view({str(k).encode(): str(v).encode() for k, v in meta.items()})
@@ -191,11 +195,23 @@ async def _read_limited(part: BodyPartReader, max_bytes: int) -> bytes:
 
 @routes.get("/v1/files")
 async def list_files(request: web.Request) -> web.Response:
+    """OpenAI's file list: newest first (``order=asc``: oldest first), ``limit`` (at most 10,000, the default),
+    ``after``, and ``purpose`` to keep one purpose's files."""
     store = file_store(request.app)
-    ids = cast(list[bytes], await request.app[appkeys.REDIS].zrevrange(request.app[appkeys.KEYS].files, 0, 9999))
-    views = [v for v in [await store.get(i.decode()) for i in ids
-                         if may_see(request, await store.tenant(i.decode()))] if v is not None]
-    return web.json_response({"object": "list", "data": views, "has_more": False})
+    purpose = request.query.get("purpose")
+
+    async def may_see_file(file_id: str) -> bool:
+        return may_see(request, await store.tenant(file_id))
+
+    async def load(file_id: str) -> dict[str, Any] | None:
+        if not await may_see_file(file_id):
+            return None
+        view = await store.get(file_id)
+        return view if view is not None and purpose in (None, view["purpose"]) else None
+
+    page = await cursor_page(request, request.app[appkeys.REDIS], request.app[appkeys.KEYS].files, load, may_see_file,
+                             default_limit=MAX_LIST_LIMIT, max_limit=MAX_LIST_LIMIT)
+    return web.json_response(page)
 
 
 @routes.get("/v1/files/{id}")

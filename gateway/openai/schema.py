@@ -48,11 +48,12 @@ _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "meta
            "priority", *SHARED_PARAMS, *EXTRA_PARAMS}
 KNOWN = {
     Endpoint.COMPLETIONS: _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of", "logit_bias"},
-    Endpoint.CHAT: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias", "store"},
+    Endpoint.CHAT: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias", "store",
+                              "response_format"},
 }
 # Accepted only at their default, which is what carpool does anyway.
 _ONLY_DEFAULT: dict[str, tuple[object, ...]] = {"echo": (False,), "suffix": ("",), "logit_bias": ({},),
-                                                "store": (False,)}
+                                                "store": (False,), "response_format": ({"type": "text"},)}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 

@@ -150,6 +150,12 @@ async def test_a_tenant_sees_and_cancels_only_its_own_jobs_files_and_batches(key
                 assert (await resp.json())[key] == []
             async with http.get(url + path, headers=a) as resp:
                 assert len((await resp.json())[key]) == 1
+        for path, own_id in (("/v1/files", file_id), ("/v1/batches", batch_id)):
+            # Paging after another tenant's id is refused as after an unknown one: nothing tells it exists.
+            async with http.get(f"{url}{path}?after={own_id}", headers=b) as resp:
+                assert resp.status == 400 and (await resp.json())["error"]["param"] == "after"
+            async with http.get(f"{url}{path}?after={own_id}", headers=a) as resp:
+                assert resp.status == 200 and (await resp.json())["data"] == []
         async with http.delete(f"{url}/v1/jobs/a-job", headers=a) as resp:
             assert resp.status == 202 and (await resp.json())["status"] == "cancelled"
 

@@ -45,3 +45,17 @@ async def test_batch_submit_waits_with_progress_and_writes_the_output(redis_url,
                                                       for o in outputs) > 0
         assert await asyncio.to_thread(main, ["batch", "cancel", "batch_nope", "--gateway", gateway.url]) == 2
         assert "404" in capsys.readouterr().err
+
+
+def test_a_local_file_problem_is_named_as_such_before_anything_is_sent(tmp_path, capsys) -> None:
+    # No gateway listens on this port: a problem with a local file must be said before it is ever tried.
+    gateway = "http://127.0.0.1:9"
+    assert main(["batch", "submit", str(tmp_path / "missing.jsonl"), "--gateway", gateway]) == 1
+    err = capsys.readouterr().err
+    assert "cannot read" in err and "missing.jsonl" in err and "gateway" not in err, err
+    source = tmp_path / "in.jsonl"
+    source.write_text(line(0) + "\n")
+    out = tmp_path / "no-such-dir" / "out.jsonl"
+    assert main(["batch", "submit", str(source), "-o", str(out), "--gateway", gateway]) == 1
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "no-such-dir" in err and "gateway" not in err, err

@@ -1,0 +1,92 @@
+"""What the real `openai` client reads beyond the bodies: request ids, list order and list pages."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import openai
+
+from tests.harness.openai_support import MODEL_NAME, openai_service
+
+
+def batch_line(i: int) -> str:
+    return json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": MODEL_NAME, "prompt": f"line {i}", "max_tokens": 2}})
+
+
+async def upload(client: openai.AsyncOpenAI, name: str) -> str:
+    created = await client.files.create(file=(name, io.BytesIO(batch_line(0).encode())), purpose="batch")
+    return created.id
+
+
+async def test_every_answer_carries_an_x_request_id_the_client_reads(redis_url, tiny_model) -> None:
+    from worker.engine.engine import Engine
+
+    async with openai_service(redis_url, Engine(model=tiny_model(), max_num_seqs=2)) as svc:
+        listed = await svc.client.models.with_raw_response.list()
+        chat = await svc.client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        stream = await svc.client.chat.completions.with_raw_response.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True)
+        async for _ in stream.parse():
+            pass
+        ids = [listed.headers.get("x-request-id"), chat._request_id, stream.headers.get("x-request-id")]
+        for error_call in (svc.client.batches.retrieve("batch_none"),
+                           svc.client.chat.completions.create(model=MODEL_NAME, messages=[], max_tokens=2),
+                           svc.client.embeddings.create(model=MODEL_NAME, input="x")):
+            try:
+                await error_call
+                raise AssertionError("no error")
+            except openai.APIStatusError as e:
+                ids.append(e.request_id)
+    assert all(isinstance(i, str) and i.startswith("req_") for i in ids), ids
+    assert len(set(ids)) == len(ids)
+
+
+async def test_batches_are_listed_newest_first_also_within_one_second(redis_url) -> None:
+    async with openai_service(redis_url, None, batch_poll_interval_s=60) as svc:
+        file_id = await upload(svc.client, "one.jsonl")
+        created = [(await svc.client.batches.create(input_file_id=file_id, endpoint="/v1/completions",
+                                                    completion_window="24h")).id for _ in range(8)]
+        first = await svc.client.batches.list(limit=3)
+        assert [b.id for b in first.data] == created[::-1][:3] and first.has_more
+        assert [b.id async for b in svc.client.batches.list(limit=3)] == created[::-1]
+        newest = await svc.client.batches.list(limit=1)
+        assert newest.data[0].id == created[-1]
+
+
+async def test_files_are_listed_newest_first_in_pages_by_purpose_and_order(redis_url) -> None:
+    async with openai_service(redis_url, None) as svc:
+        created = [await upload(svc.client, f"f{i}.jsonl") for i in range(5)]
+        page = await svc.client.files.list(limit=2)
+        assert [f.id for f in page.data] == created[::-1][:2] and page.has_more
+        assert [f.id async for f in svc.client.files.list(limit=2)] == created[::-1]
+        assert [f.id async for f in svc.client.files.list(limit=2, order="asc")] == created
+        assert [f.id async for f in svc.client.files.list(purpose="batch")] == created[::-1]
+        assert [f.id async for f in svc.client.files.list(purpose="batch_output")] == []
+        after = await svc.client.files.list(after=created[3], limit=10)
+        assert [f.id for f in after.data] == created[2::-1] and not after.has_more
+        try:
+            await svc.client.files.list(limit=0)
+            raise AssertionError("limit 0 accepted")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "limit"
+
+
+async def test_response_format_text_is_taken_as_the_default_it_is_and_others_are_refused(redis_url, tiny_model) -> None:
+    from worker.engine.engine import Engine
+
+    messages = [{"role": "user", "content": "hi"}]
+    async with openai_service(redis_url, Engine(model=tiny_model(), max_num_seqs=2)) as svc:
+        chat = await svc.client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2,
+                                                        response_format={"type": "text"})
+        assert chat.usage.completion_tokens == 2
+        for response_format in ({"type": "json_object"},
+                                {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
+            try:
+                await svc.client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2,
+                                                         response_format=response_format)
+                raise AssertionError(f"{response_format} accepted")
+            except openai.BadRequestError as e:
+                assert e.body["param"] == "response_format" and e.body["code"] == "unsupported_parameter"
