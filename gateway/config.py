@@ -5,8 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.webhooks.config import WebhookConfig
-from scheduler.protocol.keys import DEFAULT_FILE_TTL_S, DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S
+from scheduler.protocol.keys import (
+    DEFAULT_FILE_TTL_S,
+    DEFAULT_PREFIX,
+    DEFAULT_REPLY_MAXLEN,
+    DEFAULT_RESULT_TTL_S,
+    check_key_prefix,
+)
 from scheduler.protocol.lanes import LANES, Lane
+from scheduler.protocol.redis_client import check_redis_url
 
 DEFAULT_MAX_LANE_DEPTH: dict[str, int] = {
     Lane.INTERACTIVE.value: 1_000,
@@ -51,12 +58,10 @@ class GatewayConfig:
     """Secret, allow-list and retry settings; their flags (`--webhook-*`) come from `WebhookConfig`."""
 
     def __post_init__(self) -> None:
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url: expected redis://, rediss:// or unix://, got {self.redis_url!r}")
+        check_redis_url(self.redis_url)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: must be within 0..65535, got {self.port}")
-        if not self.key_prefix or any(c.isspace() for c in self.key_prefix):
-            raise ValueError(f"key_prefix: must be non-empty without spaces, got {self.key_prefix!r}")
+        check_key_prefix(self.key_prefix)
         known = {lane.value for lane in LANES}
         depths = dict(DEFAULT_MAX_LANE_DEPTH)
         for lane, depth in self.max_lane_depth.items():

@@ -16,12 +16,20 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.protocol.keys import DEFAULT_DEAD_MAXLEN, DEFAULT_PREFIX, DEFAULT_REPLY_MAXLEN, DEFAULT_RESULT_TTL_S
+from scheduler.protocol.keys import (
+    DEFAULT_DEAD_MAXLEN,
+    DEFAULT_PREFIX,
+    DEFAULT_REPLY_MAXLEN,
+    DEFAULT_RESULT_TTL_S,
+    check_key_prefix,
+)
 from scheduler.protocol.lanes import DEFAULT_LANE_WEIGHTS, Lane, lane_priority_bound
+from scheduler.protocol.redis_client import check_redis_url
 from scheduler.protocol.tenants import DEFAULT_MAX_TENANT_LABELS
 from scheduler.runtime.flags import help_text
 from scheduler.runtime.model_path import check_local_checkpoint
 from scheduler.scheduler_config import BatchingMode, Policy
+from scheduler.telemetry.log_format import check_log_level
 from worker.engine.config import DEFAULT_MODEL_NAME, EngineConfig
 
 ENGINE_FLAGS = (
@@ -100,6 +108,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not self.worker_name:
             self.worker_name = default_worker_name()
+        check_redis_url(self.redis_url)
+        check_key_prefix(self.key_prefix)
+        check_log_level(self.log_level)
         if self.max_tenant_labels < 0:
             raise ValueError(f"max_tenant_labels: must be >= 0, got {self.max_tenant_labels}")
         for name in ("max_deliveries", "checkpoint_tokens"):

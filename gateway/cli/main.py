@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ from scheduler.runtime.flags import add_config_flags, config_from_args
 from scheduler.runtime.model_path import OFFLINE_ENV
 
 if TYPE_CHECKING:
+    from scheduler.telemetry.otel import TelemetryConfig
     from worker.config import WorkerConfig
 
 DELEGATED_VERBS: dict[str, str] = {
@@ -37,33 +39,44 @@ DELEGATED_VERBS: dict[str, str] = {
 """Verbs whose flags live with their own module; `carpool VERB --help` shows them."""
 
 
-def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+def build_parser(env: Mapping[str, str], verb: str | None = None) -> argparse.ArgumentParser:
+    """Every verb's parser; with ``verb``, only that verb reads its defaults from ``env``.
+
+    So a malformed variable of one verb (a worker's ``CARPOOL_MAX_NUM_SEQS`` in a shared environment)
+    stops only the verb that takes it, and the error names that verb.
+    """
     parser = argparse.ArgumentParser(prog="carpool", description="Queue-fed LLM inference over Redis Streams.")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
+    def env_of(name: str) -> Mapping[str, str]:
+        return env if verb is None or verb == name else {}
+
     up = verbs.add_parser("up", help="start Redis (bundled unless --redis-url), the gateway and one worker")
-    add_config_flags(up, UpConfig, env)
+    up_env = env_of("up")
+    add_config_flags(up, UpConfig, up_env)
     # `up` runs a worker, so it takes the worker's engine flags (worker.config imports no torch).
     from worker.config import ENGINE_FLAGS, WorkerConfig
 
-    add_config_flags(up, WorkerConfig, env, exclude=_service_fields(WorkerConfig, ENGINE_FLAGS))
-    add_config_flags(up, WebhookConfig, env)
-    up.add_argument("--log-level", default=env.get("CARPOOL_LOG_LEVEL", "WARNING"),
+    add_config_flags(up, WorkerConfig, up_env, exclude=_service_fields(WorkerConfig, ENGINE_FLAGS))
+    add_config_flags(up, WebhookConfig, up_env)
+    up.add_argument("--log-level", default=up_env.get("CARPOOL_LOG_LEVEL", "WARNING"),
                     help="log level of the gateway and the worker (default: WARNING) [env CARPOOL_LOG_LEVEL]")
 
     gateway = verbs.add_parser("gateway", help="run the HTTP gateway")
-    add_config_flags(gateway, GatewayConfig, env)
-    add_config_flags(gateway, WebhookConfig, env)
-    gateway.add_argument("--log-level", default=env.get("CARPOOL_LOG_LEVEL", "INFO"), help="[env CARPOOL_LOG_LEVEL]")
+    gateway_env = env_of("gateway")
+    add_config_flags(gateway, GatewayConfig, gateway_env)
+    add_config_flags(gateway, WebhookConfig, gateway_env)
+    gateway.add_argument("--log-level", default=gateway_env.get("CARPOOL_LOG_LEVEL", "INFO"),
+                         help="debug, info, warning, error or critical (default: INFO) [env CARPOOL_LOG_LEVEL]")
 
     submit = verbs.add_parser("submit", help="send one prompt to a gateway; --wait prints the completion")
-    add_submit_flags(submit, env)
+    add_submit_flags(submit, env_of("submit"))
 
     batch = verbs.add_parser("batch", help="the Batch API: submit a JSONL file (--wait shows progress), status, cancel")
-    add_batch_flags(batch, env)
+    add_batch_flags(batch, env_of("batch"))
 
     keys = verbs.add_parser("keys", help="API keys: create (shown once), list, revoke; limits per key")
-    add_keys_flags(keys, env)
+    add_keys_flags(keys, env_of("keys"))
 
     for verb, help_text in DELEGATED_VERBS.items():
         verbs.add_parser(verb, help=help_text, add_help=False)
@@ -102,7 +115,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         from bench.cli import main as bench_main
 
         return bench_main(args_list[1:], environ)
-    parser = build_parser(environ)
+    parser = build_parser(environ, verb=args_list[0] if args_list else "")
     args = parser.parse_args(args_list)
     if args.verb == "submit":
         return run_submit(args)
@@ -111,7 +124,13 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     if args.verb == "keys":
         data_dir = Path(environ["CARPOOL_DATA_DIR"]).expanduser() if environ.get("CARPOOL_DATA_DIR") else None
         return run_keys(args, data_dir or default_data_dir(Path.home()))
+    from scheduler.telemetry.log_format import check_log_level
+    from scheduler.telemetry.otel import telemetry_config_from_env
+
     try:
+        log_level = check_log_level(args.log_level)
+        # The same OTEL_* telemetry for `up`'s gateway as for `carpool gateway`; the worker child reads OTEL_* itself.
+        telemetry_config = telemetry_config_from_env(environ, service_name="carpool-gateway")
         webhooks = config_from_args(WebhookConfig, args)
         if args.verb == "up":
             from worker.config import ENGINE_FLAGS, WorkerConfig
@@ -125,33 +144,40 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         if args.verb == "up":
             print(f"carpool up: {e}", file=sys.stderr)
             return 2
-        parser.error(str(e))
+        parser.exit(2, f"carpool {args.verb}: error: {e}\n")
     if args.verb == "up":
         data_dir = Path(up.data_dir).expanduser() if up.data_dir else default_data_dir(Path.home())
         from scheduler.telemetry.log_format import configure_logging
-        from scheduler.telemetry.otel import telemetry_config_from_env
 
-        # The same JSON logs and OTEL_* telemetry as `carpool gateway`; the worker child reads OTEL_* itself.
-        telemetry_config = telemetry_config_from_env(environ, service_name="carpool-gateway")
-        configure_logging(args.log_level.upper(), service=telemetry_config.service_name)
-        return run_up(up, WorkerChild(worker_config, ENGINE_FLAGS, args.log_level), webhooks, data_dir, telemetry_config)
-    return run_gateway(gateway, args.log_level, environ)
+        # The same JSON logs as `carpool gateway`.
+        configure_logging(log_level, service=telemetry_config.service_name)
+        return run_up(up, WorkerChild(worker_config, ENGINE_FLAGS, log_level), webhooks, data_dir, telemetry_config)
+    return run_gateway(gateway, log_level, telemetry_config)
 
 
-def run_gateway(config: GatewayConfig, log_level: str, env: Mapping[str, str] | None = None) -> int:
+_LISTEN_ERRNOS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+"""Why a listener fails to start: the port is taken, the address is not this host's, a privileged port."""
+
+
+def run_gateway(config: GatewayConfig, log_level: str, telemetry_config: TelemetryConfig) -> int:
     from aiohttp import web
 
     from gateway.app import init_app
     from scheduler.telemetry.log_format import configure_logging
-    from scheduler.telemetry.otel import Telemetry, telemetry_config_from_env
+    from scheduler.telemetry.otel import Telemetry
 
-    configure_logging(log_level.upper(), service="carpool-gateway")
-    telemetry = Telemetry(telemetry_config_from_env(env or {}, service_name="carpool-gateway"))
+    configure_logging(log_level.upper(), service=telemetry_config.service_name)
+    telemetry = Telemetry(telemetry_config)
     try:
         web.run_app(
             init_app(config, telemetry), host=config.host, port=config.port, shutdown_timeout=config.shutdown_grace_s,
             print=lambda line: print(f"carpool gateway: {line}", flush=True),
         )
+    except OSError as e:
+        if e.errno not in _LISTEN_ERRNOS:
+            raise
+        print(f"carpool gateway: cannot listen on {config.host}:{config.port}: {os.strerror(e.errno)}", file=sys.stderr)
+        return 1
     finally:
         telemetry.shutdown()
     return 0

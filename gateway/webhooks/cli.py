@@ -19,7 +19,8 @@ from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher
 from gateway.webhooks.metrics import WebhookMetrics, dispatcher_http_app
 from gateway.webhooks.signing import generate_secret
-from scheduler.protocol.keys import DEFAULT_PREFIX, Keys
+from scheduler.protocol.keys import DEFAULT_PREFIX, Keys, check_key_prefix
+from scheduler.protocol.redis_client import check_redis_url, redacted_url
 from scheduler.protocol.redis_client import connect as connect_redis
 from scheduler.runtime.tasks import cancel_and_reap
 from scheduler.telemetry.otel import Telemetry
@@ -43,12 +44,16 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespac
     parser.add_argument("--generate-secret", action="store_true", help="print a new whsec_ signing secret and exit")
     parser.add_argument("--log-level", default=env.get("CARPOOL_LOG_LEVEL", "INFO"), help="[env CARPOOL_LOG_LEVEL]")
     parser.add_argument("--metrics-host", default=env.get("CARPOOL_METRICS_HOST", "0.0.0.0"),
-                        help="address of the /metrics and /healthz server [env CARPOOL_METRICS_HOST]")
+                        help="address of the /metrics and /healthz server (default 0.0.0.0) [env CARPOOL_METRICS_HOST]")
     parser.add_argument("--metrics-port", type=int, default=int(env.get("CARPOOL_METRICS_PORT", DEFAULT_METRICS_PORT)),
                         help=f"port of /metrics and /healthz; 0 turns the server off (default {DEFAULT_METRICS_PORT}) "
                              "[env CARPOOL_METRICS_PORT]")
     add_config_flags(parser, WebhookConfig, env)
     return parser.parse_args(list(argv))
+
+
+class ListenError(Exception):
+    """The metrics server could not listen (the port is taken, the address is not this host's)."""
 
 
 async def serve(redis_url: str, keys: Keys, config: WebhookConfig, telemetry: Telemetry | None = None, *,
@@ -72,9 +77,13 @@ async def serve(redis_url: str, keys: Keys, config: WebhookConfig, telemetry: Te
             if metrics is not None and metrics_port:
                 http = web.AppRunner(dispatcher_http_app(metrics, lambda: not task.done()))
                 await http.setup()
-                await web.TCPSite(http, metrics_host, metrics_port).start()
+                try:
+                    await web.TCPSite(http, metrics_host, metrics_port).start()
+                except OSError as e:  # the port is taken, or the address is not this host's
+                    reason = os.strerror(e.errno) if e.errno else str(e)
+                    raise ListenError(f"cannot serve /metrics on {metrics_host}:{metrics_port}: {reason}") from e
                 log.info("webhook dispatcher metrics on http://%s:%d/metrics", metrics_host, metrics_port)
-            log.info("webhook dispatcher %s running on %s", dispatcher.name, redis_url)
+            log.info("webhook dispatcher %s running on %s", dispatcher.name, redacted_url(redis_url))
             waiter = asyncio.create_task(stop.wait())
             await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
             await cancel_and_reap(waiter)
@@ -90,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(generate_secret())
         return 0
     from scheduler.runtime.flags import config_from_args
-    from scheduler.telemetry.log_format import configure_logging
+    from scheduler.telemetry.log_format import check_log_level, configure_logging
     from scheduler.telemetry.otel import telemetry_config_from_env
 
     try:
@@ -105,15 +114,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"carpool webhooks: --metrics-port: must be a TCP port or 0, got {args.metrics_port}", file=sys.stderr)
         return 2
     try:
+        check_redis_url(args.redis_url)
+        check_key_prefix(args.key_prefix)
+        log_level = check_log_level(args.log_level)
         telemetry_config = telemetry_config_from_env(os.environ, service_name="carpool-webhooks")
     except ValueError as e:
         print(f"carpool webhooks: {e}", file=sys.stderr)
         return 2
-    configure_logging(args.log_level.upper(), service=telemetry_config.service_name)
+    configure_logging(log_level, service=telemetry_config.service_name)
     telemetry = Telemetry(telemetry_config)
     try:
         asyncio.run(serve(args.redis_url, Keys(args.key_prefix), config, telemetry,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port))
+    except ListenError as e:
+        print(f"carpool webhooks: {e}", file=sys.stderr)
+        return 1
     finally:
         telemetry.shutdown()
     return 0

@@ -42,6 +42,12 @@ ROUTE_SCAN_COUNT = 500
 """Lane-stream entries a worker looks at per read for ones naming a tenant, to move to that tenant's stream."""
 
 
+def check_key_prefix(prefix: str) -> None:
+    """Raise ``ValueError`` unless ``prefix`` can start every key: non-empty, no whitespace."""
+    if not prefix or any(c.isspace() for c in prefix):
+        raise ValueError(f"key_prefix: must be non-empty without spaces, got {prefix!r}")
+
+
 @dataclass(frozen=True)
 class Keys:
     """Key names under one prefix. Build once from config and pass it down."""

@@ -13,11 +13,14 @@ may have run, and sending it again could run it twice.
 
 from __future__ import annotations
 
+import re
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 HEALTH_CHECK_INTERVAL_S = 10
@@ -35,3 +38,25 @@ def connection_options() -> dict[str, Any]:
 def connect(redis_url: str) -> aioredis.Redis:
     """A client of `redis_url` whose connections survive a Redis restart (replies as bytes, never decoded)."""
     return aioredis.Redis.from_url(redis_url, **connection_options())
+
+
+def check_redis_url(redis_url: str) -> None:
+    """Raise ``ValueError`` naming the problem when redis-py could not connect with ``redis_url`` as written."""
+    try:
+        parse_url(redis_url)
+    except ValueError as e:
+        raise ValueError(f"redis_url: {e}, got {redacted_url(redis_url)!r}") from e
+
+
+def redacted_url(redis_url: str) -> str:
+    """``redis_url`` fit for a log line: its password, in the user part or a ``password=`` parameter, as ``***``."""
+    try:
+        parts = urlsplit(redis_url)
+        password = parts.password
+    except ValueError:
+        return "<unparsable Redis URL>"
+    redacted = redis_url
+    if password:
+        host = parts.netloc.rpartition("@")[2]
+        redacted = redacted.replace(parts.netloc, f"{parts.username or ''}:***@{host}", 1)
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", redacted)

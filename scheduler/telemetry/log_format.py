@@ -74,6 +74,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def check_log_level(level: str) -> str:
+    """``level`` as ``configure_logging`` takes it (``info`` -> ``INFO``); ``ValueError`` naming the choices."""
+    name = level.strip().upper()
+    if name not in logging.getLevelNamesMapping():
+        raise ValueError(f"log_level: expected one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    return name
+
+
 def configure_logging(
     level: str | int = "INFO", *, stream: IO[str] | None = None, service: str | None = None, is_json: bool = True
 ) -> logging.Handler:

@@ -9,7 +9,8 @@ A ``Telemetry`` object owns one MeterProvider and one TracerProvider and
 never installs them globally: two of them in one process (a test modelling the
 gateway and the worker) do not see each other's data. Metrics go to a
 Prometheus reader on a private ``CollectorRegistry`` (rendered by ``/metrics``)
-and, when an OTLP endpoint is configured, to an OTLP/HTTP exporter as well.
+and, when an OTLP endpoint is configured, to an OTLP/HTTP exporter as well; spans go to OTLP/HTTP and,
+with ``OTEL_TRACES_EXPORTER=console``, as one JSON line each to stdout.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, generate_latest
@@ -55,6 +56,8 @@ class TelemetryConfig:
     otlp_metrics_endpoint: str | None = None  # full URL, e.g. http://collector:4318/v1/metrics
     otlp_headers: dict[str, str] = field(default_factory=dict)
     metric_export_interval_ms: int = 15_000
+    is_console_traces: bool = False  # one JSON line per finished span on stdout
+    is_console_metrics: bool = False  # one JSON line per metric export on stdout, every export interval
 
     def __post_init__(self) -> None:
         if not self.service_name:
@@ -80,6 +83,21 @@ def _parse_key_values(text: str, variable: str) -> dict[str, str]:
     return out
 
 
+TRACES_EXPORTERS = ("otlp", "console", "none")
+METRICS_EXPORTERS = ("otlp", "console", "prometheus", "none")
+"""The values of ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` carpool acts on (``/metrics`` is always
+served, so ``prometheus`` adds nothing to it); a comma-separated list names several."""
+
+
+def _exporters(env: Mapping[str, str], variable: str, known: tuple[str, ...]) -> set[str]:
+    text = env.get(variable, "")
+    names = {part.strip().lower() for part in text.split(",") if part.strip()} or {"otlp"}
+    unknown = sorted(names - set(known))
+    if unknown:
+        raise ValueError(f"{variable}: expected some of {', '.join(known)}, got {text!r}")
+    return names
+
+
 def telemetry_config_from_env(
     env: Mapping[str, str], *, service_name: str, service_instance_id: str | None = None
 ) -> TelemetryConfig:
@@ -88,7 +106,8 @@ def telemetry_config_from_env(
     ``OTEL_EXPORTER_OTLP_ENDPOINT`` is a base URL (``/v1/traces`` and
     ``/v1/metrics`` are appended); the per-signal ``..._TRACES_ENDPOINT`` /
     ``..._METRICS_ENDPOINT`` are used as given; ``OTEL_TRACES_EXPORTER`` /
-    ``OTEL_METRICS_EXPORTER`` = ``none`` turn a signal's OTLP export off.
+    ``OTEL_METRICS_EXPORTER`` name a signal's exporters (``otlp``, the default, when an endpoint is set;
+    ``console``; ``none``); any other value is a ``ValueError``.
     """
     protocol = env.get("OTEL_EXPORTER_OTLP_PROTOCOL", OtlpProtocol.HTTP_PROTOBUF.value)
     if protocol != OtlpProtocol.HTTP_PROTOBUF.value:
@@ -96,9 +115,11 @@ def telemetry_config_from_env(
     base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").rstrip("/")
     traces = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or (f"{base}/v1/traces" if base else None)
     metrics = env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or (f"{base}/v1/metrics" if base else None)
-    if env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() == "none":
+    traces_exporters = _exporters(env, "OTEL_TRACES_EXPORTER", TRACES_EXPORTERS)
+    metrics_exporters = _exporters(env, "OTEL_METRICS_EXPORTER", METRICS_EXPORTERS)
+    if "otlp" not in traces_exporters:
         traces = None
-    if env.get("OTEL_METRICS_EXPORTER", "otlp").strip().lower() == "none":
+    if "otlp" not in metrics_exporters:
         metrics = None
     headers = _parse_key_values(env.get("OTEL_EXPORTER_OTLP_HEADERS", ""), "OTEL_EXPORTER_OTLP_HEADERS")
     attributes = _parse_key_values(env.get("OTEL_RESOURCE_ATTRIBUTES", ""), "OTEL_RESOURCE_ATTRIBUTES")
@@ -115,6 +136,8 @@ def telemetry_config_from_env(
         otlp_metrics_endpoint=metrics,
         otlp_headers=headers,
         metric_export_interval_ms=interval_ms,
+        is_console_traces="console" in traces_exporters,
+        is_console_metrics="console" in metrics_exporters,
     )
 
 
@@ -150,6 +173,11 @@ class Telemetry:
             readers.append(
                 PeriodicExportingMetricReader(metric_exporter, export_interval_millis=config.metric_export_interval_ms)
             )
+        if config.is_console_metrics:
+            console_metrics = ConsoleMetricExporter(formatter=lambda data: data.to_json(indent=None) + "\n")
+            readers.append(
+                PeriodicExportingMetricReader(console_metrics, export_interval_millis=config.metric_export_interval_ms)
+            )
         self.meter_provider = MeterProvider(metric_readers=readers, resource=self.resource, shutdown_on_exit=False)
         self.meter = self.meter_provider.get_meter(INSTRUMENTATION_SCOPE)
         self.tracer_provider = TracerProvider(
@@ -160,6 +188,9 @@ class Telemetry:
 
             span_exporter = OTLPSpanExporter(endpoint=config.otlp_traces_endpoint, headers=config.otlp_headers)
             self.tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+        if config.is_console_traces:
+            console_spans = ConsoleSpanExporter(formatter=lambda span: span.to_json(indent=None) + "\n")
+            self.tracer_provider.add_span_processor(BatchSpanProcessor(console_spans))
         for processor in span_processors:
             self.tracer_provider.add_span_processor(processor)
         self.tracer = self.tracer_provider.get_tracer(INSTRUMENTATION_SCOPE)

@@ -1,0 +1,25 @@
+"""A process that has just started already exports, at 0, every counter series whose labels are known in
+advance, so `rate()`, `increase()` and alerts on them see the series before its first event."""
+
+from __future__ import annotations
+
+from scheduler.protocol.lanes import LANES
+from tests.harness.telemetry_support import samples
+
+# Every reason a worker dead-letters a lane entry for (docs/observability.md, the `dead_letter` log field).
+DEAD_LETTER_REASONS = ("no_job_field", "invalid_job", "too_many_deliveries", "unadmittable")
+
+
+def test_worker_exports_every_dead_letter_reason_at_zero() -> None:
+    from worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics()
+    try:
+        text = metrics.render().decode()
+    finally:
+        metrics.close()
+    exported = {dict(labels)["carpool_dead_letter_reason"]: v for (name, labels), v in samples(text).items()
+                if name == "carpool_jobs_dead_lettered_total" and ("carpool_lane", LANES[0].value) in labels}
+    assert exported == dict.fromkeys(DEAD_LETTER_REASONS, 0.0)
+    series = [labels for name, labels in samples(text) if name == "carpool_jobs_dead_lettered_total"]
+    assert len(series) == len(LANES) * len(DEAD_LETTER_REASONS)
