@@ -137,6 +137,14 @@ def test_probes_and_ports_match_the_flags() -> None:
     assert gateway_args.redis_url.endswith(f"@carpool-redis:{redis_service['port']}/0")
 
 
+def test_the_gateway_serves_on_while_its_endpoint_is_withdrawn() -> None:
+    gateway = k8s_objects("Deployment")["carpool-gateway"]
+    command = container(gateway)["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    # The pause, then the gateway's own shutdown (its streams end within seconds), fit in the grace period.
+    assert 0 < int(command[1]) <= gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] - 20
+
+
 def test_pods_run_as_non_root() -> None:
     for name, workload in {**k8s_objects("Deployment"), **k8s_objects("StatefulSet")}.items():
         pod = workload["spec"]["template"]["spec"]
