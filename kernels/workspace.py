@@ -20,7 +20,9 @@ class Workspace:
     _buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A tensor of `shape` over the named buffer (grown when too small); its contents are garbage."""
+        """A tensor of `shape` over the named buffer (grown when too small); its contents are garbage.
+
+        `device` as a tensor on it reports it (`cuda:0`, never `cuda`): another spelling is another buffer."""
         numel = math.prod(shape)
         key = (name, dtype, device)
         buffer = self._buffers.get(key)
@@ -30,5 +32,10 @@ class Workspace:
         return buffer[:numel].view(shape)
 
     def reserve(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        """Grow the named buffer to hold `shape` now, so no later `take` of at most that size allocates."""
-        self.take(name, shape, dtype, device)
+        """Grow the named buffer to hold `shape` now, so no later `take` of at most that size allocates.
+
+        `take` is keyed by the device its callers' tensors report (`cuda` is `cuda:<current GPU>` there, and
+        `cpu:0` is `cpu`), so the device is resolved as a tensor made on it reports it, or the reservation would
+        serve no take.
+        """
+        self.take(name, shape, dtype, torch.empty(0, device=device).device)

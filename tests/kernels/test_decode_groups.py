@@ -105,6 +105,18 @@ def test_workspace_reuses_its_buffer_and_grows_when_needed() -> None:
     assert workspace.take("keys", (3, 16, 2, 8), torch.float16, CPU).data_ptr() != c.data_ptr()
 
 
+def test_a_reservation_serves_the_takes_of_tensors_on_its_device() -> None:
+    """A runner reserves with the device it was configured with (`cuda`, or here `cpu:0`); its kernels take with
+    their tensors' device, which names it otherwise (`cuda:0`, `cpu`): a capture must find the reserved buffer."""
+    workspace = Workspace()
+    configured = torch.device("cpu", 0)
+    workspace.reserve("split_out", (16, 4, 8), torch.float32, configured)
+    tensor_device = torch.empty(0, device=configured).device
+    # A smaller take first, then the reserved size: neither allocates, so both lie on the reserved buffer.
+    small = workspace.take("split_out", (3, 2, 8), torch.float32, tensor_device)
+    assert workspace.take("split_out", (16, 4, 8), torch.float32, tensor_device).data_ptr() == small.data_ptr()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_precision_cache_through_the_workspace(dtype: torch.dtype) -> None:
     cases = [(1, 300), (1, 20), (5, 18), (1, 21)]

@@ -135,6 +135,9 @@ class ModelRunner:
         self.k_caches = [self.backend.new_cache(*cache_shape) for _ in range(self.num_layers)]
         self.v_caches = [self.backend.new_cache(*cache_shape) for _ in range(self.num_layers)]
         self._workspace = Workspace()
+        self._graph_workspace = Workspace()
+        """The recorded decode steps' own buffers, sized before recording: a graph keeps the addresses it recorded,
+        so an eager step that outgrows a buffer (a speculative step's split buffers, say) must grow another one."""
         self.cpu_decode: CpuDecodeAttention | None = self._load_cpu_decode(cpu_kernels)
         """The compiled CPU kernel that attends decoding sequences; None where the backend's own path does."""
         self._num_multiprocessors = num_multiprocessors(self.device)
@@ -163,10 +166,10 @@ class ModelRunner:
             return False
         if self.backend.name == "triton":
             # Split buffers for the most splits any recorded size plans, before any recording needs them.
-            self._workspace.reserve("split_out", (MAX_SPLITS, self.inputs.max_num_seqs, self.num_heads,
-                                                  self.head_dim), torch.float32, self.device)
-            self._workspace.reserve("split_ml", (MAX_SPLITS, self.inputs.max_num_seqs, self.num_heads, 2),
-                                    torch.float32, self.device)
+            self._graph_workspace.reserve("split_out", (MAX_SPLITS, self.inputs.max_num_seqs, self.num_heads,
+                                                        self.head_dim), torch.float32, self.device)
+            self._graph_workspace.reserve("split_ml", (MAX_SPLITS, self.inputs.max_num_seqs, self.num_heads, 2),
+                                          torch.float32, self.device)
         sizes = graph_batch_sizes(self.inputs.max_num_seqs)
         try:
             with torch.inference_mode():  # as the steps it replays run
@@ -284,7 +287,7 @@ class ModelRunner:
         """The recorded decode step over the first `num_seqs` rows of the buffers: reads nothing on the host."""
         inputs = self.inputs
         inputs.gather_table(num_seqs)
-        hints: dict[str, Any] = {"workspace": self._workspace}
+        hints: dict[str, Any] = {"workspace": self._graph_workspace}
         if self.backend.name == "triton":
             hints["num_kv_splits"] = self._num_kv_splits(num_seqs)
         elif self.backend.name == "torch":

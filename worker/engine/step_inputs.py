@@ -84,6 +84,10 @@ class StepInputs:
         total = self._changes_at + 3 * seqs * max_blocks_per_seq
         self._host = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._staged = self._host.numpy()
+        # The copy out of the pinned buffer runs when the device gets to it, after the work queued before it: a step
+        # that samples nothing (a prefill chunk) returns without waiting, so the next one must not overwrite the
+        # buffer before that copy has read it.
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._device = torch.zeros(total, dtype=torch.int64, device=device)
         self.table = torch.zeros((seqs, max_blocks_per_seq), dtype=torch.int64, device=device)
         """Every row's blocks, kept across steps."""
@@ -112,6 +116,8 @@ class StepInputs:
         """
         assert batch, "a step runs at least one sequence"
         assert len(batch) <= self.max_num_seqs, (len(batch), self.max_num_seqs)
+        if self._copied is not None:
+            self._copied.synchronize()
         self._num_steps += 1
         staged, at, block_size = self._staged, self._offsets, self.block_size
         q_lens = [len(seq.token_ids) for seq in batch]
@@ -155,6 +161,8 @@ class StepInputs:
             self._stage_padding(num_seqs, pad_to)
         end = self._changes_at + 3 * num_changes
         self._device[:end].copy_(self._host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
         if num_changes:
             changes = self._device[self._changes_at : end].view(num_changes, 3)
             self.table.index_put_((changes[:, 0], changes[:, 1]), changes[:, 2])

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.workspace import Workspace
 from worker.engine.default_model import create_tiny_model
 from worker.engine.graph_runner import DecodeGraphs, HostReadError, ReplayCapture, forbid_host_reads, graph_batch_sizes
 from worker.engine.model_runner import ModelRunner
@@ -90,6 +91,45 @@ def test_replayed_steps_match_eager_ones_and_padding_writes_nowhere(tiny_model: 
             tokens.append(int(expected[[k for k, _, _ in seqs].index(key)].argmax()))
             if len(tokens) > 4 * len(table):
                 table.append(35 + len(table))
+
+
+class _AddressesAtRecording:
+    """ReplayCapture that notes, at each recording, where every workspace buffer of the runner lies: the addresses
+    a CUDA graph recorded then would keep writing to at every replay."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.recorded: dict[tuple[int, object], int] = {}
+        self._replay = ReplayCapture()
+
+    def addresses(self) -> dict[tuple[int, object], int]:
+        return {(id(workspace), key): buffer.data_ptr() for workspace in vars(self.runner).values()
+                if isinstance(workspace, Workspace) for key, buffer in workspace._buffers.items()}
+
+    def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        replay = self._replay.capture(run)
+        self.recorded.update(self.addresses())
+        return replay
+
+
+def test_an_eager_step_never_moves_a_buffer_the_recorded_steps_write(tiny_model: Callable[..., str]) -> None:
+    """A replayed graph writes its split-KV partial results where it was recorded: an eager step that needs bigger
+    split buffers (a prefill of short prompts, a speculative step) must not free those and take new ones."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels: compiled, or interpreted on CPU
+    runner = ModelRunner(tiny_model("llama"), device=device, block_size=4, num_blocks=16, max_num_seqs=2,
+                         attention_backend="triton", cuda_graphs=False)
+    runner._num_multiprocessors = 64  # as a GPU reports it: a step of a few sequences splits their contexts
+    capture = _AddressesAtRecording(runner)
+    assert runner.capture_decode_graphs(capture)
+    assert any(key[1][0] == "split_out" for key in capture.recorded), "the recorded steps use split buffers"
+    # Two prompts of 5 tokens: one query tile each, 10 rows for every split, more than decodes of 2 sequences need.
+    seqs = [StepSeq([5, 9, 13, 2, 7], 0, [3, 7], True, "a"), StepSeq([44, 1, 60, 61, 62], 0, [12, 1], True, "b")]
+    runner.execute(seqs)
+    now = capture.addresses()
+    assert {key: now.get(key) for key in capture.recorded} == capture.recorded
+    decode = [StepSeq([8], 5, [3, 7], True, "a"), StepSeq([9], 5, [12, 1], True, "b")]
+    runner.execute(decode)
+    assert runner.num_replayed_steps == 1
 
 
 def test_dynamic_rope_runs_eager(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
