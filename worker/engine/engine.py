@@ -11,6 +11,7 @@ use it from one thread.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -44,6 +45,16 @@ __all__ = ["Completion", "Engine", "EngineConfig", "EngineStats", "RequestOutput
 IDLE_SLEEP_S = 0.001
 
 
+def on_device(device: str | torch.device) -> contextlib.AbstractContextManager[object]:
+    """The block runs with `device` as CUDA's current device, as it was again after it; no-op off CUDA.
+
+    Tensors carry their device, but Triton launches, CUDA graphs' capture stream and events recorded without a
+    stream go to the current device, which is the first GPU on every thread unless set: an engine on `cuda:1`
+    would launch its kernels there, on pointers into the other GPU."""
+    resolved = torch.device(device)
+    return torch.cuda.device(resolved) if resolved.type == "cuda" else contextlib.nullcontext()
+
+
 @dataclass
 class _InFlight:
     """A step whose forward was launched and whose tokens are not sampled yet."""
@@ -69,13 +80,14 @@ class Engine:
             config = dataclasses.replace(config, model=str(default_model_path()))
         assert config.model is not None
         self.config = config
-        self.runner = ModelRunner(
-            config.model, device=config.device, dtype=config.dtype, block_size=config.block_size,
-            num_blocks=config.num_blocks, kv_cache_memory_gb=config.kv_cache_memory_gb,
-            attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, cuda_graphs=config.cuda_graphs,
-            model_impl=config.model_impl, quantization=config.quantization, cpu_kernels=config.cpu_kernels,
-        )
+        with on_device(config.device):
+            self.runner = ModelRunner(
+                config.model, device=config.device, dtype=config.dtype, block_size=config.block_size,
+                num_blocks=config.num_blocks, kv_cache_memory_gb=config.kv_cache_memory_gb,
+                attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens, cuda_graphs=config.cuda_graphs,
+                model_impl=config.model_impl, quantization=config.quantization, cpu_kernels=config.cpu_kernels,
+            )
         self.tokenizer = self.runner.tokenizer
         # Chosen once here, not per request: the choice checks the tokenizer over its whole vocabulary.
         self.text_decoder = text_decoder_for(self.tokenizer)
@@ -106,8 +118,9 @@ class Engine:
             ),
             self.block_manager,
         )
-        self.sampler = Sampler(self.runner.vocab_size, config.max_num_seqs, config.device)
-        self.speculator = self._speculator(self.config)
+        with on_device(config.device):
+            self.sampler = Sampler(self.runner.vocab_size, config.max_num_seqs, config.device)
+            self.speculator = self._speculator(self.config)
         # On CUDA the host prepares the next step while the device computes this one; on a CPU both are the
         # same cores, so there it would only delay each step's outputs by one step.
         self.async_scheduling = (
@@ -196,17 +209,18 @@ class Engine:
         """
         start_s = time.perf_counter()
         outputs, self._pending = self._pending, []
-        if self.async_scheduling:
-            done = self._complete(self._in_flight) if self._in_flight is not None else []
-            self._in_flight = None
-            scheduled = self._schedule()
-            if not scheduled.is_empty:
-                self._in_flight = self._launch(scheduled)
-            outputs.extend(self._postprocess(done))
-        else:
-            scheduled = self._schedule()
-            if not scheduled.is_empty:
-                outputs.extend(self._postprocess(self._complete(self._launch(scheduled))))
+        with on_device(self.config.device):
+            if self.async_scheduling:
+                done = self._complete(self._in_flight) if self._in_flight is not None else []
+                self._in_flight = None
+                scheduled = self._schedule()
+                if not scheduled.is_empty:
+                    self._in_flight = self._launch(scheduled)
+                outputs.extend(self._postprocess(done))
+            else:
+                scheduled = self._schedule()
+                if not scheduled.is_empty:
+                    outputs.extend(self._postprocess(self._complete(self._launch(scheduled))))
         self._num_steps += 1
         self._last_step = (
             scheduled.num_batched_tokens, len(scheduled.scheduled), time.perf_counter() - start_s
