@@ -67,7 +67,8 @@ class EngineConfig:
         "dynamic-batching window: how long an idle worker waits for more jobs before its first step"))
     dtype: str | None = field(default=None, metadata=help_text(
         "model dtype (float32, float16, bfloat16); default: the checkpoint's"))
-    kv_cache_memory_gb: float | None = field(default=None, metadata=help_text("memory budget of the KV cache in GiB"))
+    kv_cache_memory_gb: float | None = field(default=None, metadata=help_text(
+        "memory budget of the KV cache in GiB (with --draft-model, of both models' caches)"))
     max_model_len: int | None = field(default=None, metadata=help_text("longest prompt + output; default: the model's"))
     enable_prefix_caching: bool = field(default=True, metadata=help_text("reuse KV blocks of shared prompt prefixes"))
     cuda_graphs: bool | None = field(default=None, metadata=help_text(

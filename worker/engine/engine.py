@@ -87,6 +87,7 @@ class Engine:
                 attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, cuda_graphs=config.cuda_graphs,
                 model_impl=config.model_impl, quantization=config.quantization, cpu_kernels=config.cpu_kernels,
+                draft_model=config.draft_model,
             )
         self.tokenizer = self.runner.tokenizer
         # Chosen once here, not per request: the choice checks the tokenizer over its whole vocabulary.

@@ -64,6 +64,14 @@ _DTYPES = {
 }
 
 
+def kv_block_bytes(config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV-cache block of a model of `config` takes across all layers, keys and values."""
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * num_kv_heads * head_dim * element_size
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -81,8 +89,11 @@ class ModelRunner:
         model_kernels: bool | None = None,
         quantization: str | None = None,
         cpu_kernels: bool | None = None,
+        draft_model: str | None = None,
     ) -> None:
-        """`cuda_graphs` records decode steps as CUDA graphs (None: on for CUDA with the Triton backend);
+        """`draft_model`: the checkpoint of a draft model whose KV cache will take this one's block count, so that
+        the cache's size by default (or `kv_cache_memory_gb`) is the memory of both caches together;
+        `cuda_graphs` records decode steps as CUDA graphs (None: on for CUDA with the Triton backend);
         `model_impl` picks carpool's own model (`carpool`, the Llama family), transformers' (`transformers`),
         or the first by the checkpoint's architecture (`auto`); `model_kernels` has carpool's models use their
         fused Triton kernels (default: on CUDA; on CPU only under TRITON_INTERPRET=1, for tests); `quantization`
@@ -127,7 +138,9 @@ class ModelRunner:
                             "torch backend", failure)
                 self.backend = get_backend("torch")
         self.num_layers: int = config.num_hidden_layers
-        self.num_blocks = num_blocks if num_blocks is not None else self._default_num_blocks(kv_cache_memory_gb)
+        if num_blocks is None:
+            num_blocks = self._default_num_blocks(kv_cache_memory_gb, self._draft_block_bytes(draft_model))
+        self.num_blocks = num_blocks
         if self.num_blocks <= 0:
             raise ValueError(f"num_blocks: the KV cache must hold at least one block, got {self.num_blocks}")
         # Zeroed, not empty: a kernel that masks unused slots must never meet NaN garbage.
@@ -225,15 +238,25 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes one block takes across all layers, keys and values."""
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+        return kv_block_bytes(self.config, self.block_size, self.dtype)
 
-    def _default_num_blocks(self, kv_cache_memory_gb: float | None) -> int:
+    def _draft_block_bytes(self, draft_model: str | None) -> int:
+        """Bytes a block of `draft_model`'s cache will take (it runs in this model's dtype); 0 without one."""
+        if draft_model is None:
+            return 0
+        try:
+            config = AutoConfig.from_pretrained(draft_model, local_files_only=True)
+        except OSError as e:
+            raise ValueError(f"draft_model: cannot load a checkpoint from {draft_model!r}: {e}") from e
+        return kv_block_bytes(config, self.block_size, self.dtype)
+
+    def _default_num_blocks(self, kv_cache_memory_gb: float | None, draft_block_bytes: int) -> int:
         is_cuda = self.device.type == "cuda"
+        block_bytes = self.block_bytes + draft_block_bytes
         if kv_cache_memory_gb is not None:
             if kv_cache_memory_gb <= 0:
                 raise ValueError(f"kv_cache_memory_gb: must be positive, got {kv_cache_memory_gb}")
-            return int(kv_cache_memory_gb * GIB) // self.block_bytes
+            return int(kv_cache_memory_gb * GIB) // block_bytes
         if is_cuda:
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free_bytes * CUDA_KV_CACHE_FRACTION)
@@ -241,7 +264,7 @@ class ModelRunner:
             budget = int(CPU_KV_CACHE_GB * GIB)
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         max_seqs = MAX_DEFAULT_SEQS_CUDA if is_cuda else MAX_DEFAULT_SEQS_CPU
-        return min(budget // self.block_bytes, max_seqs * blocks_per_seq)
+        return min(budget // block_bytes, max_seqs * blocks_per_seq)
 
     @torch.inference_mode()
     def execute(self, batch: list[StepSeq]) -> torch.Tensor:

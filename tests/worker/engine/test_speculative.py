@@ -214,3 +214,21 @@ def test_greedy_draft_model_matches_transformers(cycling_model: str, draft_model
     draft = engine.speculator.draft
     # Every request's draft blocks went back when it finished.
     assert draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
+
+
+def test_the_kv_cache_budget_holds_the_draft_models_cache_too(cycling_model: str, draft_model: str) -> None:
+    budget_gb = 0.002
+    alone = Engine(model=cycling_model, kv_cache_memory_gb=budget_gb, max_num_seqs=2)
+    engine = Engine(model=cycling_model, kv_cache_memory_gb=budget_gb, max_num_seqs=2, speculative="draft",
+                    draft_model=draft_model)
+    assert engine.speculator is not None and engine.speculator.draft is not None
+    target, draft = engine.runner, engine.speculator.draft.runner
+    assert draft.num_blocks == target.num_blocks
+    budget = int(budget_gb * 2**30)
+    # Both caches together fill the budget as the target's cache alone does without a draft.
+    assert target.num_blocks * (target.block_bytes + draft.block_bytes) <= budget
+    assert (target.num_blocks + 1) * (target.block_bytes + draft.block_bytes) > budget
+    assert alone.runner.num_blocks == budget // target.block_bytes > target.num_blocks
+    for runner in (target, draft):
+        allocated = sum(cache.numel() * cache.element_size() for cache in (*runner.k_caches, *runner.v_caches))
+        assert allocated == runner.num_blocks * runner.block_bytes
