@@ -82,18 +82,19 @@ class BlockManager:
 
     def can_allocate(
         self, seq: Sequence, num_new_tokens: int, prefix: CachedPrefix | None = None,
-        released: Iterable[Sequence] = (),
+        released: Iterable[Sequence] = (), num_reserved: int = 0,
     ) -> bool:
         """Whether ``num_new_tokens`` more tokens fit, after taking ``prefix`` if given.
 
         ``released``: sequences whose blocks would be freed first (preemption
         candidates); a block comes back only if no one else holds it.
+        ``num_reserved``: free blocks already promised to others (a static group's earlier members).
         """
         num_needed = self.num_new_blocks_needed(seq, num_new_tokens)
-        if prefix is None and num_needed <= self.num_free_blocks:
+        if prefix is None and num_needed <= self.num_free_blocks - num_reserved:
             return True  # releasing sequences only adds free blocks (a decode inside its last block needs none)
         freed = Counter(b for s in released for b in s.block_table)
-        num_free = self.num_free_blocks + sum(1 for b, n in freed.items() if self._ref_counts[b] == n)
+        num_free = self.num_free_blocks - num_reserved + sum(1 for b, n in freed.items() if self._ref_counts[b] == n)
         if prefix is not None:
             # Taking a hit block that is evictable removes it from the pool.
             num_needed = max(0, self.num_blocks_for(

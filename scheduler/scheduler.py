@@ -352,12 +352,13 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             prefix = bm.lookup_prefix(seq.token_ids)
-            num_needed = bm.num_blocks_for(seq.num_tokens) - prefix.num_blocks
-            if self.running and num_reserved + num_needed > bm.num_free_blocks:
+            # Taking an evictable hit block takes it out of the pool too: can_allocate counts that.
+            num_new = seq.num_tokens - prefix.num_blocks * bm.block_size
+            if self.running and not bm.can_allocate(seq, num_new, prefix, num_reserved=num_reserved):
                 break
             self._start_running(seq)
             bm.take_prefix(seq, prefix)
-            num_reserved += num_needed
+            num_reserved += bm.num_new_blocks_needed(seq, num_new)
 
     def _start_running(self, seq: Sequence) -> None:
         self.waiting.pop(0)
