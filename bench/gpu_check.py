@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import random
 import subprocess
 import sys
@@ -193,7 +194,8 @@ def copy_bandwidth_gbps(num_bytes: int = COPY_BYTES, repeats: int = 10) -> float
 
 
 def _freeing(measure: Callable[[], str]) -> Callable[[], str]:
-    """`measure`, then the CUDA cache emptied: each engine sizes its KV cache from the memory left free."""
+    """`measure`, then its garbage collected and the CUDA cache emptied: each engine sizes its KV cache from the
+    memory left free, so nothing of the row before may hold on to any."""
 
     def run() -> str:
         import torch
@@ -201,6 +203,7 @@ def _freeing(measure: Callable[[], str]) -> Callable[[], str]:
         try:
             return measure()
         finally:
+            gc.collect()
             torch.cuda.empty_cache()
 
     return run
