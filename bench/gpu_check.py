@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_paged_decode.py",
                 "tests/kernels/test_kernels_torch.py", "tests/kernels/test_kernels_model.py",
@@ -154,27 +155,47 @@ def run_tests(timeout_s: float) -> str:
     return f"| compiled kernel and engine tests | {last} | {time.perf_counter() - started:.0f} s |"
 
 
+NEAR_TIE_LOGPROB = 0.05
+"""A greedy token whose two most likely candidates were this close (in log-probability) in the eager run may turn
+on the last bits of the logits: a graph replays a step at a padded batch size, for which the matrix library may
+choose another kernel, and the model's random weights leave many such near ties."""
+
+
+def first_difference(eager: list[int], graphed: list[int], eager_logprobs: list[dict[str, Any]] | None) -> str:
+    """Where two greedy outputs part, and the eager run's top-2 margin there (a near tie, or a real difference)."""
+    at = next((i for i, (x, y) in enumerate(zip(eager, graphed)) if x != y), None)
+    if at is None:
+        return "same" if len(eager) == len(graphed) else f"lengths {len(eager)} and {len(graphed)}"
+    top = eager_logprobs[at]["top_logprobs"] if eager_logprobs is not None else []
+    if len(top) < 2:
+        return f"differs at {at}"
+    margin = top[0]["logprob"] - top[1]["logprob"]
+    kind = "a near tie" if margin < NEAR_TIE_LOGPROB else "NOT a near tie"
+    return f"differs at {at} (top-2 margin {margin:.3f}: {kind})"
+
+
 def graph_identity(model: str, dtype: str) -> str:
     from scheduler.params import SamplingParams
     from worker.engine.engine import Engine
 
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in IDENTITY_PROMPT_LENS]
-    params = SamplingParams(max_tokens=IDENTITY_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    tokens = {}
+    params = SamplingParams(max_tokens=IDENTITY_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    completions = {}
     for graphs in (False, True):
         engine = Engine(model=model, device="cuda", dtype=dtype, max_num_seqs=len(prompts), cuda_graphs=graphs,
                         max_model_len=8192)
         assert engine.runner.graph_sizes or not graphs, "graphs were asked for but not recorded"
-        tokens[graphs] = [c.token_ids for c in engine.generate(prompts, params)]
+        completions[graphs] = engine.generate(prompts, params)
         replayed = engine.runner.num_replayed_steps
         del engine
-    same = sum(a == b for a, b in zip(tokens[False], tokens[True]))
-    first_diffs = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                   for a, b in zip(tokens[False], tokens[True])]
-    detail = ", ".join(f"{n}: {'same' if d is None else f'differs at {d}'}" for n, d in zip(IDENTITY_PROMPT_LENS, first_diffs))
+    details = [first_difference(e.token_ids, g.token_ids, e.logprobs)
+               for e, g in zip(completions[False], completions[True])]
+    same = details.count("same")
+    real = sum("NOT a near tie" in d for d in details)
+    detail = ", ".join(f"{n}: {d}" for n, d in zip(IDENTITY_PROMPT_LENS, details))
     return (f"| graph vs eager greedy, {len(prompts)} prompts × {IDENTITY_NEW_TOKENS} tokens | {same}/{len(prompts)} "
-            f"identical ({replayed} replayed steps) | {detail} |")
+            f"identical, {real} parted other than at a near tie ({replayed} replayed steps) | {detail} |")
 
 
 def copy_bandwidth_gbps(num_bytes: int = COPY_BYTES, repeats: int = 10) -> float:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from bench.gpu_check import PARTS, Report, Row, Section, parse_parts, plan
+from bench.gpu_check import NEAR_TIE_LOGPROB, PARTS, Report, Row, Section, first_difference, parse_parts, plan
 
 
 def test_the_targets_come_first_whatever_order_the_parts_are_named_in() -> None:
@@ -79,3 +80,22 @@ def test_no_row_starts_past_the_budget_and_the_file_names_those_left_out(tmp_pat
     lines = path.read_text().splitlines()
     assert lines[4:6] == ["| x | not run: the check's 0 s had passed |  |", "| y | not run: the check's 0 s had passed |  |"]
     assert lines[-1].endswith("; not run for its time budget: x, y.")
+
+
+def test_a_parting_of_greedy_outputs_is_told_a_near_tie_or_not(tiny_model: Callable[..., str]) -> None:
+    from scheduler.params import SamplingParams
+    from worker.engine.engine import Engine
+
+    engine = Engine(model=tiny_model("llama"), num_blocks=32)
+    (eager,) = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True))
+    assert eager.logprobs is not None
+    assert first_difference(eager.token_ids, list(eager.token_ids), eager.logprobs) == "same"
+    assert first_difference(eager.token_ids, eager.token_ids[:4], eager.logprobs) == "lengths 6 and 4"
+    graphed = list(eager.token_ids)
+    graphed[3] = eager.logprobs[3]["top_logprobs"][1]["token_id"]
+    top = eager.logprobs[3]["top_logprobs"]
+    margin = top[0]["logprob"] - top[1]["logprob"]
+    kind = "a near tie" if margin < NEAR_TIE_LOGPROB else "NOT a near tie"
+    assert first_difference(eager.token_ids, graphed, eager.logprobs) == (
+        f"differs at 3 (top-2 margin {margin:.3f}: {kind})")
+    assert first_difference(eager.token_ids, graphed, None) == "differs at 3"
