@@ -25,17 +25,17 @@ class ScheduledSeq:
     Fixed when scheduled: ``advance`` appends that token, after which the
     sequence has a new uncomputed token again.
     """
+    needs_logits: bool = field(init=False)
+    """The step computes logits for the sequence: it samples, or it is a static group's padding (which still
+    pays for its logits: that is the cost being measured). Fixed when scheduled, as the forward's logit rows are:
+    a group member aborted while its step runs becomes padding, and must not gain a row the forward never gave."""
 
     def __post_init__(self) -> None:
         self.start_pos = self.seq.num_computed_tokens
         self.is_sampling = (
             not self.seq.is_padding and self.start_pos + self.num_new_tokens >= self.seq.num_tokens
         )
-
-    @property
-    def needs_logits(self) -> bool:
-        # Padding still pays for its logits: that is the cost being measured.
-        return self.is_sampling or self.seq.is_padding
+        self.needs_logits = self.is_sampling or self.seq.is_padding
 
     @property
     def num_spec_tokens(self) -> int:

@@ -10,6 +10,7 @@ from scheduler import (
     BlockManager,
     FinishReason,
     SamplingParams,
+    ScheduledSeq,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
@@ -232,3 +233,14 @@ def test_a_sequence_can_preempt_itself() -> None:
     assert a.num_output_tokens == b.num_output_tokens == 8
     sched.block_manager.check_invariants()
     assert sched.block_manager.num_free_blocks == 3
+
+
+def test_a_scheduled_sequences_logit_row_is_fixed_when_scheduled() -> None:
+    seq = Sequence("chunked", list(range(8)), SamplingParams(max_tokens=4))
+    chunk = ScheduledSeq(seq, num_new_tokens=4)  # the first half of its prompt: no token sampled, no logits
+    assert not chunk.is_sampling and not chunk.needs_logits
+    # Aborted while that step runs, a static group's member stays on as padding, whose later steps pay for
+    # logits; the step already launched computed none for it.
+    seq.is_padding = True
+    assert not chunk.needs_logits
+    assert ScheduledSeq(seq, num_new_tokens=4).needs_logits
