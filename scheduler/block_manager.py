@@ -9,21 +9,28 @@ model runner. A block is in exactly one of three states:
   LRU and is reused (dropping its hash) only when the free list is empty.
 
 Prefix caching hashes a block once all of its tokens are computed. The hash
-is chained, ``hash((parent_hash, block_tokens))``, so one hash names the whole
-prefix up to the end of that block; the tokens are stored too and compared on
-lookup, so a hash collision can never hand out the wrong KV.
+is chained, BLAKE2b over the parent's hash and the block's tokens, so one hash
+names the whole prefix up to the end of that block. The hash is cryptographic
+because the cache is shared by every tenant: with a fast non-cryptographic
+hash (Python's own ``hash``, which reduces integers modulo 2**61 - 1), a
+crafted prompt could be made to name another tenant's prefix and be served,
+or make that tenant be served, KV computed from other tokens. The block's
+tokens are stored as well and compared on lookup.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence as Tokens
 from dataclasses import dataclass
 
 from scheduler.sequence import Sequence
 
-ROOT_HASH = 0
+ROOT_HASH = b""
 """Parent hash of a sequence's first block."""
+HASH_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -31,15 +38,18 @@ class CachedPrefix:
     """The longest run of cached full blocks matching a sequence's leading tokens."""
 
     block_ids: list[int]
-    block_hashes: list[int]
+    block_hashes: list[bytes]
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
 
 
-def chain_hash(parent_hash: int, block_token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, block_token_ids))
+def chain_hash(parent_hash: bytes, block_token_ids: Tokens[int]) -> bytes:
+    """The hash naming the prefix that ends with this block: its parent's hash, then its tokens as 64-bit ints."""
+    digest = hashlib.blake2b(parent_hash, digest_size=HASH_BYTES)
+    digest.update(array("q", block_token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -49,11 +59,11 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
-        self._block_hash: list[int | None] = [None] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._cached: dict[int, int] = {}
+        self._cached: dict[bytes, int] = {}
         """Chained hash -> block id holding that block."""
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
@@ -111,7 +121,7 @@ class BlockManager:
         the logits the next token is sampled from.
         """
         block_ids: list[int] = []
-        hashes: list[int] = []
+        hashes: list[bytes] = []
         if not self.enable_prefix_caching:
             return CachedPrefix(block_ids, hashes)
         max_blocks = (len(token_ids) - 1) // self.block_size

@@ -50,7 +50,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of the leading full, computed blocks of ``block_table``."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at the last admission."""

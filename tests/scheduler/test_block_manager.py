@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler import BlockManager, SamplingParams, Sequence
+from scheduler.block_manager import ROOT_HASH, chain_hash
 
 
 def make_seq(request_id: str, token_ids: list[int]) -> Sequence:
@@ -74,6 +75,19 @@ def test_chained_hash_needs_the_same_parents() -> None:
     # Second block's tokens match, but its parent block does not.
     other = make_seq("b", [0, 0, 0, 0, 5, 6, 7, 8, 9])
     assert bm.lookup_prefix(other.token_ids).num_blocks == 0
+
+
+def test_the_chained_hash_tells_apart_what_pythons_hash_identifies() -> None:
+    # Python's hash reduces integers modulo 2**61 - 1: as a chain of `hash((parent, tokens))`, two prefixes whose
+    # parents' hashes differ by that much named the same block. The chain is a 32-byte BLAKE2b digest instead.
+    modulus = 2**61 - 1
+    assert hash(5) == hash(5 + modulus) and hash((5, (1, 2))) == hash((5 + modulus, (1, 2)))
+    root = chain_hash(ROOT_HASH, [5])
+    assert len(root) == 32 and root == chain_hash(ROOT_HASH, (5,))
+    assert chain_hash(root, [1, 2]) != chain_hash(chain_hash(ROOT_HASH, [5 + modulus]), [1, 2])
+    assert chain_hash(ROOT_HASH, [0]) != chain_hash(ROOT_HASH, [modulus])
+    assert chain_hash(ROOT_HASH, [1, 2]) != chain_hash(ROOT_HASH, [2, 1])
+    assert chain_hash(chain_hash(ROOT_HASH, [1]), [2]) != chain_hash(ROOT_HASH, [1, 2])
 
 
 def test_cached_blocks_evicted_lru_only_when_free_list_empty() -> None:
