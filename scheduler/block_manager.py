@@ -114,21 +114,28 @@ class BlockManager:
 
     # ---- prefix cache ---------------------------------------------------
 
-    def lookup_prefix(self, token_ids: list[int]) -> CachedPrefix:
+    def lookup_prefix(self, token_ids: list[int], memo: list[bytes] | None = None) -> CachedPrefix:
         """Longest chain of cached full blocks for ``token_ids``, without taking them.
 
         Never covers the last token: one token must still be computed to get
-        the logits the next token is sampled from.
+        the logits the next token is sampled from. ``memo``: the chain hashes of
+        these tokens' leading blocks computed so far (a sequence's
+        ``token_hashes``), used and extended; tokens are only ever appended, so
+        they stay right, and a request waiting at the head of the queue is not
+        hashed again every step.
         """
         block_ids: list[int] = []
         hashes: list[bytes] = []
         if not self.enable_prefix_caching:
             return CachedPrefix(block_ids, hashes)
         max_blocks = (len(token_ids) - 1) // self.block_size
+        memo = [] if memo is None else memo
         parent = ROOT_HASH
         for i in range(max_blocks):
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = chain_hash(parent, tokens)
+            if i == len(memo):
+                memo.append(chain_hash(parent, tokens))
+            h = memo[i]
             block = self._cached.get(h)
             if block is None or self._block_tokens[block] != tokens:
                 break
@@ -160,10 +167,12 @@ class BlockManager:
         if len(seq.block_hashes) >= num_full:
             return
         token_ids = seq.token_ids
-        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        memo = seq.token_hashes
+        for i in range(len(memo), num_full):
+            memo.append(chain_hash(memo[-1] if memo else ROOT_HASH, token_ids[i * self.block_size:(i + 1) * self.block_size]))
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = chain_hash(parent, tokens)
+            h = memo[i]
             block = seq.block_table[i]
             # Another sequence may have computed the same block first; keep
             # that one cached and leave this copy to be freed normally.
@@ -172,7 +181,6 @@ class BlockManager:
                 self._block_hash[block] = h
                 self._block_tokens[block] = tokens
             seq.block_hashes.append(h)
-            parent = h
 
     # ---- allocation -----------------------------------------------------
 

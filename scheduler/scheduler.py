@@ -286,7 +286,7 @@ class Scheduler:
             seq = self.waiting[0]
             if up_to_priority is not None and seq.priority > up_to_priority:
                 break
-            prefix = bm.lookup_prefix(seq.token_ids)
+            prefix = bm.lookup_prefix(seq.token_ids, seq.token_hashes)
             num_new = self._capped_prefill(seq, min(seq.num_tokens - prefix.num_blocks * bm.block_size, budget))
             if num_new == 0:
                 break  # the less urgent ones' allowance is spent; everyone behind is less urgent still
@@ -351,7 +351,7 @@ class Scheduler:
         num_reserved = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            prefix = bm.lookup_prefix(seq.token_ids)
+            prefix = bm.lookup_prefix(seq.token_ids, seq.token_hashes)
             # Taking an evictable hit block takes it out of the pool too: can_allocate counts that.
             num_new = seq.num_tokens - prefix.num_blocks * bm.block_size
             if self.running and not bm.can_allocate(seq, num_new, prefix, num_reserved=num_reserved):

@@ -52,6 +52,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of the leading full, computed blocks of ``block_table``."""
+    token_hashes: list[bytes] = field(default_factory=list, repr=False)
+    """Chained hashes of the leading full blocks of ``token_ids`` computed so far, whether or not the blocks are
+    in the table: kept across preemptions (tokens are only ever appended), so that they are hashed once."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at the last admission."""
     num_preemptions: int = 0
