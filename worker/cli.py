@@ -148,7 +148,8 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
         await service.shutdown()
         await client.aclose()
         telemetry.shutdown()
-    return 1 if has_failed else 0
+    # Jobs left unhanded-back (Redis was unavailable) wait for their lease, as a crashed worker's do.
+    return 1 if has_failed or service.has_stranded_jobs else 0
 
 
 if __name__ == "__main__":

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from scheduler.telemetry.log_format import job_context
 from scheduler.telemetry.otel import span_of_traceparent
-from worker.job_store import JobStore, Outcome
+from worker.job_store import EntryRef, JobStore, Outcome
 from worker.metrics import WorkerMetrics
+from worker.redis_errors import REDIS_RETRY_S, is_redis_down
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +21,11 @@ class CommitTasks:
         self.metrics = metrics
         self.num_finished = 0
         self._commits: set[asyncio.Task[None]] = set()
+        self.retrying: set[EntryRef] = set()
+        """Entries of commits waiting for Redis: their leases are renewed with the running jobs'; one found lost
+        is dropped (another worker owns the job now)."""
+        self.give_up_at: float | None = None
+        """Set at shutdown (monotonic seconds): commits waiting for Redis stop trying then."""
 
     def spawn(self, outcome: Outcome) -> None:
         task = asyncio.get_running_loop().create_task(self._commit(outcome), name=f"commit {outcome.job_id}")
@@ -29,11 +36,35 @@ class CommitTasks:
         span = outcome.trace.span if outcome.trace is not None else span_of_traceparent(outcome.traceparent)
         with job_context(outcome.job_id, span):
             with self.metrics.publish_span(outcome.trace):
-                won = await self.store.commit(outcome)  # shielded inside
+                won = await self._write(outcome)
             self.num_finished += 1
             if outcome.trace is not None:
                 self.metrics.job_committed(outcome, won)
             log.info("job %s: %s%s", outcome.job_id, outcome.status.value, "" if won else " (already decided elsewhere)")
+
+    async def _write(self, outcome: Outcome) -> bool:
+        """Commit, trying again while Redis is unavailable, the entry's lease renewed meanwhile: a commit is safe
+        to repeat (only the first terminal write decides; a repeat only acknowledges the entry), and a finished
+        job is then neither run again from its last checkpoint nor counted as redelivered."""
+        entry = outcome.entry
+        has_waited = False
+        try:
+            while True:
+                try:
+                    return await self.store.commit(outcome)  # shielded inside
+                except Exception as e:
+                    is_lost = has_waited and entry not in self.retrying
+                    if (not is_redis_down(e) or entry is None or is_lost
+                            or (self.give_up_at is not None and time.monotonic() >= self.give_up_at)):
+                        raise
+                    log.warning("job %s: commit not written, Redis unavailable (%s); retrying in %.1fs",
+                                outcome.job_id, e, REDIS_RETRY_S)
+                    self.retrying.add(entry)
+                    has_waited = True
+                await asyncio.sleep(REDIS_RETRY_S)
+        finally:
+            if entry is not None:
+                self.retrying.discard(entry)
 
     def _reap(self, task: asyncio.Task[None]) -> None:
         self._commits.discard(task)

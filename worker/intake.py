@@ -7,6 +7,7 @@ record is already terminal, cancelled or past its deadline is settled here.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -15,8 +16,6 @@ from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from scheduler.protocol import job_record
 from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
@@ -30,13 +29,11 @@ from scheduler.telemetry.otel import span_of_traceparent
 from worker.config import WorkerConfig
 from worker.consumer import Entry
 from worker.job_loop import JobLoop
-from worker.job_store import JobStart, JobStore, Outcome, checkpoint_output, pack
+from worker.job_store import EntryRef, JobStart, JobStore, Outcome, checkpoint_output, pack
 from worker.metrics import WorkerMetrics
+from worker.redis_errors import REDIS_RETRY_S, is_redis_down
 
 log = logging.getLogger(__name__)
-
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
-"""A dropped or unreachable Redis: whatever was being written is retried later, never given up on."""
 
 
 class EntryIntake:
@@ -50,12 +47,22 @@ class EntryIntake:
         self.job_loop = job_loop
         self.metrics = metrics
         self._lane_of = lane_of
+        self.admitting: set[EntryRef] = set()
+        """Entries being admitted: their leases are renewed with the running jobs'; one found lost is dropped."""
+        self.is_draining = False
+        """Set when the worker stops: an admission waiting for Redis gives up (the entry is redelivered)."""
 
     async def take(self, entry: Entry) -> None:
+        if entry.ref in self.admitting or entry.ref in self.job_loop.commits.retrying:
+            # Our own reclaim took an entry still being admitted or committed here (its lease lapsed while Redis
+            # was away): that admission or commit goes on.
+            self.job_loop.release(1)
+            return
+        self.admitting.add(entry.ref)
         try:
-            await self._take_one(entry)
+            await self._take_while_redis_is_down(entry)
         except Exception as e:
-            if entry.deliveries < self.config.max_deliveries or isinstance(e, REDIS_DOWN):
+            if entry.deliveries < self.config.max_deliveries or is_redis_down(e):
                 # Left pending and unrenewed: redelivered after the lease, counted against max_deliveries.
                 log.exception("admitting %s failed (delivery %d of at most %d)", entry.ref, entry.deliveries,
                               self.config.max_deliveries)
@@ -64,7 +71,23 @@ class EntryIntake:
                               extra={"entry": str(entry.ref), "dead_letter": "unadmittable"})
                 await self._dead_letter_unadmittable(entry, e)
         finally:
+            self.admitting.discard(entry.ref)
             self.job_loop.release(1)
+
+    async def _take_while_redis_is_down(self, entry: Entry) -> None:
+        """Admit the entry, trying again while Redis is unavailable: that is no fault of the job, so the entry
+        stays here, its lease renewed (``admitting``), instead of going back to be redelivered and counted
+        against max_deliveries. Every move of admission is safe to repeat. Given up when the worker stops or
+        the entry is no longer ours."""
+        while True:
+            try:
+                return await self._take_one(entry)
+            except Exception as e:
+                if not is_redis_down(e) or self.is_draining or entry.ref not in self.admitting:
+                    raise
+                log.warning("admitting %s: Redis unavailable (%s); trying again in %.1fs", entry.ref, e,
+                            REDIS_RETRY_S)
+            await asyncio.sleep(REDIS_RETRY_S)
 
     async def _dead_letter_unadmittable(self, entry: Entry, error: Exception) -> None:
         """The last resort for an entry whose start keeps failing: fail its job if its id can be read,
@@ -81,13 +104,15 @@ class EntryIntake:
                                                     dead_payload=raw,
                                                     error={"type": "unadmittable", "message": reason}))
                     return
-                except REDIS_DOWN:
-                    raise
-                except Exception:
+                except Exception as e:
+                    if is_redis_down(e):
+                        raise
                     log.exception("job %s: its record cannot take the failure; dead-lettering the entry alone", job_id)
             await self.store.dead_letter_entry(entry.ref, reason, entry.fields or {})
-        except REDIS_DOWN:
-            log.warning("dead-lettering %s failed with Redis unavailable; it will be redelivered", entry.ref)
+        except Exception as e:
+            if not is_redis_down(e):
+                raise
+            log.warning("dead-lettering %s failed with Redis unavailable (%s); it will be redelivered", entry.ref, e)
 
     async def _take_one(self, entry: Entry) -> None:
         ref = entry.ref

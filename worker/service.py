@@ -25,15 +25,14 @@ from scheduler.telemetry.otel import Telemetry
 from worker.config import WorkerConfig
 from worker.consumer import Entry, LaneConsumer
 from worker.engine.wire import EngineRunner
-from worker.intake import REDIS_DOWN, EntryIntake
+from worker.intake import EntryIntake
 from worker.job_loop import JobLoop
 from worker.job_store import JobStore, pack
 from worker.metrics import METRICS_KEY, WorkerMetrics, metrics_handler
+from worker.redis_errors import REDIS_ERRORS, REDIS_RETRY_S, is_redis_down
 
 log = logging.getLogger(__name__)
 
-# On REDIS_DOWN (a dropped or unreachable Redis) the background loops wait and retry instead of stopping the worker.
-REDIS_RETRY_S = 0.5
 RESERVE_POLL_S = 0.02
 """How often a worker with every slot busy looks for interactive entries for its reserve."""
 
@@ -65,6 +64,8 @@ class WorkerService:
         """A worker handed entries back (control message ``handback``): reclaim before reading new entries."""
         self.hand_back_now = asyncio.Event()
         """Set to end the shutdown's grace period at once: running jobs are checkpointed and handed back."""
+        self.has_stranded_jobs = False
+        """The shutdown could not hand its running jobs back (Redis unavailable): they wait for the lease."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._pubsub: Any = None
         self._http: web.AppRunner | None = None
@@ -91,9 +92,38 @@ class WorkerService:
         log.info("worker %s ready (capacity %d)", self.config.worker_name, self.config.capacity)
 
     async def shutdown(self) -> None:
-        """Stop intake, drain to the grace deadline, hand back the rest, then cancel."""
+        """Stop intake, drain to the grace deadline, hand back the rest, then cancel.
+
+        With Redis unavailable the hand-back cannot be written: the jobs are left as a killed worker leaves them
+        (reclaimed after the lease, from their last checkpoint) and the rest of the shutdown goes on, so the
+        process still ends (``has_stranded_jobs``) and its engine process with it."""
         self.is_draining = True
+        self.intake.is_draining = True
+        # Commits waiting for Redis keep trying for a lease more; then their entries are left to the lease.
+        self.job_loop.commits.give_up_at = time.monotonic() + self.config.shutdown_grace_s + self.config.lease_s
         self.is_ready = False
+        try:
+            await self._drain()
+        finally:
+            for task in self._tasks.values():
+                task.cancel()
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            self._tasks.clear()
+            if self._pubsub is not None:
+                await self._pubsub.aclose()
+            try:
+                async with asyncio.timeout(self.config.lease_s):
+                    await self.client.hdel(self.keys.workers, self.config.worker_name)
+            except REDIS_ERRORS as e:
+                log.warning("worker %s: could not leave %s (%s)", self.config.worker_name, self.keys.workers, e)
+            if self._http is not None:
+                await self._http.cleanup()
+            await self.job_loop.aclose()
+            if self.metrics.streams is not None:
+                await self.metrics.streams.aclose()
+            self.metrics.close()
+
+    async def _drain(self) -> None:
         intake = self._tasks.pop("intake", None)
         if intake is not None:
             await asyncio.gather(intake, return_exceptions=True)
@@ -105,27 +135,26 @@ class WorkerService:
             except TimeoutError:
                 pass
         if self.job_loop.jobs:
-            jobs = await self.job_loop.checkpoint_all()
-            # Stopping because the engine or a loop failed is no clean stop: those deliveries count.
-            await self.consumer.hand_back(jobs, is_clean=not self._failed())
-            # Workers with a free slot take them over now, ahead of newer entries, not at their next
-            # periodic reclaim (every lease_s / 4).
-            await self.client.publish(self.keys.control, pack({"type": "handback", "worker": self.config.worker_name}))
-            log.info("handed back %d unfinished jobs with their checkpoints", len(jobs))
+            num_jobs = len(self.job_loop.jobs)
+            try:
+                # A Redis that does not answer at all (a network cut drops packets) holds the writes no longer
+                # than a lease: by then the jobs are another worker's to reclaim anyway.
+                async with asyncio.timeout(self.config.lease_s):
+                    jobs = await self.job_loop.checkpoint_all()
+                    # Stopping because the engine or a loop failed is no clean stop: those deliveries count.
+                    await self.consumer.hand_back(jobs, is_clean=not self._failed())
+                    # Workers with a free slot take them over now, ahead of newer entries, not at their next
+                    # periodic reclaim (every lease_s / 4).
+                    await self.client.publish(self.keys.control,
+                                              pack({"type": "handback", "worker": self.config.worker_name}))
+                log.info("handed back %d unfinished jobs with their checkpoints", len(jobs))
+            except REDIS_ERRORS as e:  # the timeout's TimeoutError is an OSError
+                if not is_redis_down(e):
+                    raise
+                self.has_stranded_jobs = True
+                log.error("could not hand back %d unfinished jobs, Redis unavailable (%s): they are reclaimed after "
+                          "the lease, from their last checkpoint", num_jobs, e)
         await self.job_loop.wait_commits()
-        for task in self._tasks.values():
-            task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-        self._tasks.clear()
-        if self._pubsub is not None:
-            await self._pubsub.aclose()
-        await self.client.hdel(self.keys.workers, self.config.worker_name)
-        if self._http is not None:
-            await self._http.cleanup()
-        await self.job_loop.aclose()
-        if self.metrics.streams is not None:
-            await self.metrics.streams.aclose()
-        self.metrics.close()
 
     def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=f"worker {name}")
@@ -176,7 +205,7 @@ class WorkerService:
                     next_reclaim = time.monotonic() + reclaim_every_s
                 if len(entries) < free:
                     entries += await self.consumer.read(free - len(entries))
-            except REDIS_DOWN as e:
+            except REDIS_ERRORS as e:
                 await _redis_down("intake", e)  # entries already taken are still admitted below
             if entries:
                 self.job_loop.reserve(len(entries))
@@ -199,7 +228,7 @@ class WorkerService:
             return
         try:
             entries = await self.consumer.read_interactive(count)
-        except REDIS_DOWN as e:
+        except REDIS_ERRORS as e:
             await _redis_down("intake", e)
             return
         if entries:
@@ -213,15 +242,20 @@ class WorkerService:
             raise_if_cancelled()
             await asyncio.sleep(self.config.lease_s / 3)
             by_entry = {job.entry: job_id for job_id, job in self.job_loop.jobs.items()}
-            if not by_entry:
+            # Also the entries whose admission or commit waits for an unavailable Redis.
+            waiting = self.intake.admitting | self.job_loop.commits.retrying
+            if not by_entry and not waiting:
                 continue
             try:
-                lost = await self.consumer.renew(list(by_entry))
-            except REDIS_DOWN as e:
+                lost = await self.consumer.renew({*by_entry, *waiting})
+            except REDIS_ERRORS as e:
                 await _redis_down("lease renewal", e)
                 continue
             for ref in lost:
-                self.job_loop.drop(by_entry[ref])
+                if ref in by_entry:
+                    self.job_loop.drop(by_entry[ref])
+                self.intake.admitting.discard(ref)
+                self.job_loop.commits.retrying.discard(ref)
 
     async def _control(self) -> None:
         assert self._pubsub is not None
@@ -229,7 +263,7 @@ class WorkerService:
             try:
                 # After a dropped connection the next read reconnects and subscribes again.
                 message = await self._pubsub.get_message(timeout=1.0)
-            except REDIS_DOWN as e:
+            except REDIS_ERRORS as e:
                 await _redis_down("control channel", e)
                 continue
             raise_if_cancelled()
@@ -259,7 +293,7 @@ class WorkerService:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             try:
                 await self._beat()
-            except REDIS_DOWN as e:
+            except REDIS_ERRORS as e:
                 await _redis_down("heartbeat", e)  # and the next beat an interval later
             raise_if_cancelled()
 
@@ -297,6 +331,10 @@ async def _readyz(request: web.Request) -> web.Response:
 
 
 async def _redis_down(loop: str, error: Exception) -> None:
-    log.warning("worker %s: Redis unreachable (%s); retrying in %.1fs", loop, error, REDIS_RETRY_S)
+    """A background loop found Redis unavailable: wait and let it try again, instead of stopping the worker.
+    Any other Redis error is raised again."""
+    if not is_redis_down(error):
+        raise error
+    log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", loop, error, REDIS_RETRY_S)
     raise_if_cancelled()
     await asyncio.sleep(REDIS_RETRY_S)

@@ -4,7 +4,9 @@
 Redis, then every connection is cut and new ones are refused (closed at once)
 until `restore()`. Redis itself keeps running and keeps what that command wrote.
 `refuse(*patterns)` arms the other fault: the first client chunk holding every pattern never reaches Redis,
-and only its own connection is cut, as when a connection dies under one command.
+and only its own connection is cut, as when a connection dies under one command; with `then_down=True`
+every connection is cut with it and Redis stays unreachable until `restore()`, as in an outage that began
+just before that command. `go_down()` starts such an outage at once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class RedisProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pattern: bytes | None = None
         self._refused: tuple[bytes, ...] | None = None
+        self._is_down_after_refusal = False
         self.num_refused = 0
         self.is_down = False
         self._is_muted = False
@@ -40,8 +43,14 @@ class RedisProxy:
     def trip(self, pattern: bytes) -> None:
         self._pattern = pattern
 
-    def refuse(self, *patterns: bytes) -> None:
+    def refuse(self, *patterns: bytes, then_down: bool = False) -> None:
         self._refused = patterns
+        self._is_down_after_refusal = then_down
+
+    def go_down(self) -> None:
+        """Cut every connection and refuse new ones until `restore()`."""
+        self.is_down = True
+        self._cut()
 
     def restore(self) -> None:
         self.is_down = False
@@ -80,6 +89,8 @@ class RedisProxy:
                 if is_request and self._refused is not None and all(p in chunk for p in self._refused):
                     self._refused = None
                     self.num_refused += 1
+                    if self._is_down_after_refusal:
+                        self.go_down()
                     return  # not forwarded; the finally clause closes this connection's upstream side
                 is_trip = is_request and self._pattern is not None and self._pattern in chunk
                 if is_trip:

@@ -1,0 +1,164 @@
+"""Redis unreachable or out of memory while jobs are in flight: workers wait it out or stop cleanly, and every
+job still ends exactly once."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.cli.embedded_redis import EmbeddedRedis
+from scheduler.params import SamplingParams
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.lanes import Lane
+from tests.harness.redis_proxy import RedisProxy
+from tests.harness.worker_harness import (KEYS, running_worker, start_worker_process, wait_terminal, wait_until,
+                                         xadd_job)
+
+HELD_TOKENS = 1500
+"""Most of the tiny model's context (2048): far more steps than pass while a test acts on a running job."""
+
+
+@pytest.fixture
+def engine(tiny_model):
+    from worker.engine.engine import Engine
+
+    return Engine(model=tiny_model(), max_num_seqs=4)
+
+
+async def replies(client: aioredis.Redis, stream: str) -> list[str]:
+    """The job ids of the entries on a reply stream, in order."""
+    return [msgpack.unpackb(fields[b"result"], raw=False)["id"] for _, fields in await client.xrange(stream)]
+
+
+async def test_a_worker_stopped_while_redis_is_unreachable_exits_and_its_job_ends_once(redis_url, tiny_model, tmp_path):
+    """SIGTERM with Redis gone: the checkpoints and the hand-back cannot be written, so the worker gives them up
+    and exits like a crashed one (its engine process with it); its job is reclaimed after the lease."""
+    client = aioredis.Redis.from_url(redis_url)
+    proxy = await RedisProxy(redis_url).start()
+    model = tiny_model()
+    params = SamplingParams(max_tokens=HELD_TOKENS, temperature=0, ignore_eos=True)
+    await xadd_job(client, JobSpec(id="stranded", prompt="stopped in an outage", params=params,
+                                   reply_to="replies:outage"))
+    stopped = start_worker_process(proxy.url, model, "stopped", tmp_path / "stopped.log", "--shutdown-grace-s", "0")
+    taker = None
+    try:
+        await wait_until(lambda: client.hget(KEYS.job("stranded"), "checkpoint"), "the job's first checkpoint")
+        proxy.go_down()
+        stopped.send_signal(signal.SIGTERM)
+        await wait_until(lambda: stopped.poll() is not None, "the worker's exit with Redis unreachable")
+        assert stopped.returncode == 1  # its jobs were not handed back
+        proxy.restore()
+        taker = start_worker_process(redis_url, model, "taker", tmp_path / "taker.log")
+        views = await wait_terminal(client, ["stranded"])
+    finally:
+        for proc in (stopped, taker):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        await proxy.aclose()
+    view = views["stranded"]
+    assert view["status"] == "succeeded"
+    assert view["worker"] == "taker"
+    assert len(view["output"]["token_ids"]) == HELD_TOKENS
+    assert await replies(client, "replies:outage") == ["stranded"]
+    await client.aclose()
+
+
+async def test_a_commit_that_meets_an_outage_is_written_once_redis_is_back(redis_url, engine):
+    """Redis goes away just as a job ends: its commit is written when Redis is back, by the worker that ran it,
+    rather than the job running again from its last checkpoint after the lease."""
+    client = aioredis.Redis.from_url(redis_url)
+    proxy = await RedisProxy(redis_url).start()
+    # Only the commit carries both the job's event channel and its lane stream.
+    proxy.refuse(KEYS.events("ending").encode(), KEYS.lane(Lane.STANDARD).encode(), then_down=True)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    try:
+        async with running_worker(proxy.url, engine, lease_s=10.0) as service:
+            await xadd_job(client, JobSpec(id="ending", prompt="ends in an outage", params=params,
+                                           reply_to="replies:ending"))
+            await wait_until(lambda: proxy.num_refused == 1, "the job's commit meeting the outage")
+            proxy.restore()
+            views = await wait_terminal(client, ["ending"])
+            assert not service.has_failed
+    finally:
+        await proxy.aclose()
+    view = views["ending"]
+    assert view["status"] == "succeeded"
+    assert (view["attempts"], view["resumed_from"]) == (1, 0)  # run once, never reclaimed
+    assert len(view["output"]["token_ids"]) == 40
+    assert await replies(client, "replies:ending") == ["ending"]
+    await client.aclose()
+
+
+async def heartbeat_refused(client: aioredis.Redis) -> bool:
+    """Whether Redis refused an HSET (at maxmemory: ``OOM command not allowed``); with no job starting, only the
+    heartbeat sends one."""
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_hset", {}).get("rejected_calls", 0)) >= 1
+
+
+async def beats_since(client: aioredis.Redis, worker: str, since: float) -> bool:
+    raw = await client.hget(KEYS.workers, worker)
+    return raw is not None and msgpack.unpackb(raw, raw=False)["time"] > since
+
+
+async def test_a_worker_waits_out_redis_at_maxmemory_and_its_jobs_end_once(engine, tmp_path):
+    """At maxmemory (``noeviction``) Redis refuses the heartbeat, the checkpoints and the commits: the worker keeps
+    going, and once memory is freed the running job and a new one end once each."""
+    server = EmbeddedRedis(tmp_path / "redis", is_persistent=False).start()
+    client = aioredis.Redis.from_url(server.url)
+    params = SamplingParams(max_tokens=HELD_TOKENS, temperature=0, ignore_eos=True)
+    try:
+        async with running_worker(server.url, engine, heartbeat_interval_s=0.05) as service:
+            await xadd_job(client, JobSpec(id="across", prompt="runs across a full Redis", params=params,
+                                           reply_to="replies:full"))
+            await wait_until(lambda: client.hget(KEYS.job("across"), "checkpoint"), "the job's first checkpoint")
+            await client.config_set("maxmemory", 1)
+            await wait_until(lambda: heartbeat_refused(client), "a heartbeat refused at maxmemory")
+            await client.config_set("maxmemory", 0)
+            freed_at = time.time()
+            await xadd_job(client, JobSpec(id="after", prompt="queued once memory is back", params=params,
+                                           reply_to="replies:full"))
+            views = await wait_terminal(client, ["across", "after"])
+            assert not service.stopped.is_set() and not service.has_failed
+            await wait_until(lambda: beats_since(client, service.config.worker_name, freed_at),
+                             "a heartbeat once memory is freed")
+        assert sorted(await replies(client, "replies:full")) == ["across", "after"]
+    finally:
+        await client.aclose()
+        server.stop()
+    for view in views.values():
+        assert view["status"] == "succeeded"
+        assert len(view["output"]["token_ids"]) == HELD_TOKENS
+
+
+async def test_an_entry_read_just_before_an_outage_is_admitted_once_redis_is_back(redis_url, engine):
+    """The worker reads an entry, then Redis goes away before its job can start: that delivery is no fault of
+    the job, so the worker keeps the entry and starts the job when Redis is back, instead of leaving it to be
+    redelivered and counted against max_deliveries."""
+    client = aioredis.Redis.from_url(redis_url)
+    proxy = await RedisProxy(redis_url).start()
+    # Only the job's start carries both its record and its cancel flag before it runs.
+    proxy.refuse(KEYS.job("unlucky").encode(), KEYS.cancel("unlucky").encode(), then_down=True)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    try:
+        # A single delivery allowed: one counted redelivery would fail the job.
+        async with running_worker(proxy.url, engine, max_deliveries=1, lease_s=1.0) as service:
+            await xadd_job(client, JobSpec(id="unlucky", prompt="read just before an outage", params=params,
+                                           reply_to="replies:unlucky"))
+            await wait_until(lambda: proxy.num_refused == 1, "the job's start meeting the outage")
+            proxy.restore()
+            views = await wait_terminal(client, ["unlucky"])
+            assert not service.has_failed
+    finally:
+        await proxy.aclose()
+    view = views["unlucky"]
+    assert view["status"] == "succeeded"
+    assert len(view["output"]["token_ids"]) == 8
+    assert await replies(client, "replies:unlucky") == ["unlucky"]
+    assert await client.xlen(KEYS.dead) == 0
+    await client.aclose()
