@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from scheduler.params import SamplingParams
 from scheduler.runtime.flags import add_config_flags, config_from_args
+from scheduler.runtime.listen import LISTEN_ERRNOS, listen_error
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE, OFFLINE_ENV
 from scheduler.runtime.terminal import printable
 from scheduler.telemetry.log_format import configure_logging
@@ -68,12 +69,17 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     try:
         config = config_from_args(WorkerConfig, args)
         config.check_model()
+        telemetry_config = telemetry_config_from_env(environ, service_name="carpool-worker",
+                                                     service_instance_id=config.worker_name or None)
     except ValueError as e:
         print(f"carpool worker: {e}", file=sys.stderr)
         return 2
+    # Before the model loads: a port the worker will not get ends it now, not after minutes of loading.
+    problem = listen_error(config.metrics_host, config.metrics_port) if config.metrics_port else None
+    if problem is not None:
+        print(f"carpool worker: metrics server {problem}", file=sys.stderr)
+        return 1
     configure_logging(config.log_level.upper(), service="carpool-worker")
-    telemetry_config = telemetry_config_from_env(environ, service_name="carpool-worker",
-                                                 service_instance_id=config.worker_name or None)
     return asyncio.run(serve(config, telemetry_config))
 
 
@@ -126,9 +132,13 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
         print(f"carpool worker: cannot start the engine: {e}", file=sys.stderr)
         return 1
     loop = asyncio.get_running_loop()
-    client = connect_redis(config.redis_url)
-    telemetry = Telemetry(telemetry_config or TelemetryConfig(service_name="carpool-worker"))
-    service = WorkerService(config, runner, client, telemetry)
+    try:
+        client = connect_redis(config.redis_url)
+        telemetry = Telemetry(telemetry_config or TelemetryConfig(service_name="carpool-worker"))
+        service = WorkerService(config, runner, client, telemetry)
+    except BaseException:
+        await runner.aclose()  # the engine process goes with the worker that failed to start
+        raise
     def on_signal() -> None:
         # The first signal starts the graceful drain; a second one (a second Ctrl-C) ends the wait.
         if service.stopped.is_set():
@@ -140,7 +150,15 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
         loop.add_signal_handler(sig, on_signal)
     has_failed = False
     try:
-        await service.start()
+        try:
+            await service.start()
+        except OSError as e:
+            if e.errno not in LISTEN_ERRNOS:
+                raise
+            # Taken since the check at start.
+            print(f"carpool worker: metrics server cannot listen on {config.metrics_host}:{config.metrics_port}: "
+                  f"{os.strerror(e.errno)}", file=sys.stderr)
+            return 1
         await service.stopped.wait()
         has_failed = service.has_failed
         log.info("stopping: intake closed, in-flight jobs get %.1fs", config.shutdown_grace_s)

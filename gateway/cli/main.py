@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +24,7 @@ from gateway.cli.up_worker import WorkerChild
 from gateway.config import GatewayConfig
 from gateway.webhooks.config import WebhookConfig
 from scheduler.runtime.flags import add_config_flags, config_from_args
+from scheduler.runtime.listen import LISTEN_ERRNOS
 from scheduler.runtime.model_path import OFFLINE_ENV
 
 if TYPE_CHECKING:
@@ -155,8 +155,6 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     return run_gateway(gateway, log_level, telemetry_config)
 
 
-_LISTEN_ERRNOS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
-"""Why a listener fails to start: the port is taken, the address is not this host's, a privileged port."""
 
 
 def run_gateway(config: GatewayConfig, log_level: str, telemetry_config: TelemetryConfig) -> int:
@@ -174,7 +172,7 @@ def run_gateway(config: GatewayConfig, log_level: str, telemetry_config: Telemet
             print=lambda line: print(f"carpool gateway: {line}", flush=True),
         )
     except OSError as e:
-        if e.errno not in _LISTEN_ERRNOS:
+        if e.errno not in LISTEN_ERRNOS:
             raise
         print(f"carpool gateway: cannot listen on {config.host}:{config.port}: {os.strerror(e.errno)}", file=sys.stderr)
         return 1
