@@ -10,7 +10,7 @@ from scheduler.telemetry.log_format import job_context
 from scheduler.telemetry.otel import span_of_traceparent
 from worker.job_store import EntryRef, JobStore, Outcome
 from worker.metrics import WorkerMetrics
-from worker.redis_errors import REDIS_RETRY_S, is_redis_down
+from worker.redis_errors import REDIS_RETRY_S, OutageLog, is_redis_down
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +21,7 @@ class CommitTasks:
         self.metrics = metrics
         self.num_finished = 0
         self._commits: set[asyncio.Task[None]] = set()
+        self._outages = OutageLog(log)
         self.retrying: set[EntryRef] = set()
         """Entries of commits waiting for Redis: their leases are renewed with the running jobs'; one found lost
         is dropped (another worker owns the job now)."""
@@ -57,8 +58,7 @@ class CommitTasks:
                     if (not is_redis_down(e) or entry is None or is_lost
                             or (self.give_up_at is not None and time.monotonic() >= self.give_up_at)):
                         raise
-                    log.warning("job %s: commit not written, Redis unavailable (%s); retrying in %.1fs",
-                                outcome.job_id, e, REDIS_RETRY_S)
+                    self._outages.warn("commits", e, f"job {outcome.job_id} waits to be written")
                     self.retrying.add(entry)
                     has_waited = True
                 await asyncio.sleep(REDIS_RETRY_S)

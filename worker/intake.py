@@ -31,7 +31,7 @@ from worker.consumer import Entry
 from worker.job_loop import JobLoop
 from worker.job_store import EntryRef, JobStart, JobStore, Outcome, checkpoint_output, pack
 from worker.metrics import WorkerMetrics
-from worker.redis_errors import REDIS_RETRY_S, is_redis_down
+from worker.redis_errors import REDIS_RETRY_S, OutageLog, is_redis_down
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class EntryIntake:
         self.job_loop = job_loop
         self.metrics = metrics
         self._lane_of = lane_of
+        self._outages = OutageLog(log)
         self.admitting: set[EntryRef] = set()
         """Entries being admitted: their leases are renewed with the running jobs'; one found lost is dropped."""
         self.is_draining = False
@@ -85,8 +86,7 @@ class EntryIntake:
             except Exception as e:
                 if not is_redis_down(e) or self.is_draining or entry.ref not in self.admitting:
                     raise
-                log.warning("admitting %s: Redis unavailable (%s); trying again in %.1fs", entry.ref, e,
-                            REDIS_RETRY_S)
+                self._outages.warn("admissions", e, f"entry {entry.ref} waits to start")
             await asyncio.sleep(REDIS_RETRY_S)
 
     async def _dead_letter_unadmittable(self, entry: Entry, error: Exception) -> None:

@@ -8,6 +8,11 @@ worker: nothing is given up on, failed or counted against a job for it.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -30,3 +35,34 @@ def is_redis_down(error: BaseException) -> bool:
     if isinstance(error, (*REDIS_DOWN, OutOfMemoryError)):
         return True
     return isinstance(error, ResponseError) and _OOM_REPLY in str(error)
+
+
+OUTAGE_LOG_EVERY_S = 30.0
+"""While an outage lasts, each place that meets it says so at most once in this many seconds."""
+
+
+class OutageLog:
+    """Warnings of Redis being unavailable, at most one every `every_s` seconds for each place that meets it (a
+    loop, commits, admissions), with how many were left out: retrying every `REDIS_RETRY_S`, each would otherwise
+    log twice a second, and every job's commit too, for as long as the outage lasts."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = OUTAGE_LOG_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._logger = logger
+        self._every_s = every_s
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._left_out: Counter[str] = Counter()
+
+    def warn(self, where: str, error: BaseException, detail: str = "") -> None:
+        """`where` met Redis unavailable (`error`); `detail` names what waits (a job, an entry)."""
+        now = self._clock()
+        last = self._last.get(where)
+        if last is not None and now - last < self._every_s:
+            self._left_out[where] += 1
+            return
+        self._last[where] = now
+        left_out = self._left_out.pop(where, 0)
+        said = f"; {left_out} more such since the last of these" if left_out else ""
+        self._logger.warning("%s%s: Redis unavailable (%s); retrying every %.1fs, said again at most every %.0fs%s",
+                             where, f" ({detail})" if detail else "", error, REDIS_RETRY_S, self._every_s, said)

@@ -29,7 +29,7 @@ from worker.intake import EntryIntake
 from worker.job_loop import JobLoop
 from worker.job_store import JobStore, pack
 from worker.metrics import METRICS_KEY, WorkerMetrics, metrics_handler
-from worker.redis_errors import REDIS_ERRORS, REDIS_RETRY_S, is_redis_down
+from worker.redis_errors import REDIS_ERRORS, REDIS_RETRY_S, OutageLog, is_redis_down
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class WorkerService:
         self.has_stranded_jobs = False
         """The shutdown could not hand its running jobs back (Redis unavailable): they wait for the lease."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._outages = OutageLog(log)
         self._pubsub: Any = None
         self._http: web.AppRunner | None = None
 
@@ -156,6 +157,15 @@ class WorkerService:
                           "the lease, from their last checkpoint", num_jobs, e)
         await self.job_loop.wait_commits()
 
+    async def _redis_down(self, loop: str, error: Exception) -> None:
+        """A background loop found Redis unavailable: wait and let it try again, instead of stopping the worker.
+        Any other Redis error is raised again."""
+        if not is_redis_down(error):
+            raise error
+        self._outages.warn(f"worker {self.config.worker_name} {loop}", error)
+        raise_if_cancelled()
+        await asyncio.sleep(REDIS_RETRY_S)
+
     def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=f"worker {name}")
         self._tasks[name] = task
@@ -206,7 +216,7 @@ class WorkerService:
                 if len(entries) < free:
                     entries += await self.consumer.read(free - len(entries))
             except REDIS_ERRORS as e:
-                await _redis_down("intake", e)  # entries already taken are still admitted below
+                await self._redis_down("intake", e)  # entries already taken are still admitted below
             if entries:
                 self.job_loop.reserve(len(entries))
                 await asyncio.gather(*(self.intake.take(entry) for entry in entries))
@@ -229,7 +239,7 @@ class WorkerService:
         try:
             entries = await self.consumer.read_interactive(count)
         except REDIS_ERRORS as e:
-            await _redis_down("intake", e)
+            await self._redis_down("intake", e)
             return
         if entries:
             self.job_loop.reserve(len(entries))
@@ -249,7 +259,7 @@ class WorkerService:
             try:
                 lost = await self.consumer.renew({*by_entry, *waiting})
             except REDIS_ERRORS as e:
-                await _redis_down("lease renewal", e)
+                await self._redis_down("lease renewal", e)
                 continue
             for ref in lost:
                 if ref in by_entry:
@@ -264,7 +274,7 @@ class WorkerService:
                 # After a dropped connection the next read reconnects and subscribes again.
                 message = await self._pubsub.get_message(timeout=1.0)
             except REDIS_ERRORS as e:
-                await _redis_down("control channel", e)
+                await self._redis_down("control channel", e)
                 continue
             raise_if_cancelled()
             if message is None or message.get("type") != "message":
@@ -294,7 +304,7 @@ class WorkerService:
             try:
                 await self._beat()
             except REDIS_ERRORS as e:
-                await _redis_down("heartbeat", e)  # and the next beat an interval later
+                await self._redis_down("heartbeat", e)  # and the next beat an interval later
             raise_if_cancelled()
 
     # --- health server ---------------------------------------------------------------------------
@@ -330,11 +340,3 @@ async def _readyz(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if service.is_ready else 503)
 
 
-async def _redis_down(loop: str, error: Exception) -> None:
-    """A background loop found Redis unavailable: wait and let it try again, instead of stopping the worker.
-    Any other Redis error is raised again."""
-    if not is_redis_down(error):
-        raise error
-    log.warning("worker %s: Redis unavailable (%s); retrying in %.1fs", loop, error, REDIS_RETRY_S)
-    raise_if_cancelled()
-    await asyncio.sleep(REDIS_RETRY_S)

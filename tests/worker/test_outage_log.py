@@ -1,0 +1,31 @@
+"""A Redis outage is logged at most once in a while for each place that meets it, with what was left out."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from worker.redis_errors import OutageLog
+
+
+def test_each_place_says_an_outage_once_per_interval_and_counts_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    outages = OutageLog(logging.getLogger("outage-test"), every_s=30.0, clock=lambda: now[0])
+    error = RedisConnectionError("Connection refused")
+    with caplog.at_level(logging.WARNING, logger="outage-test"):
+        for _ in range(60):  # 30 s of retries every 0.5 s, from two places
+            outages.warn("heartbeat", error)
+            outages.warn("commits", error, "job j1 waits to be written")
+            now[0] += 0.5
+        outages.warn("heartbeat", error)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "heartbeat: Redis unavailable (Connection refused); retrying every 0.5s, said again at most every 30s",
+        "commits (job j1 waits to be written): Redis unavailable (Connection refused); retrying every 0.5s, "
+        "said again at most every 30s",
+        "heartbeat: Redis unavailable (Connection refused); retrying every 0.5s, said again at most every 30s; "
+        "59 more such since the last of these",
+    ]
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
