@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
@@ -26,7 +25,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import error_middleware
 from gateway.event_hub import EventHub
 from gateway.handlers import routes
-from gateway.metrics import GatewayMetrics, telemetry_middleware
+from gateway.metrics import GatewayMetrics, request_id, telemetry_middleware
 from gateway.openai.batch_driver import BatchDriver
 from gateway.openai.batches import routes as batch_routes
 from gateway.openai.files import routes as file_routes
@@ -151,7 +150,7 @@ def _webhook_check(config: WebhookConfig) -> WebhookCheck:
 async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
     """Every answer names itself with ``x-request-id``, as OpenAI's do: the `openai` client shows it as a
     response's ``_request_id`` and an error's ``request_id``."""
-    response.headers.setdefault(REQUEST_ID_HEADER, "req_" + secrets.token_hex(16))
+    response.headers.setdefault(REQUEST_ID_HEADER, request_id(request))
 
 
 async def _wake_waiters(app: web.Application) -> None:

@@ -9,6 +9,7 @@ whose context travels to the worker in the job message's ``traceparent``.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -113,6 +114,18 @@ class GatewayMetrics(ProcessMetrics):
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+REQUEST_ID_KEY = "carpool.request_id"
+"""Where a request keeps the id its answer carries as `x-request-id`, made the first time it is asked for."""
+
+
+def request_id(request: web.Request) -> str:
+    """The request's id (``req_`` and 32 hex digits), new for each request: its answer's `x-request-id`, and an
+    attribute of its span, so that an id a client reports finds the trace."""
+    found = request.get(REQUEST_ID_KEY)
+    if found is None:
+        found = request[REQUEST_ID_KEY] = "req_" + secrets.token_hex(16)
+    return str(found)
+
 
 def telemetry_middleware(metrics: GatewayMetrics) -> Middleware:
     """The middleware recording into ``metrics``: a server span (continuing a ``traceparent`` header) and
@@ -142,6 +155,9 @@ async def _record_request(metrics: GatewayMetrics, request: web.Request, handler
         )
     job_id = request.match_info.get("id")
     with span_cm as span, (job_context(job_id) if job_id else nullcontext()):
+        if span is not None:
+            # The id the answer will carry (`x-request-id`): a client's report of it finds this trace.
+            span.set_attribute(metric_schema.A_HTTP_REQUEST_ID, request_id(request))
         try:
             response = await handler(request)
             status = response.status

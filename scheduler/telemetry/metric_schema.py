@@ -32,6 +32,8 @@ A_SPEC_PROPOSER = "carpool.spec_decode.proposer"  # "ngram" | "draft"
 A_HTTP_METHOD = "http.request.method"
 A_HTTP_ROUTE = "http.route"
 A_HTTP_STATUS = "http.response.status_code"
+A_HTTP_REQUEST_ID = "http.response.header.x-request-id"
+"""The id the gateway names each answer by (its `x-request-id` header): on the request's span (traces only)."""
 
 # Bucket boundaries advised by the semantic conventions where they give some.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)

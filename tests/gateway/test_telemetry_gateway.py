@@ -110,3 +110,17 @@ async def test_job_message_carries_the_trace_of_the_request(
     # c: a fresh trace rooted at the gateway's server span
     assert enqueue["c"].context.trace_id not in {enqueue["a"].context.trace_id, enqueue["b"].context.trace_id}
     assert not any(s.name == "GET /metrics" for s in spans.get_finished_spans())
+
+
+async def test_an_answers_request_id_finds_its_trace(
+    gateway: tuple[TestClient, Telemetry, InMemorySpanExporter]
+) -> None:
+    client, _, spans = gateway
+    answers = [await client.post("/v1/jobs", json={"id": "r1", "prompt": "x"}),
+               await client.post("/v1/jobs", json={"prompt": 5}),
+               await client.get("/v1/jobs/no-such-job")]
+    ids = [answer.headers["x-request-id"] for answer in answers]
+    assert [a.status for a in answers] == [202, 400, 404] and len(set(ids)) == 3
+    servers = [s for s in spans.get_finished_spans() if s.kind.name == "SERVER"]
+    by_id = {s.attributes["http.response.header.x-request-id"]: s for s in servers}
+    assert [by_id[i].attributes["http.response.status_code"] for i in ids] == [202, 400, 404]
