@@ -185,6 +185,13 @@ def _query_tile_rows(rows_per_seq: int, head_dim: int, is_fp32: bool) -> int:
     return min(largest, max(16, triton.next_power_of_2(rows_per_seq)))
 
 
+def _pipeline(is_fp32: bool, head_dim: int) -> dict[str, int]:
+    """Launch options beyond Triton's defaults: fp32 tiles of heads wider than 128 take 32 KB each for the keys
+    and values of every pipeline stage, and with the default three stages and the queries' tile (about 224 KB)
+    they would pass a Hopper GPU's 227 KB of shared memory, so they keep two."""
+    return {"num_stages": 2} if is_fp32 and head_dim > 128 else {}
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -319,6 +326,7 @@ def launch_paged_attention(
         NUM_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or dot_in_fp32 else "tf32",
         DOT_IN_FP32=dot_in_fp32,
+        **_pipeline(is_fp32, head_dim),
     )
     if num_kv_splits > 1:
         combine_splits(part_out, part_ml, out, cu_seqlens_q, seq_lens, kv_split_min_len)
