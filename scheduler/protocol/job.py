@@ -26,6 +26,8 @@ from scheduler.protocol.wire_values import first_bad_value, key_path
 SCHEMA_VERSION = 1
 MAX_ID_LEN = 128
 MAX_MESSAGES = 256
+MESSAGE_FIELDS = ("role", "content", "name")
+"""What a message may hold; ``name`` (OpenAI's speaker name) is accepted and not used."""
 _NOT_A_MAP = "must be a msgpack map or a JSON object"
 
 
@@ -227,11 +229,16 @@ def _parse_messages(value: object) -> list[dict[str, str]] | None:
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise JobValidationError(f"messages[{i}]", "must be a map with role and content")
+        unknown = sorted(str(k) for k in m if k not in MESSAGE_FIELDS)
+        if unknown:
+            raise JobValidationError(key_path(f"messages[{i}]", unknown[0]), "unknown field")
         role, content = m.get("role"), m.get("content")
         if role not in ("system", "user", "assistant"):
             raise JobValidationError(f"messages[{i}].role", "must be system, user or assistant")
         if not isinstance(content, str):
             raise JobValidationError(f"messages[{i}].content", "must be a string")
+        if not isinstance(m.get("name", ""), str):
+            raise JobValidationError(f"messages[{i}].name", "must be a string")
         out.append({"role": role, "content": content})
     return out
 

@@ -47,6 +47,8 @@ def parse_webhook_url(url: str) -> yarl.URL:
     host = parsed.raw_host
     if not host or port is None:
         raise WebhookUrlError("webhook.url: has no host")
+    if port == 0:
+        raise WebhookUrlError("webhook.url: port 0 cannot be connected to")
     _check_host(host)
     return parsed
 

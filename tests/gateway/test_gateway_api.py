@@ -71,6 +71,9 @@ async def submit(client: TestClient, body: dict[str, Any], **headers: str) -> tu
         ({"prompt": "hi", "webhook": {"url": "http://127.0.0.1:9/hook"}}, "webhook.url"),
         ({"prompt": "hi", "messages": [{"role": "robot", "content": "x"}], "prompt_token_ids": None}, "prompt"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "x", "nmae": "bob"}]}, "messages[0].nmae"),
+        ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name"),
+        ({"prompt": "hi", "webhook": {"url": "https://93.184.216.34:0/hook"}}, "webhook.url"),
     ],
 )
 async def test_bad_bodies_get_400_naming_the_field(
