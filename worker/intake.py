@@ -18,7 +18,15 @@ import msgpack
 import redis.asyncio as aioredis
 
 from scheduler.protocol import job_record
-from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
+from scheduler.protocol.job import (
+    JobSpec,
+    JobStatus,
+    JobValidationError,
+    WebhookEvent,
+    WebhookSpec,
+    is_stream_name,
+    parse_webhook,
+)
 from scheduler.protocol.job_record import job_view
 from scheduler.protocol.keys import EVENTS_LOG_TTL_S, Keys
 from scheduler.protocol.redis_replies import as_optional_bytes
@@ -140,10 +148,13 @@ class EntryIntake:
                 log.warning("%s: %s; dead-lettered", ref, reason, extra={"entry": str(ref), "dead_letter": "invalid_job"})
                 await self.store.dead_letter_entry(ref, reason, entry.fields)
                 return
+            reply_to, webhook = self._recover_destinations(raw)
             with job_context(job_id, span_of_traceparent(traceparent)):
-                # Only an id nobody used yet gets a failed record: a real job with this id is left as it is.
-                won = await self.store.commit(Outcome(job_id, JobStatus.FAILED, ref, dead_reason=reason,
-                                                      dead_payload=raw, traceparent=traceparent, is_new_record_only=True,
+                # Only an id nobody used yet gets a failed record: a real job with this id is left as it is. Its
+                # producer learns of it where it waits: the reply stream and webhook it asked for, when readable.
+                won = await self.store.commit(Outcome(job_id, JobStatus.FAILED, ref, reply_to=reply_to, webhook=webhook,
+                                                      dead_reason=reason, dead_payload=raw, traceparent=traceparent,
+                                                      is_new_record_only=True, lane=lane, created_at=created_at,
                                                       error={"type": "invalid_job", "field": e.field, "message": str(e)}))
                 log.warning("job %s: %s; dead-lettered%s", job_id, reason,
                             " and failed" if won else " (the id names an existing job, which is left alone)",
@@ -157,6 +168,18 @@ class EntryIntake:
         # Every line about this job names it and its trace (the message's context until the job's own span opens).
         with job_context(spec.id, span_of_traceparent(spec.traceparent)):
             await self._take_spec(spec, entry, raw, created_at)
+
+    def _recover_destinations(self, raw: bytes) -> tuple[str | None, WebhookSpec | None]:
+        """The reply stream and webhook an invalid message asked for, each where it is valid on its own."""
+        data = _loose_map(raw) or {}
+        reply_to = data.get("reply_to")
+        if not is_stream_name(reply_to) or self.keys.check_reply_to(reply_to) is not None:
+            reply_to = None
+        try:
+            webhook = parse_webhook(data.get("webhook"))
+        except JobValidationError:
+            webhook = None
+        return reply_to, webhook
 
     async def _take_spec(self, spec: JobSpec, entry: Entry, raw: bytes, created_at: float) -> None:
         ref = entry.ref

@@ -125,6 +125,9 @@ class Outcome:
     """The job message's trace context: the parent of its webhook delivery when it did not run here."""
     is_new_record_only: bool = False
     """Write the outcome only if no record exists for the id (an invalid message must not decide a real job)."""
+    lane: str | None = None
+    created_at: float | None = None
+    """The lane and enqueue time of a job whose record this outcome makes (`is_new_record_only`)."""
 
 
 class JobStore:
@@ -182,6 +185,10 @@ class JobStore:
             fields[job_record.F_FIRST_TOKEN_AT] = repr(outcome.first_token_at)
         if job_record.F_ID.encode() not in record:
             fields[job_record.F_ID] = outcome.job_id
+            if outcome.lane is not None:
+                fields[job_record.F_LANE] = outcome.lane
+            if outcome.created_at is not None:
+                fields[job_record.F_CREATED_AT] = repr(outcome.created_at)
         merged = dict(record)
         merged.update({k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()})
         merged[job_record.F_STATUS.encode()] = outcome.status.value.encode()

@@ -150,9 +150,9 @@ class JobSpec:
             if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
                 raise JobValidationError("deadline", "must be unix seconds (a number)")
             deadline = float(deadline)
-        webhook = _parse_webhook(data.get("webhook"))
+        webhook = parse_webhook(data.get("webhook"))
         reply_to = data.get("reply_to")
-        if reply_to is not None and (not isinstance(reply_to, str) or not reply_to or len(reply_to) > 256):
+        if reply_to is not None and not is_stream_name(reply_to):
             raise JobValidationError("reply_to", "must be a non-empty stream name of at most 256 characters")
         metadata = data.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
@@ -210,6 +210,11 @@ class JobSpec:
         return cls.from_wire(data)
 
 
+def is_stream_name(value: object) -> bool:
+    """Whether a ``reply_to`` value has a stream name's shape (which keys it may name is `Keys.check_reply_to`'s)."""
+    return isinstance(value, str) and 0 < len(value) <= 256
+
+
 def new_job_id() -> str:
     return "job_" + secrets.token_hex(12)
 
@@ -243,7 +248,8 @@ def _parse_messages(value: object) -> list[dict[str, str]] | None:
     return out
 
 
-def _parse_webhook(value: object) -> WebhookSpec | None:
+def parse_webhook(value: object) -> WebhookSpec | None:
+    """A job's ``webhook`` map (None: none asked for); raises ``JobValidationError`` naming what is wrong."""
     if value is None:
         return None
     if not isinstance(value, dict):

@@ -87,3 +87,26 @@ async def test_cancelling_a_queued_job_whose_reply_key_has_another_type(redis_ur
     assert await redis.get("replies:a-string") == b"not a stream"
     deliveries = [fields[b"event"] for _, fields in await redis.xrange(KEYS.webhooks)]
     assert deliveries == [b"completed"]
+
+
+async def test_an_invalid_direct_job_is_answered_where_its_producer_waits(redis_url: str, engine) -> None:
+    import json
+
+    import msgpack
+
+    client = aioredis.Redis.from_url(redis_url)
+    job = {"v": 1, "id": "bad-prompt", "prompt": "", "reply_to": "my-results",
+           "webhook": {"url": "https://hooks.example/done"}}
+    async with running_worker(redis_url, engine):
+        entry_id = (await client.xadd(KEYS.lane(Lane.BATCH), {"job": json.dumps(job)})).decode()
+        views = await wait_terminal(client, ["bad-prompt"], timeout_s=30)
+    view = views["bad-prompt"]
+    assert view["status"] == "failed" and (view["error"]["type"], view["error"]["field"]) == ("invalid_job", "prompt")
+    # The record knows the lane it waited in and when it was enqueued, as a valid job's does.
+    assert view["lane"] == "batch" and view["created_at"] == int(entry_id.split("-")[0]) / 1000
+    (reply,) = await client.xrange("my-results")
+    result = msgpack.unpackb(reply[1][b"result"])
+    assert (result["id"], result["status"], result["error"]["field"]) == ("bad-prompt", "failed", "prompt")
+    deliveries = [(f[b"job_id"], f[b"event"]) for _, f in await client.xrange(KEYS.webhooks)]
+    assert deliveries == [(b"bad-prompt", b"completed")]
+    await client.aclose()
