@@ -16,6 +16,18 @@ MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
 
 
+NULL_MEANS_ITSELF = frozenset({"max_tokens"})
+"""Parameters where null is not the default: ``max_tokens: null`` generates to the end of the context."""
+
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", tuple: "array",
+               dict: "object", type(None): "null"}
+
+
+def json_type(value: object) -> str:
+    """What `value` is called in JSON (``integer``, ``array``, ``null``...), for messages to clients of a JSON API."""
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
 class InvalidParam(ValueError):
     """A sampling parameter is wrong: `name` is the parameter (None: the params map itself)."""
 
@@ -58,10 +70,10 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)):
-            raise InvalidParam("stop", f"must be a string or a list of strings, got {type(self.stop).__name__}")
+            raise InvalidParam("stop", f"must be a string or a list of strings, got {json_type(self.stop)}")
         self.stop = list(self.stop)
         if not isinstance(self.stop_token_ids, (list, tuple)):
-            kind = type(self.stop_token_ids).__name__
+            kind = json_type(self.stop_token_ids)
             raise InvalidParam("stop_token_ids", f"must be a list of integers, got {kind}")
         self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
@@ -82,7 +94,7 @@ class SamplingParams:
                 raise InvalidParam("stop", "must be a string or a list of strings, each non-empty")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                got = t if isinstance(t, int) and not isinstance(t, bool) else type(t).__name__
+                got = t if isinstance(t, int) and not isinstance(t, bool) else json_type(t)
                 raise InvalidParam("stop_token_ids", f"must be a list of non-negative integers, got {got}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParam("ignore_eos", "must be a boolean")
@@ -119,7 +131,8 @@ class SamplingParams:
         unknown = sorted(str(k) for k in data if k not in known)
         if unknown:
             raise InvalidParam(unknown[0], "unknown sampling parameter")
-        return cls(**data)
+        # null is the default, as leaving the parameter out is; but for max_tokens, where it has a meaning of its own.
+        return cls(**{k: v for k, v in data.items() if v is not None or k in NULL_MEANS_ITSELF})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,7 +140,7 @@ class SamplingParams:
 
 def _check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidParam(name, f"must be an integer, got {type(value).__name__}")
+        raise InvalidParam(name, f"must be an integer, got {json_type(value)}")
     if low is not None and value < low:
         raise InvalidParam(name, f"must be >= {low}, got {value}")
     if high is not None and value > high:
@@ -138,7 +151,7 @@ def _check_float(
     name: str, value: object, *, low: float, high: float, low_open: bool = False
 ) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidParam(name, f"must be a number, got {type(value).__name__}")
+        raise InvalidParam(name, f"must be a number, got {json_type(value)}")
     v = float(value)
     if not math.isfinite(v):
         raise InvalidParam(name, "must be finite")

@@ -103,12 +103,12 @@ async def test_poison_entries_are_dead_lettered_and_the_worker_keeps_serving(red
     assert "temperature" in views["bad-params"]["error"]["message"]
     assert views["bad-stop"]["status"] == "failed"
     assert views["bad-stop"]["error"]["field"] == "params.stop"
-    assert views["bad-stop"]["error"]["message"] == "params.stop: must be a string or a list of strings, got int"
+    assert views["bad-stop"]["error"]["message"] == "params.stop: must be a string or a list of strings, got integer"
     dead = await client.xrange(KEYS.dead)
     reasons = sorted(fields[b"reason"].decode() for _, fields in dead)
     assert len(dead) == 7
     assert sum("job: must be a msgpack map or a JSON object; it is" in r for r in reasons) == 3, reasons
-    assert "invalid job: params.stop: must be a string or a list of strings, got int" in reasons
+    assert "invalid job: params.stop: must be a string or a list of strings, got integer" in reasons
     assert any("no 'job' field" in r for r in reasons)
     assert (await client.xpending(lane, CONSUMER_GROUP))["pending"] == 0
     await client.aclose()

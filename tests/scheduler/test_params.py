@@ -1,0 +1,30 @@
+"""A params map from the wire: null is the default but for max_tokens, and errors name JSON's types."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.params import InvalidParam, SamplingParams
+
+
+def test_null_is_the_default_but_for_max_tokens() -> None:
+    names = ["min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+             "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "include_stop_str_in_output",
+             "speculative"]
+    assert SamplingParams.from_dict({name: None for name in names}) == SamplingParams()
+    assert SamplingParams.from_dict({"max_tokens": None}).max_tokens is None  # to the end of the context
+    assert SamplingParams.from_dict({}).max_tokens == SamplingParams().max_tokens == 16
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"stop": 5}, "stop: must be a string or a list of strings, got integer"),
+    ({"stop_token_ids": "7"}, "stop_token_ids: must be a list of integers, got string"),
+    ({"stop_token_ids": [1, 2.5]}, "stop_token_ids: must be a list of non-negative integers, got number"),
+    ({"top_k": [1]}, "top_k: must be an integer, got array"),
+    ({"temperature": {"a": 1}}, "temperature: must be a number, got object"),
+    ({"top_p": True}, "top_p: must be a number, got boolean"),
+])
+def test_a_wrong_type_is_named_as_json_names_it(params: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidParam) as raised:
+        SamplingParams.from_dict(params)
+    assert str(raised.value) == message
