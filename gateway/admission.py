@@ -132,8 +132,11 @@ class Admission:
         self._enqueue = redis.register_script(state_machine.ENQUEUE)
         self._release = redis.register_script(state_machine.RELEASE_KEY)
 
-    async def validate(self, body: object, caller: Caller = OPEN_CALLER) -> JobSpec:
-        """The body as a job of `caller`'s tenant; raises InvalidJob naming the field at fault."""
+    async def validate(self, body: object, caller: Caller = OPEN_CALLER, *, batch_results: str | None = None) -> JobSpec:
+        """The body as a job of `caller`'s tenant; raises InvalidJob naming the field at fault.
+
+        `batch_results`: the one key of carpool's own the job may reply to, given by the Batch API's driver for its
+        batch's jobs; no other job may name a batch's results stream, where it could add a result to a batch."""
         default_id = new_job_id()
         if isinstance(body, dict) and "tenant" in body:
             raise InvalidJob("tenant", "is set by the gateway from the API key; leave it out")
@@ -146,7 +149,8 @@ class Admission:
         max_len = await self._context.get()
         if max_len is not None:
             check_fits(spec, max_len)
-        reply_problem = self._keys.check_reply_to(spec.reply_to)
+        reply_problem = None if spec.reply_to == batch_results else self._keys.check_reply_to(
+            spec.reply_to, may_name_batch_results=False)
         if reply_problem is not None:
             raise InvalidJob("reply_to", reply_problem)
         if spec.webhook is not None:
@@ -166,10 +170,11 @@ class Admission:
         return await self._context.get()
 
     async def submit(self, body: object, idempotency_key: str | None, *, caller: Caller = OPEN_CALLER,
-                     reservation: Reservation | None = None, num_following: int = 0) -> Admitted:
-        """Validate and enqueue a job of `caller`'s tenant (see `enqueue`)."""
-        return await self.enqueue(await self.validate(body, caller), idempotency_key, caller=caller,
-                                  reservation=reservation, num_following=num_following)
+                     reservation: Reservation | None = None, num_following: int = 0,
+                     batch_results: str | None = None) -> Admitted:
+        """Validate and enqueue a job of `caller`'s tenant (see `enqueue`, and `validate` for `batch_results`)."""
+        return await self.enqueue(await self.validate(body, caller, batch_results=batch_results), idempotency_key,
+                                  caller=caller, reservation=reservation, num_following=num_following)
 
     async def find(self, spec: JobSpec, idempotency_key: str | None) -> Admitted | None:
         """The job of the spec's tenant that `enqueue` would answer with instead of enqueuing (what the

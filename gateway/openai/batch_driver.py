@@ -184,9 +184,10 @@ class BatchDriver:
                     continue  # refused while validating
                 try:
                     _, body = parse_line(line, endpoint)
+                    results = self._keys.batch_results(batch_id)
                     await admission.submit({**body, "id": f"{batch_id}-{number}", "deadline": float(b["expires_at"]),
-                                            "reply_to": self._keys.batch_results(batch_id)},
-                                           None, caller=Caller(tenant_of(b.get("tenant"))))
+                                            "reply_to": results},
+                                           None, caller=Caller(tenant_of(b.get("tenant"))), batch_results=results)
                 except LaneFull:
                     await self._redis.hset(self._keys.batch(batch_id), "enqueued", number)
                     return  # the batch lane is full: try again next round

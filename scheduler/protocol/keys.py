@@ -58,14 +58,17 @@ class Keys:
         """Whether `key` lies inside this prefix, where only carpool writes (a ``reply_to`` may not name one)."""
         return key == self.prefix or key.startswith(f"{self.prefix}:")
 
-    def check_reply_to(self, reply_to: str | None) -> str | None:
+    def check_reply_to(self, reply_to: str | None, *, may_name_batch_results: bool = True) -> str | None:
         """Why `reply_to` may not be used (it names one of carpool's own keys), or None when it may.
 
         The one key of carpool's own a job may reply to is a batch's results stream: the Batch API's jobs do.
+        The gateway allows it only to the batch's own jobs (`may_name_batch_results=False` for every other).
         """
-        if reply_to is not None and self.is_own(reply_to) and not self.is_batch_results(reply_to):
-            return f"must not name a key under carpool's prefix {self.prefix!r} (use a stream of your own)"
-        return None
+        if reply_to is None or not self.is_own(reply_to):
+            return None
+        if may_name_batch_results and self.is_batch_results(reply_to):
+            return None
+        return f"must not name a key under carpool's prefix {self.prefix!r} (use a stream of your own)"
 
     def lane(self, lane: Lane | str) -> str:
         """Stream of queued jobs for one lane (field ``job`` = msgpack map)."""

@@ -40,6 +40,16 @@ async def test_the_gateway_refuses_reply_streams_inside_the_key_prefix(
     assert await redis.xlen(KEYS.lane("standard")) == 1
 
 
+async def test_only_a_batchs_own_jobs_reply_to_its_results_stream(redis_url: str, redis: aioredis.Redis) -> None:
+    # Knowing a batch's id, a job of the form {batch_id}-{n} replying there could add a result to the batch.
+    async with TestClient(TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)))) as client:
+        resp = await client.post("/v1/jobs", json={"id": "batch_0123456789abcdef01234567-0", "prompt": "x",
+                                                   "reply_to": KEYS.batch_results("batch_0123456789abcdef01234567")})
+        reply = await resp.json()
+    assert resp.status == 400 and reply["error"]["field"] == "reply_to", reply
+    assert await redis.xlen(KEYS.lane("standard")) == 0
+
+
 async def test_the_worker_refuses_reply_streams_inside_the_key_prefix(redis_url: str, engine) -> None:
     client = aioredis.Redis.from_url(redis_url)
     params = SamplingParams(max_tokens=2, temperature=0)
