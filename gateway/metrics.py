@@ -114,7 +114,8 @@ class GatewayMetrics(ProcessMetrics):
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-REQUEST_ID_KEY = "carpool.request_id"
+# aiohttp 3.14 types a request's own keys (and warns of plain strings); older releases take a string.
+REQUEST_ID_KEY: Any = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "carpool.request_id"
 """Where a request keeps the id its answer carries as `x-request-id`, made the first time it is asked for."""
 
 
