@@ -4,8 +4,9 @@ or on the OpenAI routes in OpenAI's: ``{"error": {"message", "type", "param", "c
 Handlers answer the errors they know (400, 404, 409, 429) with `error_response`;
 `error_middleware` turns the rest into the same shape at the edge: aiohttp's own
 404 (no such route), 405 and 413, each with a message naming what was refused, a
-Redis that is down, restarting or out of free connections (503 with
-``Retry-After``), and, last, anything unexpected (500, logged).
+Redis that is down, restarting, silent past its timeout, out of free connections or
+at its ``maxmemory`` refusing writes (503 with ``Retry-After``), and, last, anything
+unexpected (500, logged).
 
 Every ``/v1`` path but carpool's own routes (``/v1/jobs…``, ``/v1/usage``) is an
 OpenAI path, a path no route serves included: an OpenAI client that calls an
@@ -22,7 +23,9 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 from aiohttp.web_urldispatcher import MatchInfoError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from scheduler.protocol.redis_client import is_out_of_memory
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 
 log = logging.getLogger(__name__)
@@ -80,23 +83,36 @@ def error_middleware(retry_after_s: int, max_body_bytes: int) -> Middleware:
             kind = _TYPE_OF_STATUS.get(e.status, "server_error" if e.status >= 500 else "invalid_request")
             return error_response(e.status, kind, message, **headers)
         except REDIS_UNAVAILABLE as e:
-            reason = str(e) or type(e).__name__
-            if request.transport is None or request.transport.is_closing():
-                # The client has gone (an event stream closed mid-write): nobody reads the answer.
-                log.debug("%s %s: client gone: %s", request.method, request.path, reason)
-            else:
-                log.warning("%s %s: Redis unavailable: %s", request.method, request.path, reason)
-            if is_openai:
-                return openai_error_response(503, f"the job store is unavailable ({reason}); retry later",
-                                             headers={"Retry-After": str(retry_after_s)})
-            return unavailable_response(retry_after_s, reason)
-        except Exception:
+            return _redis_unavailable(request, e, retry_after_s, is_openai)
+        except Exception as e:
+            if is_out_of_memory(e):
+                return _redis_unavailable(request, e, retry_after_s, is_openai)
             log.exception("%s %s failed", request.method, request.path)
             if is_openai:
                 return openai_error_response(500, "internal error; it has been logged")
             return error_response(500, "server_error", "internal error; it has been logged")
 
     return errors
+
+
+def _redis_unavailable(request: web.Request, error: Exception, retry_after_s: int, is_openai: bool) -> web.Response:
+    """The 503 for a Redis that cannot serve the request now; the reason says which way, and what to repeat."""
+    if is_out_of_memory(error):
+        reason = "Redis is at its maxmemory and refuses writes"
+    else:
+        reason = str(error) or type(error).__name__
+    if request.transport is None or request.transport.is_closing():
+        # The client has gone (an event stream closed mid-write): nobody reads the answer.
+        log.debug("%s %s: client gone: %s", request.method, request.path, reason)
+    else:
+        log.warning("%s %s: Redis unavailable: %s", request.method, request.path, reason)
+    if isinstance(error, RedisTimeoutError) and request.method not in ("GET", "HEAD"):
+        # The command may have run before Redis went silent: only a repeat that names the same job is safe.
+        reason += "; it may have been carried out: repeat it with the same Idempotency-Key or id"
+    if is_openai:
+        return openai_error_response(503, f"the job store is unavailable ({reason}); retry later",
+                                     headers={"Retry-After": str(retry_after_s)})
+    return unavailable_response(retry_after_s, reason)
 
 
 def _http_error_message(request: web.Request, e: web.HTTPException, max_body_bytes: int) -> tuple[str, str | None]:

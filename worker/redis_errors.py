@@ -14,11 +14,14 @@ from collections import Counter
 from collections.abc import Callable
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from scheduler.protocol.redis_client import is_out_of_memory
+
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
-"""A dropped or unreachable Redis: whatever was being written is retried later, never given up on."""
+"""A dropped, unreachable or silent Redis (no reply within ``redis_client.REDIS_TIMEOUT_S``): whatever was being
+written is retried later, never given up on."""
 
 REDIS_ERRORS = (RedisError, OSError)
 """Every error a Redis call raises; ``is_redis_down`` tells the passing ones from the rest."""
@@ -26,15 +29,10 @@ REDIS_ERRORS = (RedisError, OSError)
 REDIS_RETRY_S = 0.5
 """How long a loop that found Redis unavailable waits before it tries again."""
 
-_OOM_REPLY = "OOM command not allowed"
-"""How Redis at maxmemory refuses a write; a script's error carries it inside its own text."""
-
 
 def is_redis_down(error: BaseException) -> bool:
     """Whether ``error`` says Redis is unavailable for now: unreachable, or at maxmemory refusing writes."""
-    if isinstance(error, (*REDIS_DOWN, OutOfMemoryError)):
-        return True
-    return isinstance(error, ResponseError) and _OOM_REPLY in str(error)
+    return isinstance(error, REDIS_DOWN) or is_out_of_memory(error)
 
 
 OUTAGE_LOG_EVERY_S = 30.0

@@ -38,6 +38,7 @@ from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, PARAM_OF_FIELD
 from gateway.openai.schema import Endpoint
 from scheduler.protocol import state_machine
 from scheduler.protocol.job_record import job_view
+from scheduler.protocol.redis_client import is_out_of_memory
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE, as_bytes
 from scheduler.protocol.tenants import tenant_of
 from scheduler.runtime.tasks import raise_if_cancelled
@@ -67,6 +68,13 @@ class BatchDriver:
                         await self.step(batch_id)
             except REDIS_UNAVAILABLE as e:
                 log.warning("batch driver: Redis unavailable (%s); retrying", e)
+            except Exception as e:
+                raise_if_cancelled()
+                if is_out_of_memory(e):
+                    log.warning("batch driver: Redis is at its maxmemory and refuses writes; retrying")
+                else:
+                    # One batch's fault must not stop every batch's progress: the next round tries again.
+                    log.exception("batch driver: a round failed; retrying")
             raise_if_cancelled()
             await asyncio.sleep(self._config.batch_poll_interval_s)
 

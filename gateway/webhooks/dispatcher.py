@@ -33,6 +33,8 @@ from gateway.webhooks.safety import VettingResolver, WebhookUrlError, check_webh
 from gateway.webhooks.signing import signed_headers
 from gateway.webhooks.store import Claimed, DeliveryStore
 from scheduler.protocol.keys import Keys
+from scheduler.protocol.redis_client import is_out_of_memory
+from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 from scheduler.protocol.webhooks import AttemptOutcome, AttemptRecord, decide, parse_retry_after
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ LEASE_MARGIN_S = 5.0
 """A claimed attempt comes due again this long after its timeout, in case its dispatcher died."""
 INGEST_BATCH = 100
 REDIS_RETRY_S = 1.0
+"""How long the loop waits after a round that failed (Redis unavailable, or anything else) before the next."""
 
 
 @dataclass(frozen=True)
@@ -126,13 +129,16 @@ class WebhookDispatcher:
                             await self._store.ensure_group()
                             is_grouped = True
                         is_busy = await self._step(session)
-                    except redis.exceptions.ResponseError as e:
-                        if "NOGROUP" not in str(e):
-                            raise
-                        is_grouped = False  # the stream was deleted under us: recreate the group
-                        continue
-                    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
-                        log.warning("webhook dispatcher: Redis unavailable (%s); retrying in %.0f s", e, REDIS_RETRY_S)
+                    except Exception as e:
+                        if isinstance(e, redis.exceptions.ResponseError) and "NOGROUP" in str(e):
+                            is_grouped = False  # the stream was deleted under us: recreate the group
+                            continue
+                        if is_redis_unavailable(e):
+                            log.warning("webhook dispatcher: Redis unavailable (%s); retrying in %.0f s",
+                                        _unavailable_reason(e), REDIS_RETRY_S)
+                        else:
+                            # Whatever went wrong, deliveries keep their state in Redis: the next round retries.
+                            log.exception("webhook dispatcher: a round failed; retrying in %.0f s", REDIS_RETRY_S)
                         await self._sleep(REDIS_RETRY_S)
                         continue
                     if not is_busy:
@@ -168,9 +174,13 @@ class WebhookDispatcher:
 
     def _reap(self, task: asyncio.Task[None]) -> None:
         self._attempts.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # The claim's lease runs out and another poll retries the attempt.
-            log.error("webhook attempt %s failed", task.get_name(), exc_info=task.exception())
+        error = None if task.cancelled() else task.exception()
+        # Either way the claim's lease runs out and another poll retries the attempt.
+        if error is not None and is_redis_unavailable(error):
+            log.warning("webhook attempt %s: its outcome could not be recorded, Redis unavailable (%s); "
+                        "it is sent again when its claim runs out", task.get_name(), _unavailable_reason(error))
+        elif error is not None:
+            log.error("webhook attempt %s failed", task.get_name(), exc_info=error)
         self._wake.set()
 
     async def _drain(self) -> None:
@@ -230,6 +240,15 @@ class WebhookDispatcher:
             return Sent(None, f"timed out after {self._config.webhook_timeout_s:g} s")
         except (aiohttp.ClientError, OSError) as e:
             return Sent(None, f"{type(e).__name__}: {e}")
+
+
+def is_redis_unavailable(error: BaseException) -> bool:
+    """Redis unreachable, silent past its timeout, loading, or at its maxmemory refusing writes: wait it out."""
+    return isinstance(error, REDIS_UNAVAILABLE) or is_out_of_memory(error)
+
+
+def _unavailable_reason(error: BaseException) -> str:
+    return "at its maxmemory, refusing writes" if is_out_of_memory(error) else str(error) or type(error).__name__
 
 
 def _describe_attempt(span: Span, c: Claimed, status_code: int | None, error: str | None,

@@ -9,6 +9,16 @@ for `HEALTH_CHECK_INTERVAL_S` with a PING before using it, and a command or
 PING that finds its connection closed is sent once more on a fresh one.
 Only connection errors are retried, not timeouts: a command that timed out
 may have run, and sending it again could run it twice.
+
+A Redis that stops answering without closing its connections (a stopped or
+stalled server, a network path that drops packets) is noticed by a timeout
+rather than waited on forever: every read and connect ends after
+`REDIS_TIMEOUT_S` with a ``TimeoutError``, which each process treats like an
+unreachable Redis (the gateway answers 503, the worker and the webhook
+dispatcher retry). A client that blocks on purpose (the worker's
+``XREADGROUP … BLOCK``) passes its longest block, which is added to the
+timeout. What each process may repeat after a timeout, and why that is safe,
+is in docs/guarantees.md ("Redis unavailable").
 """
 
 from __future__ import annotations
@@ -22,22 +32,46 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 HEALTH_CHECK_INTERVAL_S = 10
 """A connection idle this long is PINGed before its next command."""
 
+REDIS_TIMEOUT_S = 10.0
+"""Longest wait, in seconds, for a connection or for one reply (beyond a blocking command's own block time).
+Well above what any carpool command or script takes, and above Redis's own 5 s script time limit."""
 
-def connection_options() -> dict[str, Any]:
-    """The options every client's pool takes (`from_url(url, **connection_options())`)."""
+_OOM_REPLY = "OOM command not allowed"
+"""How Redis at maxmemory refuses a write; a script's error carries it inside its own text."""
+
+
+def connection_options(*, max_block_ms: int = 0) -> dict[str, Any]:
+    """The options every client's pool takes (`from_url(url, **connection_options())`).
+
+    `max_block_ms`: the longest a command of this client blocks on purpose (``XREADGROUP … BLOCK``), so such a
+    command is never taken for a Redis that stopped answering.
+    """
+    assert max_block_ms >= 0, max_block_ms
     return {
         "health_check_interval": HEALTH_CHECK_INTERVAL_S,
         "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        "socket_timeout": REDIS_TIMEOUT_S + max_block_ms / 1000,
+        "socket_connect_timeout": REDIS_TIMEOUT_S,
     }
 
 
-def connect(redis_url: str) -> aioredis.Redis:
-    """A client of `redis_url` whose connections survive a Redis restart (replies as bytes, never decoded)."""
-    return aioredis.Redis.from_url(redis_url, **connection_options())
+def connect(redis_url: str, *, max_block_ms: int = 0) -> aioredis.Redis:
+    """A client of `redis_url` whose connections survive a Redis restart and never wait on a silent Redis for
+    ever (replies as bytes, never decoded); `max_block_ms` as in `connection_options`."""
+    return aioredis.Redis.from_url(redis_url, **connection_options(max_block_ms=max_block_ms))
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is Redis refusing a write because it is at its ``maxmemory`` (``noeviction``).
+
+    A script is refused at its first write, so a refused script has written nothing.
+    """
+    return isinstance(error, OutOfMemoryError) or (isinstance(error, ResponseError) and _OOM_REPLY in str(error))
 
 
 def check_redis_url(redis_url: str) -> None:
