@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -69,7 +70,8 @@ class EntryIntake:
             return
         self.admitting.add(entry.ref)
         try:
-            await self._take_while_redis_is_down(entry)
+            # One token for every try of this admission: a START whose reply was lost, tried again, is no second start.
+            await self._take_while_redis_is_down(entry, secrets.token_hex(8))
         except Exception as e:
             if entry.deliveries < self.config.max_deliveries or is_redis_down(e):
                 # Left pending and unrenewed: redelivered after the lease, counted against max_deliveries.
@@ -83,14 +85,14 @@ class EntryIntake:
             self.admitting.discard(entry.ref)
             self.job_loop.release(1)
 
-    async def _take_while_redis_is_down(self, entry: Entry) -> None:
+    async def _take_while_redis_is_down(self, entry: Entry, start_token: str) -> None:
         """Admit the entry, trying again while Redis is unavailable: that is no fault of the job, so the entry
         stays here, its lease renewed (``admitting``), instead of going back to be redelivered and counted
-        against max_deliveries. Every move of admission is safe to repeat. Given up when the worker stops or
-        the entry is no longer ours."""
+        against max_deliveries. Every move of admission is safe to repeat (START by `start_token`, which makes a
+        repeat answer as the first did). Given up when the worker stops or the entry is no longer ours."""
         while True:
             try:
-                return await self._take_one(entry)
+                return await self._take_one(entry, start_token)
             except Exception as e:
                 if not is_redis_down(e) or self.is_draining or entry.ref not in self.admitting:
                     raise
@@ -122,7 +124,7 @@ class EntryIntake:
                 raise
             log.warning("dead-lettering %s failed with Redis unavailable (%s); it will be redelivered", entry.ref, e)
 
-    async def _take_one(self, entry: Entry) -> None:
+    async def _take_one(self, entry: Entry, start_token: str) -> None:
         ref = entry.ref
         if entry.fields is None:
             await self.store.ack(ref)  # deleted while pending: nothing left to run
@@ -167,7 +169,7 @@ class EntryIntake:
             spec = dataclasses.replace(spec, lane=entry.lane)
         # Every line about this job names it and its trace (the message's context until the job's own span opens).
         with job_context(spec.id, span_of_traceparent(spec.traceparent)):
-            await self._take_spec(spec, entry, raw, created_at)
+            await self._take_spec(spec, entry, raw, created_at, start_token)
 
     def _recover_destinations(self, raw: bytes) -> tuple[str | None, WebhookSpec | None]:
         """The reply stream and webhook an invalid message asked for, each where it is valid on its own."""
@@ -181,7 +183,7 @@ class EntryIntake:
             webhook = None
         return reply_to, webhook
 
-    async def _take_spec(self, spec: JobSpec, entry: Entry, raw: bytes, created_at: float) -> None:
+    async def _take_spec(self, spec: JobSpec, entry: Entry, raw: bytes, created_at: float, start_token: str) -> None:
         ref = entry.ref
         lane = spec.lane.value
         running = self.job_loop.jobs.get(spec.id)
@@ -200,7 +202,7 @@ class EntryIntake:
             if entry.deliveries - handbacks > self.config.max_deliveries:
                 await self._fail_too_many(spec, entry, raw, created_at, handbacks, as_optional_bytes(raw_checkpoint))
                 return
-        start = await self.store.start(spec, ref, created_at, time.time())
+        start = await self.store.start(spec, ref, created_at, time.time(), start_token)
         if start.verdict is not StartVerdict.RUN:
             log.info("job %s: not run (%s, was %s)", spec.id, start.verdict, start.previous_status or "new",
                      extra={"entry": str(ref), "lane": lane, "verdict": start.verdict})

@@ -145,11 +145,14 @@ class JobStore:
         self._commit = client.register_script(state_machine.COMMIT)
         self._settle = client.register_script(state_machine.SETTLE_USAGE)
 
-    async def start(self, spec: JobSpec, entry: EntryRef, created_at: float, now: float) -> JobStart:
+    async def start(self, spec: JobSpec, entry: EntryRef, created_at: float, now: float, start_token: str) -> JobStart:
+        """Take the entry's job to running (`state_machine.START`); `start_token` names this admission, so that
+        sending it again after a lost reply gets the same answer, not a second start."""
+        assert start_token, "a START needs its admission's token"
         reply = await self._start(
             keys=[self.keys.job(spec.id), self.keys.cancel(spec.id)],
             args=[self.worker, repr(now), spec.pack(), spec.lane.value, spec.priority, repr(created_at), str(entry),
-                  spec.id, "" if spec.deadline is None else repr(spec.deadline)],
+                  spec.id, "" if spec.deadline is None else repr(spec.deadline), start_token],
         )
         verdict, previous = StartVerdict(_s(reply[0])), _s(reply[1]) if reply[1] else ""
         if verdict is not StartVerdict.RUN:

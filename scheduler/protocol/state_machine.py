@@ -241,27 +241,37 @@ if not st then
              '@spec@', ARGV[3], '@created_at@', ARGV[6], '@stream_entry@', ARGV[7])
   st = '@queued@'
 end
+local function started(found, attempts)
+  local record, flat = {}, redis.call('HGETALL', KEYS[1])
+  for k = 1, #flat, 2 do
+    if flat[k] ~= '@checkpoint@' then record[#record + 1] = flat[k]; record[#record + 1] = flat[k + 1] end
+  end
+  -- The job's first start ever is the one that counted its first attempt.
+  return {'run', found, attempts == 1 and '1' or '0', tostring(attempts),
+          redis.call('HGET', KEYS[1], '@checkpoint@') or '', record}
+end
 if st == '@running@' then
   local owner_entry = redis.call('HGET', KEYS[1], '@stream_entry@')
   if owner_entry and owner_entry ~= ARGV[7] then return {'duplicate', st} end
+  if redis.call('HGET', KEYS[1], '@start_token@') == ARGV[10] then
+    -- This very admission again, its first reply lost: that start stands, counted once.
+    return started(redis.call('HGET', KEYS[1], '@start_found@'), tonumber(redis.call('HGET', KEYS[1], '@attempts@')))
+  end
 end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {'cancel', st} end
 if ARGV[9] ~= '' and st ~= '@running@' and tonumber(ARGV[2]) > tonumber(ARGV[9]) then return {'expire', st} end
-local fresh = redis.call('HSETNX', KEYS[1], '@started_at@', ARGV[2])
-redis.call('HSET', KEYS[1], '@status@', '@running@', '@worker@', ARGV[1], '@stream_entry@', ARGV[7])
-local attempts = redis.call('HINCRBY', KEYS[1], '@attempts@', 1)
-local record, flat = {}, redis.call('HGETALL', KEYS[1])
-for k = 1, #flat, 2 do
-  if flat[k] ~= '@checkpoint@' then record[#record + 1] = flat[k]; record[#record + 1] = flat[k + 1] end
-end
-return {'run', st, tostring(fresh), tostring(attempts), redis.call('HGET', KEYS[1], '@checkpoint@') or '', record}
+redis.call('HSETNX', KEYS[1], '@started_at@', ARGV[2])
+redis.call('HSET', KEYS[1], '@status@', '@running@', '@worker@', ARGV[1], '@stream_entry@', ARGV[7],
+           '@start_token@', ARGV[10], '@start_found@', st)
+return started(st, redis.call('HINCRBY', KEYS[1], '@attempts@', 1))
 """)
 """Worker: take a lane entry's job to ``running`` (``running`` → ``running`` for a reclaimed entry).
 
 KEYS: job record, cancel flag. ARGV: worker, now, packed spec, lane, priority, created_at, stream entry,
-job id, deadline|''. Returns {verdict, status found, ...}: 'terminal', 'duplicate' (running from another
-entry), 'cancel', 'expire', or 'run' with whether this is its first start, its attempts, its checkpoint
-and the record (without the checkpoint)."""
+job id, deadline|'', start token (new for each admission of an entry). Returns {verdict, status found, ...}:
+'terminal', 'duplicate' (running from another entry), 'cancel', 'expire', or 'run' with whether this is its
+first start, its attempts, its checkpoint and the record (without the checkpoint). The same admission sent
+again (its start token: the first reply was lost) gets the answer it got then: the job is not started twice."""
 
 STEP = _job_script("""
 local nevents, ndeliveries = tonumber(ARGV[2]), tonumber(ARGV[3])
