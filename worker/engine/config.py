@@ -9,6 +9,8 @@ back here.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -46,6 +48,14 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 """Speculative decoding's proposers (``worker.engine.speculation.Proposer``)."""
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
+DTYPES = ("float32", "fp32", "float16", "fp16", "half", "bfloat16", "bf16", "auto")
+"""What ``dtype`` may name (``auto``: the checkpoint's, as unset)."""
+ATTENTION_BACKENDS = ("torch", "triton")
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+_INT_FIELDS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+               "num_speculative_tokens")
+_BOOL_FIELDS = ("enable_prefix_caching", "cuda_graphs", "cpu_kernels", "async_scheduling")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -62,7 +72,7 @@ class EngineConfig:
     policy: Policy = field(default=DEFAULT_POLICY, metadata=help_text(
         "engine admission order: priority (lane, then job priority), fcfs (arrival) or sjf (shortest job first)"))
     attention_backend: str | None = field(default=None, metadata=help_text(
-        "torch or triton; default: triton on CUDA, torch on CPU"))
+        "torch or triton (CUDA only, unless TRITON_INTERPRET=1); default: triton on CUDA, torch on CPU"))
     max_wait_ms: float = field(default=20.0, metadata=help_text(
         "dynamic-batching window: how long an idle worker waits for more jobs before its first step"))
     dtype: str | None = field(default=None, metadata=help_text(
@@ -116,6 +126,25 @@ class EngineConfig:
             if self.quantization not in QUANTIZATIONS:
                 raise ValueError(f"quantization: must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}")
             object.__setattr__(self, "quantization", Quantization(self.quantization))
+        # From Python, a float or a string here would fail deep in tensor code, and a string flag would be truthy.
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name}: must be an integer, got {value!r}")
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name}: must be true or false, got {value!r}")
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"device: must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)} or unset, got {self.dtype!r}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)} or unset, "
+                             f"got {self.attention_backend!r}")
+        if self.kv_cache_memory_gb is not None and not (
+                isinstance(self.kv_cache_memory_gb, (int, float)) and 0 < self.kv_cache_memory_gb < math.inf):
+            raise ValueError(f"kv_cache_memory_gb: must be a positive number of GiB, got {self.kv_cache_memory_gb!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -130,5 +159,6 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}")
         if (self.speculative == "draft") != (self.draft_model is not None):
             raise ValueError("draft_model: give a draft model exactly when speculative is draft")
-        if self.max_wait_ms < 0:
-            raise ValueError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms}")
+        # Not NaN (which no comparison refuses), nor infinite: a dynamic batch would wait for ever.
+        if not (isinstance(self.max_wait_ms, (int, float)) and 0 <= self.max_wait_ms < math.inf):
+            raise ValueError(f"max_wait_ms: must be >= 0 and finite, got {self.max_wait_ms}")

@@ -29,6 +29,8 @@ class _Draft:
     """Holds the request's draft blocks and how many of its tokens they have computed."""
     computed_ids: list[int] = field(default_factory=list)
     """The tokens whose keys and values the draft cache holds, in order."""
+    is_blind: bool = False
+    """The request holds a token past the draft's embedding, which it cannot read: it gets no proposals."""
 
 
 class DraftModel:
@@ -40,6 +42,8 @@ class DraftModel:
             raise ValueError(f"draft_model: {path} has another tokenizer than the model; a draft model must share it")
         self.max_model_len = min(max_model_len, self.runner.max_model_len)
         self.target_vocab_size = target.vocab_size
+        self.vocab_size = self.runner.vocab_size
+        """Ids from here on (a model's embedding may be larger than its draft's) are the draft's to skip."""
         self.max_num_tokens = self.runner.inputs.max_num_tokens
         """Most tokens one call brings into the cache (the model's step budget)."""
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size, enable_prefix_caching=False)
@@ -58,6 +62,8 @@ class DraftModel:
             draft = self._drafts.get(request_id)
             if draft is None:
                 draft = self._drafts[request_id] = _Draft(Sequence(request_id, [], SamplingParams()))
+            if draft.is_blind:
+                continue
             self._roll_back(draft, tokens)
             start = draft.seq.num_computed_tokens
             k = min(k, self.max_model_len - len(tokens))
@@ -65,6 +71,11 @@ class DraftModel:
             if budget <= 0 or k <= 0:
                 continue
             catch_up = min(num_missing, budget)
+            if max(tokens[start:start + catch_up], default=0) >= self.vocab_size:
+                # Known tokens never roll back (only rejected drafts do), so this request stays unreadable.
+                draft.is_blind = True
+                self.block_manager.free(draft.seq)
+                continue
             is_drafting = catch_up == num_missing
             num_blocks_for = catch_up + (k - 1 if is_drafting else 0)
             if not self.block_manager.can_allocate(draft.seq, num_blocks_for):

@@ -55,6 +55,17 @@ def on_device(device: str | torch.device) -> contextlib.AbstractContextManager[o
     return torch.cuda.device(resolved) if resolved.type == "cuda" else contextlib.nullcontext()
 
 
+def _check_device_available(device: str) -> None:
+    """Raise ValueError unless `device` (cpu, cuda or cuda:N) is on this machine."""
+    resolved = torch.device(device)
+    if resolved.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: {device} asked for, but torch sees no CUDA GPU here")
+    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"device: {device} asked for, but torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+
+
 @dataclass
 class _InFlight:
     """A step whose forward was launched and whose tokens are not sampled yet."""
@@ -79,6 +90,7 @@ class Engine:
 
             config = dataclasses.replace(config, model=str(default_model_path()))
         assert config.model is not None
+        _check_device_available(config.device)
         self.config = config
         with on_device(config.device):
             self.runner = ModelRunner(

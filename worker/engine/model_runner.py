@@ -18,8 +18,10 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 
 from kernels import get_backend
 from kernels.cpu_build import compiler_of, kernels_cache_dir
+from kernels.interpret import is_interpreted
 from kernels.model_ops_cpu import CpuModelOps, load_cpu_model_ops
 from kernels.paged_attention_cpu import CpuDecodeAttention, load_cpu_decode_attention
+from kernels.paged_attention import _paged_attention_kernel
 from kernels.paged_attention_torch import plan_decode_groups
 from kernels.split_kv import MAX_SPLITS, num_multiprocessors, plan_kv_splits
 from kernels.workspace import Workspace
@@ -107,6 +109,11 @@ class ModelRunner:
         self.quantization = parse_quantization(quantization)
         check_device_supports(self.quantization, self.device)
         self.backend = get_backend(attention_backend or ("triton" if self.device.type == "cuda" else "torch"))
+        if self.backend.name == "triton" and self.device.type != "cuda" and not is_interpreted(_paged_attention_kernel):
+            # Refused here, not at the first step: a worker would take jobs and then fail them all.
+            raise ValueError(f"attention_backend: the Triton kernels were compiled for CUDA and cannot run on "
+                             f"{self.device}; use the torch backend there "
+                             "(or set TRITON_INTERPRET=1 to interpret them)")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
             config = AutoConfig.from_pretrained(model_path, local_files_only=True)
@@ -256,7 +263,11 @@ class ModelRunner:
         if kv_cache_memory_gb is not None:
             if kv_cache_memory_gb <= 0:
                 raise ValueError(f"kv_cache_memory_gb: must be positive, got {kv_cache_memory_gb}")
-            return int(kv_cache_memory_gb * GIB) // block_bytes
+            num_blocks = int(kv_cache_memory_gb * GIB) // block_bytes
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory_gb: {kv_cache_memory_gb} GiB holds no KV-cache block; one takes "
+                                 f"{block_bytes} bytes at block_size {self.block_size}")
+            return num_blocks
         if is_cuda:
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free_bytes * CUDA_KV_CACHE_FRACTION)

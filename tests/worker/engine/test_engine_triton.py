@@ -6,16 +6,23 @@ chunks, prompts sharing a cached prefix — must give transformers' greedy token
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.harness.child_env import child_pythonpath
 from tests.worker.engine.test_engine_exact import BLOCK_SIZE, GREEDY, MAX_NEW_TOKENS, assert_same, make_prompts
 from worker import Engine
 
 # The interpreter runs the kernels on CPU tensors; with a GPU they are compiled, and need CUDA tensors.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_triton_backend_is_token_exact_with_chunked_prefill_and_prefix_hits(tiny_model: Callable[..., str]) -> None:
@@ -45,3 +52,29 @@ def test_triton_backend_is_token_exact_with_chunked_prefill_and_prefix_hits(tiny
     bm = engine.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_worker_with_triton_on_a_cpu_is_refused_at_start_up(tiny_model: Callable[..., str]) -> None:
+    """Compiled (not interpreted), the Triton kernels cannot take CPU tensors: the worker says so in one line and
+    exits before it takes a job, rather than serving until its first step fails."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = child_pythonpath(ROOT)
+    # Nothing listens on the Redis URL: the engine is started, and refused, before Redis is reached.
+    args = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", "redis://127.0.0.1:1/0",
+            "--model", tiny_model("llama"), "--device", "cpu", "--attention-backend", "triton",
+            "--metrics-port", "0", "--no-engine-process"]
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("carpool worker:")]
+    assert lines == [
+        "carpool worker: cannot start the engine: ValueError: attention_backend: the Triton kernels were compiled "
+        "for CUDA and cannot run on cpu; use the torch backend there (or set TRITON_INTERPRET=1 to interpret them)"
+    ], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels are compiled; the test needs the "
+                    "interpreter")
+def test_interpreted_triton_on_a_cpu_is_accepted(tiny_model: Callable[..., str]) -> None:
+    engine = Engine(model=tiny_model("llama"), num_blocks=8, attention_backend="triton", device="cpu")
+    assert engine.runner.backend.name == "triton"

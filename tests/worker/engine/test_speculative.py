@@ -232,3 +232,21 @@ def test_the_kv_cache_budget_holds_the_draft_models_cache_too(cycling_model: str
     for runner in (target, draft):
         allocated = sum(cache.numel() * cache.element_size() for cache in (*runner.k_caches, *runner.v_caches))
         assert allocated == runner.num_blocks * runner.block_bytes
+
+
+def test_a_draft_with_a_smaller_embedding_skips_the_tokens_it_lacks(tiny_model: Callable[..., str],
+                                                                    draft_model: str) -> None:
+    """A draft whose embedding ends before the model's vocabulary (the same tokenizer, as a smaller sibling
+    checkpoint can have) cannot read the ids past its end: requests holding one get no proposals, the others
+    still speculate, and every output is the model's own."""
+    small = tiny_model("llama", num_hidden_layers=1, vocab_size=200, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    target = tiny_model("llama")
+    prompts = [[250, 251, 252, 250, 251, 252, 250], *cycle_prompts(3)]
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    engine, actual = run(target, prompts, params, speculative="draft", draft_model=small)
+    _, plain = run(target, prompts, params, speculative=None)
+    assert_same(plain, actual)
+    assert engine.stats().spec_num_drafts > 0
+    assert engine.speculator is not None and engine.speculator.draft is not None
+    draft = engine.speculator.draft
+    assert draft.block_manager.num_free_blocks == draft.block_manager.num_blocks

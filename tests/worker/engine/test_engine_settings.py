@@ -1,0 +1,76 @@
+"""Engine settings that cannot work are refused when the engine is built, with one ValueError naming the setting.
+
+``carpool generate`` and ``carpool worker`` print that error as their one line; a setting that slipped past
+would fail deep in tensor code, or worse, be taken as something else (a string ``"no"`` is truthy).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness.child_env import child_pythonpath
+from worker import Engine
+from worker.engine.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[3]
+
+BAD_SETTINGS: list[tuple[dict[str, Any], str]] = [
+    ({"block_size": 4.5}, "block_size: must be an integer, got 4.5"),
+    ({"max_num_seqs": 2.5}, "max_num_seqs: must be an integer"),
+    ({"num_blocks": 10.5}, "num_blocks: must be an integer"),
+    ({"max_num_batched_tokens": "64"}, "max_num_batched_tokens: must be an integer, got '64'"),
+    ({"speculative": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens: must be an integer"),
+    ({"block_size": True}, "block_size: must be an integer, got True"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching: must be true or false, got 'no'"),
+    ({"async_scheduling": 1}, "async_scheduling: must be true or false"),
+    ({"kv_cache_memory_gb": float("nan")}, "kv_cache_memory_gb: must be a positive number of GiB, got nan"),
+    ({"kv_cache_memory_gb": float("inf")}, "kv_cache_memory_gb: must be a positive number of GiB, got inf"),
+    ({"kv_cache_memory_gb": 0.0}, "kv_cache_memory_gb: must be a positive number of GiB"),
+    ({"kv_cache_memory_gb": -1.0}, "kv_cache_memory_gb: must be a positive number of GiB"),
+    ({"max_wait_ms": float("nan")}, "max_wait_ms: must be >= 0 and finite, got nan"),
+    ({"max_wait_ms": float("inf")}, "max_wait_ms: must be >= 0 and finite, got inf"),
+    ({"dtype": "int8"}, "dtype: must be one of float32, .* got 'int8'"),
+    ({"attention_backend": "flash"}, "attention_backend: must be one of torch, triton or unset, got 'flash'"),
+    ({"device": "tpu"}, "device: must be cpu, cuda or cuda:N, got 'tpu'"),
+]
+
+
+@pytest.mark.parametrize("settings,message", BAD_SETTINGS, ids=[str(s) for s, _ in BAD_SETTINGS])
+def test_bad_settings_are_refused_by_the_config(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(**settings)
+
+
+def test_a_kv_budget_too_small_for_one_block_names_the_budget(tiny_model: Callable[..., str]) -> None:
+    with pytest.raises(ValueError, match=r"kv_cache_memory_gb: 1e-07 GiB holds no KV-cache block; one takes \d+ "
+                                         r"bytes at block_size 16"):
+        Engine(model=tiny_model("llama"), kv_cache_memory_gb=1e-7)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_cuda_on_a_machine_without_one_is_refused(tiny_model: Callable[..., str]) -> None:
+    with pytest.raises(ValueError, match="device: cuda asked for, but torch sees no CUDA GPU here"):
+        Engine(model=tiny_model("llama"), device="cuda")
+
+
+def test_the_generate_verb_refuses_bad_settings_in_one_line(tiny_model: Callable[..., str]) -> None:
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT)}
+    for flags, line in [
+        (["--kv-cache-memory-gb", "nan"], "carpool generate: kv_cache_memory_gb: must be a positive number of GiB, "
+                                          "got nan"),
+        (["--max-wait-ms", "inf"], "carpool generate: max_wait_ms: must be >= 0 and finite, got inf"),
+        (["--dtype", "int8"], "carpool generate: dtype: must be one of float32, fp32, float16, fp16, half, "
+                              "bfloat16, bf16, auto or unset, got 'int8'"),
+    ]:
+        args = [sys.executable, "-m", "worker.cli", "generate", "hi", "--max-tokens", "2",
+                "--model", tiny_model("llama"), *flags]
+        done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stderr.strip()) == (2, line), done.stderr
