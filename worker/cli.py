@@ -87,9 +87,13 @@ def generate(config: WorkerConfig, prompt: str, params: SamplingParams) -> int:
     from worker.engine.engine import Engine
 
     apply_torch_threads(config.torch_threads, config.engine.device)
-    engine = Engine(config.engine)
-    freeze_startup_heap()
-    (completion,) = engine.generate([prompt], params)
+    try:
+        engine = Engine(config.engine)
+        freeze_startup_heap()
+        (completion,) = engine.generate([prompt], params)
+    except ValueError as e:  # settings the model or machine cannot take, a prompt that does not fit: said in one line
+        print(f"carpool generate: {e}", file=sys.stderr)
+        return 2
     if config.engine.model is None:
         print(f"carpool generate: {BUILTIN_MODEL_NOTICE}", file=sys.stderr)
     print(printable(completion.text))

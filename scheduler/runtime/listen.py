@@ -12,18 +12,21 @@ LISTEN_ERRNOS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
 
 
 def listen_error(host: str, port: int) -> str | None:
-    """Why a server could not listen on `host`:`port` now (bound with SO_REUSEADDR, as aiohttp and redis-server
-    bind: a just-closed connection in TIME_WAIT does not hold the port, a listening server does); None if it could.
-    """
+    """Why a server could not listen on `host`:`port` now, bound as asyncio binds a server (every address the host
+    resolves to, `""` for all interfaces, IPv6 sockets IPv6 only, SO_REUSEADDR: a just-closed connection in
+    TIME_WAIT does not hold the port, a listening server does); None if it could."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host or '*'}:{port}"
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
-        return f"cannot listen on {host}:{port}: {e.strerror}"
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as e:
-            return f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}"
+        return f"cannot listen on {where}: {e.strerror}"
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as e:
+                return f"cannot listen on {where}: {os.strerror(e.errno) if e.errno else e}"
     return None

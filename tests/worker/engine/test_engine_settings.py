@@ -69,6 +69,11 @@ def test_the_generate_verb_refuses_bad_settings_in_one_line(tiny_model: Callable
         (["--max-wait-ms", "inf"], "carpool generate: max_wait_ms: must be >= 0 and finite, got inf"),
         (["--dtype", "int8"], "carpool generate: dtype: must be one of float32, fp32, float16, fp16, half, "
                               "bfloat16, bf16, auto or unset, got 'int8'"),
+        # Refused by the engine as it is built, and by the prompt that cannot fit: the same one line.
+        (["--max-model-len", "100000"], "carpool generate: max_model_len: 100000 exceeds the model's context "
+                                        "length 2048"),
+        (["--max-tokens", "5000"], "carpool generate: max_tokens: prompt (3 tokens) + max_tokens (5000) exceeds "
+                                   "max_model_len 2048"),
     ]:
         args = [sys.executable, "-m", "worker.cli", "generate", "hi", "--max-tokens", "2",
                 "--model", tiny_model("llama"), *flags]
