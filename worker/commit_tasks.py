@@ -23,12 +23,16 @@ class CommitTasks:
         self._commits: set[asyncio.Task[None]] = set()
         self._outages = OutageLog(log)
         self.retrying: set[EntryRef] = set()
-        """Entries of commits waiting for Redis: their leases are renewed with the running jobs'; one found lost
-        is dropped (another worker owns the job now)."""
+        """Entries of the commits not written yet: their leases are renewed with the running jobs', and this
+        worker's own reclaim leaves them alone (the job is done; only its result waits for Redis)."""
         self.give_up_at: float | None = None
         """Set at shutdown (monotonic seconds): commits waiting for Redis stop trying then."""
+        self.num_given_up = 0
+        """Commits that stopped trying at `give_up_at`: their entries are left to the lease, and run again."""
 
     def spawn(self, outcome: Outcome) -> None:
+        if outcome.entry is not None:
+            self.retrying.add(outcome.entry)  # from now, not from a first failure: the job left `jobs` already
         task = asyncio.get_running_loop().create_task(self._commit(outcome), name=f"commit {outcome.job_id}")
         self._commits.add(task)
         task.add_done_callback(self._reap)
@@ -46,21 +50,21 @@ class CommitTasks:
     async def _write(self, outcome: Outcome) -> bool:
         """Commit, trying again while Redis is unavailable, the entry's lease renewed meanwhile: a commit is safe
         to repeat (only the first terminal write decides; a repeat only acknowledges the entry), and a finished
-        job is then neither run again from its last checkpoint nor counted as redelivered."""
+        job is then neither run again from its last checkpoint nor counted as redelivered. It goes on even if
+        another worker took the entry while Redis was away: whichever result is written first decides the job,
+        and the other worker drops its run at its next renewal."""
         entry = outcome.entry
-        has_waited = False
         try:
             while True:
                 try:
                     return await self.store.commit(outcome)  # shielded inside
                 except Exception as e:
-                    is_lost = has_waited and entry not in self.retrying
-                    if (not is_redis_down(e) or entry is None or is_lost
-                            or (self.give_up_at is not None and time.monotonic() >= self.give_up_at)):
+                    if not is_redis_down(e) or entry is None:
+                        raise
+                    if self.give_up_at is not None and time.monotonic() >= self.give_up_at:
+                        self.num_given_up += 1
                         raise
                     self._outages.warn("commits", e, f"job {outcome.job_id} waits to be written")
-                    self.retrying.add(entry)
-                    has_waited = True
                 await asyncio.sleep(REDIS_RETRY_S)
         finally:
             if entry is not None:

@@ -73,7 +73,11 @@ class EntryIntake:
             # One token for every try of this admission: a START whose reply was lost, tried again, is no second start.
             await self._take_while_redis_is_down(entry, secrets.token_hex(8))
         except Exception as e:
-            if entry.deliveries < self.config.max_deliveries or is_redis_down(e):
+            if is_redis_down(e) and self.is_draining:
+                # Stopping with Redis away: nothing is wrong with the entry, and nothing can be written now.
+                log.warning("admitting %s: stopped while Redis is unavailable (%s); it is redelivered after the lease",
+                            entry.ref, e)
+            elif entry.deliveries < self.config.max_deliveries or is_redis_down(e):
                 # Left pending and unrenewed: redelivered after the lease, counted against max_deliveries.
                 log.exception("admitting %s failed (delivery %d of at most %d)", entry.ref, entry.deliveries,
                               self.config.max_deliveries)

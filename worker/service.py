@@ -156,6 +156,9 @@ class WorkerService:
                 log.error("could not hand back %d unfinished jobs, Redis unavailable (%s): they are reclaimed after "
                           "the lease, from their last checkpoint", num_jobs, e)
         await self.job_loop.wait_commits()
+        if self.job_loop.commits.num_given_up:
+            # Finished jobs whose results Redis never took: they run again after the lease, as a killed worker's do.
+            self.has_stranded_jobs = True
 
     async def _redis_down(self, loop: str, error: Exception) -> None:
         """A background loop found Redis unavailable: wait and let it try again, instead of stopping the worker.
