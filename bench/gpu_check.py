@@ -175,6 +175,8 @@ def first_difference(eager: list[int], graphed: list[int], eager_logprobs: list[
 
 
 def graph_identity(model: str, dtype: str) -> str:
+    import torch
+
     from scheduler.params import SamplingParams
     from worker.engine.engine import Engine
 
@@ -189,6 +191,8 @@ def graph_identity(model: str, dtype: str) -> str:
         completions[graphs] = engine.generate(prompts, params)
         replayed = engine.runner.num_replayed_steps
         del engine
+        gc.collect()
+        torch.cuda.empty_cache()  # the graphed engine sizes its cache from what the eager one leaves free
     details = [first_difference(e.token_ids, g.token_ids, e.logprobs)
                for e, g in zip(completions[False], completions[True])]
     same = details.count("same")

@@ -86,9 +86,10 @@ class WorkerService:
         # (GET /v1/models, /readyz) then knows this worker and its model.
         await self._beat()
         self._spawn("heartbeat", self._heartbeat())
-        self._spawn("intake", self._intake())
+        # Listening before any entry is read: a port that cannot be had stops the worker holding no job.
         if self.config.metrics_port:
             await self.start_http(self.config.metrics_host, self.config.metrics_port)
+        self._spawn("intake", self._intake())
         self.is_ready = True
         log.info("worker %s ready (capacity %d)", self.config.worker_name, self.config.capacity)
 

@@ -242,7 +242,7 @@ def _parse_messages(value: object) -> list[dict[str, str]] | None:
             raise JobValidationError(f"messages[{i}].role", "must be system, user or assistant")
         if not isinstance(content, str):
             raise JobValidationError(f"messages[{i}].content", "must be a string")
-        if not isinstance(m.get("name", ""), str):
+        if m.get("name") is not None and not isinstance(m["name"], str):  # null: no name, as leaving it out
             raise JobValidationError(f"messages[{i}].name", "must be a string")
         out.append({"role": role, "content": content})
     return out

@@ -88,6 +88,12 @@ async def test_bad_bodies_get_400_naming_the_field(
     assert sum([await redis.xlen(stream) for stream in KEYS.lanes()]) == 0
 
 
+async def test_a_chat_messages_null_name_is_no_name(make_client: MakeClient) -> None:
+    client = await make_client()
+    status, reply = await submit(client, {"messages": [{"role": "user", "content": "x", "name": None}]})
+    assert status == 202, reply
+
+
 async def test_webhooks_are_refused_without_a_signing_secret(redis_url: str) -> None:
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True)
     async with TestClient(TestServer(init_app(config))) as client:
