@@ -57,7 +57,9 @@ class CommitTasks:
         try:
             while True:
                 try:
-                    return await self.store.commit(outcome)  # shielded inside
+                    won = await self.store.commit(outcome)  # shielded inside
+                    self._outages.recovered()
+                    return won
                 except Exception as e:
                     if not is_redis_down(e) or entry is None:
                         raise

@@ -96,7 +96,9 @@ class EntryIntake:
         repeat answer as the first did). Given up when the worker stops or the entry is no longer ours."""
         while True:
             try:
-                return await self._take_one(entry, start_token)
+                await self._take_one(entry, start_token)
+                self._outages.recovered()
+                return
             except Exception as e:
                 if not is_redis_down(e) or self.is_draining or entry.ref not in self.admitting:
                     raise

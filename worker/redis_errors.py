@@ -51,10 +51,14 @@ class OutageLog:
         self._clock = clock
         self._last: dict[str, float] = {}
         self._left_out: Counter[str] = Counter()
+        self._since: float | None = None
+        """When the outage now logged began (its first warning); None while none is."""
 
     def warn(self, where: str, error: BaseException, detail: str = "") -> None:
         """`where` met Redis unavailable (`error`); `detail` names what waits (a job, an entry)."""
         now = self._clock()
+        if self._since is None:
+            self._since = now
         last = self._last.get(where)
         if last is not None and now - last < self._every_s:
             self._left_out[where] += 1
@@ -64,3 +68,14 @@ class OutageLog:
         said = f"; {left_out} more such since the last of these" if left_out else ""
         self._logger.warning("%s%s: Redis unavailable (%s); retrying every %.1fs, said again at most every %.0fs%s",
                              where, f" ({detail})" if detail else "", error, REDIS_RETRY_S, self._every_s, said)
+
+    def recovered(self) -> None:
+        """Redis answered again: say so once if an outage was logged, and log the next one from its start."""
+        if self._since is None:
+            return
+        left_out = sum(self._left_out.values())
+        self._logger.info("Redis available again after %.0fs%s", self._clock() - self._since,
+                          f" ({left_out} warnings left out)" if left_out else "")
+        self._since = None
+        self._last.clear()
+        self._left_out.clear()

@@ -309,6 +309,8 @@ class WorkerService:
                 await self._beat()
             except REDIS_ERRORS as e:
                 await self._redis_down("heartbeat", e)  # and the next beat an interval later
+            else:
+                self._outages.recovered()
             raise_if_cancelled()
 
     # --- health server ---------------------------------------------------------------------------

@@ -29,3 +29,26 @@ def test_each_place_says_an_outage_once_per_interval_and_counts_the_rest(caplog:
         "59 more such since the last of these",
     ]
     assert all(r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_the_end_of_an_outage_is_said_once_and_the_next_outage_is_logged_from_its_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    outages = OutageLog(logging.getLogger("outage-test"), every_s=30.0, clock=lambda: now[0])
+    error = RedisConnectionError("Connection refused")
+    with caplog.at_level(logging.INFO, logger="outage-test"):
+        outages.recovered()  # no outage: nothing to say
+        for _ in range(20):  # 10 s down
+            outages.warn("heartbeat", error)
+            now[0] += 0.5
+        outages.recovered()
+        outages.recovered()
+        now[0] += 5.0
+        outages.warn("heartbeat", error)  # a new outage 5 s later is said at once
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "heartbeat: Redis unavailable (Connection refused); retrying every 0.5s, said again at most every 30s",
+        "Redis available again after 10s (19 warnings left out)",
+        "heartbeat: Redis unavailable (Connection refused); retrying every 0.5s, said again at most every 30s",
+    ]
