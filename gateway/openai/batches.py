@@ -213,7 +213,8 @@ async def list_batches(request: web.Request) -> web.Response:
         return may_see(request, await store.tenant(batch_id))
 
     async def load(batch_id: str) -> dict[str, Any] | None:
-        return await store.view(batch_id) if await may_see_batch(batch_id) else None
+        b = await store.read(batch_id)  # one read gives both whose the batch is and its object
+        return store.view_of(b) if b and may_see(request, tenant_of(b.get("tenant"))) else None
 
     page = await cursor_page(request, request.app[appkeys.REDIS], request.app[appkeys.KEYS].batches, load,
                              may_see_batch, default_limit=20, max_limit=100)
