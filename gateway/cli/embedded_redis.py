@@ -14,6 +14,8 @@ from pathlib import Path
 
 import redis
 
+from scheduler.runtime.listen import listen_error
+
 DEFAULT_REDIS_PORT = 6379
 """Redis's usual port: `carpool up` takes it, so `redis.Redis()` and `redis-cli` reach its Redis unconfigured."""
 DEFAULT_REDIS_URL = f"redis://127.0.0.1:{DEFAULT_REDIS_PORT}/0"
@@ -38,15 +40,9 @@ def redis_server_binary() -> str:
 
 
 def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a server could listen on `port` now. With SO_REUSEADDR, as redis-server binds: the closed
-    connections of a Redis just stopped (TIME_WAIT) do not hold the port, a listening server does."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
+    """Whether a server could listen on `port` now (`listen_error`: with SO_REUSEADDR, as redis-server binds, the
+    closed connections of a Redis just stopped, in TIME_WAIT, do not hold the port; a listening server does)."""
+    return listen_error(host, port) is None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
