@@ -14,7 +14,9 @@ Its parts, in the order they run (`--parts` picks some, in this order whatever o
 - `identity`: greedy tokens of decode steps replayed as CUDA graphs against eager ones, one batch of
   prompts of 100 to ~8k tokens, 200 new tokens each;
 - `tests`: the kernel and engine tests, compiled for the GPU (`pytest` on the Triton kernel files, the
-  graph runner and the own models' and Triton engine's greedy exactness);
+  graph runner and the own models' and Triton engine's greedy exactness); they need the test
+  dependencies (`pip install -e '.[test]'`: the suite's `conftest.py` imports redis, for one), and say
+  which is missing where one is;
 - `quantized`: the graphed decode step at batch 8 and 32 with `int8` and `fp8` weights against the
   model's dtype (target on an H100: at most 0.6x of bf16's step);
 - `lookup`: prompt lookup on the repetitive workload (a cycling copy of the model) and on `skewed`, 32
@@ -149,7 +151,8 @@ def run_tests(timeout_s: float) -> str:
     except subprocess.TimeoutExpired as expired:
         print(expired.stdout[-6000:] if expired.stdout else "")
         return f"| compiled kernel and engine tests | stopped after {timeout_s:.0f} s | |"
-    last = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
+    # pytest's summary line; when pytest could not even start (a test dependency missing), its error's last line.
+    last = (result.stdout.strip().splitlines() or result.stderr.strip().splitlines() or ["(no output)"])[-1]
     if result.returncode != 0:
         print(result.stdout[-6000:], result.stderr[-3000:])
     return f"| compiled kernel and engine tests | {last} | {time.perf_counter() - started:.0f} s |"
