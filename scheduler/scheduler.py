@@ -53,7 +53,7 @@ from collections.abc import Callable
 from scheduler.block_manager import BlockManager, CachedPrefix
 from scheduler.scheduler_config import BatchingMode, Policy, SchedulerConfig
 from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput
-from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -123,6 +123,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         assert not seq.is_finished
+        seq.drop_pending_tokens()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -286,6 +287,8 @@ class Scheduler:
             seq = self.waiting[0]
             if up_to_priority is not None and seq.priority > up_to_priority:
                 break
+            if seq.num_pending_tokens:
+                break  # preempted while its last token was on its way: its prompt is known next step
             prefix = bm.lookup_prefix(seq.token_ids, seq.token_hashes)
             num_new = self._capped_prefill(seq, min(seq.num_tokens - prefix.num_blocks * bm.block_size, budget))
             if num_new == 0:
@@ -351,6 +354,8 @@ class Scheduler:
         num_reserved = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:
+                break  # preempted while its last token was on its way: its prompt is known next step
             prefix = bm.lookup_prefix(seq.token_ids, seq.token_hashes)
             # Taking an evictable hit block takes it out of the pool too: can_allocate counts that.
             num_new = seq.num_tokens - prefix.num_blocks * bm.block_size
@@ -366,6 +371,33 @@ class Scheduler:
         seq.admit_order = self._num_admissions
         self._num_admissions += 1
         bisect.insort(self.running, seq, key=self._running_key)
+
+    def advance_launched(self, output: SchedulerOutput) -> None:
+        """Record a launched forward whose tokens are still on the device: computed tokens move on and each
+        sampling sequence gets a ``PENDING_TOKEN``, so the next step can be scheduled now; ``resolve`` fills the
+        value in. Without proposed tokens only (how many of those are accepted is not known yet)."""
+        for s in output.scheduled:
+            seq = s.seq
+            assert seq.num_computed_tokens == s.start_pos and not s.num_spec_tokens
+            seq.num_computed_tokens += s.num_new_tokens
+            if seq.is_padding:
+                continue
+            if s.is_sampling:
+                seq.output_token_ids.append(PENDING_TOKEN)
+                seq.num_pending_tokens += 1
+            self._cache_known_blocks(seq)
+
+    def resolve(self, seq: Sequence, index: int, token_id: int) -> None:
+        """The value of ``seq``'s pending output token ``index`` is now known."""
+        assert seq.output_token_ids[index] == PENDING_TOKEN and index == seq.num_known_output_tokens, index
+        seq.output_token_ids[index] = token_id
+        seq.num_pending_tokens -= 1
+        self._cache_known_blocks(seq)
+
+    def _cache_known_blocks(self, seq: Sequence) -> None:
+        """Hash ``seq``'s full computed blocks once no pending token is among their tokens."""
+        if seq.num_computed_tokens <= seq.num_tokens - seq.num_pending_tokens:
+            self.block_manager.cache_computed_blocks(seq)
 
     def advance(self, output: SchedulerOutput, sampled_tokens_by_request: dict[str, list[int]]) -> None:
         """Record a finished forward: computed tokens move on and sampled tokens are appended.

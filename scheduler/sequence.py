@@ -8,6 +8,11 @@ from enum import Enum
 from scheduler.params import SamplingParams
 
 
+PENDING_TOKEN = -1
+"""Stands in ``output_token_ids`` for a token drawn on the device whose value the host has not read yet (a step
+launched before the previous one's tokens came back): never a vocabulary id."""
+
+
 class SequenceStatus(str, Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -66,6 +71,10 @@ class Sequence:
     decoding); set before each schedule. Never part of ``token_ids``, the prefix cache or the outputs."""
     is_padding: bool = False
     """Static/dynamic batching only: finished, but still occupying its slot in the group."""
+    num_pending_tokens: int = 0
+    """The last output tokens that are ``PENDING_TOKEN`` until the step that drew them is read (at most one when
+    a step is scheduled): they count in the sequence's length, its next step computes them, but no output
+    reports them yet."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -89,6 +98,23 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_known_output_tokens(self) -> int:
+        """The output tokens whose values are known: all but the pending ones at the end."""
+        return len(self.output_token_ids) - self.num_pending_tokens
+
+    def truncate_output(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` output tokens (a stop among them): the ones after go, pending ones too."""
+        num_cut = len(self.output_token_ids) - num_tokens
+        del self.output_token_ids[num_tokens:]
+        self.num_pending_tokens -= min(num_cut, self.num_pending_tokens)
+
+    def drop_pending_tokens(self) -> None:
+        """Forget the pending tokens (the sequence finished before anyone needed them)."""
+        if self.num_pending_tokens:
+            del self.output_token_ids[-self.num_pending_tokens:]
+            self.num_pending_tokens = 0
 
     @property
     def is_finished(self) -> bool:

@@ -244,3 +244,40 @@ def test_a_scheduled_sequences_logit_row_is_fixed_when_scheduled() -> None:
     seq.is_padding = True
     assert not chunk.needs_logits
     assert ScheduledSeq(seq, num_new_tokens=4).needs_logits
+
+
+def test_scheduling_ahead_with_pending_tokens() -> None:
+    """A launched step's sampled tokens are pending: the next step is scheduled over them, blocks holding one are
+    not hashed, a sequence preempted with one waits until it is read, and finishing drops it."""
+    from scheduler.sequence import PENDING_TOKEN
+
+    sched = make_scheduler(num_blocks=3, block_size=4, max_num_seqs=2)
+    a, b = make_seq("a", 7, max_tokens=8), make_seq("b", 3, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    sched.advance_launched(first)
+    assert a.output_token_ids == [PENDING_TOKEN] and a.num_pending_tokens == 1 and a.num_known_output_tokens == 0
+    assert len(a.block_hashes) == 1  # the full prompt block: no pending token in it
+    # The next step is scheduled before the first one's tokens are read: each decodes its pending token.
+    second = sched.schedule()
+    assert [(s.seq, s.token_ids) for s in second.scheduled] == [(a, [PENDING_TOKEN]), (b, [PENDING_TOKEN])]
+    sched.advance_launched(second)
+    assert a.num_computed_tokens == 8 and a.output_token_ids == [PENDING_TOKEN, PENDING_TOKEN]
+    assert len(a.block_hashes) == 1, "the block ending in a pending token is not hashed yet"
+    sched.resolve(a, 0, 41)
+    assert a.output_token_ids == [41, PENDING_TOKEN] and len(a.block_hashes) == 2
+    sched.resolve(b, 0, 42)
+    # Out of blocks: b (admitted last) is preempted, its second token still pending; it is not re-admitted
+    # before that token is read, then is.
+    third = sched.schedule()
+    assert third.preempted == [b] and b.num_pending_tokens == 1
+    sched.advance_launched(third)
+    sched.finish(a, FinishReason.STOP)
+    assert a.output_token_ids == [41] and a.num_pending_tokens == 0
+    assert sched.schedule().is_empty
+    sched.resolve(b, 1, 43)
+    fourth = sched.schedule()
+    assert [s.seq for s in fourth.scheduled] == [b]
+    resumed = fourth.scheduled[0]
+    assert resumed.token_ids == (b.prompt_token_ids + [42, 43])[resumed.start_pos:]

@@ -26,15 +26,15 @@ from scheduler.block_manager import BlockManager
 from scheduler.params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
-from scheduler.scheduler_output import SchedulerOutput
-from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput
+from scheduler.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.model_runner import ModelRunner, StepSeq
+from worker.engine.model_runner import ModelRunner, StepSeq, TokenFeed
 from worker.engine.prompt_input import check_token_ids, max_prompt_chars, prompt_token_ids
 from worker.engine.records import EngineStats
 from worker.engine.request_state import Completion, RequestOutput, RequestState
-from worker.engine.sampler import SampledToken, SampleRequest, Sampler
+from worker.engine.sampler import DrawnTokens, SampledToken, SampleRequest, Sampler
 from worker.engine.speculation import Proposer, Speculator, parse_speculative
 from worker.engine.text_decoder import text_decoder_for
 from worker.engine.token_strings import TokenStrings
@@ -67,11 +67,24 @@ def _check_device_available(device: str) -> None:
 
 
 @dataclass
+class _Drawn:
+    """A launched step's tokens, drawn on the device and not read by the host yet (scheduling ahead)."""
+
+    tokens: DrawnTokens
+    sampling: list[ScheduledSeq]
+    states: list[RequestState]
+    indices: list[int]
+    """Where each sequence's pending token sits in its output."""
+
+
+@dataclass
 class _InFlight:
-    """A step whose forward was launched and whose tokens are not sampled yet."""
+    """A step whose forward was launched and whose tokens are not read yet: not drawn (`drawn` None), or drawn
+    on the device when the engine schedules ahead."""
 
     scheduled: SchedulerOutput
     logits: torch.Tensor
+    drawn: _Drawn | None = None
 
 
 class Engine:
@@ -139,6 +152,10 @@ class Engine:
         self.async_scheduling = (
             self.runner.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
         )
+        self.schedules_ahead = self.async_scheduling and self.speculator is None
+        """The next step is scheduled and launched before this one's tokens reach the host, its inputs fed from
+        the tokens drawn on the device; with proposals to verify (how many are accepted decides the next step's
+        tokens), the engine reads each step's tokens before scheduling the next."""
         self._in_flight: _InFlight | None = None
         self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []
@@ -216,14 +233,24 @@ class Engine:
         """Run one iteration; one output per request that got a token or finished.
 
         With `async_scheduling` the forward of the step scheduled here runs on
-        the device while the host turns the previous step's tokens into
-        outputs (detokenization, stop checks); a request that stops is then
-        computed one token further, and that token is dropped.
+        the device while the host reads the previous step's tokens and turns
+        them into outputs (detokenization, stop checks): the step is scheduled
+        and launched before those tokens reach the host, its inputs fed from
+        them on the device (`schedules_ahead`; with proposals to verify, after
+        the host has read them). A request that stops is then computed one
+        token further, and that token is dropped.
         """
         start_s = time.perf_counter()
         outputs, self._pending = self._pending, []
         with on_device(self.config.device):
-            if self.async_scheduling:
+            if self.schedules_ahead:
+                previous, self._in_flight = self._in_flight, None
+                scheduled = self.scheduler.schedule()
+                if not scheduled.is_empty:
+                    self._in_flight = self._launch_drawn(scheduled, previous)
+                if previous is not None:
+                    outputs.extend(self._postprocess(self._read(previous)))
+            elif self.async_scheduling:
                 done = self._complete(self._in_flight) if self._in_flight is not None else []
                 self._in_flight = None
                 scheduled = self._schedule()
@@ -272,7 +299,81 @@ class Engine:
         ]
         return _InFlight(scheduled, self.runner.execute(batch))
 
-    def _complete(self, step: _InFlight) -> list[tuple[Sequence, RequestState, list[SampledToken]]]:
+    def _launch_drawn(self, scheduled: SchedulerOutput, previous: _InFlight | None) -> _InFlight:
+        """Start the step's forward and draw its tokens on the device, then advance the sequences past them
+        (as pending tokens), all without waiting for the device; input tokens drawn by `previous` and not read
+        yet come from the device."""
+        for seq in scheduled.preempted:
+            self._release(seq.request_id)
+        batch = [
+            StepSeq(s.token_ids, s.start_pos, s.seq.block_table, s.needs_logits, s.seq.request_id)
+            for s in scheduled.scheduled
+        ]
+        logits = self.runner.execute(batch, self._feed(scheduled.scheduled, batch, previous))
+        with_logits = [s for s in scheduled.scheduled if s.needs_logits]
+        chosen = [i for i, s in enumerate(with_logits) if s.is_sampling]
+        sampling = [with_logits[i] for i in chosen]
+        drawn = None
+        if sampling:
+            states = [self._requests[s.seq.request_id] for s in sampling]
+            requests = [self._sample_request(s.seq, state) for s, state in zip(sampling, states)]
+            # Usually every row samples (all decodes): no gather of the rows then.
+            rows = logits if len(chosen) == logits.shape[0] else logits[chosen]
+            drawn = _Drawn(self.sampler.launch(rows, requests), sampling, states,
+                           [s.seq.num_output_tokens for s in sampling])
+        self.scheduler.advance_launched(scheduled)
+        return _InFlight(scheduled, logits, drawn)
+
+    @staticmethod
+    def _feed(scheduled: list[ScheduledSeq], batch: list[StepSeq], previous: _InFlight | None) -> TokenFeed | None:
+        """Where the step's input holds a pending token, the row of `previous`'s drawn tokens that fills it."""
+        drawn = previous.drawn if previous is not None else None
+        row_of = {s.seq: i for i, s in enumerate(drawn.sampling)} if drawn is not None else {}
+        positions: list[int] = []
+        rows: list[int] = []
+        offset = 0
+        for s, step_seq in zip(scheduled, batch):
+            if s.seq.num_pending_tokens:
+                # Only the last step can have drawn a token still pending: earlier ones were read.
+                row = row_of[s.seq]
+                for i, token in enumerate(step_seq.token_ids):
+                    if token == PENDING_TOKEN:
+                        positions.append(offset + i)
+                        rows.append(row)
+            offset += len(step_seq.token_ids)
+        if not positions:
+            return None
+        assert drawn is not None
+        return TokenFeed(positions, drawn.tokens.token_ids, rows)
+
+    def _read(self, step: _InFlight) -> list[tuple[Sequence, RequestState, list[SampledToken], int]]:
+        """Read the step's drawn tokens and put their values in place of the pending ones; sequences that
+        finished or were aborted since the launch are left out, their tokens dropped."""
+        drawn = step.drawn
+        if drawn is None:
+            return []
+        done = []
+        for s, state, index, token in zip(drawn.sampling, drawn.states, drawn.indices,
+                                          self.sampler.collect(drawn.tokens)):
+            if s.seq.is_finished:
+                continue
+            self.scheduler.resolve(s.seq, index, token.token_id)
+            done.append((s.seq, state, [token], index))
+        return done
+
+    @staticmethod
+    def _sample_request(seq: Sequence, state: RequestState) -> SampleRequest:
+        """What the sampler needs of `seq` for the token after its known ones (pending ones included)."""
+        return SampleRequest(
+            request_id=seq.request_id,
+            params=seq.params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            position=seq.num_tokens,
+            suppress_token_ids=state.suppress_token_ids(),
+        )
+
+    def _complete(self, step: _InFlight) -> list[tuple[Sequence, RequestState, list[SampledToken], int]]:
         """Sample the step's tokens and advance its sequences; those that finished or were aborted since it was
         launched (only with async scheduling) are left out, their tokens dropped.
 
@@ -286,17 +387,7 @@ class Engine:
         states = [self._requests[s.seq.request_id] for s in sampling]
         sampled: list[list[SampledToken]] = []
         if sampling:
-            requests = [
-                SampleRequest(
-                    request_id=s.seq.request_id,
-                    params=s.seq.params,
-                    prompt_token_ids=s.seq.prompt_token_ids,
-                    output_token_ids=s.seq.output_token_ids,
-                    position=s.seq.num_tokens,
-                    suppress_token_ids=state.suppress_token_ids(),
-                )
-                for s, state in zip(sampling, states)
-            ]
+            requests = [self._sample_request(s.seq, state) for s, state in zip(sampling, states)]
             rows = [r for i in chosen for r in range(first_rows[i], first_rows[i + 1])]
             logits = step.logits
             # Usually every row samples (all decodes): no gather of the rows then.
@@ -313,20 +404,22 @@ class Engine:
         if self.speculator is not None:
             for s, tokens in zip(sampling, sampled):
                 self.speculator.verified(s.seq, s.num_spec_tokens, len(tokens) - 1)
-        return [(s.seq, state, tokens) for s, state, tokens in zip(sampling, states, sampled)]
+        return [(s.seq, state, tokens, s.seq.num_output_tokens - len(tokens))
+                for s, state, tokens in zip(sampling, states, sampled)]
 
-    def _postprocess(self, done: list[tuple[Sequence, RequestState, list[SampledToken]]]) -> list[RequestOutput]:
-        """Stop checks and detokenization of sampled tokens; finished requests leave the scheduler.
+    def _postprocess(self, done: list[tuple[Sequence, RequestState, list[SampledToken], int]]) -> list[RequestOutput]:
+        """Stop checks and detokenization of sampled tokens, each sequence's first at output index `num_before`;
+        finished requests leave the scheduler.
 
-        Several tokens of one step are checked in order; the ones after a stop are cut from the output.
+        Several tokens of one step are checked in order; the ones after a stop are cut from the output (and so
+        is a pending token drawn after it).
         """
         outputs = []
-        for seq, state, tokens in done:
-            num_before = seq.num_output_tokens - len(tokens)
+        for seq, state, tokens, num_before in done:
             for i, token in enumerate(tokens):
                 decision = state.on_token(token, num_before + i + 1)
                 if decision is not None:
-                    del seq.output_token_ids[num_before + i + 1:]
+                    seq.truncate_output(num_before + i + 1)
                     self.scheduler.finish(seq, decision.reason, decision.stop_reason)
                     del self._requests[seq.request_id]
                     self._release(seq.request_id)

@@ -38,9 +38,9 @@ from worker.engine.graph_runner import (
 from worker.engine.kernel_checks import check_cpu_decode_attention, check_cpu_model_ops, check_paged_attention
 from worker.engine.models import CausalLM, choose_model_impl, load_causal_lm
 from worker.engine.models.quantization import check_device_supports, parse_quantization
-from worker.engine.step_inputs import StepInputs, StepSeq, StepShape
+from worker.engine.step_inputs import StepInputs, StepSeq, StepShape, TokenFeed
 
-__all__ = ["ModelRunner", "StepSeq"]
+__all__ = ["ModelRunner", "StepSeq", "TokenFeed"]
 
 log = logging.getLogger(__name__)
 
@@ -278,9 +278,10 @@ class ModelRunner:
         return min(budget // block_bytes, max_seqs * blocks_per_seq)
 
     @torch.inference_mode()
-    def execute(self, batch: list[StepSeq]) -> torch.Tensor:
+    def execute(self, batch: list[StepSeq], feed: TokenFeed | None = None) -> torch.Tensor:
         """One forward over every sequence's new tokens; float32 logits `[num needs_logits, vocab]`.
 
+        `feed` gives input tokens still on the device (drawn by the step before, not read by the host yet).
         The logits of a replayed step live in the graph's own buffer: read them before the next step.
         """
         assert batch, "a step runs at least one sequence"
@@ -289,10 +290,16 @@ class ModelRunner:
             padded = graphs.padded_size(len(batch))
             if padded is not None:
                 self.inputs.prepare(batch, pad_to=padded, gather_table=False)
+                self._feed(feed)
                 self.num_replayed_steps += 1
                 return graphs.replay(padded)[: len(batch)]
         shape = self.inputs.prepare(batch)
+        self._feed(feed)
         return self._forward(shape, batch)
+
+    def _feed(self, feed: TokenFeed | None) -> None:
+        if feed is not None and feed.positions:
+            self.inputs.feed_tokens(feed.positions, feed.tokens, feed.rows)
 
     def _forward(self, shape: StepShape, batch: list[StepSeq]) -> torch.Tensor:
         inputs = self.inputs

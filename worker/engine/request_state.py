@@ -173,7 +173,7 @@ class RequestState:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             all_token_ids=seq.output_token_ids,
-            num_token_ids=len(seq.output_token_ids),
+            num_token_ids=seq.num_known_output_tokens,
             all_logprobs=self.logprobs,
             num_logprobs=len(self.logprobs) if self.logprobs is not None else 0,
         )

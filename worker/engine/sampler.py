@@ -15,7 +15,9 @@ one uniform number per row rather than an exponential per token, which
 for a vocabulary of 100k tokens is most of the draw's time there.
 
 All of it runs on the logits' device; the host learns the step's results by
-one copy at the end (`Sampler._fetch`), and waits only there.
+one copy at the end, started by `Sampler.launch` and waited for by
+`Sampler.collect`, so that a next step can be launched in between (fed the
+drawn ids on the device).
 """
 
 from __future__ import annotations
@@ -47,6 +49,26 @@ class SampleRequest:
     """Absolute position of the token being sampled; keys the seeded draw."""
     suppress_token_ids: list[int]
     """Ids that must not be drawn this step (stop/EOS tokens before min_tokens)."""
+
+
+@dataclass
+class DrawnTokens:
+    """A step's tokens drawn on the device, on their way to the host (`Sampler.collect` reads them)."""
+
+    token_ids: torch.Tensor
+    """`[rows]` int64 on the device: a next step can take its inputs from here before the host knows them."""
+    host: torch.Tensor
+    """Where the packed results land (pinned memory on CUDA; the packed tensor itself on a CPU)."""
+    copied: torch.cuda.Event | None
+    """Recorded after the copy to `host` on CUDA."""
+    params: list[SamplingParams]
+    """Each row's parameters."""
+    num_top: int | None
+    request_ids: list[str]
+    num_outputs: list[int]
+    """Each request's output length counting the drawn token (the penalty rows' record of it)."""
+    first_rows: list[int]
+    """Each request's first row."""
 
 
 @dataclass
@@ -119,8 +141,7 @@ class Sampler:
             self._generator.manual_seed(seed)
         self._token_keys = token_keys(vocab_size, self.device)
         self._noise_rows_per_chunk = None if self.device.type == "cuda" else CPU_NOISE_CHUNK_ELEMENTS // vocab_size
-        self._host = torch.empty(0, dtype=torch.float64)
-        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._is_cuda = self.device.type == "cuda"
 
     def release(self, request_id: str) -> None:
         """Free the request's row (no-op for an unknown id)."""
@@ -157,8 +178,17 @@ class Sampler:
         return accepted
 
     def _sample(self, logits: torch.Tensor, requests: list[SampleRequest], counts: list[int]) -> list[SampledToken]:
-        """`counts[i]` rows of `logits` belong to request `i`, at its position and the ones after it; a request
-        with penalties or suppressed ids has one."""
+        return self.collect(self.launch(logits, requests, counts))
+
+    def launch(self, logits: torch.Tensor, requests: list[SampleRequest],
+               counts: list[int] | None = None) -> DrawnTokens:
+        """Draw the tokens on the device and start their copy to the host, without waiting: `collect` reads them,
+        and the drawn ids (`DrawnTokens.token_ids`) can feed a next step's inputs before then.
+
+        `counts[i]` rows of `logits` (default one) belong to request `i`, at its position and the ones after it;
+        a request with penalties or suppressed ids has one.
+        """
+        counts = counts if counts is not None else [1] * len(requests)
         num_rows = sum(counts)
         assert logits.ndim == 2 and logits.shape == (num_rows, self.vocab_size), (logits.shape, num_rows)
         request_rows = self._rows.assign(requests)
@@ -173,7 +203,7 @@ class Sampler:
         suppress_rows, suppress_ids = [row for row, _ in suppressed], [t for _, t in suppressed]
         parts = [row_index, positions, suppress_rows, suppress_ids]
         step = to_device([v for part in parts for v in part], torch.int64, self.device)
-        rows, positions, suppress_rows_t, suppress_ids_t = step.split([len(p) for p in parts])
+        rows, positions_t, suppress_rows_t, suppress_ids_t = step.split([len(p) for p in parts])
         floats, ints = self._rows.floats[rows], self._rows.ints[rows]
 
         logits = logits.float()
@@ -193,17 +223,38 @@ class Sampler:
         if all(p.is_greedy for p in params):
             final, token_ids = logits, logits.argmax(dim=-1)
         else:
-            final, token_ids = self._draw(logits, params, floats, ints, positions)
+            final, token_ids = self._draw(logits, params, floats, ints, positions_t)
         if has_penalties:
             self._rows.count_sampled(rows, token_ids, ints[:, IS_PENALISED])
-        num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        values = self._fetch(_packed(final, token_ids, num_top))
-        ids = [int(v) for v in values[:num_rows]]
         # Penalty counts follow the first row of each request: the only one of a request with penalties.
-        self._rows.note_sampled(requests, [ids[i] for i in first_rows[:-1]])
-        if num_top is None:
+        self._rows.note_drawn(requests)
+        num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        packed = _packed(final, token_ids, num_top)
+        if not self._is_cuda:
+            host, copied = packed, None
+        else:
+            # A pinned block per step from torch's caching host allocator, which hands it out again only once its
+            # copy is done: a step launched before the last one's tokens were read cannot overwrite them.
+            host = torch.empty(packed.numel(), dtype=torch.float64, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return DrawnTokens(token_ids=token_ids, host=host, copied=copied, params=params, num_top=num_top,
+                           request_ids=[r.request_id for r in requests],
+                           num_outputs=[len(r.output_token_ids) + 1 for r in requests], first_rows=first_rows)
+
+    def collect(self, drawn: DrawnTokens) -> list[SampledToken]:
+        """The drawn tokens on the host, one per row: waits for their copy (the step's only wait)."""
+        if drawn.copied is not None:
+            drawn.copied.synchronize()
+        values = drawn.host.tolist()
+        num_rows = len(drawn.params)
+        ids = [int(v) for v in values[:num_rows]]
+        for request_id, num_output, row in zip(drawn.request_ids, drawn.num_outputs, drawn.first_rows):
+            self._rows.note_read(request_id, num_output, ids[row])
+        if drawn.num_top is None:
             return [SampledToken(token_id=t, logprob=None, top_logprobs=None) for t in ids]
-        return _unpacked(values, ids, params, num_top)
+        return _unpacked(values, ids, drawn.params, drawn.num_top)
 
     def _draw(
         self, logits: torch.Tensor, params: list[SamplingParams],
@@ -243,19 +294,6 @@ class Sampler:
         if not any(p.is_greedy for p in params):
             return filtered, drawn
         return torch.where(is_greedy, logits, filtered), torch.where(is_greedy.squeeze(-1), logits.argmax(dim=-1), drawn)
-
-    def _fetch(self, packed: torch.Tensor) -> list[float]:
-        """The step's one device-to-host copy, and the wait for it."""
-        if self._copied is None:
-            return packed.tolist()
-        if self._host.numel() < packed.numel():
-            self._host = torch.empty(2 * packed.numel(), dtype=torch.float64, pin_memory=True)
-        # Reusing the buffer is safe: the last step read it after waiting for its copy.
-        host = self._host[: packed.numel()]
-        host.copy_(packed, non_blocking=True)
-        self._copied.record()
-        self._copied.synchronize()
-        return host.tolist()
 
 
 def _packed(final: torch.Tensor, token_ids: torch.Tensor, num_top: int | None) -> torch.Tensor:

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from scheduler.params import SamplingParams
+from scheduler.sequence import PENDING_TOKEN
 
 # Columns of the float parameter rows.
 TEMPERATURE, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(6)
@@ -113,13 +114,21 @@ class SamplingRows:
         if self.output_counts is not None:
             self.output_counts.index_put_((rows, token_ids), is_penalised.to(torch.int32), accumulate=True)
 
-    def note_sampled(self, requests: Sequence[RowRequest], token_ids: list[int]) -> None:
-        """The host's record of what `count_sampled` added, once the tokens are known."""
-        for request, token in zip(requests, token_ids):
+    def note_drawn(self, requests: Sequence[RowRequest]) -> None:
+        """The host's record of what `count_sampled` added: one more token each, its value not known yet
+        (`PENDING_TOKEN`, as the request's output list holds it until then)."""
+        for request in requests:
             row = self._rows[request.request_id]
             if request.params.has_penalties and row.num_counted == len(request.output_token_ids):
                 row.num_counted += 1
-                row.last_token = token
+                row.last_token = PENDING_TOKEN
+
+    def note_read(self, request_id: str, num_output: int, token_id: int) -> None:
+        """The value of the request's output token `num_output - 1`, drawn earlier, is known; the row's record
+        takes it when that is still the last token it counted."""
+        row = self._rows.get(request_id)
+        if row is not None and row.num_counted == num_output:
+            row.last_token = token_id
 
     def _counts_match(self, request: RowRequest) -> bool:
         row = self._rows[request.request_id]
@@ -143,6 +152,7 @@ class SamplingRows:
             self.prompt_seen = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=self.device)
             self.output_counts = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.int32, device=self.device)
         rows = [self._rows[r.request_id] for r in requests]
+        assert all(PENDING_TOKEN not in r.output_token_ids for r in requests), "counts rebuilt over a pending token"
         # One transfer: the rows, then (row, id) pairs of the prompts, then of the outputs.
         prompt_rows = [row.index for row, r in zip(rows, requests) for _ in r.prompt_token_ids]
         output_rows = [row.index for row, r in zip(rows, requests) for _ in r.output_token_ids]

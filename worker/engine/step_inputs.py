@@ -40,6 +40,16 @@ class StepSeq:
     num_spec_tokens: int = 0
 
 
+@dataclass
+class TokenFeed:
+    """Input tokens of a step that are on the device only: entry `positions[i]` of the step's input ids (its
+    sequences' tokens in batch order) is `tokens[rows[i]]`."""
+
+    positions: list[int]
+    tokens: torch.Tensor
+    rows: list[int]
+
+
 @dataclass(frozen=True)
 class StepShape:
     """A step's sizes, known on the host without reading the device."""
@@ -170,6 +180,17 @@ class StepInputs:
             self.gather_table(num_seqs)
         return StepShape(num_seqs=num_seqs, num_tokens=num_tokens, num_logits=len(logit_rows),
                          max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+
+    def feed_tokens(self, positions: list[int], tokens: torch.Tensor, rows: list[int]) -> None:
+        """Input id `positions[i]` of the step just prepared is `tokens[rows[i]]`, on the device: tokens an
+        earlier step drew whose values the host has not read (it staged a placeholder there)."""
+        index = torch.tensor(positions + rows, dtype=torch.int64)
+        if self.device.type == "cuda":
+            # A pinned block from the caching host allocator, held until its copy is done.
+            index = index.pin_memory()
+        index = index.to(self.device, non_blocking=True)
+        n = len(positions)
+        self.view("input_ids", self.max_num_tokens).index_copy_(0, index[:n], tokens.index_select(0, index[n:]))
 
     def gather_table(self, num_seqs: int) -> None:
         """`step_table[i] = table[rows[i]]` for the step's sequences, on the device."""
