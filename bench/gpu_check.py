@@ -47,6 +47,7 @@ from typing import Any
 
 KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_paged_decode.py",
                 "tests/kernels/test_kernels_torch.py", "tests/kernels/test_kernels_model.py",
+                "tests/kernels/test_quantized_matmul.py",
                 "tests/worker/engine/test_engine_triton.py", "tests/worker/engine/test_graph_runner.py",
                 "tests/worker/engine/test_own_models.py",
                 "tests/worker/engine/test_speculative.py::test_greedy_ngram_through_the_triton_kernels"]

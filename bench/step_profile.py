@@ -37,10 +37,10 @@ from worker.engine.startup_heap import freeze_startup_heap
 
 # Host calls that put work on the GPU: one per kernel launched eagerly, one per graph replayed.
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
-# Pieces of the names of the kernels torch's matrix products run on NVIDIA GPUs: cuBLAS's GEMM and GEMV kernels
+# Pieces of the names of the kernels matrix products run on NVIDIA GPUs: cuBLAS's GEMM and GEMV kernels
 # (`sm90_xmma_gemm_...`, `gemv2T_kernel_val`, `splitKreduce_kernel` of a split-K product), cuBLASLt's
-# `nvjet_...` and CUTLASS's.
-MATMUL_KERNEL_MARKERS = ("gemm", "gemv", "splitkreduce", "nvjet", "cutlass", "xmma")
+# `nvjet_...`, CUTLASS's, and the quantized weights' Triton kernels (`kernels/quantized_matmul.py`).
+MATMUL_KERNEL_MARKERS = ("gemm", "gemv", "splitkreduce", "nvjet", "cutlass", "xmma", "quantized_matmul")
 MODES = ("eager", "graphs")
 
 

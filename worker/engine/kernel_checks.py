@@ -9,6 +9,8 @@ a failure runs the plain-torch path instead, with a log line saying why.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kernels.model_ops_cpu import CpuModelOps
@@ -94,6 +96,31 @@ def check_model_kernels(device: torch.device, dtype: torch.dtype, hidden: int, i
         want_q = rope_store_kv_reference(q, k, v, cos, sin, expected[0], expected[1], slots)
         if not (_close(got_q, want_q, dtype) and all(_close(a, b, dtype) for a, b in zip(caches, expected))):
             return "RoPE with the KV write differs from its reference"
+    except Exception as e:  # a compile or launch failure on this GPU
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def check_quantized_matmul(device: torch.device, dtype: torch.dtype, storage: torch.dtype,
+                           shapes: Sequence[tuple[int, int]]) -> str | None:
+    """None when the quantized matmul kernel gives its reference's results for `(out, in)` weights of each of
+    `shapes` held in `storage` (int8 or float8_e4m3fn), at a row count of each of its block sizes, else why not."""
+    from kernels.quantized_matmul import MAX_ROWS, quantized_matmul, quantized_matmul_reference
+
+    try:
+        # Drawn on the device: a model's matrices are tens of millions of values.
+        gen = torch.Generator(device=device).manual_seed(2)
+        for n, k in shapes:
+            if storage == torch.int8:
+                data = torch.randint(-127, 128, (n, k), generator=gen, device=device, dtype=torch.int8)
+            else:
+                data = (100 * torch.randn((n, k), generator=gen, device=device)).clamp(-448, 448).to(storage)
+            scales = (1e-3 + 1e-2 * torch.rand(n, generator=gen, device=device)).to(dtype)
+            # One row (a mostly masked row tile), and rows for the 32- and 64-row tiles.
+            for m in (1, 17, MAX_ROWS):
+                x = torch.randn((m, k), generator=gen, device=device).to(dtype)
+                if not _close(quantized_matmul(x, data, scales), quantized_matmul_reference(x, data, scales), dtype):
+                    return f"the quantized matmul differs from its reference for [{m}, {k}] x [{n}, {k}]^T"
     except Exception as e:  # a compile or launch failure on this GPU
         return f"{type(e).__name__}: {e}"
     return None

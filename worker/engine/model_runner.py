@@ -98,7 +98,8 @@ class ModelRunner:
         `cuda_graphs` records decode steps as CUDA graphs (None: on for CUDA with the Triton backend);
         `model_impl` picks carpool's own model (`carpool`, the Llama family), transformers' (`transformers`),
         or the first by the checkpoint's architecture (`auto`); `model_kernels` has carpool's models use their
-        fused Triton kernels (default: on CUDA; on CPU only under TRITON_INTERPRET=1, for tests); `quantization`
+        fused Triton kernels, and quantized weights on CUDA the quantized matmul kernel (default: on CUDA; on CPU
+        only under TRITON_INTERPRET=1, for tests); `quantization`
         (`int8`, `fp8`) holds carpool's models' linear weights quantized per output channel (None: in `dtype`);
         `cpu_kernels` has the torch backend attend decoding sequences with the compiled C kernel of
         `kernels/paged_attention_cpu.py` (None: where it builds and passes its check; True: or fail)."""

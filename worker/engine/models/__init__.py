@@ -79,9 +79,10 @@ class TransformersModel:
 def load_causal_lm(path: str, config: PretrainedConfig, impl: ModelImpl, dtype: torch.dtype,
                    device: torch.device, max_positions: int, use_kernels: bool | None = None,
                    quantization: Quantization | None = None, cpu_ops: CpuModelOps | None = None) -> CausalLM:
-    """`use_kernels`: carpool's models use the fused Triton kernels (default: on CUDA); `quantization`: how their
-    linear weights are held (None: in `dtype`); `cpu_ops`: the same fusions compiled for the CPU, for carpool's
-    models in fp32 on CPU."""
+    """`use_kernels`: carpool's models use the fused Triton kernels, and quantized layers of either
+    implementation the quantized matmul kernel on CUDA, each where it passes its start-up check (default: on
+    CUDA); `quantization`: how their linear weights are held (None: in `dtype`); `cpu_ops`: the same fusions
+    compiled for the CPU, for carpool's models in fp32 on CPU."""
     if impl is ModelImpl.CARPOOL:
         return LlamaFamilyModel(config, read_safetensors(path), dtype, device, max_positions, use_kernels,
                                 quantization, cpu_ops)
@@ -93,7 +94,8 @@ def load_causal_lm(path: str, config: PretrainedConfig, impl: ModelImpl, dtype: 
     # `self`, so mypy takes the device for the model.
     model.to(device).eval()  # type: ignore[arg-type]
     model.requires_grad_(False)
-    if quantization is not None and quantize_linear_layers(model, quantization) == 0:
+    wants_kernels = device.type == "cuda" if use_kernels is None else use_kernels
+    if quantization is not None and quantize_linear_layers(model, quantization, wants_kernels) == 0:
         raise ValueError(f"quantization: {type(model).__name__} has no torch.nn.Linear layers to hold as "
                          f"{quantization.value}")
     return TransformersModel(model)

@@ -11,8 +11,9 @@ the same fusions compiled from C on CPU in fp32 (`kernels/model_ops_cpu.py`,
 one forward's calls checked once per step, with the compiled attention
 called directly for decodes), and their torch references otherwise. With a
 `quantization` the four layer matrices are held as int8 or fp8 with per-row
-scales (`worker.engine.models.quantization`); embeddings, norms and lm_head stay in
-the model's dtype. Attention goes
+scales (`worker.engine.models.quantization`), multiplied on CUDA at decode
+sizes by the Triton kernel of `kernels/quantized_matmul.py`; embeddings,
+norms and lm_head stay in the model's dtype. Attention goes
 through the same paged attention as the transformers path
 (`worker.engine.attention`). The arithmetic follows transformers' modules step for
 step (fp32 RMSNorm, RoPE tables computed the same way, the same roundings),
@@ -38,7 +39,13 @@ from kernels.rope_kv import rope_store_kv
 from worker.engine.attention import PagedAttentionMetadata, attend_cached, paged_attention
 from worker.engine.kernel_checks import check_model_kernels
 from worker.engine.models.packed import PackedWeight, can_pack, pack_verified
-from worker.engine.models.quantization import LinearWeight, Quantization, linear, quantize_weight
+from worker.engine.models.quantization import (
+    LinearWeight,
+    Quantization,
+    can_use_quantized_kernel,
+    linear,
+    quantize_weight,
+)
 from worker.engine.models.rope import RotaryEmbedding, apply_rope
 
 log = logging.getLogger(__name__)
@@ -72,8 +79,9 @@ class LlamaFamilyModel:
                  device: torch.device, max_positions: int, use_kernels: bool | None = None,
                  quantization: Quantization | None = None, cpu_ops: CpuModelOps | None = None) -> None:
         """`use_kernels`: the fused Triton kernels of `kernels/norm_act.py` and `kernels/rope_kv.py` (default:
-        on CUDA); otherwise `cpu_ops`, the same fusions compiled for the CPU (`kernels/model_ops_cpu.py`), when
-        given for an fp32 model on CPU; otherwise their plain-torch references. `quantization`: how qkv, o,
+        on CUDA), and on CUDA the quantized matmul of `kernels/quantized_matmul.py`, each where it passes its
+        start-up check; otherwise `cpu_ops`, the same fusions compiled for the CPU (`kernels/model_ops_cpu.py`),
+        when given for an fp32 model on CPU; otherwise their plain-torch references. `quantization`: how qkv, o,
         gate_up and down are held (None: in `dtype`)."""
         arch = (config.architectures or [""])[0]
         if arch not in ARCHITECTURES:
@@ -84,7 +92,8 @@ class LlamaFamilyModel:
         self.dtype = dtype
         self.device = device
         self.quantization = quantization
-        self.use_kernels = device.type == "cuda" if use_kernels is None else use_kernels
+        wants_kernels = device.type == "cuda" if use_kernels is None else use_kernels
+        self.use_kernels = wants_kernels
         if self.use_kernels:
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
             failure = check_model_kernels(device, dtype, config.hidden_size, config.intermediate_size,
@@ -112,6 +121,8 @@ class LlamaFamilyModel:
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.use_quantized_kernel = quantization is not None and wants_kernels and can_use_quantized_kernel(
+            device, dtype, quantization, self._matrix_shapes(config.hidden_size, config.intermediate_size))
         self.eps: float = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
         self.rope = RotaryEmbedding(config, self.head_dim, max_positions, dtype, device)
@@ -181,6 +192,14 @@ class LlamaFamilyModel:
             log.info("fp32 weights packed for oneDNN at load, plain copies kept for one-row products (+%d MiB)",
                      extra >> 20)
 
+    def _matrix_shapes(self, hidden: int, intermediate: int) -> list[tuple[int, int]]:
+        """`(out, in)` of a layer's qkv, o, gate_up and down matrices."""
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [(q_size + 2 * kv_size, hidden), (hidden, q_size), (2 * intermediate, hidden), (hidden, intermediate)]
+
+    def _linear(self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, weight, bias, self.use_quantized_kernel)
+
     @property
     def matrix_nbytes(self) -> int:
         """Bytes of the matrices a decode step reads once each, every layer's four and lm_head: the floor of a
@@ -208,7 +227,7 @@ class LlamaFamilyModel:
             x, residual = add_rms_norm(hidden, residual, layer.input_norm, self.eps)
             x = self._attention(i, layer, x, cos, sin, metadata, step)
             x, residual = add_rms_norm(x, residual, layer.post_norm, self.eps)
-            hidden = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down)
+            hidden = self._linear(silu_and_mul(self._linear(x, layer.gate_up)), layer.down)
         assert residual is not None, "a model has at least one layer"
         if logit_rows is not None:  # fewer rows than the forward's: the checked call
             hidden, residual = hidden.index_select(0, logit_rows), residual.index_select(0, logit_rows)
@@ -220,13 +239,13 @@ class LlamaFamilyModel:
                    metadata: PagedAttentionMetadata, step: CpuForward | None) -> torch.Tensor:
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = linear(x, layer.qkv, layer.qkv_bias)
+        qkv = self._linear(x, layer.qkv, layer.qkv_bias)
         if step is not None and layer.q_norm is None:
             q = step.rope_store_kv(index, qkv)
             out = step.attend(index, q, metadata.max_query_len, self.scale)
             if out is None:
                 out = attend_cached(index, q, metadata, self.scale)
-            return linear(out.view(num_tokens, q_size), layer.o, layer.o_bias)
+            return self._linear(out.view(num_tokens, q_size), layer.o, layer.o_bias)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -244,7 +263,7 @@ class LlamaFamilyModel:
             out = attend_cached(index, q, metadata, self.scale)
         else:
             out = paged_attention(index, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, metadata, self.scale)
-        return linear(out.view(num_tokens, q_size), layer.o, layer.o_bias)
+        return self._linear(out.view(num_tokens, q_size), layer.o, layer.o_bias)
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -14,23 +14,34 @@ KV cache and the logits stay in the model's dtype.
 
 The product is `(x @ data^T) * scale`: the stored values are exact in bf16,
 fp16 and fp32, so the only roundings added are those of the scale multiply.
-On CPU with bf16/fp16 activations an int8 weight whose rows are a multiple
-of 16 long goes through `torch._weight_int8pack_mm` (a vectorized int8
-kernel); elsewhere the weight
-is widened to the activations' dtype for the matmul (its CPU fp32 kernel is
-a scalar loop, its CUDA one fp32-only and untiled). See docs/internals.md.
+On CUDA, a product of at most `MAX_ROWS` rows (a decode step's) runs the
+Triton kernel of `kernels/quantized_matmul.py` when the model asks for it
+(`use_kernel`, on once `can_use_quantized_kernel` has checked the kernel on
+the model's shapes at start-up): it reads the weight in its storage type,
+once, and accumulates in fp32. On CPU with bf16/fp16 activations an int8
+weight whose rows are a multiple of 16 long goes through
+`torch._weight_int8pack_mm` (a vectorized int8 kernel). Elsewhere (more
+rows, where the product is compute-bound, or the kernel off) the weight is
+widened to the activations' dtype for the matmul (torch's own int8 kernel
+is a scalar loop on CPU for fp32, and fp32-only and untiled on CUDA). See
+docs/internals.md.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from kernels.quantized_matmul import MAX_ROWS, quantized_matmul
 from worker.engine.config import QUANTIZATIONS, Quantization
+from worker.engine.kernel_checks import check_quantized_matmul
 from worker.engine.models.packed import PackedWeight, packed_linear
 
+log = logging.getLogger(__name__)
 
 # The largest magnitude each storage type holds; a row's largest weight maps onto it.
 _STORAGE: dict[Quantization, tuple[torch.dtype, float]] = {
@@ -101,19 +112,45 @@ def quantize_weight(weight: torch.Tensor, quantization: Quantization, dtype: tor
     return QuantizedWeight(data.contiguous(), scales.contiguous())
 
 
-def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a plain, packed or quantized weight; the result is in `x`'s dtype."""
+def can_use_quantized_kernel(device: torch.device, dtype: torch.dtype, quantization: Quantization,
+                             shapes: Iterable[tuple[int, int]]) -> bool:
+    """Whether `linear(..., use_kernel=True)` may serve a model on `device`: on CUDA, when the Triton kernel gives
+    its reference's results for weights of each `(out, in)` shape; a failure is logged, and the weights are then
+    widened for each product instead."""
+    if device.type != "cuda":
+        return False
+    failure = check_quantized_matmul(device, dtype, _STORAGE[quantization][0], sorted(set(shapes)))
+    if failure is not None:
+        log.warning("the quantized matmul kernel failed its start-up check (%s); quantized weights are widened "
+                    "for each product instead", failure)
+        return False
+    return True
+
+
+def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None,
+           use_kernel: bool = False) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a plain, packed or quantized weight; the result is in `x`'s dtype.
+
+    `use_kernel`: a quantized weight multiplies at most `MAX_ROWS` rows with the Triton kernel (the caller has
+    checked it with `can_use_quantized_kernel`)."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
     if isinstance(weight, PackedWeight):
         return packed_linear(x, weight, bias)
-    if (weight.data.dtype == torch.int8 and x.device.type == "cpu" and x.dtype in _INT8_KERNEL_DTYPES
-            and weight.shape[1] % _INT8_KERNEL_ROW_MULTIPLE == 0):
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch._weight_int8pack_mm(flat, weight.data, weight.scales).view(*x.shape[:-1], weight.shape[0])
-    else:
-        out = F.linear(x, weight.data.to(x.dtype)) * weight.scales
+    out = _quantized_product(x, weight, use_kernel)
     return out if bias is None else out + bias
+
+
+def _quantized_product(x: torch.Tensor, weight: QuantizedWeight, use_kernel: bool) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    if use_kernel and flat.shape[0] <= MAX_ROWS:
+        out = quantized_matmul(flat, weight.data, weight.scales)
+    elif (weight.data.dtype == torch.int8 and x.device.type == "cpu" and x.dtype in _INT8_KERNEL_DTYPES
+            and weight.shape[1] % _INT8_KERNEL_ROW_MULTIPLE == 0):
+        out = torch._weight_int8pack_mm(flat.contiguous(), weight.data, weight.scales)
+    else:
+        return F.linear(x, weight.data.to(x.dtype)) * weight.scales
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -123,10 +160,11 @@ class QuantizedLinear(torch.nn.Module):
     weight_data: torch.Tensor
     weight_scales: torch.Tensor
 
-    def __init__(self, layer: torch.nn.Linear, quantization: Quantization) -> None:
+    def __init__(self, layer: torch.nn.Linear, quantization: Quantization, use_kernel: bool = False) -> None:
         super().__init__()
         weight = quantize_weight(layer.weight.detach(), quantization, layer.weight.dtype)
         self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.use_kernel = use_kernel
         self.register_buffer("weight_data", weight.data)
         self.register_buffer("weight_scales", weight.scales)
         self.bias = layer.bias
@@ -136,17 +174,21 @@ class QuantizedLinear(torch.nn.Module):
         return QuantizedWeight(self.weight_data, self.weight_scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.use_kernel)
 
 
-def quantize_linear_layers(model: torch.nn.Module, quantization: Quantization) -> int:
+def quantize_linear_layers(model: torch.nn.Module, quantization: Quantization, use_kernels: bool = False) -> int:
     """Replace every `nn.Linear` of `model` but its output projection (the logits stay in the model's dtype) by a
-    `QuantizedLinear`, in place; returns how many were replaced."""
+    `QuantizedLinear`, in place; returns how many were replaced. `use_kernels`: their decode-sized products run
+    the Triton kernel where `can_use_quantized_kernel` passes it on the layers' shapes."""
     output_of = getattr(model, "get_output_embeddings", None)
     output = output_of() if callable(output_of) else None
     targets = [(name, module) for name, module in model.named_modules()
                if isinstance(module, torch.nn.Linear) and module is not output]
+    use_kernel = use_kernels and bool(targets) and can_use_quantized_kernel(
+        targets[0][1].weight.device, targets[0][1].weight.dtype, quantization,
+        [(module.out_features, module.in_features) for _, module in targets])
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, QuantizedLinear(module, quantization))
+        setattr(model.get_submodule(parent_name), child, QuantizedLinear(module, quantization, use_kernel))
     return len(targets)
