@@ -12,7 +12,8 @@ Its parts, in the order they run (`--parts` picks some, in this order whatever o
 - `skewed`: continuous batching on `skewed` at 32 slots (`bench.skewed_gpu`), graphed and eager, beside
   transformers' padded `generate` and `generate_batch` on the same requests and slots;
 - `identity`: greedy tokens of decode steps replayed as CUDA graphs against eager ones, one batch of
-  prompts of 100 to ~8k tokens, 200 new tokens each;
+  prompts of 100 to ~8k tokens, 200 new tokens each; then the engine reading each step's tokens before
+  scheduling the next against scheduling ahead, greedy and with seeded draws under a repetition penalty;
 - `tests`: the kernel and engine tests, compiled for the GPU (`pytest` on the Triton kernel files, the
   graph runner and the own models' and Triton engine's greedy exactness); they need the test
   dependencies (`pip install -e '.[test]'`: the suite's `conftest.py` imports redis, for one), and say
@@ -178,7 +179,9 @@ def first_difference(eager: list[int], graphed: list[int], eager_logprobs: list[
     return f"differs at {at} (top-2 margin {margin:.3f}: {kind})"
 
 
-def graph_identity(model: str, dtype: str) -> str:
+def _identity_completions(model: str, dtype: str, sampled: bool, settings: list[dict[str, Any]]) -> list[Any]:
+    """The identity prompts' completions by one engine per entry of `settings`, one after the other; greedy, or
+    seeded draws with a repetition penalty."""
     import torch
 
     from scheduler.params import SamplingParams
@@ -186,24 +189,47 @@ def graph_identity(model: str, dtype: str) -> str:
 
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in IDENTITY_PROMPT_LENS]
-    params = SamplingParams(max_tokens=IDENTITY_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
-    completions = {}
-    for graphs in (False, True):
-        engine = Engine(model=model, device="cuda", dtype=dtype, max_num_seqs=len(prompts), cuda_graphs=graphs,
-                        max_model_len=8192)
-        assert engine.runner.graph_sizes or not graphs, "graphs were asked for but not recorded"
-        completions[graphs] = engine.generate(prompts, params)
-        replayed = engine.runner.num_replayed_steps
+    if sampled:
+        params: SamplingParams | list[SamplingParams] = [
+            SamplingParams(max_tokens=IDENTITY_NEW_TOKENS, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True,
+                           repetition_penalty=1.2, logprobs=2) for i in range(len(prompts))]
+    else:
+        params = SamplingParams(max_tokens=IDENTITY_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = []
+    for setting in settings:
+        engine = Engine(model=model, device="cuda", dtype=dtype, max_num_seqs=len(prompts), max_model_len=8192,
+                        **setting)
+        assert engine.runner.graph_sizes or not setting.get("cuda_graphs"), "graphs were asked for but not recorded"
+        runs.append((engine.generate(prompts, params), engine.runner.num_replayed_steps))
         del engine
         gc.collect()
-        torch.cuda.empty_cache()  # the graphed engine sizes its cache from what the eager one leaves free
-    details = [first_difference(e.token_ids, g.token_ids, e.logprobs)
-               for e, g in zip(completions[False], completions[True])]
+        torch.cuda.empty_cache()  # the next engine sizes its cache from what this one leaves free
+    return runs
+
+
+def engines_identity(model: str, dtype: str, label: str, settings: list[dict[str, Any]], sampled: bool = False) -> str:
+    """Whether two engine settings give the same tokens on the identity prompts; where a greedy pair parts, the
+    first run's top-2 margin there says whether that was a near tie."""
+    (first, _), (second, replayed) = _identity_completions(model, dtype, sampled, settings)
+    details = [first_difference(a.token_ids, b.token_ids, None if sampled else a.logprobs)
+               for a, b in zip(first, second)]
     same = details.count("same")
     real = sum("NOT a near tie" in d for d in details)
     detail = ", ".join(f"{n}: {d}" for n, d in zip(IDENTITY_PROMPT_LENS, details))
-    return (f"| graph vs eager greedy, {len(prompts)} prompts × {IDENTITY_NEW_TOKENS} tokens | {same}/{len(prompts)} "
-            f"identical, {real} parted other than at a near tie ({replayed} replayed steps) | {detail} |")
+    parted = "" if sampled else f", {real} parted other than at a near tie"
+    return (f"| {label}, {len(first)} prompts × {IDENTITY_NEW_TOKENS} tokens | {same}/{len(first)} identical"
+            f"{parted} ({replayed} replayed steps) | {detail} |")
+
+
+IDENTITY_ROWS: list[tuple[str, list[dict[str, Any]], bool]] = [
+    ("graph vs eager greedy", [{"cuda_graphs": False}, {"cuda_graphs": True}], False),
+    ("reading each step vs scheduling ahead, greedy",
+     [{"cuda_graphs": True, "async_scheduling": False}, {"cuda_graphs": True, "async_scheduling": True}], False),
+    ("reading each step vs scheduling ahead, seeded draws with a repetition penalty",
+     [{"cuda_graphs": True, "async_scheduling": False}, {"cuda_graphs": True, "async_scheduling": True}], True),
+]
+"""Each: the row's name, the two engines' settings, whether the requests draw (else greedy). Scheduling ahead
+changes no batch here (every prompt runs to the same length), so its rows must be identical."""
 
 
 def copy_bandwidth_gbps(num_bytes: int = COPY_BYTES, repeats: int = 10) -> float:
@@ -344,7 +370,8 @@ def plan(model: str, dtype: str, parts: list[str], tests_timeout_s: float) -> li
             sections.append(skewed_section(model, dtype))
         elif part == "identity":
             sections.append(Section("identity", ["| check | result | detail |", "|---|---|---|"],
-                                    [Row("graph vs eager greedy", _freeing(partial(graph_identity, model, dtype)), 3)]))
+                                    [Row(label, _freeing(partial(engines_identity, model, dtype, label, settings, sampled)),
+                                         3) for label, settings, sampled in IDENTITY_ROWS]))
         elif part == "tests":
             sections.append(Section("tests", ["| check | result | detail |", "|---|---|---|"],
                                     [Row("compiled kernel and engine tests", partial(run_tests, tests_timeout_s), 3)]))

@@ -35,7 +35,8 @@ def test_the_plan_is_printed_without_a_gpu() -> None:
                             capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.splitlines() == [
         "skewed: carpool, graphs; carpool, eager; transformers generate; transformers generate_batch",
-        "identity: graph vs eager greedy",
+        "identity: graph vs eager greedy; reading each step vs scheduling ahead, greedy; reading each step vs "
+        "scheduling ahead, seeded draws with a repetition penalty",
     ]
 
 
