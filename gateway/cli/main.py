@@ -101,6 +101,19 @@ def _delegate(verb: str) -> Callable[[list[str], Mapping[str, str]], int]:
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv, env)
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Whoever read the output stopped reading (`carpool batch list | head`): stop quietly, as other tools do,
+        # with stdout sent nowhere so that the interpreter's last flush at exit cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     # carpool never downloads a model: transformers reads these at import, and child processes inherit them.
     os.environ.update(OFFLINE_ENV)

@@ -137,6 +137,21 @@ def test_keys_reports_a_server_that_is_not_redis(capsys: pytest.CaptureFixture[s
     assert len(err.strip().splitlines()) == 1
 
 
+def test_output_to_a_reader_that_stopped_ends_quietly(redis_url: str) -> None:
+    """`carpool keys list | head -1` style: the reader is gone before the listing is written."""
+    assert main(["keys", "create", "--tenant", "acme", "--redis-url", redis_url], env={}) == 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "gateway.cli", "keys", "list", "--redis-url", redis_url],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+
+
 def test_a_port_held_only_by_closed_connections_is_free() -> None:
     """A Redis stopped a moment ago leaves its served connections in TIME_WAIT on its port: `carpool up` may
     start a new one there at once (redis-server binds with SO_REUSEADDR)."""
