@@ -5,7 +5,9 @@
 The 1B model's four layer matrices (qkv, o, gate_up, down) at each row count: the kernel of
 `kernels/quantized_matmul.py` on int8 and fp8 weights (fp8 on compute capability 8.9+; rows above its
 MAX_ROWS are not its regime and show as -), `F.linear` on the int8 weight widened to the activations' dtype
-(the path `linear()` takes without the kernel), and `F.linear` on the same matrix in the activations' dtype.
+(the path `linear()` takes without the kernel), `F.linear` on the same matrix in the activations' dtype, and
+the same kernel reading that unquantized matrix (scales of 1), to tell the kernel's own efficiency from the
+bytes saved.
 Each result is checked against the reference first; times are `triton.testing.do_bench` medians (L2 flushed
 between runs), seeded, in the same run. The kernel's rate is the weight bytes it reads over its time. Needs a
 CUDA GPU.
@@ -84,8 +86,8 @@ def main() -> None:
     print(f"device: {name}; peak bandwidth: {f'{peak:.0f} GB/s' if peak else 'unknown (pass --peak-gbps)'}; "
           f"{args.dtype} activations, torch {torch.__version__}, triton {triton.__version__}\n")
     print(f"| layer | N x K | rows | int8 kernel µs | int8 GB/s | fp8 kernel µs | fp8 GB/s | int8 widened µs "
-          f"| {args.dtype} µs | int8 kernel / {args.dtype} |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"| {args.dtype} µs | {args.dtype} kernel µs | {args.dtype} kernel GB/s | int8 kernel / {args.dtype} |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for layer, n, k in LAYERS:
         weights = _weights(n, k, gen)
         dense = weights["int8"][0].to(dtype) * weights["int8"][1].to(dtype)[:, None]
@@ -96,10 +98,12 @@ def main() -> None:
             data, scales = weights["int8"][0], weights["int8"][1].to(dtype)
             widened_ms = _ms(lambda: F.linear(x, data.to(dtype)) * scales)
             dense_ms = _ms(lambda: F.linear(x, dense))
+            dense_kernel_ms = _kernel_ms(x, dense, torch.ones(n, dtype=dtype, device="cuda"))
             int8_ms = kernel_ms["int8"]
             ratio = "-" if int8_ms is None else f"{int8_ms / dense_ms:.2f}x"
             print(f"| {layer} | {n} x {k} | {m} | {cells['int8']} | {cells.get('fp8', '- | -')} "
-                  f"| {widened_ms * 1e3:.1f} | {dense_ms * 1e3:.1f} | {ratio} |")
+                  f"| {widened_ms * 1e3:.1f} | {dense_ms * 1e3:.1f} | {_kernel_cells(dense_kernel_ms, dense.nbytes, peak)} "
+                  f"| {ratio} |")
 
 
 if __name__ == "__main__":

@@ -165,10 +165,11 @@ def plan_quantized_matmul(m: int, n: int, k: int, num_multiprocessors: int) -> M
 
 def quantized_matmul(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
                      plan: MatmulPlan | None = None) -> torch.Tensor:
-    """`(x @ data^T) * scales` for `x [M, K]`, `data [N, K]` int8 or float8_e4m3fn, `scales [N]`; `[M, N]` in
-    x's dtype. `plan` defaults to `plan_quantized_matmul` for x's device."""
+    """`(x @ data^T) * scales` for `x [M, K]`, `data [N, K]` int8 or float8_e4m3fn (or in x's dtype, unquantized,
+    as a benchmark's baseline), `scales [N]`; `[M, N]` in x's dtype. `plan` defaults to `plan_quantized_matmul`
+    for x's device."""
     assert x.dim() == 2 and data.dim() == 2 and x.shape[1] == data.shape[1], (x.shape, data.shape)
-    assert x.dtype in ACTIVATION_DTYPES and data.dtype in STORAGE_DTYPES, (x.dtype, data.dtype)
+    assert x.dtype in ACTIVATION_DTYPES and data.dtype in (*STORAGE_DTYPES, x.dtype), (x.dtype, data.dtype)
     assert scales.shape == (data.shape[0],) and scales.dtype in ACTIVATION_DTYPES, (scales.shape, scales.dtype)
     # Element offsets into the weight are 32-bit in the kernel.
     assert data.numel() < 2**31, data.shape

@@ -72,6 +72,16 @@ def test_kernel_matches_reference(storage: torch.dtype, dtype: torch.dtype, m: i
     _assert_close(quantized_matmul(x, data, scales, _small_plan(m, split_k, k)), reference(x, data, scales))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_an_unquantized_weight_is_the_plain_product(dtype: torch.dtype) -> None:
+    """A weight in the activations' own dtype (the benchmark's baseline for the kernel) with scales of 1."""
+    m, n, k = 3, 40, 72
+    weight = (0.05 * torch.randn((n, k), generator=torch.Generator().manual_seed(1))).to(dtype).to(DEVICE)
+    x = _x(m, k, dtype, seed=2)
+    ones = torch.ones(n, dtype=dtype, device=DEVICE)
+    _assert_close(quantized_matmul(x, weight, ones, _small_plan(m, 2, k)), reference(x, weight, ones))
+
+
 @pytest.mark.parametrize("storage", STORAGES, ids=str)
 def test_default_plan_and_strided_rows(storage: torch.dtype) -> None:
     """The planned launch (the GPU's own split, none on CPU) on x rows read out of a wider tensor."""
