@@ -35,6 +35,7 @@ from worker.engine.prompt_input import check_token_ids, max_prompt_chars, prompt
 from worker.engine.records import EngineStats
 from worker.engine.request_state import Completion, RequestOutput, RequestState
 from worker.engine.sampler import DrawnTokens, SampledToken, SampleRequest, Sampler
+from worker.engine.sampling_rows import to_device
 from worker.engine.speculation import Proposer, Speculator, parse_speculative
 from worker.engine.text_decoder import text_decoder_for
 from worker.engine.token_strings import TokenStrings
@@ -83,7 +84,8 @@ class _InFlight:
     on the device when the engine schedules ahead."""
 
     scheduled: SchedulerOutput
-    logits: torch.Tensor
+    logits: torch.Tensor | None
+    """The forward's logits, until sampled (None once drawn: nothing keeps them alive then)."""
     drawn: _Drawn | None = None
 
 
@@ -245,9 +247,17 @@ class Engine:
         with on_device(self.config.device):
             if self.schedules_ahead:
                 previous, self._in_flight = self._in_flight, None
-                scheduled = self.scheduler.schedule()
-                if not scheduled.is_empty:
-                    self._in_flight = self._launch_drawn(scheduled, previous)
+                try:
+                    scheduled = self.scheduler.schedule()
+                    if not scheduled.is_empty:
+                        self._in_flight = self._launch_drawn(scheduled, previous)
+                except BaseException:
+                    # The engine stays whole: the previous step is still read, its outputs (and the ones queued)
+                    # come with the next step.
+                    if previous is not None:
+                        outputs.extend(self._postprocess(self._read(previous)))
+                    self._pending = outputs + self._pending
+                    raise
                 if previous is not None:
                     outputs.extend(self._postprocess(self._read(previous)))
             elif self.async_scheduling:
@@ -317,12 +327,14 @@ class Engine:
         if sampling:
             states = [self._requests[s.seq.request_id] for s in sampling]
             requests = [self._sample_request(s.seq, state) for s, state in zip(sampling, states)]
-            # Usually every row samples (all decodes): no gather of the rows then.
-            rows = logits if len(chosen) == logits.shape[0] else logits[chosen]
+            # Usually every row samples (all decodes): no gather of the rows then. Else the index goes to the
+            # device without a wait (a list index would copy from pageable memory, waiting for the forward).
+            rows = logits if len(chosen) == logits.shape[0] else logits.index_select(
+                0, to_device(chosen, torch.int64, logits.device))
             drawn = _Drawn(self.sampler.launch(rows, requests), sampling, states,
                            [s.seq.num_output_tokens for s in sampling])
         self.scheduler.advance_launched(scheduled)
-        return _InFlight(scheduled, logits, drawn)
+        return _InFlight(scheduled, None, drawn)
 
     @staticmethod
     def _feed(scheduled: list[ScheduledSeq], batch: list[StepSeq], previous: _InFlight | None) -> TokenFeed | None:
@@ -390,6 +402,7 @@ class Engine:
             requests = [self._sample_request(s.seq, state) for s, state in zip(sampling, states)]
             rows = [r for i in chosen for r in range(first_rows[i], first_rows[i + 1])]
             logits = step.logits
+            assert logits is not None, "a step read in full is sampled from its logits"
             # Usually every row samples (all decodes): no gather of the rows then.
             logits = logits if len(rows) == logits.shape[0] else logits[rows]
             if any(s.num_spec_tokens for s in sampling):

@@ -31,7 +31,8 @@ from scheduler.params import SamplingParams
 from worker.engine.noise import exponential_noise, token_keys
 from worker.engine.penalties import penalise_rows
 from worker.engine.sampling_rows import (
-    FREQUENCY, IS_PENALISED, MIN_P, PRESENCE, REPETITION, SEED, TEMPERATURE, TOP_K, TOP_P, SamplingRows, to_device,
+    FREQUENCY, IS_PENALISED, MIN_P, PRESENCE, REPETITION, SEED, TEMPERATURE, TOP_K, TOP_P, Row, SamplingRows,
+    to_device,
 )
 
 # Noise elements computed at once on a CPU: 4 MiB of int64, so the hash's passes stay in cache.
@@ -65,6 +66,8 @@ class DrawnTokens:
     """Each row's parameters."""
     num_top: int | None
     request_ids: list[str]
+    rows: list[Row]
+    """Each request's sampling row when drawn."""
     num_outputs: list[int]
     """Each request's output length counting the drawn token (the penalty rows' record of it)."""
     first_rows: list[int]
@@ -227,7 +230,7 @@ class Sampler:
         if has_penalties:
             self._rows.count_sampled(rows, token_ids, ints[:, IS_PENALISED])
         # Penalty counts follow the first row of each request: the only one of a request with penalties.
-        self._rows.note_drawn(requests)
+        noted = self._rows.note_drawn(requests)
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         packed = _packed(final, token_ids, num_top)
         if not self._is_cuda:
@@ -240,7 +243,7 @@ class Sampler:
             copied = torch.cuda.Event()
             copied.record()
         return DrawnTokens(token_ids=token_ids, host=host, copied=copied, params=params, num_top=num_top,
-                           request_ids=[r.request_id for r in requests],
+                           request_ids=[r.request_id for r in requests], rows=noted,
                            num_outputs=[len(r.output_token_ids) + 1 for r in requests], first_rows=first_rows)
 
     def collect(self, drawn: DrawnTokens) -> list[SampledToken]:
@@ -250,8 +253,9 @@ class Sampler:
         values = drawn.host.tolist()
         num_rows = len(drawn.params)
         ids = [int(v) for v in values[:num_rows]]
-        for request_id, num_output, row in zip(drawn.request_ids, drawn.num_outputs, drawn.first_rows):
-            self._rows.note_read(request_id, num_output, ids[row])
+        for request_id, row, num_output, first in zip(drawn.request_ids, drawn.rows, drawn.num_outputs,
+                                                     drawn.first_rows):
+            self._rows.note_read(request_id, row, num_output, ids[first])
         if drawn.num_top is None:
             return [SampledToken(token_id=t, logprob=None, top_logprobs=None) for t in ids]
         return _unpacked(values, ids, drawn.params, drawn.num_top)

@@ -40,7 +40,9 @@ class RowRequest(Protocol):
 
 
 @dataclass
-class _Row:
+class Row:
+    """One request's row, from its assignment to its release (a re-assigned id gets a new one)."""
+
     index: int
     params: SamplingParams
     num_counted: int = -1
@@ -63,7 +65,7 @@ class SamplingRows:
     def __init__(self, vocab_size: int, num_rows: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self._rows: OrderedDict[str, _Row] = OrderedDict()
+        self._rows: OrderedDict[str, Row] = OrderedDict()
         """Least recently used first."""
         self._free: list[int] = []
         self.floats = torch.empty(0, NUM_FLOATS, device=device)
@@ -96,7 +98,7 @@ class SamplingRows:
             if not self._free:
                 _, evicted = self._rows.popitem(last=False)
                 self._free.append(evicted.index)
-            self._rows[request.request_id] = _Row(self._free.pop(), request.params)
+            self._rows[request.request_id] = Row(self._free.pop(), request.params)
         if new:
             self._write_params(new)
         stale = [r for r in requests if r.params.has_penalties and not self._counts_match(r)]
@@ -114,20 +116,22 @@ class SamplingRows:
         if self.output_counts is not None:
             self.output_counts.index_put_((rows, token_ids), is_penalised.to(torch.int32), accumulate=True)
 
-    def note_drawn(self, requests: Sequence[RowRequest]) -> None:
+    def note_drawn(self, requests: Sequence[RowRequest]) -> list[Row]:
         """The host's record of what `count_sampled` added: one more token each, its value not known yet
-        (`PENDING_TOKEN`, as the request's output list holds it until then)."""
-        for request in requests:
-            row = self._rows[request.request_id]
+        (`PENDING_TOKEN`, as the request's output list holds it until then). Returns the requests' rows, for
+        `note_read`."""
+        rows = [self._rows[request.request_id] for request in requests]
+        for request, row in zip(requests, rows):
             if request.params.has_penalties and row.num_counted == len(request.output_token_ids):
                 row.num_counted += 1
                 row.last_token = PENDING_TOKEN
+        return rows
 
-    def note_read(self, request_id: str, num_output: int, token_id: int) -> None:
-        """The value of the request's output token `num_output - 1`, drawn earlier, is known; the row's record
-        takes it when that is still the last token it counted."""
-        row = self._rows.get(request_id)
-        if row is not None and row.num_counted == num_output:
+    def note_read(self, request_id: str, row: Row, num_output: int, token_id: int) -> None:
+        """The value of the request's output token `num_output - 1`, drawn earlier into `row`, is known; the
+        row's record takes it when the request still has that row (the id may name another request by now) and
+        that token is still the last it counted."""
+        if self._rows.get(request_id) is row and row.num_counted == num_output:
             row.last_token = token_id
 
     def _counts_match(self, request: RowRequest) -> bool:

@@ -116,3 +116,56 @@ def test_speculation_reads_each_step_before_the_next(model_path: str) -> None:
     engine = Engine(model=model_path, block_size=BLOCK_SIZE, num_blocks=64, async_scheduling=True,
                     speculative="ngram")
     assert engine.async_scheduling and not engine.schedules_ahead
+
+
+def test_an_id_taken_again_while_its_token_is_pending(model_path: str) -> None:
+    """A request aborted while its token is drawn and re-added under the same id (a job resumed from the tokens
+    it reported, as a worker does) gets its own penalty counts, not the old request's token."""
+    penalised = SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)
+    want = Engine(model=model_path, block_size=BLOCK_SIZE, num_blocks=64).generate([[5, 6, 7]], penalised)[0]
+    for steps_before_abort in (1, 2, 4):
+        engine = Engine(model=model_path, block_size=BLOCK_SIZE, num_blocks=64, async_scheduling=True)
+        engine.add_request("job", [5, 6, 7], penalised)
+        reported: list[int] = []
+        for _ in range(steps_before_abort):
+            for out in engine.step():
+                reported += out.new_token_ids
+        engine.abort_request("job")
+        engine.add_request("job", [5, 6, 7], penalised, resume_token_ids=reported)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                reported += out.new_token_ids
+        assert reported == want.token_ids, steps_before_abort
+
+
+def test_a_failed_launch_leaves_the_engine_whole(model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose launch raises still has the step before it read: the other requests go on, none is left
+    with a pending token, and the outputs are those of an undisturbed run."""
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    requests = [([5, 6, 7], greedy), ([1, 2, 3, 4], greedy)]
+    want = run(Engine(model=model_path, block_size=BLOCK_SIZE, num_blocks=64), requests)
+    engine = Engine(model=model_path, block_size=BLOCK_SIZE, num_blocks=64, async_scheduling=True)
+    launch = engine.sampler.launch
+    calls = 0
+
+    def fails_once(*args: object, **kwargs: object) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("the device went away")
+        return launch(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.sampler, "launch", fails_once)
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, params)
+    outputs: dict[str, list[int]] = {}
+    for _ in range(2):
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+    with pytest.raises(RuntimeError, match="the device went away"):
+        engine.step()
+    assert all(seq.num_pending_tokens == 0 for seq in engine.scheduler.running)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+    assert outputs == {request_id: final[0] for request_id, final in want.items()}
