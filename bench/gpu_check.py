@@ -21,7 +21,8 @@ Its parts, in the order they run (`--parts` picks some, in this order whatever o
 - `quantized`: the graphed decode step at batch 8 and 32 with `int8` and `fp8` weights against the
   model's dtype (target on an H100: at most 0.6x of bf16's step);
 - `lookup`: prompt lookup on the repetitive workload (a cycling copy of the model) and on `skewed`, 32
-  slots, with `--speculative ngram` against without (target on an H100: at least 2x output tok/s).
+  slots, with `--speculative ngram` against without (target on an H100: at least 2x output tok/s); with
+  it, steps that verify proposals replay verify graphs, and the table counts the steps each run replayed.
 
 The targets come first so that a short lease measures them. No row starts once `--budget-s` seconds
 have passed since the check began; each row left out is written as not run, so the tables say what is
@@ -342,19 +343,26 @@ def lookup_section(model: str, dtype: str) -> Section:
 
     def row(name: str, workload: object, path_of: Callable[[], str], speculative: str | None) -> str:
         engine = make_engine(path_of(), "continuous", SKEWED_SLOTS, device="cuda", dtype=dtype, speculative=speculative)
+        runner = engine.runner
+        assert runner.graph_sizes and (runner.verify_graph_sizes or not speculative), "graphs were not recorded"
+        steps_before = engine.stats().num_steps
+        replayed_before = (runner.num_replayed_steps, runner.num_replayed_verify_steps)
         run = run_offline(engine, workload, f"continuous, {speculative or 'off'}")  # type: ignore[arg-type]
         tokens = sum(t.num_output_tokens for t in run.requests)
         rates[name, speculative] = tokens / run.duration_s
         stats = engine.stats()
+        replayed = runner.num_replayed_steps - replayed_before[0]
+        verify = runner.num_replayed_verify_steps - replayed_before[1]
         ratio = f"{rates[name, speculative] / rates[name, None]:.2f}x" if speculative and (name, None) in rates else "–"
         return (f"| {name} | {speculative or 'off'} | {tokens} | {rates[name, speculative]:,.0f} | "
-                f"{stats.spec_accepted_tokens:,} / {stats.spec_proposed_tokens:,} | {ratio} |")
+                f"{stats.spec_accepted_tokens:,} / {stats.spec_proposed_tokens:,} | "
+                f"{replayed:,} of {stats.num_steps - steps_before:,} ({verify:,} verify) | {ratio} |")
 
     workloads = [("repetitive", repetitive(REPETITIVE_REQUESTS, max_tokens=REPETITIVE_NEW_TOKENS), cycling_path),
                  ("skewed", skewed(SKEWED_REQUESTS, seed=0), lambda: model)]
     return Section("lookup", [f"| workload, {SKEWED_SLOTS} slots | speculation | output tokens | output tok/s "
-                              "| accepted / proposed | ratio |", "|---|---|---|---|---|---|"],
-                   [Row(f"{name} {speculative or 'off'}", _freeing(partial(row, name, workload, path_of, speculative)), 6)
+                              "| accepted / proposed | steps replayed | ratio |", "|---|---|---|---|---|---|---|"],
+                   [Row(f"{name} {speculative or 'off'}", _freeing(partial(row, name, workload, path_of, speculative)), 7)
                     for name, workload, path_of in workloads for speculative in (None, "ngram")])
 
 

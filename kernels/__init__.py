@@ -35,8 +35,8 @@ class AttentionBackend:
     store_kv: StoreKV
     attention: Attention
     store_kv_padded: StoreKV
-    """The store a recorded (graph) decode step uses: real rows first, then padding rows (slot -1) that must
-    leave the cache as it was, and no host reads."""
+    """The store a recorded (graph) step uses: padding rows (slot -1) among the real ones must leave the cache as
+    it was, with no host reads."""
     new_cache: NewCache
     """A zeroed cache of one layer's keys or values, `(num_blocks, block_size, kv_heads, head_dim, dtype, device)`:
     `[num_blocks, block_size, kv_heads, head_dim]` for every backend, over the storage layout its attention reads

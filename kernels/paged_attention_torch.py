@@ -144,10 +144,12 @@ def paged_attention_torch(
     host copies of the lengths; `workspace` keeps the gathered keys and
     values in buffers reused from call to call. A decode-only step given its
     groups reads nothing back to the host; a step with prefill chunks reads
-    its query offsets and context lengths once. `is_graphed` marks a
-    decode-only step recorded once and replayed: every sequence then attends
-    over the block table's whole width, masked by its length on the device,
-    so nothing is planned from host lengths. `cpu_decode` (the compiled CPU
+    its query offsets and context lengths once. `is_graphed` marks a step
+    recorded once and replayed, in which every sequence brings the same
+    number of query rows (one for a decode, more for a speculative verify
+    step): every sequence then attends over the block table's whole width,
+    masked by its causal offsets on the device, so nothing is planned from
+    host lengths. `cpu_decode` (the compiled CPU
     kernel of `paged_attention_cpu.py`, planned for this call's block tables,
     query offsets and lengths) attends every sequence of a few new tokens
     (decodes, speculative verification) in one call, reading the cache in
@@ -164,12 +166,16 @@ def paged_attention_torch(
     q = q.contiguous()  # rows are regrouped by views below
     block_size = k_cache.shape[1]
     if is_graphed:
-        # Decode only: token row s is sequence s. Rows of length 0 (padding) see nothing and stay finite.
+        # Every sequence has q_len rows: row s * q_len + i is query i of sequence s, at position
+        # seq_len - q_len + i. Rows that see nothing (padding) stay finite.
+        q_len = q.shape[0] // num_seqs
         width = block_tables.shape[1]
         slots = torch.arange(width * block_size, device=q.device)
-        is_visible = (slots[None, :] < seq_lens[:, None])[:, None, None, :]
-        o = _attend(q.unsqueeze(1), k_cache, v_cache, block_tables.reshape(-1).long(), is_visible, scale, workspace)
-        out.copy_(torch.nan_to_num(o.squeeze(1), nan=0.0).to(out.dtype))
+        q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)
+        is_visible = (slots[None, None, :] <= q_pos[:, :, None])[:, None]
+        o = _attend(q.view(num_seqs, q_len, *q.shape[1:]), k_cache, v_cache, block_tables.reshape(-1).long(),
+                    is_visible, scale, workspace)
+        out.copy_(torch.nan_to_num(o.reshape(q.shape), nan=0.0).to(out.dtype))
         return out
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
@@ -320,15 +326,18 @@ def store_kv_torch_padded(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """The store of a replayed decode step: reads nothing on the host, so it can be recorded once.
+    """The store of a replayed step: reads nothing on the host, so it can be recorded once.
 
-    Its rows are real sequences first, then padding (slot -1), and row 0 is
-    always real. Padding rows write row 0's key and value to row 0's slot
-    again: the same bytes, so the cache ends as if they wrote nothing.
+    Some of its rows are padding (slot -1). Padding rows write the first
+    real row's key and value to that row's slot again: the same bytes, so
+    the cache ends as if they wrote nothing. A step of padding alone (a
+    graph's warm-up and recording, before any sequence holds a block)
+    writes its first row, finite, to slot 0, as it has no real slot.
     """
     slots = slot_mapping.long()
     is_real = slots >= 0
-    slots = torch.where(is_real, slots, slots[:1])
+    first = torch.argmax(is_real.to(torch.int8)).view(1)  # argmax takes the first of equal maxima
+    slots = torch.where(is_real, slots, slots.index_select(0, first)).clamp_(min=0)
     rows = is_real[:, None, None]
-    _write_slots(k_cache, slots, torch.where(rows, key, key[:1]))
-    _write_slots(v_cache, slots, torch.where(rows, value, value[:1]))
+    _write_slots(k_cache, slots, torch.where(rows, key, key.index_select(0, first)))
+    _write_slots(v_cache, slots, torch.where(rows, value, value.index_select(0, first)))

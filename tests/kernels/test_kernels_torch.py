@@ -81,6 +81,29 @@ def test_decode_only_steps_match_reference(num_heads: int, num_kv_heads: int, la
     assert_close(paged_attention_torch(*args, is_graphed=True), expected, torch.float32)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_replayed_verify_steps_match_reference(layout: str) -> None:
+    """A replayed speculative verify step: every sequence brings the same number of query rows over its cached
+    context, attended over the table's whole width with the causal offsets masked on the device."""
+    cases = [(4, 4), (4, 17), (4, 5), (4, 250), (4, 33), (4, 16)]
+    batch = make_batch(cases, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32,
+                       device=CPU, seed=5)
+    expected = paged_attention_reference(*batch.args())
+    args = _batch_in_layout(batch, layout)
+    assert_close(paged_attention_torch(*args, max_query_len=4, is_graphed=True), expected, torch.float32)
+    # A sequence of fewer real tokens is padded before them: those rows sit before its context's start, or see
+    # none of it (a padding sequence, of length 0), and stay finite.
+    q, k_cache, v_cache = args[0], args[1], args[2]
+    seq_lens = batch.seq_lens.clone()
+    seq_lens[0], seq_lens[2] = 2, 0
+    out = paged_attention_torch(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, seq_lens, batch.scale,
+                                max_query_len=4, is_graphed=True)
+    assert torch.isfinite(out).all()
+    alone = paged_attention_reference(q[2:4], k_cache, v_cache, batch.block_tables[:1], torch.tensor([0, 2]),
+                                      seq_lens[:1], batch.scale)
+    assert_close(out[2:4], alone, torch.float32)
+
+
 def test_each_row_equals_attending_alone() -> None:
     """A sequence's output does not depend on what it is batched with."""
     cases = _irregular_cases(7, num_decodes=6, num_chunks=3)
@@ -141,19 +164,20 @@ def test_store_kv_matches_reference(with_padding: bool, layout: str) -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_padded_store_leaves_the_cache_as_the_real_rows_do(layout: str) -> None:
-    """A replayed step's store: real rows, then padding rows (slot -1) that must change nothing."""
+    """A replayed step's store: padding rows (slot -1) among the real ones must change nothing."""
     num_blocks, block_size, num_kv_heads, head_dim = 5, 4, 2, 8
     gen = torch.Generator().manual_seed(9)
     k_expected = torch.randn((num_blocks, block_size, num_kv_heads, head_dim), generator=gen)
     v_expected = torch.randn(k_expected.shape, generator=gen)
     k_cache, v_cache = _in_layout(k_expected.clone(), layout), _in_layout(v_expected.clone(), layout)
-    slots = torch.tensor([7, 2, 13, -1, -1])
-    keys = torch.randn((5, num_kv_heads, head_dim), generator=gen)
-    values = torch.randn((5, num_kv_heads, head_dim), generator=gen)
+    # A decode step's padding follows its real rows; a verify step's comes first in each sequence's rows.
+    slots = torch.tensor([-1, -1, 7, 2, -1, 13, -1, -1])
+    keys = torch.randn((8, num_kv_heads, head_dim), generator=gen)
+    values = torch.randn((8, num_kv_heads, head_dim), generator=gen)
     store_kv_reference(keys, values, k_expected, v_expected, slots)
     store_kv_torch_padded(keys, values, k_cache, v_cache, slots)
     assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
-    assert torch.equal(k_cache[1, 3], keys[0]), "slot 7 is block 1, offset 3"
+    assert torch.equal(k_cache[1, 3], keys[2]), "slot 7 is block 1, offset 3"
 
 
 def test_torch_backend_is_the_batched_path() -> None:

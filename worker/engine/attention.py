@@ -42,8 +42,9 @@ class PagedAttentionMetadata:
     max_seq_len: int
     """Longest context, known on the host."""
     is_graphed: bool = False
-    """A decode step recorded once and replayed: padding rows follow the real ones, and nothing may be read on
-    the host or planned from host lengths."""
+    """A step recorded once and replayed (a decode or a speculative verify step): every sequence has
+    `max_query_len` rows, its padding rows before its tokens, padding sequences follow the real ones, and nothing
+    may be read on the host or planned from host lengths."""
     backend_hints: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments for this backend's attention only (the torch backend's decode groups and
     gather workspace, the Triton kernel's most splits and split buffers), passed as they are."""

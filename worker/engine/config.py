@@ -82,7 +82,8 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata=help_text("longest prompt + output; default: the model's"))
     enable_prefix_caching: bool = field(default=True, metadata=help_text("reuse KV blocks of shared prompt prefixes"))
     cuda_graphs: bool | None = field(default=None, metadata=help_text(
-        "replay decode steps as CUDA graphs recorded at start-up; default: on for CUDA with the Triton backend"))
+        "replay decode steps (with --speculative, verify steps too) as CUDA graphs recorded at start-up; default: "
+        "on for CUDA with the Triton backend"))
     cpu_kernels: bool | None = field(default=None, metadata=help_text(
         "CPU, fp32: carpool's C kernels (decode attention over the paged cache; for carpool's own models also "
         "add + RMSNorm and RoPE + KV store), compiled at start-up with the system's C compiler ($CC, else cc) "

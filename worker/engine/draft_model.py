@@ -37,14 +37,14 @@ class DraftModel:
     def __init__(self, path: str, target: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
         self.runner = ModelRunner(path, device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
                                   block_size=target.block_size, num_blocks=target.num_blocks,
-                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=target.inputs.max_num_tokens)
+                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=target.max_num_batched_tokens)
         if self.runner.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise ValueError(f"draft_model: {path} has another tokenizer than the model; a draft model must share it")
         self.max_model_len = min(max_model_len, self.runner.max_model_len)
         self.target_vocab_size = target.vocab_size
         self.vocab_size = self.runner.vocab_size
         """Ids from here on (a model's embedding may be larger than its draft's) are the draft's to skip."""
-        self.max_num_tokens = self.runner.inputs.max_num_tokens
+        self.max_num_tokens = self.runner.max_num_batched_tokens
         """Most tokens one call brings into the cache (the model's step budget)."""
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size, enable_prefix_caching=False)
         self._drafts: dict[str, _Draft] = {}

@@ -115,6 +115,7 @@ class Engine:
                 max_num_batched_tokens=config.max_num_batched_tokens, cuda_graphs=config.cuda_graphs,
                 model_impl=config.model_impl, quantization=config.quantization, cpu_kernels=config.cpu_kernels,
                 draft_model=config.draft_model,
+                num_speculative_tokens=config.num_speculative_tokens if config.speculative else 0,
             )
         self.tokenizer = self.runner.tokenizer
         # Chosen once here, not per request: the choice checks the tokenizer over its whole vocabulary.

@@ -6,10 +6,15 @@ decided when it was recorded — shapes, launch grids, host integers — so the
 forward it records must read every changing value from the persistent
 device buffers (`worker.engine.step_inputs`) and nothing back to the host.
 
+A set of graphs (`DecodeGraphs`) has one query length `q`: every sequence
+of a step it replays brings exactly `q` token rows. Decode graphs have
+`q = 1`; with speculative decoding the runner also records verify graphs,
+`q = 1 + num_speculative_tokens`, for steps in which sequences bring
+proposed tokens to verify (a sequence with fewer is padded up to `q`).
 Graphs exist for batch sizes 1, 2, 4, 8 and then every 8 up to
 `max_num_seqs`; a step of `n` sequences replays the smallest graph of at
-least `n` rows, its extra rows padded to write nowhere. They are recorded
-largest first into one memory pool, after a warm-up run of each.
+least `n` sequences, its extra rows padded to write nowhere. They are
+recorded largest first into one memory pool, after a warm-up run of each.
 
 Two capture backends: `CudaGraphCapture`, and `ReplayCapture`, which runs
 the forward again at every replay under `forbid_host_reads`: on a CPU it
@@ -27,8 +32,9 @@ from typing import Any, Protocol
 import torch
 from torch.overrides import TorchFunctionMode
 
-Forward = Callable[[int], torch.Tensor]
-"""Runs the decode forward over the first `n` rows of the step buffers and returns its logits."""
+Forward = Callable[[int, int], torch.Tensor]
+"""`forward(n, q)` runs the step over the first `n` sequences of the step buffers, `q` token rows each, and
+returns its logits."""
 
 # Tensor calls that read a device value back to the host (or make the host wait for one).
 HOST_READS = frozenset({
@@ -116,25 +122,26 @@ class ReplayCapture:
 
 
 class DecodeGraphs:
-    """One recorded decode step per padded batch size."""
+    """One recorded step per padded batch size, every sequence bringing `query_len` token rows."""
 
-    def __init__(self, forward: Forward, sizes: list[int], backend: CaptureBackend) -> None:
-        assert sizes and all(n > 0 for n in sizes), sizes
+    def __init__(self, forward: Forward, sizes: list[int], backend: CaptureBackend, query_len: int = 1) -> None:
+        assert sizes and all(n > 0 for n in sizes) and query_len > 0, (sizes, query_len)
         self.sizes = sorted(sizes)
+        self.query_len = query_len
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
         for n in reversed(self.sizes):
-            forward(n)  # warm-up: kernels compiled and workspaces grown outside the recording
-            self._replays[n] = backend.capture(lambda n=n: forward(n))  # type: ignore[misc]
+            forward(n, query_len)  # warm-up: kernels compiled and workspaces grown outside the recording
+            self._replays[n] = backend.capture(lambda n=n: forward(n, query_len))  # type: ignore[misc]
 
     def padded_size(self, num_seqs: int) -> int | None:
-        """The smallest recorded size that holds `num_seqs` rows, or None when none does."""
+        """The smallest recorded size that holds `num_seqs` sequences, or None when none does."""
         for n in self.sizes:
             if n >= num_seqs:
                 return n
         return None
 
     def replay(self, padded: int) -> torch.Tensor:
-        """Logits `[padded, vocab]` of the recorded step (its rows past the real ones are padding)."""
+        """The logits the recorded forward returns for `padded` sequences, padding's rows included."""
         return self._replays[padded]()
 
 

@@ -3,8 +3,14 @@
 `ModelRunner.execute` takes the sequences of one step (each a run of new
 tokens plus its block table), stages them into persistent device buffers
 (`worker.engine.step_inputs`), runs one forward with paged attention and returns
-the logits of the last token of each sequence that asked for them. On CUDA,
-decode steps replay CUDA graphs recorded at start-up (`worker.engine.graph_runner`).
+the logits of the last token of each sequence that asked for them (and of
+its proposed tokens, when it verifies a speculative proposal). On CUDA,
+steps replay CUDA graphs recorded at start-up (`worker.engine.graph_runner`):
+decode steps (every sequence brings one token and samples it) replay decode
+graphs, and with speculative decoding configured, steps in which every
+sequence brings at most `1 + num_speculative_tokens` tokens (verifying
+proposals, or not) replay verify graphs. Steps with a longer chunk (prefill)
+and batches past `max_num_seqs` run eager.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ class ModelRunner:
         quantization: str | None = None,
         cpu_kernels: bool | None = None,
         draft_model: str | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         """`draft_model`: the checkpoint of a draft model whose KV cache will take this one's block count, so that
         the cache's size by default (or `kv_cache_memory_gb`) is the memory of both caches together;
@@ -102,9 +109,13 @@ class ModelRunner:
         only under TRITON_INTERPRET=1, for tests); `quantization`
         (`int8`, `fp8`) holds carpool's models' linear weights quantized per output channel (None: in `dtype`);
         `cpu_kernels` has the torch backend attend decoding sequences with the compiled C kernel of
-        `kernels/paged_attention_cpu.py` (None: where it builds and passes its check; True: or fail)."""
+        `kernels/paged_attention_cpu.py` (None: where it builds and passes its check; True: or fail);
+        `num_speculative_tokens`: the most tokens a sequence proposes per step when the engine speculates (0:
+        it does not), so that verify steps, `1 + num_speculative_tokens` token rows per sequence, are recorded
+        as graphs beside decode steps and the step buffers hold the largest of them."""
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
+        assert num_speculative_tokens >= 0, num_speculative_tokens
         self.device = torch.device(device)
         self.block_size = block_size
         self.quantization = parse_quantization(quantization)
@@ -157,16 +168,26 @@ class ModelRunner:
         self.v_caches = [self.backend.new_cache(*cache_shape) for _ in range(self.num_layers)]
         self._workspace = Workspace()
         self._graph_workspace = Workspace()
-        """The recorded decode steps' own buffers, sized before recording: a graph keeps the addresses it recorded,
-        so an eager step that outgrows a buffer (a speculative step's split buffers, say) must grow another one."""
+        """The recorded steps' own buffers (split buffers, their logits), sized before recording: a graph keeps the
+        addresses it recorded, so an eager step that outgrows a buffer (a prefill's split buffers, say) must grow
+        another one."""
         self.cpu_decode: CpuDecodeAttention | None = self._load_cpu_decode(cpu_kernels)
         """The compiled CPU kernel that attends decoding sequences; None where the backend's own path does."""
         self._num_multiprocessors = num_multiprocessors(self.device)
         max_blocks_per_seq = min(-(-self.max_model_len // block_size), self.num_blocks)
-        self.inputs = StepInputs(max_num_seqs, max(max_num_batched_tokens, max_num_seqs), max_blocks_per_seq,
-                                 block_size, self.device)
+        self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
+        """The most tokens of one step (a step of `max_num_seqs` decodes always fits)."""
+        self.verify_query_len = 1 + num_speculative_tokens if num_speculative_tokens else None
+        """Token rows per sequence of a verify step, as recorded; None without speculation."""
+        # A verify graph of `max_num_seqs` sequences lays out `verify_query_len` rows for each, padding included.
+        max_num_rows = max(self.max_num_batched_tokens, max_num_seqs * (self.verify_query_len or 1))
+        self.inputs = StepInputs(max_num_seqs, max_num_rows, max_blocks_per_seq, block_size, self.device)
         self._graphs: DecodeGraphs | None = None
+        self._verify_graphs: DecodeGraphs | None = None
         self.num_replayed_steps = 0
+        """Steps that replayed a recorded graph, decode or verify."""
+        self.num_replayed_verify_steps = 0
+        """Of those, the ones that replayed a verify graph."""
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and self.backend.name == "triton"
         if cuda_graphs:
@@ -175,7 +196,8 @@ class ModelRunner:
             self.capture_decode_graphs(CudaGraphCapture())
 
     def capture_decode_graphs(self, backend: CaptureBackend) -> bool:
-        """Record decode steps at every padded batch size; False (and a log line) when this model cannot be.
+        """Record decode steps, and verify steps when speculating, at every padded batch size; False (and a log
+        line) when this model cannot be.
 
         A model whose RoPE branches on host values runs eager; so does any
         model whose recording fails, rather than the worker.
@@ -194,12 +216,20 @@ class ModelRunner:
         sizes = graph_batch_sizes(self.inputs.max_num_seqs)
         try:
             with torch.inference_mode():  # as the steps it replays run
-                self._graphs = DecodeGraphs(self._decode_forward, sizes, backend)
+                # Verify steps first: they are the larger, and later recordings reuse the pool's memory.
+                if self.verify_query_len is not None:
+                    self.inputs.prepare_padding(self.inputs.max_num_seqs, self.verify_query_len)
+                    self._verify_graphs = DecodeGraphs(self._graphed_forward, sizes, backend, self.verify_query_len)
+                self.inputs.prepare_padding(self.inputs.max_num_seqs, 1)
+                self._graphs = DecodeGraphs(self._graphed_forward, sizes, backend)
         except Exception:
-            log.exception("recording decode graphs failed; decode steps run eager")
-            self._graphs = None
+            log.exception("recording step graphs failed; every step runs eager")
+            self._graphs = self._verify_graphs = None
             return False
         log.info("decode steps replay recorded graphs at batch sizes %s", sizes)
+        if self._verify_graphs is not None:
+            log.info("speculative verify steps (%d tokens per sequence) replay recorded graphs at the same sizes",
+                     self.verify_query_len)
         return True
 
     def _load_cpu_model_ops(self, hidden_size: int, intermediate_size: int, wanted: bool | None) -> CpuModelOps | None:
@@ -238,6 +268,11 @@ class ModelRunner:
     def graph_sizes(self) -> list[int]:
         """The batch sizes decode steps replay at; empty when every step runs eager."""
         return self._graphs.sizes if self._graphs is not None else []
+
+    @property
+    def verify_graph_sizes(self) -> list[int]:
+        """The batch sizes verify steps replay at; empty without speculation or graphs."""
+        return self._verify_graphs.sizes if self._verify_graphs is not None else []
 
     def release(self, key: str) -> None:
         """A sequence left the batch: its block-table row is free again."""
@@ -280,20 +315,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[StepSeq], feed: TokenFeed | None = None) -> torch.Tensor:
-        """One forward over every sequence's new tokens; float32 logits `[num needs_logits, vocab]`.
+        """One forward over every sequence's new tokens; float32 logits `[rows, vocab]`: for each sequence with
+        `needs_logits`, in batch order, the rows of its last `1 + num_spec_tokens` tokens.
 
-        `feed` gives input tokens still on the device (drawn by the step before, not read by the host yet).
-        The logits of a replayed step live in the graph's own buffer: read them before the next step.
+        `feed` gives input tokens still on the device (drawn by the step before, not read by the host yet), at
+        their places in the batch's tokens laid end to end. A step replays a recorded graph where one holds it:
+        a decode graph when every sequence brings one token and samples it, else a verify graph when every
+        sequence brings at most its query length. The logits of a replayed step live in the graphs' own
+        buffer: read them before the next step.
         """
         assert batch, "a step runs at least one sequence"
+        num_seqs = len(batch)
         graphs = self._graphs
         if graphs is not None and all(len(seq.token_ids) == 1 and seq.needs_logits for seq in batch):
-            padded = graphs.padded_size(len(batch))
+            padded = graphs.padded_size(num_seqs)
             if padded is not None:
                 self.inputs.prepare(batch, pad_to=padded, gather_table=False)
                 self._feed(feed)
                 self.num_replayed_steps += 1
-                return graphs.replay(padded)[: len(batch)]
+                return graphs.replay(padded)[:num_seqs]
+        verify = self._verify_graphs
+        if verify is not None and all(len(seq.token_ids) <= verify.query_len for seq in batch):
+            padded = verify.padded_size(num_seqs)
+            if padded is not None:
+                # Verify graphs exist only with speculation, which reads each step's tokens before the next: no
+                # feed, whose places assume the tokens laid end to end, not a verify graph's padded rows.
+                assert feed is None, "a step fed from the device replayed as a verify step"
+                shape = self.inputs.prepare(batch, pad_to=padded, query_len=verify.query_len, gather_table=False)
+                self.num_replayed_steps += 1
+                self.num_replayed_verify_steps += 1
+                return verify.replay(padded)[: shape.num_logits]
         shape = self.inputs.prepare(batch)
         self._feed(feed)
         return self._forward(shape, batch)
@@ -325,30 +376,39 @@ class ModelRunner:
                             metadata, logit_rows)
         return logits.float()
 
-    def _decode_forward(self, num_seqs: int) -> torch.Tensor:
-        """The recorded decode step over the first `num_seqs` rows of the buffers: reads nothing on the host."""
+    def _graphed_forward(self, num_seqs: int, query_len: int) -> torch.Tensor:
+        """The recorded step over the first `num_seqs` sequences of the buffers, `query_len` token rows each:
+        reads nothing on the host. A decode step (one row each) returns every row's logits; a longer one the
+        rows `logit_rows` names, as many as the step has rows, the real ones first."""
         inputs = self.inputs
+        num_rows = num_seqs * query_len
         inputs.gather_table(num_seqs)
         hints: dict[str, Any] = {"workspace": self._graph_workspace}
         if self.backend.name == "triton":
-            hints["num_kv_splits"] = self._num_kv_splits(num_seqs)
+            # The kernel splits only the contexts of one-token queries: a verify step's splits would sit idle.
+            hints["num_kv_splits"] = self._num_kv_splits(num_seqs) if query_len == 1 else 1
         elif self.backend.name == "torch":
             hints["is_graphed"] = True
         metadata = PagedAttentionMetadata(
             backend=self.backend,
             k_caches=self.k_caches,
             v_caches=self.v_caches,
-            slot_mapping=inputs.view("slot_mapping", num_seqs),
+            slot_mapping=inputs.view("slot_mapping", num_rows),
             block_tables=inputs.step_table[:num_seqs],
             cu_seqlens_q=inputs.view("cu_seqlens_q", num_seqs + 1),
             seq_lens=inputs.view("seq_lens", num_seqs),
-            max_query_len=1,
+            max_query_len=query_len,
             max_seq_len=inputs.max_blocks_per_seq * self.block_size,
             is_graphed=True,
             backend_hints=hints,
         )
-        logits = self.model(inputs.view("input_ids", num_seqs), inputs.view("positions", num_seqs), metadata, None)
-        return logits.float()
+        logit_rows = None if query_len == 1 else inputs.view("logit_rows", num_rows)
+        logits = self.model(inputs.view("input_ids", num_rows), inputs.view("positions", num_rows), metadata,
+                            logit_rows)
+        # Into one buffer that every recorded step shares (recorded largest first, so it never grows once one
+        # was): a graph's own output would stay allocated for as long as the graph, rows * vocab each.
+        out = self._graph_workspace.take("logits", tuple(logits.shape), torch.float32, logits.device)
+        return out.copy_(logits)
 
     def _num_kv_splits(self, num_seqs: int) -> int:
         return plan_kv_splits(self._num_multiprocessors, num_seqs * self.num_kv_heads)

@@ -10,6 +10,12 @@ The block table is fixed-width (`max_blocks_per_seq`) and kept on the
 device: each running sequence owns a row, and a step sends only the
 entries that changed since that row was last sent (usually none, one when
 a sequence enters a new block), then gathers the step's rows in batch order.
+
+A step a recorded graph replays is laid out for that graph: every sequence
+gets the same number of token rows (1 for a decode graph, 1 + k for a
+verify graph), its own tokens last and padding before them, and the batch
+is padded with whole sequences to the graph's size; `logit_rows` then lists
+the rows the step's logits come from, so the graph gathers them itself.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ class StepShape:
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence brings one token and samples from it: the steps a graph can replay."""
+        """Every sequence brings one token and samples from it: the steps a decode graph replays."""
         return self.num_tokens == self.num_seqs == self.num_logits
 
 
@@ -118,11 +124,17 @@ class StepInputs:
         if row is not None:
             self._free_rows.append(row.index)
 
-    def prepare(self, batch: list[StepSeq], pad_to: int | None = None, gather_table: bool = True) -> StepShape:
+    def prepare(self, batch: list[StepSeq], pad_to: int | None = None, query_len: int = 1,
+                gather_table: bool = True) -> StepShape:
         """Stage the batch, copy it to the device, apply its table changes; `gather_table` fills `step_table`.
 
-        `pad_to` pads a decode step to that many rows for a recorded graph,
-        which gathers the table itself, inside the graph.
+        `pad_to` lays the step out for a recorded graph of `pad_to` sequences
+        of `query_len` token rows each (the graph gathers the table itself):
+        a sequence's tokens are the last of its rows, the rows before them
+        and the sequences past the batch are padding (`_stage_padding`), and
+        `logit_rows` holds the rows the logits are gathered from, in the
+        order an eager step returns them, then row 0 up to `pad_to *
+        query_len`. The shape returned is the batch's own.
         """
         assert batch, "a step runs at least one sequence"
         assert len(batch) <= self.max_num_seqs, (len(batch), self.max_num_seqs)
@@ -132,23 +144,32 @@ class StepInputs:
         staged, at, block_size = self._staged, self._offsets, self.block_size
         q_lens = [len(seq.token_ids) for seq in batch]
         num_tokens = sum(q_lens)
-        assert num_tokens <= self.max_num_tokens, (num_tokens, self.max_num_tokens)
         num_seqs = len(batch)
-        cu_seqlens = list(itertools.accumulate(q_lens, initial=0))
+        if pad_to is None:
+            cu_seqlens = list(itertools.accumulate(q_lens, initial=0))
+        else:
+            assert num_seqs <= pad_to <= self.max_num_seqs and max(q_lens) <= query_len, (pad_to, query_len, q_lens)
+            cu_seqlens = list(range(0, (pad_to + 1) * query_len, query_len))
+        num_rows = cu_seqlens[-1]
+        assert num_rows <= self.max_num_tokens, (num_rows, self.max_num_tokens)
+        # Each sequence's tokens are the last rows of its share: all of it unless padded.
+        ends = cu_seqlens[1 : num_seqs + 1]
         seq_lens = [seq.start_pos + n for seq, n in zip(batch, q_lens)]
         for seq, end in zip(batch, seq_lens):
             assert end <= len(seq.block_table) * block_size, "block table too short for the scheduled tokens"
             assert end <= self.max_blocks_per_seq * block_size, "sequence longer than the block table's width"
-        logit_rows = [row for i, seq in enumerate(batch) if seq.needs_logits
-                      for row in range(cu_seqlens[i + 1] - 1 - seq.num_spec_tokens, cu_seqlens[i + 1])]
-        if num_tokens == num_seqs:
-            # Decode: one token each, no per-token arrays to build.
-            staged[at["input_ids"] : at["input_ids"] + num_tokens] = [seq.token_ids[0] for seq in batch]
-            staged[at["positions"] : at["positions"] + num_tokens] = [seq.start_pos for seq in batch]
-            staged[at["slot_mapping"] : at["slot_mapping"] + num_tokens] = [
+        logit_rows = [row for seq, end in zip(batch, ends) if seq.needs_logits
+                      for row in range(end - 1 - seq.num_spec_tokens, end)]
+        if ends[-1] == num_seqs:
+            # Decode: one token each, row i is sequence i; no per-token arrays to build.
+            staged[at["input_ids"] : at["input_ids"] + num_seqs] = [seq.token_ids[0] for seq in batch]
+            staged[at["positions"] : at["positions"] + num_seqs] = [seq.start_pos for seq in batch]
+            staged[at["slot_mapping"] : at["slot_mapping"] + num_seqs] = [
                 seq.block_table[seq.start_pos // block_size] * block_size + seq.start_pos % block_size
                 for seq in batch
             ]
+        elif pad_to is not None:
+            self._stage_short_queries(batch, query_len)
         else:
             staged[at["input_ids"] : at["input_ids"] + num_tokens] = list(
                 itertools.chain.from_iterable(seq.token_ids for seq in batch))
@@ -160,15 +181,15 @@ class StepInputs:
                 staged[at["slot_mapping"] + offset : at["slot_mapping"] + offset + n] = (
                     blocks * block_size + positions % block_size)
                 offset += n
+        num_logits = len(logit_rows)
+        if pad_to is not None:
+            self._stage_padding(num_seqs, pad_to, query_len)
+            logit_rows += [0] * (num_rows - num_logits)
         staged[at["seq_lens"] : at["seq_lens"] + num_seqs] = seq_lens
-        staged[at["cu_seqlens_q"] : at["cu_seqlens_q"] + num_seqs + 1] = cu_seqlens
-        if logit_rows:
-            staged[at["logit_rows"] : at["logit_rows"] + len(logit_rows)] = logit_rows
+        staged[at["cu_seqlens_q"] : at["cu_seqlens_q"] + len(cu_seqlens)] = cu_seqlens
+        staged[at["logit_rows"] : at["logit_rows"] + len(logit_rows)] = logit_rows
         rows, num_changes = self._stage_rows(batch)
         staged[at["rows"] : at["rows"] + num_seqs] = rows
-        if pad_to is not None:
-            assert num_tokens == num_seqs <= pad_to <= self.max_num_seqs, (num_tokens, num_seqs, pad_to)
-            self._stage_padding(num_seqs, pad_to)
         end = self._changes_at + 3 * num_changes
         self._device[:end].copy_(self._host[:end], non_blocking=True)
         if self._copied is not None:
@@ -178,8 +199,24 @@ class StepInputs:
             self.table.index_put_((changes[:, 0], changes[:, 1]), changes[:, 2])
         if gather_table:
             self.gather_table(num_seqs)
-        return StepShape(num_seqs=num_seqs, num_tokens=num_tokens, num_logits=len(logit_rows),
-                         max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        return StepShape(num_seqs=num_seqs, num_tokens=num_tokens, num_logits=num_logits, max_query_len=max(q_lens),
+                         max_seq_len=max(seq_lens))
+
+    def prepare_padding(self, num_seqs: int, query_len: int) -> None:
+        """Stage a step of `num_seqs` padding sequences of `query_len` rows each and copy it to the device: what a
+        graph's warm-up and recording run over. Its rows ask for no cache slot and attend to nothing through
+        valid query offsets, so the attention writes all of its output (offsets left at zero would leave it
+        unwritten: garbage, NaN perhaps, that the next layer would store in the cache)."""
+        assert 0 < num_seqs <= self.max_num_seqs and num_seqs * query_len <= self.max_num_tokens, (num_seqs, query_len)
+        if self._copied is not None:
+            self._copied.synchronize()
+        staged, at = self._staged, self._offsets
+        self._stage_padding(0, num_seqs, query_len)
+        staged[at["cu_seqlens_q"] : at["cu_seqlens_q"] + num_seqs + 1] = np.arange(num_seqs + 1) * query_len
+        staged[at["logit_rows"] : at["logit_rows"] + num_seqs * query_len] = 0
+        self._device[: self._changes_at].copy_(self._host[: self._changes_at], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
 
     def feed_tokens(self, positions: list[int], tokens: torch.Tensor, rows: list[int]) -> None:
         """Input id `positions[i]` of the step just prepared is `tokens[rows[i]]`, on the device: tokens an
@@ -196,14 +233,36 @@ class StepInputs:
         """`step_table[i] = table[rows[i]]` for the step's sequences, on the device."""
         torch.index_select(self.table, 0, self.view("rows", num_seqs), out=self.step_table[:num_seqs])
 
-    def _stage_padding(self, num_seqs: int, padded: int) -> None:
-        """Padding rows write to no cache slot (-1), attend to nothing (length 0) and read row 0 of the table;
-        their logits are ignored."""
+    def _stage_short_queries(self, batch: list[StepSeq], query_len: int) -> None:
+        """Each sequence's tokens as the last of its `query_len` rows, the rows before them padding: token 0 at
+        position 0, writing to no cache slot (-1). Built in Python: for a few tokens per sequence numpy's cost
+        per call outweighs the arithmetic."""
+        block_size = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for seq in batch:
+            num_padding = query_len - len(seq.token_ids)
+            span = range(seq.start_pos, seq.start_pos + len(seq.token_ids))
+            table = seq.block_table
+            token_ids += [0] * num_padding + seq.token_ids
+            positions += [0] * num_padding
+            positions += span
+            slots += [-1] * num_padding
+            slots += [table[p // block_size] * block_size + p % block_size for p in span]
+        for name, values in (("input_ids", token_ids), ("positions", positions), ("slot_mapping", slots)):
+            start = self._offsets[name]
+            self._staged[start : start + len(values)] = values
+
+    def _stage_padding(self, num_seqs: int, padded: int, query_len: int) -> None:
+        """The sequences past `num_seqs`: their rows hold token 0 at position 0 and write to no cache slot (-1),
+        and they attend to nothing (length 0) through row 0 of the table."""
         staged, at = self._staged, self._offsets
-        for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 0), ("rows", 0)):
-            staged[at[name] + num_seqs : at[name] + padded] = value
-        staged[at["cu_seqlens_q"] + num_seqs + 1 : at["cu_seqlens_q"] + padded + 1] = np.arange(
-            num_seqs + 1, padded + 1)
+        first, end = num_seqs * query_len, padded * query_len
+        for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1)):
+            staged[at[name] + first : at[name] + end] = value
+        for name in ("seq_lens", "rows"):
+            staged[at[name] + num_seqs : at[name] + padded] = 0
 
     def _stage_rows(self, batch: list[StepSeq]) -> tuple[list[int], int]:
         """Each sequence's row, and the table changes staged for the device; returns (rows, number of changes)."""

@@ -34,7 +34,8 @@ def test_graph_batch_sizes() -> None:
 def test_sizes_are_recorded_largest_first_and_a_step_takes_the_smallest_that_fits() -> None:
     order: list[int] = []
 
-    def forward(n: int) -> torch.Tensor:
+    def forward(n: int, q: int) -> torch.Tensor:
+        assert q == 1
         order.append(n)
         return torch.full((n, 3), float(n))
 
@@ -49,7 +50,7 @@ def test_sizes_are_recorded_largest_first_and_a_step_takes_the_smallest_that_fit
 def test_a_host_read_in_a_recorded_step_fails_its_recording() -> None:
     x = torch.arange(4.0)
     with pytest.raises(HostReadError, match="item"):
-        DecodeGraphs(lambda n: x[:n] * float(x.sum().item()), [2], ReplayCapture())
+        DecodeGraphs(lambda n, q: x[:n] * float(x.sum().item()), [2], ReplayCapture())
     for read in (lambda: x.tolist(), lambda: bool(x[0] > 0), lambda: x.cpu(), lambda: x.nonzero(), lambda: int(x[1])):
         with forbid_host_reads(), pytest.raises(HostReadError):
             read()
@@ -91,6 +92,82 @@ def test_replayed_steps_match_eager_ones_and_padding_writes_nowhere(tiny_model: 
             tokens.append(int(expected[[k for k, _, _ in seqs].index(key)].argmax()))
             if len(tokens) > 4 * len(table):
                 table.append(35 + len(table))
+
+
+def _written_slots(before: list[torch.Tensor], after: list[torch.Tensor]) -> set[int]:
+    """The cache slots any layer's keys or values changed at."""
+    changed: set[int] = set()
+    for old, new in zip(before, after):
+        changed.update((old != new).flatten(2).any(-1).flatten().nonzero().flatten().tolist())
+    return changed
+
+
+def _verifying() -> list[tuple[str, list[int], list[int], list[list[int]]]]:
+    """(key, known tokens, block table, proposed tokens at each step): three verify steps of 4 rows per sequence,
+    in which sequences propose 0 to 3 tokens; "b" needs no logits in the second (as a chunk not sampled from)."""
+    return [
+        ("a", [5, 9, 13, 2, 7], [3, 17, 8, 20], [[1, 2, 3], [4], []]),
+        ("b", [44, 1], [12, 1, 30, 31], [[], [6, 7], [8, 9, 10]]),
+        ("c", [60, 61, 62, 63, 64, 65, 66], [9, 2, 25, 26], [[70], [], [71, 72]]),
+    ]
+
+
+@pytest.mark.parametrize(("backend", "model_impl"), [("torch", "carpool"), ("torch", "transformers"),
+                                                     ("triton", "carpool")])
+def test_replayed_verify_steps_match_eager_ones_and_padding_writes_nowhere(tiny_model: Callable[..., str],
+                                                                          backend: str, model_impl: str) -> None:
+    """Steps in which sequences bring up to 1 + k tokens replay verify graphs: three sequences (padded to four),
+    each padded to 1 + k rows, give the eager step's logits rows, and only their real tokens reach the cache.
+    The Triton kernels run compiled into CUDA graphs on a GPU (bench.gpu_check runs this file there), else
+    interpreted on CPU tensors; transformers' model stores through the torch backend's padded store, carpool's
+    through its own RoPE + store."""
+    path = tiny_model("llama")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    kwargs = {"device": device, "block_size": 4, "num_blocks": 40, "max_num_seqs": 4, "attention_backend": backend,
+              "model_impl": model_impl, "num_speculative_tokens": 3}
+    eager = ModelRunner(path, cuda_graphs=False, **kwargs)  # type: ignore[arg-type]
+    graphed = ModelRunner(path, cuda_graphs=device == "cuda", **kwargs)  # type: ignore[arg-type]
+    if device == "cpu":
+        assert graphed.capture_decode_graphs(ReplayCapture())
+    if backend == "triton":  # its store skips padding: recording ran over padding alone and wrote nothing
+        assert not any(cache.any() for cache in graphed.k_caches + graphed.v_caches)
+    assert graphed.verify_graph_sizes == graphed.graph_sizes == [1, 2, 4]
+    seqs = _verifying()
+    for runner in (eager, graphed):
+        _prefill(runner, [(k, t[:-1], b) for k, t, b, _ in seqs])
+    for step in range(3):
+        batch = [StepSeq([tokens[-1], *proposals[step]], len(tokens) - 1, table, needs_logits=(key, step) != ("b", 1),
+                         key=key, num_spec_tokens=len(proposals[step])) for key, tokens, table, proposals in seqs]
+        before = [c.clone() for c in graphed.k_caches + graphed.v_caches]
+        expected = eager.execute(batch)
+        got = graphed.execute(batch)
+        assert graphed.num_replayed_verify_steps == graphed.num_replayed_steps == step + 1
+        num_rows = sum(1 + len(seq.token_ids) - 1 for seq in batch if seq.needs_logits)
+        assert got.shape == expected.shape == (num_rows, eager.vocab_size)
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+        written = {seq.block_table[pos // 4] * 4 + pos % 4 for seq in batch
+                   for pos in range(seq.start_pos, seq.start_pos + len(seq.token_ids))}
+        assert _written_slots(before, graphed.k_caches + graphed.v_caches) <= written
+        # Each sequence keeps its first proposed token, or the model's own next one.
+        for key, tokens, _, proposals in seqs:
+            tokens.append(proposals[step][0] if proposals[step] else int(expected[0].argmax()))
+    # A decode step still replays a decode graph, over the cache the verify steps wrote.
+    batch = _decode_batch([(k, t, b) for k, t, b, _ in seqs])
+    torch.testing.assert_close(graphed.execute(batch), eager.execute(batch), atol=ATOL, rtol=0)
+    assert (graphed.num_replayed_steps, graphed.num_replayed_verify_steps) == (4, 3)
+
+
+def test_verify_graphs_only_with_speculation(tiny_model: Callable[..., str]) -> None:
+    runner = ModelRunner(tiny_model("llama"), block_size=4, num_blocks=16, max_num_seqs=2)
+    assert runner.capture_decode_graphs(ReplayCapture())
+    assert runner.graph_sizes == [1, 2] and runner.verify_graph_sizes == []
+    runner.execute([StepSeq([5, 9, 13], 0, [3], True, "a")])
+    runner.execute([StepSeq([2, 7], 3, [3, 4], True, "a", num_spec_tokens=1)])
+    assert runner.num_replayed_steps == 0
+    # The step buffers hold a verify step of every sequence, whatever the step budget.
+    speculating = ModelRunner(tiny_model("llama"), block_size=4, num_blocks=16, max_num_seqs=8,
+                              max_num_batched_tokens=10, num_speculative_tokens=4)
+    assert speculating.inputs.max_num_tokens == 8 * 5 and speculating.max_num_batched_tokens == 10
 
 
 class _AddressesAtRecording:
@@ -168,3 +245,21 @@ def test_block_table_rows_follow_their_sequences_by_changes_only() -> None:
     inputs.prepare([StepSeq([8], 0, [20], True, "c"), StepSeq([9], 0, [21], True, "a")])
     assert inputs.step_table[0, :1].tolist() == [20]
     assert inputs.view("slot_mapping", 2).tolist() == [40, 42]
+
+
+def test_a_verify_step_gives_each_sequence_equal_rows_its_tokens_last() -> None:
+    inputs = StepInputs(max_num_seqs=4, max_num_tokens=12, max_blocks_per_seq=4, block_size=2,
+                        device=torch.device("cpu"))
+    # a verifies two proposed tokens, b decodes, c prefills two tokens without sampling; one padding sequence.
+    batch = [StepSeq([7, 8, 9], 3, [5, 6, 7], True, "a", num_spec_tokens=2), StepSeq([4], 1, [2], True, "b"),
+             StepSeq([1, 2], 0, [3], False, "c")]
+    shape = inputs.prepare(batch, pad_to=4, query_len=3)
+    assert (shape.num_seqs, shape.num_tokens, shape.num_logits) == (3, 6, 4)
+    assert inputs.view("input_ids", 12).tolist() == [7, 8, 9, 0, 0, 4, 0, 1, 2, 0, 0, 0]
+    assert inputs.view("positions", 12).tolist() == [3, 4, 5, 0, 0, 1, 0, 0, 1, 0, 0, 0]
+    assert inputs.view("slot_mapping", 12).tolist() == [13, 14, 15, -1, -1, 5, -1, 6, 7, -1, -1, -1]
+    assert inputs.view("seq_lens", 4).tolist() == [6, 2, 2, 0]
+    assert inputs.view("cu_seqlens_q", 5).tolist() == [0, 3, 6, 9, 12]
+    # The eager step's logits rows, in its order (a's three, b's one), then row 0 up to every row of the graph.
+    assert inputs.view("logit_rows", 12).tolist() == [0, 1, 2, 5] + [0] * 8
+    assert inputs.step_table[0, :3].tolist() == [5, 6, 7]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from scheduler import SamplingParams
 from tests.harness.model_reference import transformers_greedy
 from worker import Engine
 from worker.engine.graph_runner import ReplayCapture
+from worker.engine.step_inputs import StepSeq
 
 BLOCK_SIZE = 8
 MAX_NEW_TOKENS = 24
@@ -111,18 +113,78 @@ def test_greedy_ngram_through_the_triton_kernels(cycling_model: str,
     engine, actual = run(cycling_model, prompts[:6], attention_backend="triton", max_num_seqs=6, device=device)
     assert_same(expected[:6], actual)
     assert engine.stats().spec_accepted_tokens > 0
+    if device == "cuda":  # recorded as CUDA graphs there, by default
+        assert engine.runner.num_replayed_verify_steps > 0
 
 
-def test_replayed_decode_graphs_and_speculation(cycling_model: str,
-                                                reference: tuple[list[list[int]], list[list[int]]]) -> None:
-    """Steps without proposals still replay decode graphs; steps with them run eager over the same buffers."""
-    prompts, expected = reference
-    engine = Engine(model=cycling_model, block_size=BLOCK_SIZE, num_blocks=64, max_num_seqs=8, speculative="ngram")
+@dataclass
+class _StepLog:
+    """The batches a runner executed, as (tokens, needs_logits) per sequence."""
+
+    steps: list[list[tuple[int, bool]]] = field(default_factory=list)
+
+
+def _logged(engine: Engine) -> _StepLog:
+    """Record every batch the engine's runner executes (the runner's own counters say which it replayed)."""
+    log = _StepLog()
+    execute = engine.runner.execute
+
+    def logging_execute(batch: list[StepSeq]) -> torch.Tensor:
+        log.steps.append([(len(seq.token_ids), seq.needs_logits) for seq in batch])
+        return execute(batch)
+
+    engine.runner.execute = logging_execute  # type: ignore[method-assign]
+    return log
+
+
+def _graphed(path: str, **kwargs: Any) -> tuple[Engine, _StepLog]:
+    engine = Engine(model=path, block_size=BLOCK_SIZE, num_blocks=64, **{"max_num_seqs": 7, **kwargs})
     assert engine.runner.capture_decode_graphs(ReplayCapture())
+    return engine, _logged(engine)
+
+
+@pytest.mark.parametrize(("proposer", "async_scheduling"), [("ngram", False), ("draft", False), ("ngram", True)])
+def test_verify_steps_replay_graphs(cycling_model: str, draft_model: str,
+                                    reference: tuple[list[list[int]], list[list[int]]], proposer: str,
+                                    async_scheduling: bool) -> None:
+    """With graphs recorded (`ReplayCapture`: every replay runs again, forbidding host reads), every step whose
+    sequences bring at most 1 + k tokens replays a graph — a verify graph when one of them verifies a
+    proposal — and the tokens are the ones decoding without speculation gives, and eager verification gives.
+    Batches of 3, 5 or 6 sequences are padded to graphs of 4 and 7; sequences propose fewer than k tokens, or none.
+    With async scheduling a step's logits are still read before the next replay overwrites them."""
+    prompts, expected = reference
+    k = 3
+    draft: dict[str, Any] = {"draft_model": draft_model} if proposer == "draft" else {}
+    engine, log = _graphed(cycling_model, speculative=proposer, num_speculative_tokens=k,
+                           async_scheduling=async_scheduling, **draft)
+    runner = engine.runner
+    assert runner.graph_sizes == runner.verify_graph_sizes == [1, 2, 4, 7]
     actual = [r.token_ids for r in engine.generate(prompts, GREEDY)]
     assert_same(expected, actual)
-    assert engine.runner.num_replayed_steps > 0
     assert_speculated(engine)
+    _, eager = run(cycling_model, prompts, speculative=proposer, num_speculative_tokens=k, max_num_seqs=7, **draft)
+    assert_same(eager, actual)
+    decodes = [s for s in log.steps if all(seq == (1, True) for seq in s)]
+    verifies = [s for s in log.steps if s not in decodes and all(n <= 1 + k for n, _ in s)]
+    assert runner.num_replayed_verify_steps == len(verifies) > 0
+    assert runner.num_replayed_steps == len(decodes) + len(verifies)
+    # The verify steps padded batches and sequences: sizes between the graphs', fewer than k proposals, none.
+    assert {len(s) for s in verifies} & {3, 5, 6}
+    assert any(1 < n < 1 + k for s in verifies for n, _ in s)
+    assert any(n == 1 for s in verifies for n, _ in s)
+
+
+def test_verify_graphs_through_the_triton_kernels(cycling_model: str,
+                                                  reference: tuple[list[list[int]], list[list[int]]]) -> None:
+    """The Triton attention, its launch settings frozen at recording (CPU interpreter), in replayed verify steps."""
+    prompts, expected = reference
+    engine, _ = _graphed(cycling_model, speculative="ngram", num_speculative_tokens=2, attention_backend="triton",
+                         max_num_seqs=3)
+    actual = [r.token_ids for r in engine.generate(prompts[:3], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                               ignore_eos=True))]
+    assert_same([e[:12] for e in expected[:3]], actual)
+    assert engine.runner.num_replayed_verify_steps > 0
+    assert engine.stats().spec_accepted_tokens > 0
 
 
 def test_stops_inside_an_accepted_run(cycling_model: str) -> None:
