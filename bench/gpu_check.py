@@ -27,7 +27,8 @@ Its parts, in the order they run (`--parts` picks some, in this order whatever o
 The targets come first so that a short lease measures them. No row starts once `--budget-s` seconds
 have passed since the check began; each row left out is written as not run, so the tables say what is
 missing. OUTPUT/gpu_check.md is rewritten after every row, so whatever ended the run, the rows done are
-there. `--plan` prints the rows the other flags select, without a GPU. The 1B model
+there. `--plan` prints the rows the other flags select, without a GPU; `--skip` writes the rows whose names
+hold the given texts as skipped (the baselines of an earlier run, say). The 1B model
 (`bench.gpu.make_1b_model`) is built first if `--model` does not exist.
 """
 
@@ -390,6 +391,16 @@ def plan(model: str, dtype: str, parts: list[str], tests_timeout_s: float) -> li
     return sections
 
 
+def skipping(sections: list[Section], names: list[str]) -> list[Section]:
+    """The sections with every row whose name holds one of `names` written as skipped instead of run."""
+    def skipped(row: Row) -> Row:
+        if not any(name in row.name for name in names):
+            return row
+        return Row(row.name, partial(_note_row, row, "skipped (--skip)"), row.width)
+
+    return [Section(s.part, s.header, [skipped(row) for row in s.rows]) for s in sections]
+
+
 def parse_parts(text: str) -> list[str]:
     parts = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
@@ -410,14 +421,19 @@ def main() -> None:
     parser.add_argument("--row-limit-s", type=float, default=600.0,
                         help="a row running longer ends the check, with every thread's stack printed")
     parser.add_argument("--tests-timeout", type=float, default=300.0, help="seconds before the tests are stopped")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated: rows whose name holds one of these are written as skipped (e.g. "
+                             "'transformers' leaves out the baselines already measured)")
     parser.add_argument("--plan", action="store_true", help="print the rows the flags select, and stop")
     args = parser.parse_args()
     started = time.monotonic()
     output = Path(args.output)
-    sections = plan(args.model, args.dtype, args.parts, args.tests_timeout)
+    skip = [name.strip() for name in args.skip.split(",") if name.strip()]
+    sections = skipping(plan(args.model, args.dtype, args.parts, args.tests_timeout), skip)
     if args.plan:
         for section in sections:
-            print(f"{section.part}: " + "; ".join(row.name for row in section.rows))
+            print(f"{section.part}: " + "; ".join(
+                row.name + (" (skipped)" if any(name in row.name for name in skip) else "") for row in section.rows))
         return
     import torch
 

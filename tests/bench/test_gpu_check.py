@@ -100,3 +100,16 @@ def test_a_parting_of_greedy_outputs_is_told_a_near_tie_or_not(tiny_model: Calla
     assert first_difference(eager.token_ids, graphed, eager.logprobs) == (
         f"differs at 3 (top-2 margin {margin:.3f}: {kind})")
     assert first_difference(eager.token_ids, graphed, None) == "differs at 3"
+
+
+def test_skipped_rows_are_written_as_skipped_without_running() -> None:
+    from bench.gpu_check import Row, Section, skipping
+
+    def measured() -> str:
+        raise AssertionError("a skipped row ran")
+
+    sections = skipping([Section("skewed", ["| a | b | c |"], [Row("transformers generate", measured, 3),
+                                                                  Row("carpool, graphs", lambda: "| ran | | |", 3)])],
+                        ["transformers"])
+    assert [row.measure() for row in sections[0].rows] == ["| transformers generate | skipped (--skip) |  |",
+                                                           "| ran | | |"]
