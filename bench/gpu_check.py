@@ -8,7 +8,8 @@ Its parts, in the order they run (`--parts` picks some, in this order whatever o
 - `steps`: the GPU memory's bandwidth (a device-to-device copy), then `bench.step_profile`'s decode step for
   carpool's own model, graphed at batch 32 and 128 first (the targets), then graphed at 1 and 8, then eager,
   and the transformers path at batch 32, graphed and eager: wall time, GPU kernel time, and the rate the
-  matrix products read the model's matrices at as a share of that bandwidth;
+  matrix products read the model's matrices at as a share of that bandwidth; then the host's share of a
+  graphed step at batch 32 and 128, part by part (`bench.host_phases`);
 - `skewed`: continuous batching on `skewed` at 32 slots (`bench.skewed_gpu`), graphed and eager, beside
   transformers' padded `generate` and `generate_batch` on the same requests and slots;
 - `identity`: greedy tokens of decode steps replayed as CUDA graphs against eager ones, one batch of
@@ -63,6 +64,7 @@ SKEWED_REQUESTS = 64
 QUANTIZED_BATCHES = (8, 32)
 REPETITIVE_REQUESTS = 64
 REPETITIVE_NEW_TOKENS = 256
+HOST_PHASE_BATCHES = [32, 128]
 IDENTITY_PROMPT_LENS = [100, 400, 1000, 2000, 3000, 4500, 6000, 7900]
 IDENTITY_NEW_TOKENS = 200
 COPY_BYTES = 2 << 30
@@ -282,11 +284,23 @@ def step_sections(model: str, dtype: str) -> list[Section]:
         print(r.top_kernels, flush=True)
         return table_row(r, bandwidth.get("gbps"))
 
+    def phases_row(batch: int) -> str:
+        from bench.host_phases import host_phases
+        from bench.host_phases import table_row as phases_table_row
+
+        return phases_table_row(host_phases(model, "cuda", dtype, batch))
+
+    from bench.host_phases import PHASES
+    from bench.host_phases import TABLE_HEADER as PHASES_HEADER
+
     return [Section("steps", ["| measure | result | detail |", "|---|---|---|"],
                     [Row("memory bandwidth", _freeing(copy_row), 3)]),
             Section("steps", TABLE_HEADER.splitlines(),
                     [Row(f"{impl} {mode} {batch}", _freeing(partial(profile_row, impl, mode, batch)), 10)
-                     for impl, mode, batch in STEP_RUNS])]
+                     for impl, mode, batch in STEP_RUNS]),
+            Section("steps", ["host's share of a graphed step (`bench.host_phases`)", "", *PHASES_HEADER.splitlines()],
+                    [Row(f"host phases {batch}", _freeing(partial(phases_row, batch)), len(PHASES) + 2)
+                     for batch in HOST_PHASE_BATCHES])]
 
 
 def skewed_section(model: str, dtype: str) -> Section:

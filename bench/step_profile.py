@@ -111,12 +111,14 @@ def _merged_length_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def _filled_engine(model: str, device: str, dtype: str, batch: int, model_impl: str, quantization: str | None,
-                   cuda_graphs: bool = False, cpu_kernels: bool | None = None) -> Any:
+                   cuda_graphs: bool = False, cpu_kernels: bool | None = None,
+                   async_scheduling: bool | None = None) -> Any:
     """An engine with `batch` requests of 32-token prompts, past their prefills and decoding."""
     from worker import Engine
 
     engine = Engine(model=model, device=device, dtype=dtype, max_num_seqs=batch, cuda_graphs=cuda_graphs,
-                    model_impl=model_impl, quantization=quantization, cpu_kernels=cpu_kernels)
+                    model_impl=model_impl, quantization=quantization, cpu_kernels=cpu_kernels,
+                    async_scheduling=async_scheduling)
     for i in range(batch):
         engine.add_request(f"r{i}", [65 + i % 20] * 32, SamplingParams(max_tokens=2000, ignore_eos=True))
     for _ in range(30):  # past the prefills, into steady decoding
