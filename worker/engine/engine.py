@@ -34,7 +34,7 @@ from worker.engine.model_runner import ModelRunner, StepSeq, TokenFeed
 from worker.engine.prompt_input import check_token_ids, max_prompt_chars, prompt_token_ids
 from worker.engine.records import EngineStats
 from worker.engine.request_state import Completion, RequestOutput, RequestState
-from worker.engine.sampler import DrawnTokens, SampledToken, SampleRequest, Sampler
+from worker.engine.sampler import DrawnTokens, SampledToken, Sampler
 from worker.engine.sampling_rows import to_device
 from worker.engine.speculation import Proposer, Speculator, parse_speculative
 from worker.engine.text_decoder import text_decoder_for
@@ -327,7 +327,7 @@ class Engine:
         drawn = None
         if sampling:
             states = [self._requests[s.seq.request_id] for s in sampling]
-            requests = [self._sample_request(s.seq, state) for s, state in zip(sampling, states)]
+            requests = [state.sample_request_now() for state in states]
             # Usually every row samples (all decodes): no gather of the rows then. Else the index goes to the
             # device without a wait (a list index would copy from pageable memory, waiting for the forward).
             rows = logits if len(chosen) == logits.shape[0] else logits.index_select(
@@ -374,18 +374,6 @@ class Engine:
             done.append((s.seq, state, [token], index))
         return done
 
-    @staticmethod
-    def _sample_request(seq: Sequence, state: RequestState) -> SampleRequest:
-        """What the sampler needs of `seq` for the token after its known ones (pending ones included)."""
-        return SampleRequest(
-            request_id=seq.request_id,
-            params=seq.params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            position=seq.num_tokens,
-            suppress_token_ids=state.suppress_token_ids(),
-        )
-
     def _complete(self, step: _InFlight) -> list[tuple[Sequence, RequestState, list[SampledToken], int]]:
         """Sample the step's tokens and advance its sequences; those that finished or were aborted since it was
         launched (only with async scheduling) are left out, their tokens dropped.
@@ -400,7 +388,7 @@ class Engine:
         states = [self._requests[s.seq.request_id] for s in sampling]
         sampled: list[list[SampledToken]] = []
         if sampling:
-            requests = [self._sample_request(s.seq, state) for s, state in zip(sampling, states)]
+            requests = [state.sample_request_now() for state in states]
             rows = [r for i in chosen for r in range(first_rows[i], first_rows[i + 1])]
             logits = step.logits
             assert logits is not None, "a step read in full is sampled from its logits"

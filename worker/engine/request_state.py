@@ -16,7 +16,7 @@ from typing import Any
 
 from scheduler.sequence import FinishReason, Sequence
 from worker.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
-from worker.engine.sampler import SampledToken
+from worker.engine.sampler import SampledToken, SampleRequest
 from worker.engine.token_strings import TokenStrings
 
 
@@ -98,10 +98,24 @@ class RequestState:
     new_token_ids: list[int] = field(default_factory=list)
     text_reported: int = 0
     """Length of the text in the last output."""
+    sample_request: SampleRequest = field(init=False)
+    """What the sampler reads of this request, made once: `sample_request_now` brings its position and
+    suppressed ids up to date each step (its token lists are the sequence's own, which only grow)."""
 
     def __post_init__(self) -> None:
         if self.seq.params.logprobs is not None:
             self.logprobs = []
+        seq = self.seq
+        self.sample_request = SampleRequest(request_id=seq.request_id, params=seq.params,
+                                            prompt_token_ids=seq.prompt_token_ids,
+                                            output_token_ids=seq.output_token_ids, position=0, suppress_token_ids=[])
+
+    def sample_request_now(self) -> SampleRequest:
+        """What the sampler needs for the token after the sequence's known ones (pending ones included)."""
+        request = self.sample_request
+        request.position = self.seq.num_tokens
+        request.suppress_token_ids = self.suppress_token_ids()
+        return request
 
     @property
     def text(self) -> str:
