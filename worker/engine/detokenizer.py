@@ -6,9 +6,11 @@ tokenizers render a token differently depending on what precedes it (leading
 spaces). So the detokenizer decodes a short window that starts a few tokens
 before the new ones and emits only the text that the new tokens add, and
 only once it no longer ends in an incomplete character. Where the tokenizer's
-bytes are known (``ByteTableDecoder``), a trailing U+FFFD that no later byte
-can complete (a lone continuation byte, say) is emitted at once rather than
-held until some later token ends in a whole character.
+bytes are known (``ByteTableDecoder``), no window is needed: the output's
+bytes stream through one incremental UTF-8 decoder (``ByteStream``), and a
+U+FFFD that no later byte can complete (a lone continuation byte, say) is
+emitted at once rather than held until some later token ends in a whole
+character.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class IncrementalDetokenizer:
         # Grown piece by piece: the engine reads the text every step, and a join of every piece so far walked
         # one Python object per piece each time; appending copies the characters only (a memcpy).
         self._text = ""
+        # A byte table's text streams: one incremental UTF-8 decode per push, no windows decoded twice.
+        self._stream = self._decoder.stream(self._ids)
 
     @property
     def text(self) -> str:
@@ -49,12 +53,20 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: list[int]) -> str:
         """Add output tokens; return the text that became stable (possibly empty)."""
+        if self._stream is not None:
+            return self._add(self._stream.push(token_ids))
         self._ids.extend(token_ids)
         return self._advance(is_final=False)
 
     def flush(self) -> str:
         """Emit whatever is still held back (an incomplete character at the end of output)."""
+        if self._stream is not None:
+            return self._add(self._stream.push([], is_final=True))
         return self._advance(is_final=True)
+
+    def _add(self, new_text: str) -> str:
+        self._text += new_text
+        return new_text
 
     def _advance(self, is_final: bool) -> str:
         if self._read_offset == len(self._ids):

@@ -31,6 +31,11 @@ class TextDecoder(Protocol):
         when it certainly stands for bytes that no continuation makes valid."""
         ...
 
+    def stream(self, context_ids: list[int]) -> ByteStream | None:
+        """A decoder of one output's text as it grows after ``context_ids``, where this decoder can stream (None:
+        decode windows instead)."""
+        ...
+
 
 class TokenizerDecoder:
     """The general path: whatever the tokenizer's ``decode`` does."""
@@ -49,6 +54,9 @@ class TokenizerDecoder:
 
     def may_end_mid_character(self, ids: list[int]) -> bool:
         return True  # the tokenizer's text alone cannot tell an incomplete character from an invalid one
+
+    def stream(self, context_ids: list[int]) -> ByteStream | None:
+        return None  # a token's text may depend on the tokens around it
 
 
 class ByteTableDecoder:
@@ -79,6 +87,44 @@ class ByteTableDecoder:
         decoder.decode(data[-3:], final=False)  # a character still missing bytes has at most 3 of its 4
         pending, _ = decoder.getstate()
         return bool(pending)
+
+    def stream(self, context_ids: list[int]) -> ByteStream:
+        return ByteStream(self._table, context_ids)
+
+
+class ByteStream:
+    """One output's text from a byte table, its bytes decoded as UTF-8 as they come: text that is complete is
+    emitted at once, bytes that may still begin a character are held, and bytes that no continuation makes valid
+    are U+FFFD at once. The text is that of decoding the context and the output together, less the context's
+    own decode: a character begun in the context (which decodes alone to one U+FFFD) is not the output's.
+
+    Ids past the table contribute nothing, as the tokenizer's own decode drops ids it does not know.
+    """
+
+    def __init__(self, table: list[bytes], context_ids: list[int]) -> None:
+        self._table = table
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        context = self._bytes(context_ids)
+        emitted = self._utf8.decode(context)
+        self._num_to_drop = len(context.decode("utf-8", "replace")) - len(emitted)
+        """Characters still to drop from the output's start: the U+FFFD a context ending mid-character decodes
+        to alone, 0 or 1."""
+
+    def push(self, ids: list[int], is_final: bool = False) -> str:
+        """The text the ids complete; with `is_final`, held bytes too (as U+FFFD)."""
+        text = self._utf8.decode(self._bytes(ids), final=is_final)
+        if self._num_to_drop and text:
+            num_dropped = min(self._num_to_drop, len(text))
+            text = text[num_dropped:]
+            self._num_to_drop -= num_dropped
+        return text
+
+    def _bytes(self, ids: list[int]) -> bytes:
+        table = self._table
+        try:
+            return b"".join([table[i] for i in ids])
+        except IndexError:
+            return b"".join([table[i] if i < len(table) else b"" for i in ids])
 
 
 def text_decoder_for(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> TextDecoder:

@@ -89,3 +89,37 @@ def test_a_tokenizer_whose_table_disagrees_keeps_the_general_path(tokenizer) -> 
     decoder = text_decoder_for(odd)
     assert isinstance(decoder, TokenizerDecoder)
     assert decoder.decode([*b"a, b"]) == "A, B"
+
+
+class _WindowsOnly(ByteTableDecoder):
+    """The byte table decoding windows, as a detokenizer does for decoders that cannot stream."""
+
+    def stream(self, context_ids: list[int]) -> None:  # type: ignore[override]
+        return None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_byte_stream_gives_the_windows_text_and_is_never_behind_it(tokenizer, seed: int) -> None:
+    """Streaming a byte table's output through one UTF-8 decoder gives the text decoding windows of the same
+    table gives, never later (windows hold every trailing U+FFFD while a character may be unfinished after
+    them): prompts that end inside a character, ids past the vocabulary, specials, flushes."""
+    fast = text_decoder_for(tokenizer)
+    assert isinstance(fast, ByteTableDecoder)
+    windows = _WindowsOnly(fast._table, TokenizerDecoder(tokenizer, True))
+    rng = random.Random(seed)
+    size = len(tokenizer)
+    for _ in range(40):
+        prompt = _random_ids(rng, size, rng.randint(0, 10))
+        streamed = IncrementalDetokenizer(tokenizer, prompt, decoder=fast)
+        windowed = IncrementalDetokenizer(tokenizer, prompt, decoder=windows)
+        assert streamed._stream is not None and windowed._stream is None
+        for _ in range(rng.randint(1, 30)):
+            chunk = _random_ids(rng, size, rng.randint(1, 3))
+            if rng.random() < 0.05:
+                chunk.insert(rng.randrange(len(chunk) + 1), size + rng.randrange(5))  # an embedding row past it
+            streamed.push(chunk)
+            windowed.push(chunk)
+            assert streamed.text.startswith(windowed.text), (prompt, chunk)
+        streamed.flush()
+        windowed.flush()
+        assert streamed.text == windowed.text, prompt
