@@ -120,11 +120,10 @@ class ByteStream:
         return text
 
     def _bytes(self, ids: list[int]) -> bytes:
-        table = self._table
-        try:
-            return b"".join([table[i] for i in ids])
-        except IndexError:
-            return b"".join([table[i] if i < len(table) else b"" for i in ids])
+        table, size = self._table, len(self._table)
+        if len(ids) == 1:  # a decode step's one token
+            return table[ids[0]] if ids[0] < size else b""
+        return b"".join([table[i] if i < size else b"" for i in ids])
 
 
 def text_decoder_for(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> TextDecoder:
