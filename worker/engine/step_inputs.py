@@ -221,13 +221,19 @@ class StepInputs:
     def feed_tokens(self, positions: list[int], tokens: torch.Tensor, rows: list[int]) -> None:
         """Input id `positions[i]` of the step just prepared is `tokens[rows[i]]`, on the device: tokens an
         earlier step drew whose values the host has not read (it staged a placeholder there)."""
+        n = len(positions)
+        ids = self.view("input_ids", self.max_num_tokens)
+        if positions == rows and positions[-1] == n - 1:
+            # Both are 0 .. n-1 (positions only increase): decodes of the same sequences in the same order as the
+            # step before, the usual step. One copy, no index to send.
+            ids[:n].copy_(tokens[:n])
+            return
         index = torch.tensor(positions + rows, dtype=torch.int64)
         if self.device.type == "cuda":
             # A pinned block from the caching host allocator, held until its copy is done.
             index = index.pin_memory()
         index = index.to(self.device, non_blocking=True)
-        n = len(positions)
-        self.view("input_ids", self.max_num_tokens).index_copy_(0, index[:n], tokens.index_select(0, index[n:]))
+        ids.index_copy_(0, index[:n], tokens.index_select(0, index[n:]))
 
     def gather_table(self, num_seqs: int) -> None:
         """`step_table[i] = table[rows[i]]` for the step's sequences, on the device."""

@@ -263,3 +263,18 @@ def test_a_verify_step_gives_each_sequence_equal_rows_its_tokens_last() -> None:
     # The eager step's logits rows, in its order (a's three, b's one), then row 0 up to every row of the graph.
     assert inputs.view("logit_rows", 12).tolist() == [0, 1, 2, 5] + [0] * 8
     assert inputs.step_table[0, :3].tolist() == [5, 6, 7]
+
+
+@pytest.mark.parametrize(("positions", "rows"), [([0, 1, 2], [0, 1, 2]), ([0, 2], [1, 0]), ([1, 2], [1, 2])])
+def test_tokens_fed_from_the_device_land_where_the_placeholders_were(positions: list[int], rows: list[int]) -> None:
+    """The usual step (the same sequences in the same order: one plain copy) and any other mapping alike."""
+    inputs = StepInputs(max_num_seqs=3, max_num_tokens=4, max_blocks_per_seq=2, block_size=2,
+                        device=torch.device("cpu"))
+    staged = [[-1 if i in positions else 10 + i] for i in range(3)]
+    inputs.prepare([StepSeq(ids, 0, [i], True, f"s{i}") for i, ids in enumerate(staged)])
+    drawn = torch.tensor([40, 41, 42])
+    inputs.feed_tokens(positions, drawn, rows)
+    want = [10 + i for i in range(3)]
+    for position, row in zip(positions, rows):
+        want[position] = 40 + row
+    assert inputs.view("input_ids", 3).tolist() == want
