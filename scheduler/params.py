@@ -84,7 +84,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidParam("min_tokens", f"must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})")
         _check_float("temperature", self.temperature, low=0.0, high=100.0)
-        _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _check_float("top_p", self.top_p, low=0.0, high=1.0)  # 0 keeps only the most likely token, as OpenAI's
         _check_int("top_k", self.top_k, low=0)
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         if self.seed is not None:

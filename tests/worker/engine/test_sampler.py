@@ -57,6 +57,10 @@ def test_top_p_restricts_support() -> None:
     assert _draw_many(LOGITS, 400, temperature=1.0, top_p=0.8) == {6, 0, 7}
 
 
+def test_top_p_zero_keeps_only_the_most_likely_token() -> None:
+    assert _draw_many(LOGITS, 200, temperature=1.0, top_p=0.0) == {6}
+
+
 def test_min_p_restricts_support() -> None:
     # Kept: p >= 0.3 * p_max, i.e. logit >= 3 + ln(0.3) ~= 1.80.
     assert _draw_many(LOGITS, 400, temperature=1.0, min_p=0.3) == {6, 0}
