@@ -153,6 +153,10 @@ def _sampling(endpoint: Endpoint, given: dict[str, Any]) -> tuple[dict[str, Any]
             raise invalid("top_logprobs", "needs logprobs: true")
     elif "logprobs" in given:
         params["logprobs"] = given["logprobs"]
+    seed = params.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and -(MAX_SEED + 1) <= seed < 0:
+        # OpenAI takes any 64-bit seed, carpool's draws non-negative ones: a negative seed s draws as s + 2^63.
+        params["seed"] = seed & MAX_SEED
     return params, renames
 
 
