@@ -43,8 +43,9 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespac
                         help="prefix of every Redis key [env CARPOOL_KEY_PREFIX]")
     parser.add_argument("--generate-secret", action="store_true", help="print a new whsec_ signing secret and exit")
     parser.add_argument("--log-level", default=env.get("CARPOOL_LOG_LEVEL", "INFO"), help="[env CARPOOL_LOG_LEVEL]")
-    parser.add_argument("--metrics-host", default=env.get("CARPOOL_METRICS_HOST", "0.0.0.0"),
-                        help="address of the /metrics and /healthz server (default 0.0.0.0) [env CARPOOL_METRICS_HOST]")
+    parser.add_argument("--metrics-host", default=env.get("CARPOOL_METRICS_HOST", "127.0.0.1"),
+                        help="address of the /metrics and /healthz server (default 127.0.0.1: loopback unless set; the "
+                             "gateway image sets 0.0.0.0) [env CARPOOL_METRICS_HOST]")
     parser.add_argument("--metrics-port", type=int, default=int(env.get("CARPOOL_METRICS_PORT", DEFAULT_METRICS_PORT)),
                         help=f"port of /metrics and /healthz; 0 turns the server off (default {DEFAULT_METRICS_PORT}) "
                              "[env CARPOOL_METRICS_PORT]")
@@ -57,7 +58,7 @@ class ListenError(Exception):
 
 
 async def serve(redis_url: str, keys: Keys, config: WebhookConfig, telemetry: Telemetry | None = None, *,
-                metrics_host: str = "0.0.0.0", metrics_port: int = 0) -> None:
+                metrics_host: str = "127.0.0.1", metrics_port: int = 0) -> None:
     """Run one dispatcher until SIGTERM or SIGINT, then shut it down in two phases.
 
     With ``telemetry``, attempts are counted and traced there; with a ``metrics_port`` too, they are

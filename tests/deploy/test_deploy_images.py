@@ -57,6 +57,12 @@ def test_worker_image_is_cuda_and_offline() -> None:
     assert "--index-url" in text and "torch" in text
 
 
+def test_gateway_image_serves_the_dispatchers_metrics_beyond_loopback() -> None:
+    """`carpool webhooks` serves /metrics on loopback by default; Prometheus scrapes it from another container."""
+    text = (DOCKER / "Dockerfile.gateway").read_text()
+    assert "CARPOOL_METRICS_HOST=0.0.0.0" in text
+
+
 def test_gateway_image_installs_no_torch() -> None:
     steps = instructions(DOCKER / "Dockerfile.gateway")
     installs = [args for word, args in steps if word == "RUN" and "pip install" in args]
