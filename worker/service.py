@@ -44,6 +44,8 @@ class WorkerService:
         self.config = config
         self.engine = engine
         self.client = client
+        self.started_s = time.time()
+        """When this worker started: its heartbeat's `started`, which the OpenAI API's models list gives as `created`."""
         self.keys = Keys(config.key_prefix)
         self.store = JobStore(client, self.keys, worker=config.worker_name, result_ttl_s=config.result_ttl_s,
                                  reply_maxlen=config.reply_maxlen, dead_maxlen=config.dead_maxlen)
@@ -296,7 +298,8 @@ class WorkerService:
 
     async def _beat(self) -> None:
         await self.client.hset(self.keys.workers, self.config.worker_name, pack({
-            "time": time.time(), "running": len(self.job_loop.jobs), "capacity": self.config.capacity,
+            "time": time.time(), "started": self.started_s, "running": len(self.job_loop.jobs),
+            "capacity": self.config.capacity,
             "max_model_len": self.engine.max_model_len, "builtin_model": self.config.engine.model is None,
             "model": self.config.model_name,
             "draining": self.is_draining}))

@@ -30,7 +30,9 @@ from scheduler.runtime.tasks import cancel_and_reap
 
 
 async def served_models(app: web.Application) -> dict[str, float]:
-    """Model name -> latest heartbeat time, over workers heard from within the configured age."""
+    """Model name -> when the earliest of the workers serving it started (its `created`: the same at every
+    call while they live), over workers heard from within the configured age; a heartbeat without its worker's
+    start gives its own time."""
     raw = await read_hash(app[appkeys.REDIS], app[appkeys.KEYS].workers)
     oldest = time.time() - app[appkeys.CONFIG].model_heartbeat_max_age_s
     models: dict[str, float] = {}
@@ -41,7 +43,9 @@ async def served_models(app: web.Application) -> dict[str, float]:
             continue
         if isinstance(beat, dict) and isinstance(beat.get("model"), str) and isinstance(beat.get("time"), (int, float)):
             if beat["time"] >= oldest:
-                models[beat["model"]] = max(models.get(beat["model"], 0.0), float(beat["time"]))
+                started = beat.get("started")
+                since = float(started if isinstance(started, (int, float)) else beat["time"])
+                models[beat["model"]] = min(models.get(beat["model"], since), since)
     return models
 
 
