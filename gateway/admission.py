@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 
 from gateway.api_keys import OPEN_CALLER, Caller
 from gateway.config import GatewayConfig
-from gateway.context_length import ContextLength
+from gateway.model_limits import ModelLimits
 from gateway.rate_limits import Reservation
 from scheduler.protocol import state_machine
 from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, new_job_id
@@ -57,6 +57,16 @@ class InvalidJob(Exception):
         self.message = message
         self.is_context_exceeded = is_context_exceeded
         """The prompt, or the prompt with max_tokens, does not fit the model's context."""
+
+
+def check_vocabulary(spec: JobSpec, vocab_size: int) -> None:
+    """Refuse prompt token ids the model has no embedding for (the worker would fail the job)."""
+    if spec.prompt_token_ids is None:
+        return
+    for i, token_id in enumerate(spec.prompt_token_ids):
+        if token_id >= vocab_size:
+            raise InvalidJob("prompt_token_ids", f"token id {token_id} (at {i}) is outside the model's vocabulary "
+                                                 f"(0..{vocab_size - 1})")
 
 
 def check_fits(spec: JobSpec, max_len: int) -> None:
@@ -126,7 +136,7 @@ class Admission:
         self._redis = redis
         self._keys = keys
         self._config = config
-        self._context = ContextLength(redis, keys, config.max_model_len)
+        self._limits = ModelLimits(redis, keys, config.max_model_len)
         self._check_webhook = check_webhook
         self._enqueue_span = enqueue_span
         self._enqueue = redis.register_script(state_machine.ENQUEUE)
@@ -146,9 +156,11 @@ class Admission:
             raise InvalidJob(e.field, e.message) from e
         if spec.deadline is not None and spec.deadline <= time.time():
             raise InvalidJob("deadline", "already passed")
-        max_len = await self._context.get()
-        if max_len is not None:
-            check_fits(spec, max_len)
+        limits = await self._limits.get()
+        if limits.max_model_len is not None:
+            check_fits(spec, limits.max_model_len)
+        if limits.vocab_size is not None:
+            check_vocabulary(spec, limits.vocab_size)
         reply_problem = None if spec.reply_to == batch_results else self._keys.check_reply_to(
             spec.reply_to, may_name_batch_results=False)
         if reply_problem is not None:
@@ -167,7 +179,7 @@ class Admission:
 
     async def context_length(self) -> int | None:
         """The model's context as admission judges it (`--max-model-len`, else learned); None before any worker."""
-        return await self._context.get()
+        return (await self._limits.get()).max_model_len
 
     async def submit(self, body: object, idempotency_key: str | None, *, caller: Caller = OPEN_CALLER,
                      reservation: Reservation | None = None, num_following: int = 0,

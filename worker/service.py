@@ -300,7 +300,8 @@ class WorkerService:
         await self.client.hset(self.keys.workers, self.config.worker_name, pack({
             "time": time.time(), "started": self.started_s, "running": len(self.job_loop.jobs),
             "capacity": self.config.capacity,
-            "max_model_len": self.engine.max_model_len, "builtin_model": self.config.engine.model is None,
+            "max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
+            "builtin_model": self.config.engine.model is None,
             "model": self.config.model_name,
             "draining": self.is_draining}))
 

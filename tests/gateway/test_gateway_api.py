@@ -12,6 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 
+from gateway import model_limits
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.webhooks import generate_secret
@@ -200,3 +201,22 @@ async def test_readyz_is_503_without_redis() -> None:
         resp = await client.get("/readyz")
         assert resp.status == 503
         assert (await resp.json())["status"] == "unavailable"
+
+
+async def test_prompt_token_ids_past_the_workers_vocabulary_are_refused(make_client: MakeClient,
+                                                                       redis: aioredis.Redis,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers' heartbeats carry their vocabulary's size: an id past it is a 400 naming it, not a job that fails on
+    a worker; before any worker says, the worker judges."""
+    monkeypatch.setattr(model_limits, "REFRESH_S", 0.0)  # the heartbeats read at every admission
+    client = await make_client()
+    status, _ = await submit(client, {"prompt_token_ids": [5, 300]})
+    assert status == 202
+    await redis.hset(KEYS.workers, "w1", msgpack.packb({"time": time.time(), "running": 0, "capacity": 8,
+                                                        "max_model_len": 64, "vocab_size": 262}))
+    status, reply = await submit(client, {"prompt_token_ids": [5, 261, 262]})
+    assert status == 400, reply
+    assert reply["error"]["field"] == "prompt_token_ids"
+    assert "token id 262 (at 2) is outside the model's vocabulary (0..261)" in reply["error"]["message"]
+    status, _ = await submit(client, {"prompt_token_ids": [5, 261]})
+    assert status == 202

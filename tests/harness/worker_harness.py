@@ -113,6 +113,7 @@ class StepLog:
         self.engine = engine
         self.max_num_seqs: int = engine.max_num_seqs
         self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.vocab_size
         self.added_at: dict[str, int] = {}
         self.finished_at: dict[str, int] = {}
         self._thread = EngineThread(engine)
@@ -150,6 +151,7 @@ class HeldReplies:
 
         self.max_num_seqs: int = engine.max_num_seqs
         self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.vocab_size
         self.sent: list[tuple[list[str], bool, int]] = []
         self.unanswered = 0
         self._passes: int | None = None

@@ -40,6 +40,7 @@ async def test_a_ready_worker_has_its_heartbeat_in_redis(redis_url, engine_facto
         assert service.is_ready
         beat = msgpack.unpackb(await client.hget(KEYS.workers, "w-ready"))
         assert beat["capacity"] == service.config.capacity and beat["max_model_len"] > 0
+        assert beat["vocab_size"] == service.engine.vocab_size > 0 and beat["started"] <= beat["time"]
     assert not await client.hexists(KEYS.workers, "w-ready")  # a clean stop removes it
     await client.aclose()
 

@@ -133,6 +133,8 @@ class Engine:
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         """Longer text prompts are refused before they are tokenized (`prompt_input.max_prompt_chars`)."""
         self.max_num_seqs = config.max_num_seqs
+        self.vocab_size = self.runner.vocab_size
+        """Token ids a prompt may hold are below this."""
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -98,12 +98,13 @@ class EngineProcess:
     Requests go out as soon as they are asked for; the child answers them one at a time, in order.
     """
 
-    def __init__(self, process: BaseProcess, max_num_seqs: int = 0, max_model_len: int = 0) -> None:
+    def __init__(self, process: BaseProcess, max_num_seqs: int = 0, max_model_len: int = 0, vocab_size: int = 0) -> None:
         self.process = process
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self._channel: _Channel | None = None
-        self._ready: asyncio.Future[tuple[int, int]] | None = None
+        self._ready: asyncio.Future[EngineReady] | None = None
         self._waiting: deque[asyncio.Future[Tick] | None] = deque()
         """Requests sent and not yet answered, oldest first; None: the stop message."""
         self._failure: EngineFailed | None = None
@@ -134,7 +135,9 @@ class EngineProcess:
             _, channel = await loop.create_unix_connection(lambda: _Channel(engine._on_message, engine._on_lost),
                                                            sock=ours)
             engine._channel = channel
-            engine.max_num_seqs, engine.max_model_len = await engine._ready
+            ready = await engine._ready
+            engine.max_num_seqs, engine.max_model_len, engine.vocab_size = (
+                ready.max_num_seqs, ready.max_model_len, ready.vocab_size)
         except BaseException as e:
             process.kill()
             await loop.run_in_executor(None, process.join, STOP_TIMEOUT_S)
@@ -166,7 +169,7 @@ class EngineProcess:
     def _on_message(self, message: EngineMessage) -> None:
         if self._ready is not None and not self._ready.done():
             if isinstance(message, EngineReady):
-                self._ready.set_result((message.max_num_seqs, message.max_model_len))
+                self._ready.set_result(message)
             else:
                 assert isinstance(message, EngineError), message
                 self._ready.set_exception(EngineStartError(message.message))
@@ -234,7 +237,7 @@ def serve_engine(sock: socket.socket, config: EngineConfig, torch_threads: int, 
             sock.sendall(frame(EngineError(f"{type(e).__name__}: {e}")))
             return
         freeze_startup_heap()
-        sock.sendall(frame(EngineReady(engine.max_num_seqs, engine.max_model_len)))
+        sock.sendall(frame(EngineReady(engine.max_num_seqs, engine.max_model_len, engine.vocab_size)))
         sent_ahead: deque[TickRequest | None] = deque()
         """Ticks read ahead of the one about to run; their jobs and aborts are already taken in."""
         while True:

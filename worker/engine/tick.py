@@ -80,6 +80,7 @@ class EngineThread:
         self.engine = engine
         self.max_num_seqs: int = engine.max_num_seqs
         self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.vocab_size
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     def tick(self, adds: list[Add], aborts: list[str], do_step: bool) -> asyncio.Future[Tick]:

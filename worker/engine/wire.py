@@ -91,6 +91,7 @@ class EngineReady:
 
     max_num_seqs: int
     max_model_len: int
+    vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,8 @@ class EngineRunner(Protocol):
     max_num_seqs: int
     max_model_len: int
     """Longest prompt + output a request may have."""
+    vocab_size: int
+    """Token ids a prompt may hold are below this."""
 
     def tick(self, adds: list[Add], aborts: list[str], do_step: bool) -> asyncio.Future[Tick]:
         """Hand the tick to the engine at once (not at the caller's next await); the future holds its result.
