@@ -192,6 +192,13 @@ def _pipeline(is_fp32: bool, head_dim: int) -> dict[str, int]:
     return {"num_stages": 2} if is_fp32 and head_dim > 128 else {}
 
 
+
+def kernels_are_interpreted() -> bool:
+    """Whether this module's kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1 when `kernels` was
+    first imported), rather than compiled for a GPU."""
+    return is_interpreted(_paged_attention_kernel)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -24,10 +24,9 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 
 from kernels import get_backend
 from kernels.cpu_build import compiler_of, kernels_cache_dir
-from kernels.interpret import is_interpreted
 from kernels.model_ops_cpu import CpuModelOps, load_cpu_model_ops
 from kernels.paged_attention_cpu import CpuDecodeAttention, load_cpu_decode_attention
-from kernels.paged_attention import _paged_attention_kernel
+from kernels.paged_attention import kernels_are_interpreted
 from kernels.paged_attention_torch import plan_decode_groups
 from kernels.split_kv import MAX_SPLITS, num_multiprocessors, plan_kv_splits
 from kernels.workspace import Workspace
@@ -121,7 +120,7 @@ class ModelRunner:
         self.quantization = parse_quantization(quantization)
         check_device_supports(self.quantization, self.device)
         self.backend = get_backend(attention_backend or ("triton" if self.device.type == "cuda" else "torch"))
-        if self.backend.name == "triton" and self.device.type != "cuda" and not is_interpreted(_paged_attention_kernel):
+        if self.backend.name == "triton" and self.device.type != "cuda" and not kernels_are_interpreted():
             # Refused here, not at the first step: a worker would take jobs and then fail them all.
             raise ValueError(f"attention_backend: the Triton kernels were compiled for CUDA and cannot run on "
                              f"{self.device}; use the torch backend there "
