@@ -226,6 +226,10 @@ class Scheduler:
             if seq.is_padding:
                 # Padding stops once it would run past the context length.
                 num_new = 1 if seq.num_computed_tokens < self.config.max_model_len else 0
+            elif seq.num_output_tokens >= seq.max_tokens:
+                # Its last token is sampled (its stop check not run yet, or its value still on the device): it
+                # finishes when that is read, and computing that token's KV would serve no one.
+                continue
             else:
                 num_new = self._capped_prefill(seq, min(seq.num_uncomputed_tokens, budget))
             if num_new == 0:

@@ -281,3 +281,17 @@ def test_scheduling_ahead_with_pending_tokens() -> None:
     assert [s.seq for s in fourth.scheduled] == [b]
     resumed = fourth.scheduled[0]
     assert resumed.token_ids == (b.prompt_token_ids + [42, 43])[resumed.start_pos:]
+
+
+def test_a_sequence_with_its_last_token_sampled_is_not_scheduled_again() -> None:
+    """Its stop check (or the read of its pending token) finishes it; a step computing that token's KV would only
+    take a block and a slot."""
+    sched = make_scheduler(num_blocks=8, block_size=4)
+    seq = make_seq("a", 3, max_tokens=2)
+    sched.add(seq)
+    sched.advance_launched(sched.schedule())  # the prefill draws token 1
+    assert [s.seq for s in sched.schedule().scheduled] == [seq]  # which the next step computes
+    sched.resolve(seq, 0, 9)
+    sched.advance_launched(SchedulerOutput(scheduled=[ScheduledSeq(seq, 1)]))  # and draws token 2, the last
+    assert seq.num_output_tokens == 2
+    assert sched.schedule().is_empty

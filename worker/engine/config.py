@@ -92,7 +92,7 @@ class EngineConfig:
     async_scheduling: bool | None = field(default=None, metadata=help_text(
         "schedule and launch the next engine step before this one's tokens reach the host, feeding them to it on "
         "the device (with speculative decoding: after reading them, before turning them into outputs); a "
-        "finishing request then computes one token more, dropped; default: on for CUDA"))
+        "request stopped by a stop token or string then computes one token more, dropped; default: on for CUDA"))
     model_impl: ModelImpl = field(default=ModelImpl.AUTO, metadata=help_text(
         "auto, carpool or transformers: carpool's own fused model for the Llama family (Llama, Mistral, Qwen2, "
         "Qwen3), transformers' for everything else; auto picks by the checkpoint's architecture"))

@@ -242,8 +242,9 @@ class Engine:
         them into outputs (detokenization, stop checks): the step is scheduled
         and launched before those tokens reach the host, its inputs fed from
         them on the device (`schedules_ahead`; with proposals to verify, after
-        the host has read them). A request that stops is then computed one
-        token further, and that token is dropped.
+        the host has read them). A request that stops on a stop token or
+        string is then computed one token further, and that token is dropped
+        (one that reaches `max_tokens` is not scheduled again).
         """
         start_s = time.perf_counter()
         outputs, self._pending = self._pending, []
