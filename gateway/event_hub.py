@@ -6,6 +6,11 @@ connection for the whole process (subscribing a channel while someone waits
 on it, unsubscribing when the last waiter leaves), so open requests cost
 memory, not Redis connections.
 
+While anyone waits, the hub pings Redis over that connection: one that dies
+without a word (a network path that drops everything, a frozen server) is
+dropped once a ping goes unanswered, and the next read connects and
+subscribes every channel again.
+
 A waiter subscribes *before* it re-reads the job record: the hub hands every
 waiter its subscription only once Redis has confirmed the channel's SUBSCRIBE
 (a waiter joining a channel that is still being subscribed waits too), so a
@@ -39,6 +44,11 @@ MAX_QUEUED_EVENTS = 4096
 """Events buffered per waiter; a reader slower than the model loses token events, never the final one."""
 
 SUBSCRIBE_TIMEOUT_S = 5.0
+PING_INTERVAL_S = 5.0
+"""While anyone waits, the hub pings Redis over its pub/sub connection this often."""
+PONG_TIMEOUT_S = 10.0
+"""A ping unanswered this long means the connection died without a word (a dropped network path, a frozen
+Redis): the hub drops it, and the next read connects again and subscribes every channel again."""
 
 CLOSED = {"type": "closed"}
 """Put in every waiter's queue when the gateway shuts down."""
@@ -65,8 +75,13 @@ class Subscription:
 class EventHub:
     """Fans one pub/sub connection out to per-request queues. Start it, then `subscribe`."""
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, ping_interval_s: float = PING_INTERVAL_S,
+                 pong_timeout_s: float = PONG_TIMEOUT_S) -> None:
         self._pubsub = redis.pubsub()
+        self._ping_interval_s = ping_interval_s
+        self._pong_timeout_s = pong_timeout_s
+        self.num_reconnects = 0
+        """Connections dropped for an unanswered ping."""
         self._subs: dict[str, set[Subscription]] = {}
         # One event per SUBSCRIBE sent, set by the matching confirmation (Redis answers in order).
         self._confirms: dict[str, deque[asyncio.Event]] = {}
@@ -134,17 +149,38 @@ class EventHub:
 
     async def _run(self) -> None:
         await self._has_connection.wait()
+        loop = asyncio.get_running_loop()
+        ping_due = loop.time() + self._ping_interval_s
+        pong_due: float | None = None
+        """When the ping in flight must have been answered by; None: none in flight."""
         while True:
             try:
-                message = await self._pubsub.get_message(timeout=1.0)
+                message = await self._pubsub.get_message(timeout=min(1.0, self._ping_interval_s))
+                now = loop.time()
+                if pong_due is not None and now >= pong_due:
+                    log.warning("event hub: Redis did not answer a ping on the pub/sub connection for %.0f s; "
+                                "connecting again", self._pong_timeout_s)
+                    self.num_reconnects += 1
+                    pong_due, ping_due = None, now + self._ping_interval_s
+                    if self._pubsub.connection is not None:
+                        await self._pubsub.connection.disconnect()
+                    continue
+                if pong_due is None and now >= ping_due and self._subs:
+                    await self._pubsub.ping()
+                    pong_due, ping_due = now + self._pong_timeout_s, now + self._ping_interval_s
             except (RedisConnectionError, RedisTimeoutError, OSError) as e:
                 # redis-py reconnects and resubscribes on the next read; waiters re-read the record on heartbeats.
                 log.warning("event hub lost its Redis connection (%s); retrying", e)
+                pong_due = None
                 raise_if_cancelled()
                 await asyncio.sleep(0.5)
                 continue
             raise_if_cancelled()
-            if message is not None:
+            if message is None:
+                continue
+            if message.get("type") == "pong":
+                pong_due = None
+            else:
                 self._dispatch(message)
 
     def _dispatch(self, message: dict[str, Any]) -> None:

@@ -293,3 +293,38 @@ async def test_long_poll_rereads_the_record_when_its_wait_ends(client: TestClien
     view = await (await client.get(f"/v1/jobs/{job_id}?wait=2")).json()
     await task
     assert view["status"] == "failed"  # the final event was never seen, the record still tells
+
+
+async def test_a_pub_sub_connection_that_goes_silent_is_replaced(redis_url: str, redis: aioredis.Redis) -> None:
+    """A network path that drops everything without closing: the hub's ping goes unanswered, it connects again,
+    subscribes its channels again, and events published after that reach the waiter."""
+    from gateway.event_hub import EventHub
+    from tests.harness.redis_proxy import RedisProxy
+
+    proxy = await RedisProxy(redis_url).start()
+    client = aioredis.Redis.from_url(proxy.url)
+    hub = EventHub(client, ping_interval_s=0.1, pong_timeout_s=0.5)
+    hub.start()
+    try:
+        async with hub.subscribe(KEYS.events("j")) as sub:
+            await redis.publish(KEYS.events("j"), msgpack.packb({"type": "token", "n": 1}))
+            assert (await asyncio.wait_for(sub.queue.get(), WAIT_S))["n"] == 1
+            proxy.go_silent()
+            await redis.publish(KEYS.events("j"), msgpack.packb({"type": "token", "n": 2}))  # lost with the path
+            await wait_until(lambda: hub.num_reconnects == 1, "the hub replacing its silent connection")
+
+            async def delivered() -> dict[str, Any]:
+                # Until the new connection's SUBSCRIBE is in, a publish reaches no one: publish until one arrives.
+                while True:
+                    await redis.publish(KEYS.events("j"), msgpack.packb({"type": "token", "n": 3}))
+                    try:
+                        return await asyncio.wait_for(sub.queue.get(), 0.2)
+                    except asyncio.TimeoutError:
+                        continue
+
+            assert (await asyncio.wait_for(delivered(), WAIT_S))["n"] == 3
+            assert proxy.num_connections == 2
+    finally:
+        await hub.stop()
+        await client.aclose()
+        await proxy.aclose()

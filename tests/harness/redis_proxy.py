@@ -6,7 +6,9 @@ until `restore()`. Redis itself keeps running and keeps what that command wrote.
 `refuse(*patterns)` arms the other fault: the first client chunk holding every pattern never reaches Redis,
 and only its own connection is cut, as when a connection dies under one command; with `then_down=True`
 every connection is cut with it and Redis stays unreachable until `restore()`, as in an outage that began
-just before that command. `go_down()` starts such an outage at once.
+just before that command. `go_down()` starts such an outage at once. `go_silent()` is the quiet failure:
+every open connection stays open but carries nothing more either way (a network path that drops
+everything), while new connections work.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ class RedisProxy:
         self.is_down = False
         self._is_muted = False
         self.num_tripped = 0
+        self._silent: set[asyncio.StreamWriter] = set()
+        """Client sides of connections that carry nothing more."""
+        self._open: set[asyncio.StreamWriter] = set()
+        self.num_connections = 0
 
     @property
     def url(self) -> str:
@@ -51,6 +57,10 @@ class RedisProxy:
         """Cut every connection and refuse new ones until `restore()`."""
         self.is_down = True
         self._cut()
+
+    def go_silent(self) -> None:
+        """Every open connection stays open and carries nothing more, either way; new ones work."""
+        self._silent |= self._open
 
     def restore(self) -> None:
         self.is_down = False
@@ -77,15 +87,21 @@ class RedisProxy:
             return
         up_reader, up_writer = await asyncio.open_connection(*self._upstream)
         self._writers |= {writer, up_writer}
-        pipes = [asyncio.create_task(self._pipe(reader, up_writer, is_request=True)),
-                 asyncio.create_task(self._pipe(up_reader, writer, is_request=False))]
+        self._open.add(writer)
+        self.num_connections += 1
+        pipes = [asyncio.create_task(self._pipe(reader, up_writer, is_request=True, client=writer)),
+                 asyncio.create_task(self._pipe(up_reader, writer, is_request=False, client=writer))]
         self._tasks.update(pipes)
         await asyncio.gather(*pipes, return_exceptions=True)
         self._tasks.difference_update(pipes)
+        self._open.discard(writer)
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, is_request: bool) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, is_request: bool,
+                    client: asyncio.StreamWriter) -> None:
         try:
             while not self.is_down and (chunk := await reader.read(65536)):
+                if client in self._silent:
+                    continue  # the path drops it
                 if is_request and self._refused is not None and all(p in chunk for p in self._refused):
                     self._refused = None
                     self.num_refused += 1
