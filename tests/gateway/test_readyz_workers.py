@@ -1,5 +1,7 @@
-"""/readyz shows the live workers only: a worker that died without removing its heartbeat drops out of the
-list once its heartbeat is older than --model-heartbeat-max-age-s, and its entry is removed."""
+"""What the gateway makes of the workers' heartbeats. /readyz shows the live workers only: a worker that died
+without removing its heartbeat drops out of the list once its heartbeat is older than
+--model-heartbeat-max-age-s, and its entry is removed. GET /v1/models lists the models live workers serve, each
+`created` when its first worker started."""
 
 from __future__ import annotations
 
@@ -50,3 +52,21 @@ async def test_an_unreadable_heartbeat_is_named_and_left_alone(client: TestClien
     await redis.hset(KEYS.workers, "future", b"\xc1 not msgpack")
     assert (await (await client.get("/readyz")).json())["workers"] == {"future": None}
     assert await redis.hget(KEYS.workers, "future") == b"\xc1 not msgpack"
+
+
+async def _beat(redis: aioredis.Redis, worker: str, model: str, started: float) -> None:
+    await redis.hset(KEYS.workers, worker, msgpack.packb({"time": time.time(), "started": started, "model": model,
+                                                          "running": 0, "capacity": 8}))
+
+
+async def test_created_is_the_first_workers_start_and_stays_across_heartbeats(client: TestClient,
+                                                                             redis: aioredis.Redis) -> None:
+    await _beat(redis, "w1", "llama", started=1_700_000_100.0)
+    await _beat(redis, "w2", "llama", started=1_700_000_000.0)
+    await _beat(redis, "w3", "qwen", started=1_700_000_500.0)
+    listed = await (await client.get("/v1/models")).json()
+    assert [(m["id"], m["created"]) for m in listed["data"]] == [("llama", 1_700_000_000), ("qwen", 1_700_000_500)]
+    for _ in range(2):  # heartbeats later: the same answer
+        await _beat(redis, "w1", "llama", started=1_700_000_100.0)
+        await _beat(redis, "w2", "llama", started=1_700_000_000.0)
+        assert (await (await client.get("/v1/models/llama")).json())["created"] == 1_700_000_000
