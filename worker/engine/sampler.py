@@ -17,12 +17,17 @@ for a vocabulary of 100k tokens is most of the draw's time there.
 All of it runs on the logits' device; the host learns the step's results by
 one copy at the end, started by `Sampler.launch` and waited for by
 `Sampler.collect`, so that a next step can be launched in between (fed the
-drawn ids on the device).
+drawn ids on the device). A decode step usually samples the same requests as
+the step before: `launch` then reuses that step's rows on the device, their
+parameters and what its work branches on (`_BatchRows`), so such a step sends
+the device nothing unless a row is seeded (its positions) or has ids to
+suppress, and the host's work per request is a few comparisons.
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -66,12 +71,13 @@ class DrawnTokens:
     """Each row's parameters."""
     num_top: int | None
     request_ids: list[str]
+    """The requests with penalties, whose rows' counts take the drawn tokens (`SamplingRows.note_read`)."""
     rows: list[Row]
-    """Each request's sampling row when drawn."""
+    """Each of those requests' sampling row when drawn."""
     num_outputs: list[int]
-    """Each request's output length counting the drawn token (the penalty rows' record of it)."""
+    """Each of those requests' output length counting the drawn token (the penalty rows' record of it)."""
     first_rows: list[int]
-    """Each request's first row."""
+    """Each of those requests' first row."""
 
 
 @dataclass
@@ -145,6 +151,7 @@ class Sampler:
         self._token_keys = token_keys(vocab_size, self.device)
         self._noise_rows_per_chunk = None if self.device.type == "cuda" else CPU_NOISE_CHUNK_ELEMENTS // vocab_size
         self._is_cuda = self.device.type == "cuda"
+        self._last_batch: _BatchRows | None = None
 
     def release(self, request_id: str) -> None:
         """Free the request's row (no-op for an unknown id)."""
@@ -192,59 +199,98 @@ class Sampler:
         a request with penalties or suppressed ids has one.
         """
         counts = counts if counts is not None else [1] * len(requests)
-        num_rows = sum(counts)
+        batch = self._batch_rows(requests, counts)
+        num_rows = batch.first_rows[-1]
         assert logits.ndim == 2 and logits.shape == (num_rows, self.vocab_size), (logits.shape, num_rows)
-        request_rows = self._rows.assign(requests)
-        row_index = [row for row, n in zip(request_rows, counts) for _ in range(n)]
-        positions = [r.position + i for r, n in zip(requests, counts) for i in range(n)]
-        params = [r.params for r, n in zip(requests, counts) for _ in range(n)]
-        first_rows = list(itertools.accumulate(counts, initial=0))
-        # Everything the step needs from the host in one transfer: rows, positions, suppressed (row, id) pairs.
-        # A stop id past the vocabulary can never be drawn, so there is nothing of it to suppress (and no logit).
-        suppressed = [(first_rows[i], t) for i, r in enumerate(requests) for t in r.suppress_token_ids
-                      if t < self.vocab_size]
-        suppress_rows, suppress_ids = [row for row, _ in suppressed], [t for _, t in suppressed]
-        parts = [row_index, positions, suppress_rows, suppress_ids]
-        step = to_device([v for part in parts for v in part], torch.int64, self.device)
-        rows, positions_t, suppress_rows_t, suppress_ids_t = step.split([len(p) for p in parts])
-        floats, ints = self._rows.floats[rows], self._rows.ints[rows]
+        if batch.penalised:
+            self._rows.refresh_counts([requests[i] for i in batch.penalised])
+        # What changes from step to step goes to the device in one transfer: the positions of seeded rows (their
+        # noise's key) and the suppressed (row, id) pairs. A stop id past the vocabulary can never be drawn, so
+        # there is nothing of it to suppress (and no logit).
+        positions = ([r.position + i for r, n in zip(requests, counts) for i in range(n)] if batch.seeded else [])
+        suppressed = [(batch.first_rows[i], t) for i, r in enumerate(requests) if r.suppress_token_ids
+                      for t in r.suppress_token_ids if t < self.vocab_size]
+        positions_t = suppress_rows_t = suppress_ids_t = None
+        if positions or suppressed:
+            parts = [positions, [row for row, _ in suppressed], [t for _, t in suppressed]]
+            step = to_device([v for part in parts for v in part], torch.int64, self.device)
+            positions_t, suppress_rows_t, suppress_ids_t = step.split([len(p) for p in parts])
 
         logits = logits.float()
-        has_penalties = any(p.has_penalties for p in params)
-        if has_penalties:
+        if batch.has_penalties:
             assert self._rows.prompt_seen is not None and self._rows.output_counts is not None
+            floats = batch.floats
             logits = penalise_rows(
-                logits, self._rows.prompt_seen[rows], self._rows.output_counts[rows],
+                logits, self._rows.prompt_seen[batch.index], self._rows.output_counts[batch.index],
                 floats[:, REPETITION:REPETITION + 1], floats[:, PRESENCE:PRESENCE + 1],
                 floats[:, FREQUENCY:FREQUENCY + 1],
             )
-        if suppress_ids:
-            if not has_penalties:
+        if suppressed:
+            assert suppress_rows_t is not None and suppress_ids_t is not None
+            if not batch.has_penalties:
                 logits = logits.clone()  # the caller's logits stay as they were
             logits.index_put_((suppress_rows_t, suppress_ids_t), torch.full((), float("-inf"), device=self.device))
 
-        if all(p.is_greedy for p in params):
+        if batch.all_greedy:
             final, token_ids = logits, logits.argmax(dim=-1)
         else:
-            final, token_ids = self._draw(logits, params, floats, ints, positions_t)
-        if has_penalties:
-            self._rows.count_sampled(rows, token_ids, ints[:, IS_PENALISED])
+            final, token_ids = self._draw(logits, batch, positions_t)
+        if batch.has_penalties:
+            self._rows.count_sampled(batch.index, token_ids, batch.ints[:, IS_PENALISED])
         # Penalty counts follow the first row of each request: the only one of a request with penalties.
-        noted = self._rows.note_drawn(requests)
-        num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        packed = _packed(final, token_ids, num_top)
+        penalised = [requests[i] for i in batch.penalised]
+        self._rows.note_drawn(penalised)
+        packed = _packed(final, token_ids, batch.num_top)
         if not self._is_cuda:
             host, copied = packed, None
         else:
             # A pinned block per step from torch's caching host allocator, which hands it out again only once its
             # copy is done: a step launched before the last one's tokens were read cannot overwrite them.
-            host = torch.empty(packed.numel(), dtype=torch.float64, pin_memory=True)
+            host = torch.empty(packed.numel(), dtype=packed.dtype, pin_memory=True)
             host.copy_(packed, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
-        return DrawnTokens(token_ids=token_ids, host=host, copied=copied, params=params, num_top=num_top,
-                           request_ids=[r.request_id for r in requests], rows=noted,
-                           num_outputs=[len(r.output_token_ids) + 1 for r in requests], first_rows=first_rows)
+        return DrawnTokens(token_ids=token_ids, host=host, copied=copied, params=batch.params, num_top=batch.num_top,
+                           request_ids=[batch.request_ids[i] for i in batch.penalised],
+                           rows=[batch.rows[i] for i in batch.penalised],
+                           num_outputs=[len(r.output_token_ids) + 1 for r in penalised],
+                           first_rows=[batch.first_rows[i] for i in batch.penalised])
+
+    def _batch_rows(self, requests: list[SampleRequest], counts: list[int]) -> _BatchRows:
+        """The step's rows and what follows from its requests' parameters: the last step's when it sampled the
+        same request objects in the same order, with the same counts and no row assigned or freed since (the
+        usual decode step), else made anew."""
+        last = self._last_batch
+        if (last is not None and last.version == self._rows.version and last.counts == counts
+                and len(last.requests) == len(requests) and all(map(operator.is_, last.requests, requests))
+                and all(map(operator.is_, last.request_params, map(_PARAMS, requests)))):
+            return last
+        request_rows = self._rows.assign(requests)
+        row_index = [row for row, n in zip(request_rows, counts) for _ in range(n)]
+        params = [r.params for r, n in zip(requests, counts) for _ in range(n)]
+        index = to_device(row_index, torch.int64, self.device)
+        floats, ints = self._rows.floats[index], self._rows.ints[index]
+        divisor = None
+        if not all(p.is_greedy for p in params):
+            # Greedy rows are tempered by 1 (their draw is discarded), so a mixed step needs no gathers.
+            temperature = floats[:, TEMPERATURE:TEMPERATURE + 1]
+            divisor = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)
+        batch = _BatchRows(
+            requests=list(requests), request_params=[r.params for r in requests], counts=list(counts),
+            version=self._rows.version, rows=self._rows.rows_of(requests),
+            request_ids=[r.request_id for r in requests], first_rows=list(itertools.accumulate(counts, initial=0)),
+            index=index, floats=floats, ints=ints, divisor=divisor, params=params,
+            all_greedy=divisor is None, any_greedy=any(p.is_greedy for p in params),
+            has_penalties=any(p.has_penalties for p in params),
+            penalised=[i for i, r in enumerate(requests) if r.params.has_penalties],
+            # top_p 1 keeps every token (transformers skips its top-p warper there too), so a step whose sampled
+            # rows ask for no filter skips the sort over the vocabulary.
+            filters=any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params),
+            seeded=[i for i, p in enumerate(params) if p.seed is not None],
+            num_top=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+        )
+        self._last_batch = batch
+        return batch
 
     def collect(self, drawn: DrawnTokens) -> list[SampledToken]:
         """The drawn tokens on the host, one per row: waits for their copy (the step's only wait)."""
@@ -252,61 +298,103 @@ class Sampler:
             drawn.copied.synchronize()
         values = drawn.host.tolist()
         num_rows = len(drawn.params)
-        ids = [int(v) for v in values[:num_rows]]
+        ids: list[int] = values[:num_rows] if drawn.num_top is None else [int(v) for v in values[:num_rows]]
         for request_id, row, num_output, first in zip(drawn.request_ids, drawn.rows, drawn.num_outputs,
                                                      drawn.first_rows):
             self._rows.note_read(request_id, row, num_output, ids[first])
         if drawn.num_top is None:
-            return [SampledToken(token_id=t, logprob=None, top_logprobs=None) for t in ids]
+            return [SampledToken(t, None, None) for t in ids]
         return _unpacked(values, ids, drawn.params, drawn.num_top)
 
-    def _draw(
-        self, logits: torch.Tensor, params: list[SamplingParams],
-        floats: torch.Tensor, ints: torch.Tensor, positions: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw(self, logits: torch.Tensor, batch: _BatchRows,
+              positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The distribution each row samples from and its token: the race for sampled rows, argmax for greedy ones.
 
         Greedy rows go through the same batched ops (tempered by 1, their draw then discarded), so a
-        mixed step has no per-subset gathers.
+        mixed step has no per-subset gathers. `positions`: each row's, when some row is seeded.
         """
-        temperature = floats[:, TEMPERATURE:TEMPERATURE + 1]
-        is_greedy = temperature == 0.0
+        assert batch.divisor is not None
         # Each row shifted by its largest logit before the division, which leaves every distribution and filter
         # as it was (they depend on differences of logits only) but cannot overflow: with a temperature so small
         # that logit / temperature passes the float range (1e-40, say), the row's top logits become 0 and the
         # rest -inf, the argmax the distribution tends to, instead of infinities whose softmax is NaN.
-        shifted = logits - logits.amax(dim=-1, keepdim=True)
-        filtered = shifted.div_(torch.where(is_greedy, torch.ones_like(temperature), temperature))
-        # top_p 1 keeps every token (transformers skips its top-p warper there too), so a step
-        # whose sampled rows ask for no filter skips the sort over the vocabulary.
-        if any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params):
-            filtered = filter_logits(filtered, ints[:, TOP_K], floats[:, TOP_P], floats[:, MIN_P])
+        filtered = (logits - logits.amax(dim=-1, keepdim=True)).div_(batch.divisor)
+        if batch.filters:
+            filtered = filter_logits(filtered, batch.ints[:, TOP_K], batch.floats[:, TOP_P], batch.floats[:, MIN_P])
         # The exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is distributed as p.
-        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        seeded = batch.seeded
         if not seeded and self.device.type == "cpu":
             drawn = inverse_cdf_draw(filtered.softmax(dim=-1), self._generator)
         else:
-            if len(seeded) == len(params):
-                noise = exponential_noise(ints[:, SEED], positions, self._token_keys, self._noise_rows_per_chunk)
+            if len(seeded) == len(batch.params):
+                assert positions is not None
+                noise = exponential_noise(batch.ints[:, SEED], positions, self._token_keys,
+                                          self._noise_rows_per_chunk)
             else:
                 noise = torch.empty_like(filtered).exponential_(generator=self._generator)
                 if seeded:
-                    index = to_device(seeded, torch.int64, self.device)
-                    noise[index] = exponential_noise(ints[index, SEED], positions[index], self._token_keys,
+                    assert positions is not None
+                    index = batch.seeded_index()
+                    noise[index] = exponential_noise(batch.ints[index, SEED], positions[index], self._token_keys,
                                                      self._noise_rows_per_chunk)
             drawn = filtered.softmax(dim=-1).div_(noise).argmax(dim=-1)
-        if not any(p.is_greedy for p in params):
+        if not batch.any_greedy:
             return filtered, drawn
+        is_greedy = batch.floats[:, TEMPERATURE:TEMPERATURE + 1] == 0.0
         return torch.where(is_greedy, logits, filtered), torch.where(is_greedy.squeeze(-1), logits.argmax(dim=-1), drawn)
 
 
-def _packed(final: torch.Tensor, token_ids: torch.Tensor, num_top: int | None) -> torch.Tensor:
-    """Token ids, then (when logprobs are asked for) each row's logprob and top values and ids, as float64.
+@dataclass
+class _BatchRows:
+    """What `Sampler.launch` derives from a step's requests and their parameters, kept for the next steps while
+    they sample the same requests: their rows on the device, those rows' parameters gathered, and what the step's
+    work branches on."""
 
-    Ids below 2^53 and float32 logprobs are exact in float64, so one tensor carries them all.
+    requests: list[SampleRequest]
+    """The caller's objects, compared by identity."""
+    request_params: list[SamplingParams]
+    counts: list[int]
+    version: int
+    """`SamplingRows.version` when made: a row assigned or freed since makes it stale."""
+    rows: list[Row]
+    request_ids: list[str]
+    first_rows: list[int]
+    """Each request's first row of the logits, then their number."""
+    index: torch.Tensor
+    """`[rows]` each logits row's sampling row, on the device."""
+    floats: torch.Tensor
+    ints: torch.Tensor
+    divisor: torch.Tensor | None
+    """`[rows, 1]` each row's temperature, 1 for greedy rows; None when every row is greedy."""
+    params: list[SamplingParams]
+    """Each logits row's parameters."""
+    all_greedy: bool
+    any_greedy: bool
+    has_penalties: bool
+    penalised: list[int]
+    """The requests with penalties (by position), the only ones whose draws the rows' counts follow."""
+    filters: bool
+    """Some sampled row filters (top-k, top-p, min-p)."""
+    seeded: list[int]
+    """Rows whose noise is their seed's."""
+    num_top: int | None
+    _seeded_index: torch.Tensor | None = None
+
+    def seeded_index(self) -> torch.Tensor:
+        if self._seeded_index is None:
+            self._seeded_index = to_device(self.seeded, torch.int64, self.index.device)
+        return self._seeded_index
+
+
+_PARAMS = operator.attrgetter("params")
+
+
+def _packed(final: torch.Tensor, token_ids: torch.Tensor, num_top: int | None) -> torch.Tensor:
+    """The token ids (int64), or when logprobs are asked for, the ids, each row's logprob and top values and ids, as
+    float64: ids below 2^53 and float32 logprobs are exact in float64, so one tensor carries them all.
     """
     if num_top is None:
-        return token_ids.to(torch.float64)
+        return token_ids
     logprobs = final.log_softmax(dim=-1)
     chosen = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
     parts = [token_ids.to(torch.float64), chosen.to(torch.float64)]

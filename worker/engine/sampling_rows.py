@@ -68,6 +68,8 @@ class SamplingRows:
         self._rows: OrderedDict[str, Row] = OrderedDict()
         """Least recently used first."""
         self._free: list[int] = []
+        self.version = 0
+        """Counts the rows assigned and freed: the sampler keeps a step's rows for the next while it is the same."""
         self.floats = torch.empty(0, NUM_FLOATS, device=device)
         self.ints = torch.empty(0, NUM_INTS, dtype=torch.int64, device=device)
         self.prompt_seen: torch.Tensor | None = None
@@ -101,15 +103,26 @@ class SamplingRows:
             self._rows[request.request_id] = Row(self._free.pop(), request.params)
         if new:
             self._write_params(new)
-        stale = [r for r in requests if r.params.has_penalties and not self._counts_match(r)]
+            self.version += 1
+        self.refresh_counts([r for r in requests if r.params.has_penalties])
+        return [self._rows[r.request_id].index for r in requests]
+
+    def rows_of(self, requests: Sequence[RowRequest]) -> list[Row]:
+        """The requests' rows (each must have one)."""
+        return [self._rows[r.request_id] for r in requests]
+
+    def refresh_counts(self, requests: Sequence[RowRequest]) -> None:
+        """Rebuild the counts of those of the (penalised, assigned) requests whose token lists no longer match what
+        their rows counted: a resume, or a row evicted and made again."""
+        stale = [r for r in requests if not self._counts_match(r)]
         if stale:
             self._rebuild_counts(stale)
-        return [self._rows[r.request_id].index for r in requests]
 
     def release(self, request_id: str) -> None:
         row = self._rows.pop(request_id, None)
         if row is not None:
             self._free.append(row.index)
+            self.version += 1
 
     def count_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor, is_penalised: torch.Tensor) -> None:
         """Add this step's tokens to the counts of the penalised rows (on the device, no sync)."""
@@ -177,6 +190,7 @@ class SamplingRows:
     def _grow(self, num_rows: int) -> None:
         """Room for `num_rows` rows (a step bigger than the engine's max_num_seqs, e.g. in tests)."""
         old = self.num_rows
+        self.version += 1
         self._free += range(num_rows - 1, old - 1, -1)
         self.floats = torch.cat([self.floats, torch.zeros(num_rows - old, NUM_FLOATS, device=self.device)])
         self.ints = torch.cat([self.ints, torch.zeros(num_rows - old, NUM_INTS, dtype=torch.int64, device=self.device)])

@@ -192,3 +192,37 @@ def test_sample_reads_the_device_once_per_step(with_logprobs: bool) -> None:
         for r, t in zip(requests, tokens):
             r.output_token_ids.append(t.token_id)
             r.position += 1
+
+
+def test_a_step_of_the_same_requests_reuses_the_last_steps_rows_and_any_change_makes_them_anew() -> None:
+    """Step after step with the same request objects (the engine's decode steps), then with their order changed,
+    one released and sampled again (a preempted request readmitted), one left out, one released and its id reused
+    with other parameters, and one given other parameters in place: each step's seeded and greedy tokens are those of a fresh sampler given fresh copies of the requests."""
+    vocab = 64
+    requests = [
+        SampleRequest("greedy", SamplingParams(temperature=0.0), [1], [], 3, []),
+        SampleRequest("hot", SamplingParams(temperature=1.5, seed=11), [2], [], 3, []),
+        SampleRequest("filtered", SamplingParams(temperature=0.7, seed=12, top_k=5), [3], [], 3, []),
+        SampleRequest("penalised", SamplingParams(temperature=0.0, repetition_penalty=3.0), [4, 5], [], 3, []),
+    ]
+    sampler = Sampler(vocab, max_num_seqs=4)
+    for step in range(10):
+        if step == 3:
+            requests = [requests[2], requests[0], requests[3], requests[1]]
+        if step == 4:
+            sampler.release("penalised")
+        if step == 5:
+            requests = requests[1:]
+        if step == 6:
+            sampler.release("hot")
+            requests[-1] = SampleRequest("hot", SamplingParams(temperature=0.0, frequency_penalty=2.0), [6], [], 3, [])
+        if step == 8:
+            requests[0].params = SamplingParams(temperature=1.0, seed=99, min_p=0.2)
+        logits = torch.randn(len(requests), vocab, generator=torch.Generator().manual_seed(step)) * 3
+        tokens = [t.token_id for t in sampler.sample(logits, requests)]
+        copies = [SampleRequest(r.request_id, r.params, list(r.prompt_token_ids), list(r.output_token_ids),
+                                r.position, list(r.suppress_token_ids)) for r in requests]
+        assert tokens == [t.token_id for t in Sampler(vocab).sample(logits, copies)], step
+        for r, t in zip(requests, tokens):
+            r.output_token_ids.append(t)
+            r.position += 1
