@@ -215,6 +215,7 @@ class Scheduler:
         """Schedule the running sequences' next tokens, all of them or only those whose priority number is at
         most ``up_to_priority``, less any in ``skip``; returns the budget left."""
         bm = self.block_manager
+        block_size = bm.block_size
         preempted: set[Sequence] = set()  # a set: a scan of `running` per sequence made a step O(n^2)
         for seq in list(self.running):
             if budget == 0:
@@ -223,18 +224,26 @@ class Scheduler:
                 continue
             if (up_to_priority is not None and seq.priority > up_to_priority) or (skip and seq in skip):
                 continue
+            num_output = len(seq.output_token_ids)
             if seq.is_padding:
                 # Padding stops once it would run past the context length.
                 num_new = 1 if seq.num_computed_tokens < self.config.max_model_len else 0
-            elif seq.num_output_tokens >= seq.max_tokens:
+            elif num_output >= seq.max_tokens:
                 # Its last token is sampled (its stop check not run yet, or its value still on the device): it
                 # finishes when that is read, and computing that token's KV would serve no one.
                 continue
             else:
-                num_new = self._capped_prefill(seq, min(seq.num_uncomputed_tokens, budget))
+                num_new = min(len(seq.prompt_token_ids) + num_output - seq.num_computed_tokens, budget)
+                if self._lower_prefill_left is not None:
+                    num_new = self._capped_prefill(seq, num_new)
             if num_new == 0:
                 continue
-            spec = self._fitting_spec_tokens(seq, num_new, budget)
+            spec = self._fitting_spec_tokens(seq, num_new, budget) if seq.spec_token_ids else []
+            if not spec and seq.num_computed_tokens + num_new <= len(seq.block_table) * block_size:
+                # Its tables' blocks hold the new tokens (a decode inside its last block, the usual case).
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                continue
             while not bm.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 budget += self._preempt(victim, out)
@@ -400,7 +409,9 @@ class Scheduler:
 
     def _cache_known_blocks(self, seq: Sequence) -> None:
         """Hash ``seq``'s full computed blocks once no pending token is among their tokens."""
-        if seq.num_computed_tokens <= seq.num_tokens - seq.num_pending_tokens:
+        num_computed = seq.num_computed_tokens
+        if (num_computed <= len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_pending_tokens
+                and len(seq.block_hashes) < num_computed // self.block_manager.block_size):
             self.block_manager.cache_computed_blocks(seq)
 
     def advance(self, output: SchedulerOutput, sampled_tokens_by_request: dict[str, list[int]]) -> None:

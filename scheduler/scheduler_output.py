@@ -45,6 +45,13 @@ class ScheduledSeq:
     def token_ids(self) -> list[int]:
         """The tokens fed this step: known ones, then the proposed ones; padding repeats the last real token."""
         seq, start = self.seq, self.start_pos
+        if self.num_new_tokens == 1 and not self.spec_token_ids:
+            # A decode step's one token (the usual case), unless padding runs past the known tokens.
+            num_prompt = len(seq.prompt_token_ids)
+            if start < num_prompt:
+                return [seq.prompt_token_ids[start]]
+            if start - num_prompt < len(seq.output_token_ids):
+                return [seq.output_token_ids[start - num_prompt]]
         end = start + self.num_new_tokens - self.num_spec_tokens
         # Slices of prompt and output, rather than of their concatenation: a decode step costs O(1), not O(length).
         num_prompt = seq.num_prompt_tokens

@@ -54,7 +54,9 @@ class IncrementalDetokenizer:
     def push(self, token_ids: list[int]) -> str:
         """Add output tokens; return the text that became stable (possibly empty)."""
         if self._stream is not None:
-            return self._add(self._stream.push(token_ids))
+            new_text = self._stream.push(token_ids)
+            self._text += new_text
+            return new_text
         self._ids.extend(token_ids)
         return self._advance(is_final=False)
 

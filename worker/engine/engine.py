@@ -14,6 +14,7 @@ import collections.abc
 import contextlib
 import dataclasses
 import itertools
+import operator
 import os
 import time
 from dataclasses import dataclass
@@ -325,18 +326,18 @@ class Engine:
         ]
         logits = self.runner.execute(batch, self._feed(scheduled.scheduled, batch, previous))
         with_logits = [s for s in scheduled.scheduled if s.needs_logits]
-        chosen = [i for i, s in enumerate(with_logits) if s.is_sampling]
-        sampling = [with_logits[i] for i in chosen]
+        sampling = [s for s in with_logits if s.is_sampling]
         drawn = None
         if sampling:
-            states = [self._requests[s.seq.request_id] for s in sampling]
+            by_id = self._requests
+            states = [by_id[s.seq.request_id] for s in sampling]
             requests = [state.sample_request_now() for state in states]
             # Usually every row samples (all decodes): no gather of the rows then. Else the index goes to the
             # device without a wait (a list index would copy from pageable memory, waiting for the forward).
-            rows = logits if len(chosen) == logits.shape[0] else logits.index_select(
-                0, to_device(chosen, torch.int64, logits.device))
+            rows = logits if len(sampling) == logits.shape[0] else logits.index_select(
+                0, to_device([i for i, s in enumerate(with_logits) if s.is_sampling], torch.int64, logits.device))
             drawn = _Drawn(self.sampler.launch(rows, requests), sampling, states,
-                           [s.seq.num_output_tokens for s in sampling])
+                           [len(s.seq.output_token_ids) for s in sampling])
         self.scheduler.advance_launched(scheduled)
         return _InFlight(scheduled, None, drawn)
 
@@ -344,7 +345,15 @@ class Engine:
     def _feed(scheduled: list[ScheduledSeq], batch: list[StepSeq], previous: _InFlight | None) -> TokenFeed | None:
         """Where the step's input holds a pending token, the row of `previous`'s drawn tokens that fills it."""
         drawn = previous.drawn if previous is not None else None
-        row_of = {s.seq: i for i, s in enumerate(drawn.sampling)} if drawn is not None else {}
+        if drawn is None:
+            return None  # only a step drawn and not read leaves pending tokens
+        if (len(drawn.sampling) == len(scheduled)
+                and all(map(operator.is_, map(_SEQ, drawn.sampling), map(_SEQ, scheduled)))
+                and all(len(b.token_ids) == 1 and b.token_ids[0] == PENDING_TOKEN for b in batch)):
+            # The usual step: the same sequences in the same order each decode the token the last step drew.
+            in_order = list(range(len(batch)))
+            return TokenFeed(in_order, drawn.tokens.token_ids, in_order)
+        row_of = {s.seq: i for i, s in enumerate(drawn.sampling)}
         positions: list[int] = []
         rows: list[int] = []
         offset = 0
@@ -359,7 +368,6 @@ class Engine:
             offset += len(step_seq.token_ids)
         if not positions:
             return None
-        assert drawn is not None
         return TokenFeed(positions, drawn.tokens.token_ids, rows)
 
     def _read(self, step: _InFlight) -> list[tuple[Sequence, RequestState, list[SampledToken], int]]:
@@ -369,12 +377,14 @@ class Engine:
         if drawn is None:
             return []
         done = []
+        resolve = self.scheduler.resolve
         for s, state, index, token in zip(drawn.sampling, drawn.states, drawn.indices,
                                           self.sampler.collect(drawn.tokens)):
-            if s.seq.is_finished:
+            seq = s.seq
+            if seq.status is SequenceStatus.FINISHED:
                 continue
-            self.scheduler.resolve(s.seq, index, token.token_id)
-            done.append((s.seq, state, [token], index))
+            resolve(seq, index, token.token_id)
+            done.append((seq, state, [token], index))
         return done
 
     def _complete(self, step: _InFlight) -> list[tuple[Sequence, RequestState, list[SampledToken], int]]:
@@ -506,6 +516,9 @@ class Engine:
             )
             for rid in ids
         ]
+
+
+_SEQ = operator.attrgetter("seq")
 
 
 def _is_token_ids(prompts: list[int] | list[str] | list[list[int]]) -> TypeIs[list[int]]:

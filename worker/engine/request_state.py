@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.sequence import FinishReason, Sequence
+from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from worker.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
 from worker.engine.sampler import SampledToken, SampleRequest
 from worker.engine.token_strings import TokenStrings
@@ -112,9 +112,10 @@ class RequestState:
 
     def sample_request_now(self) -> SampleRequest:
         """What the sampler needs for the token after the sequence's known ones (pending ones included)."""
-        request = self.sample_request
-        request.position = self.seq.num_tokens
-        request.suppress_token_ids = self.suppress_token_ids()
+        request, seq = self.sample_request, self.seq
+        num_output = len(seq.output_token_ids)
+        request.position = len(seq.prompt_token_ids) + num_output
+        request.suppress_token_ids = self.suppress_token_ids() if num_output < seq.params.min_tokens else []
         return request
 
     @property
@@ -122,9 +123,10 @@ class RequestState:
         if self.final_text is not None:
             return self.final_text
         text = self.detokenizer.text
-        if self.seq.is_finished:
+        stops = self.seq.params.stop
+        if not stops or self.seq.is_finished:
             return text
-        return text[: len(text) - partial_stop_len(text, self.seq.params.stop)]
+        return text[: len(text) - partial_stop_len(text, stops)]
 
     def suppress_token_ids(self) -> list[int]:
         """Ids the sampler must not draw: stop tokens (and EOS) before min_tokens."""
@@ -142,21 +144,23 @@ class RequestState:
         `num_output_tokens`: the output's length up to this token (default: the whole output, the token being
         the last one); a step that accepted several tokens checks them one by one.
         """
-        seq, params = self.seq, self.seq.params
-        num_output = seq.num_output_tokens if num_output_tokens is None else num_output_tokens
+        seq = self.seq
+        params = seq.params
+        num_output = len(seq.output_token_ids) if num_output_tokens is None else num_output_tokens
         token = sampled.token_id
         self.new_token_ids.append(token)
         if self.logprobs is not None:
             self.logprobs.append(_logprob_entry(sampled, self.token_strings))
         can_stop = num_output >= params.min_tokens
-        decision: StopDecision | None = None
-        if can_stop and not params.ignore_eos and token in self.eos_token_ids:
-            decision = StopDecision(FinishReason.STOP)
-        elif can_stop and token in params.stop_token_ids:
-            decision = StopDecision(FinishReason.STOP, token)
-        if decision is not None:
-            self.detokenizer.flush()
-            return decision
+        if can_stop:
+            decision: StopDecision | None = None
+            if not params.ignore_eos and token in self.eos_token_ids:
+                decision = StopDecision(FinishReason.STOP)
+            elif params.stop_token_ids and token in params.stop_token_ids:
+                decision = StopDecision(FinishReason.STOP, token)
+            if decision is not None:
+                self.detokenizer.flush()
+                return decision
         new_text = self.detokenizer.push([token])
         if can_stop and params.stop and new_text:
             found = find_stop(self.detokenizer.text, params.stop, len(new_text))
@@ -181,13 +185,13 @@ class RequestState:
             new_token_ids=new,
             text=text,
             new_text=new_text,
-            finished=seq.is_finished,
+            finished=seq.status is SequenceStatus.FINISHED,
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
             stop_reason=seq.stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
+            num_prompt_tokens=len(seq.prompt_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
             all_token_ids=seq.output_token_ids,
-            num_token_ids=seq.num_known_output_tokens,
+            num_token_ids=len(seq.output_token_ids) - seq.num_pending_tokens,  # the known ones
             all_logprobs=self.logprobs,
             num_logprobs=len(self.logprobs) if self.logprobs is not None else 0,
         )

@@ -155,32 +155,27 @@ class StepInputs:
         # Each sequence's tokens are the last rows of its share: all of it unless padded.
         ends = cu_seqlens[1 : num_seqs + 1]
         seq_lens = [seq.start_pos + n for seq, n in zip(batch, q_lens)]
-        for seq, end in zip(batch, seq_lens):
-            assert end <= len(seq.block_table) * block_size, "block table too short for the scheduled tokens"
-            assert end <= self.max_blocks_per_seq * block_size, "sequence longer than the block table's width"
-        logit_rows = [row for seq, end in zip(batch, ends) if seq.needs_logits
-                      for row in range(end - 1 - seq.num_spec_tokens, end)]
+        assert max(seq_lens) <= self.max_blocks_per_seq * block_size, "sequence longer than the block table's width"
         if ends[-1] == num_seqs:
-            # Decode: one token each, row i is sequence i; no per-token arrays to build.
+            # Decode: one token each, row i is sequence i; no per-token arrays to build. A table too short for its
+            # token fails its lookup here.
+            positions = [seq.start_pos for seq in batch]
             staged[at["input_ids"] : at["input_ids"] + num_seqs] = [seq.token_ids[0] for seq in batch]
-            staged[at["positions"] : at["positions"] + num_seqs] = [seq.start_pos for seq in batch]
+            staged[at["positions"] : at["positions"] + num_seqs] = positions
             staged[at["slot_mapping"] : at["slot_mapping"] + num_seqs] = [
-                seq.block_table[seq.start_pos // block_size] * block_size + seq.start_pos % block_size
-                for seq in batch
+                seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(batch, positions)
             ]
-        elif pad_to is not None:
-            self._stage_short_queries(batch, query_len)
+            logit_rows = ([i for i, seq in enumerate(batch) if seq.needs_logits]
+                          if not all(seq.needs_logits for seq in batch) else list(range(num_seqs)))
         else:
-            staged[at["input_ids"] : at["input_ids"] + num_tokens] = list(
-                itertools.chain.from_iterable(seq.token_ids for seq in batch))
-            offset = 0
-            for seq, n in zip(batch, q_lens):
-                positions = np.arange(seq.start_pos, seq.start_pos + n)
-                blocks = np.asarray(seq.block_table, dtype=np.int64)[positions // block_size]
-                staged[at["positions"] + offset : at["positions"] + offset + n] = positions
-                staged[at["slot_mapping"] + offset : at["slot_mapping"] + offset + n] = (
-                    blocks * block_size + positions % block_size)
-                offset += n
+            for seq, end in zip(batch, seq_lens):
+                assert end <= len(seq.block_table) * block_size, "block table too short for the scheduled tokens"
+            logit_rows = [row for seq, end in zip(batch, ends) if seq.needs_logits
+                          for row in range(end - 1 - seq.num_spec_tokens, end)]
+            if pad_to is not None:
+                self._stage_short_queries(batch, query_len)
+            else:
+                self._stage_tokens(batch, q_lens)
         num_logits = len(logit_rows)
         if pad_to is not None:
             self._stage_padding(num_seqs, pad_to, query_len)
@@ -239,6 +234,21 @@ class StepInputs:
         """`step_table[i] = table[rows[i]]` for the step's sequences, on the device."""
         torch.index_select(self.table, 0, self.view("rows", num_seqs), out=self.step_table[:num_seqs])
 
+    def _stage_tokens(self, batch: list[StepSeq], q_lens: list[int]) -> None:
+        """Each sequence's tokens laid end to end, with their positions and cache slots."""
+        staged, at, block_size = self._staged, self._offsets, self.block_size
+        num_tokens = sum(q_lens)
+        staged[at["input_ids"] : at["input_ids"] + num_tokens] = list(
+            itertools.chain.from_iterable(seq.token_ids for seq in batch))
+        offset = 0
+        for seq, n in zip(batch, q_lens):
+            positions = np.arange(seq.start_pos, seq.start_pos + n)
+            blocks = np.asarray(seq.block_table, dtype=np.int64)[positions // block_size]
+            staged[at["positions"] + offset : at["positions"] + offset + n] = positions
+            staged[at["slot_mapping"] + offset : at["slot_mapping"] + offset + n] = (
+                blocks * block_size + positions % block_size)
+            offset += n
+
     def _stage_short_queries(self, batch: list[StepSeq], query_len: int) -> None:
         """Each sequence's tokens as the last of its `query_len` rows, the rows before them padding: token 0 at
         position 0, writing to no cache slot (-1). Built in Python: for a few tokens per sequence numpy's cost
@@ -272,31 +282,32 @@ class StepInputs:
 
     def _stage_rows(self, batch: list[StepSeq]) -> tuple[list[int], int]:
         """Each sequence's row, and the table changes staged for the device; returns (rows, number of changes)."""
-        staged, base = self._staged, self._changes_at
-        in_batch = {seq.key for seq in batch if seq.key is not None}
+        staged, base, step = self._staged, self._changes_at, self._num_steps
+        known = self._rows
         rows: list[int] = []
         transient: list[_Row] = []
         num_changes = 0
         for seq in batch:
-            row = self._rows.get(seq.key) if seq.key is not None else None
-            if row is None or row.table is not seq.block_table or len(seq.block_table) < row.num_sent:
+            table = seq.block_table
+            row = known.get(seq.key) if seq.key is not None else None
+            if row is None or row.table is not table or len(table) < row.num_sent:
                 if row is None:
-                    row = _Row(self._take_row(in_batch), seq.block_table, 0, self._num_steps)
+                    row = _Row(self._take_row({s.key for s in batch if s.key is not None}), table, 0, step)
                     if seq.key is None:
                         transient.append(row)
                     else:
-                        self._rows[seq.key] = row
-                row.table, row.num_sent = seq.block_table, 0
-            new = seq.block_table[row.num_sent :]
-            if new:
+                        known[seq.key] = row
+                row.table, row.num_sent = table, 0
+            if len(table) > row.num_sent:
+                new = table[row.num_sent :]
                 n = len(new)
                 triples = staged[base + 3 * num_changes : base + 3 * (num_changes + n)].reshape(n, 3)
                 triples[:, 0] = row.index
                 triples[:, 1] = np.arange(row.num_sent, row.num_sent + n)
                 triples[:, 2] = new
                 num_changes += n
-                row.num_sent = len(seq.block_table)
-            row.last_step = self._num_steps
+                row.num_sent = len(table)
+            row.last_step = step
             rows.append(row.index)
         # A sequence without a key has its row for this step only.
         self._free_rows.extend(row.index for row in transient)

@@ -64,6 +64,8 @@ class ByteTableDecoder:
 
     def __init__(self, table: list[bytes], fallback: TokenizerDecoder) -> None:
         self._table = table
+        self._whole = [_whole_text(data) for data in table]
+        """Each id's text where its bytes are whole characters (most ids), else None."""
         # Ids past the table (embedding rows with no token) are left to the tokenizer.
         self._fallback = fallback
 
@@ -89,7 +91,14 @@ class ByteTableDecoder:
         return bool(pending)
 
     def stream(self, context_ids: list[int]) -> ByteStream:
-        return ByteStream(self._table, context_ids)
+        return ByteStream(self._table, context_ids, self._whole)
+
+
+def _whole_text(data: bytes) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 class ByteStream:
@@ -101,8 +110,11 @@ class ByteStream:
     Ids past the table contribute nothing, as the tokenizer's own decode drops ids it does not know.
     """
 
-    def __init__(self, table: list[bytes], context_ids: list[int]) -> None:
+    def __init__(self, table: list[bytes], context_ids: list[int], whole: list[str | None] | None = None) -> None:
+        """`whole`: each id's text where its bytes are whole characters, else None (`ByteTableDecoder` makes it
+        once for every stream); such an id's text is that, unless bytes before it still wait for theirs."""
         self._table = table
+        self._whole = whole if whole is not None else [_whole_text(data) for data in table]
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         context = self._bytes(context_ids)
         emitted = self._utf8.decode(context)
@@ -112,7 +124,15 @@ class ByteStream:
 
     def push(self, ids: list[int], is_final: bool = False) -> str:
         """The text the ids complete; with `is_final`, held bytes too (as U+FFFD)."""
-        text = self._utf8.decode(self._bytes(ids), final=is_final)
+        if len(ids) == 1 and not is_final:  # a decode step's one token
+            token = ids[0]
+            whole = self._whole[token] if token < len(self._whole) else ""
+            if whole is not None and not self._utf8.buffer:
+                text = whole  # no bytes held: the decoder would return the id's characters as they are
+            else:
+                text = self._utf8.decode(self._table[token] if token < len(self._table) else b"")
+        else:
+            text = self._utf8.decode(self._bytes(ids), final=is_final)
         if self._num_to_drop and text:
             num_dropped = min(self._num_to_drop, len(text))
             text = text[num_dropped:]
