@@ -16,9 +16,11 @@ WARMUP_MAX_TOKENS = 8
 def make_engine(model: str, batching: str, max_num_seqs: int, max_wait_ms: float = 20.0, **engine_kwargs: Any) -> Any:
     """An engine, warmed up with a small batch so the first timed step pays no first-call costs."""
     from worker.engine.engine import Engine
+    from worker.engine.startup_heap import freeze_startup_heap
 
     engine = Engine(model=model, batching=batching, max_num_seqs=max_num_seqs, max_wait_ms=max_wait_ms,
                     **engine_kwargs)
+    freeze_startup_heap()  # as a worker's engine process does once its engine is built
     warm = [[65 + i] * 16 for i in range(min(4, max_num_seqs))]
     engine.generate(warm, SamplingParams(max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True))
     return engine

@@ -119,6 +119,7 @@ def _filled_engine(model: str, device: str, dtype: str, batch: int, model_impl: 
     engine = Engine(model=model, device=device, dtype=dtype, max_num_seqs=batch, cuda_graphs=cuda_graphs,
                     model_impl=model_impl, quantization=quantization, cpu_kernels=cpu_kernels,
                     async_scheduling=async_scheduling)
+    freeze_startup_heap()  # as a worker's engine process does once its engine is built
     for i in range(batch):
         engine.add_request(f"r{i}", [65 + i % 20] * 32, SamplingParams(max_tokens=2000, ignore_eos=True))
     for _ in range(30):  # past the prefills, into steady decoding
