@@ -9,14 +9,15 @@ Its parts, in the order they run (`--parts` picks some, in this order whatever o
   carpool's own model, graphed at batch 32 and 128 first (the targets), then graphed at 1 and 8, then eager,
   and the transformers path at batch 32, graphed and eager: wall time, GPU kernel time, and the rate the
   matrix products read the model's matrices at as a share of that bandwidth; then the host's share of a
-  graphed step at batch 32 and 128, part by part (`bench.host_phases`);
+  graphed step at batch 32 and 128, part by part (`bench.host_phases`), and the sampler alone at those
+  batches, its race kernel against torch ops (`bench.sampler_speed`);
 - `skewed`: continuous batching on `skewed` at 32 slots (`bench.skewed_gpu`), graphed and eager, beside
   transformers' padded `generate` and `generate_batch` on the same requests and slots;
 - `identity`: greedy tokens of decode steps replayed as CUDA graphs against eager ones, one batch of
   prompts of 100 to ~8k tokens, 200 new tokens each; then the engine reading each step's tokens before
   scheduling the next against scheduling ahead, greedy and with seeded draws under a repetition penalty;
 - `tests`: the kernel and engine tests, compiled for the GPU (`pytest` on the Triton kernel files, the
-  graph runner and the own models' and Triton engine's greedy exactness); they need the test
+  sampler with its race kernel, the graph runner and the own models' and Triton engine's greedy exactness); they need the test
   dependencies (`pip install -e '.[test]'`: the suite's `conftest.py` imports redis, for one), and say
   which is missing where one is;
 - `quantized`: the graphed decode step at batch 8 and 32 with `int8` and `fp8` weights against the
@@ -51,7 +52,8 @@ from typing import Any
 
 KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_paged_decode.py",
                 "tests/kernels/test_kernels_torch.py", "tests/kernels/test_kernels_model.py",
-                "tests/kernels/test_quantized_matmul.py",
+                "tests/kernels/test_quantized_matmul.py", "tests/kernels/test_sample_race.py",
+                "tests/worker/engine/test_sampler.py",
                 "tests/worker/engine/test_engine_triton.py", "tests/worker/engine/test_graph_runner.py",
                 "tests/worker/engine/test_own_models.py",
                 "tests/worker/engine/test_speculative.py::test_greedy_ngram_through_the_triton_kernels"]
@@ -65,6 +67,7 @@ QUANTIZED_BATCHES = (8, 32)
 REPETITIVE_REQUESTS = 64
 REPETITIVE_NEW_TOKENS = 256
 HOST_PHASE_BATCHES = [32, 128]
+SAMPLER_STEPS = 50
 IDENTITY_PROMPT_LENS = [100, 400, 1000, 2000, 3000, 4500, 6000, 7900]
 IDENTITY_NEW_TOKENS = 200
 COPY_BYTES = 2 << 30
@@ -290,6 +293,20 @@ def step_sections(model: str, dtype: str) -> list[Section]:
 
         return phases_table_row(host_phases(model, "cuda", dtype, batch))
 
+    def sampler_row(batch: int, race_kernel: bool) -> str:
+        import json
+        import statistics
+
+        import torch
+
+        from bench.sampler_speed import WORKLOADS, time_workload
+
+        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        times, cpu_times = time_workload(torch.device("cuda"), batch, vocab, WORKLOADS["unseeded T=1"],
+                                         SAMPLER_STEPS, race_kernel=race_kernel)
+        return (f"| {'race kernel' if race_kernel else 'torch ops'} | {batch} | {vocab} | "
+                f"{statistics.median(times) * 1e3:.3f} | {statistics.median(cpu_times) * 1e3:.3f} |")
+
     from bench.host_phases import PHASES
     from bench.host_phases import TABLE_HEADER as PHASES_HEADER
 
@@ -300,7 +317,11 @@ def step_sections(model: str, dtype: str) -> list[Section]:
                      for impl, mode, batch in STEP_RUNS]),
             Section("steps", ["host's share of a graphed step (`bench.host_phases`)", "", *PHASES_HEADER.splitlines()],
                     [Row(f"host phases {batch}", _freeing(partial(phases_row, batch)), len(PHASES) + 2)
-                     for batch in HOST_PHASE_BATCHES])]
+                     for batch in HOST_PHASE_BATCHES]),
+            Section("steps", ["the sampler alone, unseeded T=1 (`bench.sampler_speed`), each step read back",
+                              "", "| draw | batch | vocab | step ms | host CPU ms |", "|---|---|---|---|---|"],
+                    [Row(f"sampler {'race' if race else 'torch'} {batch}", partial(sampler_row, batch, race), 5)
+                     for batch in HOST_PHASE_BATCHES for race in (True, False)])]
 
 
 def skewed_section(model: str, dtype: str) -> Section:

@@ -73,12 +73,14 @@ def test_rope_store_kv(dtype: torch.dtype, num_heads: int, num_kv_heads: int, he
         torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")  # the interpreter's, as intended
 def test_start_up_checks_pass_for_working_kernels() -> None:
-    from worker.engine.kernel_checks import check_model_kernels, check_paged_attention
+    from worker.engine.kernel_checks import check_model_kernels, check_paged_attention, check_sample_race
 
     assert check_paged_attention(DEVICE, torch.float32, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16) is None
     assert check_model_kernels(DEVICE, torch.float32, hidden=64, intermediate=96, num_heads=4, num_kv_heads=2,
                                head_dim=16) is None
+    assert check_sample_race(DEVICE, vocab=3000) is None  # more than one block of the kernel's
 
 
 def test_start_up_check_reports_a_kernel_that_cannot_run() -> None:

@@ -101,6 +101,30 @@ def check_model_kernels(device: torch.device, dtype: torch.dtype, hidden: int, i
     return None
 
 
+def check_sample_race(device: torch.device, vocab: int) -> str | None:
+    """None when the sampler's race kernel draws its reference's tokens for given noise and draws ids of the
+    vocabulary with its own, else why not. On the model's vocabulary size, so that both of the kernel's variants
+    are compiled here rather than in the first steps."""
+    from kernels.sample_race import sample_race, sample_race_reference
+
+    try:
+        gen = torch.Generator().manual_seed(0)
+        cut = vocab // 2
+        logits = (torch.randn(4, vocab, generator=gen) * 3).to(device)
+        logits[1, :cut] = float("-inf")
+        temperature = torch.tensor([0.0, 0.7, 1e-40, 1.5], device=device)
+        noise = (-torch.empty(4, vocab).exponential_(generator=gen).log()).to(device)
+        if sample_race(logits, temperature, 0, noise).tolist() != sample_race_reference(logits, temperature,
+                                                                                        noise).tolist():
+            return "the race differs from its reference"
+        drawn = sample_race(logits, temperature, 12345).tolist()
+        if drawn[0] != int(logits[0].argmax()) or not all(0 <= t < vocab for t in drawn) or drawn[1] < cut:
+            return f"the race drew {drawn} with its own noise"
+    except Exception as e:  # a kernel that cannot compile or launch here
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def check_quantized_matmul(device: torch.device, dtype: torch.dtype, storage: torch.dtype,
                            shapes: Sequence[tuple[int, int]]) -> str | None:
     """None when the quantized matmul kernel gives its reference's results for `(out, in)` weights of each of

@@ -9,7 +9,12 @@ The draw is an exponential race: with `E_i ~ Exp(1)` i.i.d.,
 `(seed, position, token)` computed on the logits' device (worker/engine/noise.py),
 so a seeded request's token is a pure function of `(seed, position, logits)`
 whatever the batch. Unseeded rows draw their noise from the Sampler's own
-generator on the device in one pass (the hash takes about forty). On a CPU,
+generator on the device in one pass (the hash takes about forty). On a GPU a
+step whose sampled rows neither filter, nor are seeded, nor ask for logprobs
+(the default request's step) draws in one Triton kernel instead of a dozen
+torch calls (kernels/sample_race.py): the same race in log space, its noise
+from Triton's counter-based generator under a seed per step that the
+Sampler's seed decides. On a CPU,
 a step without seeded rows draws by inverse CDF instead (`inverse_cdf_draw`):
 one uniform number per row rather than an exponential per token, which
 for a vocabulary of 100k tokens is most of the draw's time there.
@@ -27,12 +32,15 @@ suppress, and the host's work per request is a few comparisons.
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
+import random
 from dataclasses import dataclass
 
 import torch
 
 from scheduler.params import SamplingParams
+from kernels.sample_race import MAX_COUNTER, SEED_RANGE, sample_race
 from worker.engine.noise import exponential_noise, token_keys
 from worker.engine.penalties import penalise_rows
 from worker.engine.sampling_rows import (
@@ -42,6 +50,8 @@ from worker.engine.sampling_rows import (
 
 # Noise elements computed at once on a CPU: 4 MiB of int64, so the hash's passes stay in cache.
 CPU_NOISE_CHUNK_ELEMENTS = 1 << 19
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -138,7 +148,10 @@ class Sampler:
         max_num_seqs: int = 64,
         device: str | torch.device = "cpu",
         seed: int | None = None,
+        race_kernel: bool | None = None,
     ) -> None:
+        """`race_kernel`: steps whose sampled rows neither filter, nor are seeded, nor ask for logprobs draw in one
+        Triton kernel (kernels/sample_race.py); None: on CUDA, once the kernel passes its start-up check."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._rows = SamplingRows(vocab_size, max_num_seqs, self.device)
@@ -148,6 +161,17 @@ class Sampler:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
+        # The race kernel's seed for each step, from the host: drawing it costs the device nothing.
+        self._race_seeds = random.Random(seed)
+        if race_kernel is None and self.device.type == "cuda":
+            from worker.engine.kernel_checks import check_sample_race
+
+            failure = check_sample_race(self.device, vocab_size)
+            if failure is not None:
+                log.warning("the sampler's race kernel failed its start-up check (%s); sampling runs torch ops",
+                            failure)
+            race_kernel = failure is None
+        self._race_kernel = bool(race_kernel)
         self._token_keys = token_keys(vocab_size, self.device)
         self._noise_rows_per_chunk = None if self.device.type == "cuda" else CPU_NOISE_CHUNK_ELEMENTS // vocab_size
         self._is_cuda = self.device.type == "cuda"
@@ -233,6 +257,9 @@ class Sampler:
 
         if batch.all_greedy:
             final, token_ids = logits, logits.argmax(dim=-1)
+        elif batch.races:
+            assert batch.temperature is not None
+            final, token_ids = logits, sample_race(logits, batch.temperature, self._race_seeds.randrange(SEED_RANGE))
         else:
             final, token_ids = self._draw(logits, batch, positions_t)
         if batch.has_penalties:
@@ -275,6 +302,11 @@ class Sampler:
             # Greedy rows are tempered by 1 (their draw is discarded), so a mixed step needs no gathers.
             temperature = floats[:, TEMPERATURE:TEMPERATURE + 1]
             divisor = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)
+        filters = any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params)
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        races = (self._race_kernel and divisor is not None and not filters and not seeded and num_top is None
+                 and len(params) * self.vocab_size < MAX_COUNTER)
         batch = _BatchRows(
             requests=list(requests), request_params=[r.params for r in requests], counts=list(counts),
             version=self._rows.version, rows=self._rows.rows_of(requests),
@@ -283,11 +315,8 @@ class Sampler:
             all_greedy=divisor is None, any_greedy=any(p.is_greedy for p in params),
             has_penalties=any(p.has_penalties for p in params),
             penalised=[i for i, r in enumerate(requests) if r.params.has_penalties],
-            # top_p 1 keeps every token (transformers skips its top-p warper there too), so a step whose sampled
-            # rows ask for no filter skips the sort over the vocabulary.
-            filters=any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params),
-            seeded=[i for i, p in enumerate(params) if p.seed is not None],
-            num_top=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+            filters=filters, seeded=seeded, num_top=num_top, races=races,
+            temperature=floats[:, TEMPERATURE].contiguous() if races else None,
         )
         self._last_batch = batch
         return batch
@@ -374,10 +403,15 @@ class _BatchRows:
     penalised: list[int]
     """The requests with penalties (by position), the only ones whose draws the rows' counts follow."""
     filters: bool
-    """Some sampled row filters (top-k, top-p, min-p)."""
+    """Some sampled row filters (top-k, top-p, min-p): top_p 1 keeps every token (transformers skips its top-p
+    warper there too), so a step whose sampled rows ask for no filter skips the sort over the vocabulary."""
     seeded: list[int]
     """Rows whose noise is their seed's."""
     num_top: int | None
+    races: bool
+    """The step draws in the race kernel: some row samples, and none filters, is seeded or asks for logprobs."""
+    temperature: torch.Tensor | None
+    """`[rows]` each row's temperature, when the step races."""
     _seeded_index: torch.Tensor | None = None
 
     def seeded_index(self) -> torch.Tensor:

@@ -224,3 +224,48 @@ def test_a_temperature_too_small_for_the_float_range_draws_the_argmax(extra: dic
 def test_a_tiny_temperature_keeps_tied_top_tokens_and_only_those() -> None:
     logits = torch.tensor([[1.0, 3.0, -2.0, 3.0, 0.5]])
     assert _draw_many(logits, 200, temperature=1e-40) == {1, 3}
+
+
+def test_the_race_kernel_draws_the_distribution_and_keeps_a_greedy_row_the_argmax() -> None:
+    """With the one-kernel race (a GPU's default; here under Triton's interpreter), unseeded rows come out in
+    proportion to their probabilities at their temperature, never a token ruled out, and a greedy row beside
+    them stays the argmax."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    num_draws = 600
+    logits = torch.cat([(probs.log() * 0.5).expand(num_draws, -1), torch.tensor([[0.0, 0.0, 0.0, 5.0, 0.0]])])
+    requests = [_request(f"u{i}", temperature=0.5) for i in range(num_draws)] + [_request("g", temperature=0.0)]
+    tokens = [t.token_id for t in Sampler(5, seed=11, race_kernel=True).sample(logits, requests)]
+    assert tokens.pop() == 3
+    counts = torch.bincount(torch.tensor(tokens), minlength=5)
+    assert counts[4] == 0
+    expected, spread = num_draws * probs[:4], (num_draws * probs[:4] * (1 - probs[:4])).sqrt()
+    assert ((counts[:4] - expected).abs() <= 5 * spread).all(), counts
+
+
+def test_the_race_kernel_follows_the_sampler_seed_and_not_the_global_rng() -> None:
+    logits = torch.zeros(20, 1000)
+    requests = [_request(f"u{i}", temperature=1.0) for i in range(20)]
+    torch.manual_seed(0)
+    first = [t.token_id for t in Sampler(1000, seed=7, race_kernel=True).sample(logits, requests)]
+    torch.manual_seed(99)
+    assert [t.token_id for t in Sampler(1000, seed=7, race_kernel=True).sample(logits, requests)] == first
+    state = torch.get_rng_state()
+    sampler = Sampler(1000, seed=8, race_kernel=True)
+    second = [t.token_id for t in sampler.sample(logits, requests)]
+    assert second != first
+    assert [t.token_id for t in sampler.sample(logits, requests)] != second  # each step draws anew
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_steps_with_seeds_filters_or_logprobs_draw_as_without_the_race_kernel() -> None:
+    """A seeded row's token is a function of (seed, position, logits) whichever path a step takes, so the race
+    kernel leaves seeded steps to the torch ops; so it does steps that filter or report logprobs."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(4)) * 2
+    steps = [
+        [_request(f"s{i}", position=9, temperature=0.9, seed=i) for i in range(3)],
+        [_request(f"p{i}", position=9, temperature=0.9, seed=i, top_p=0.8) for i in range(3)],
+        [_request(f"l{i}", position=9, temperature=0.9, seed=i, logprobs=2) for i in range(3)],
+    ]
+    for requests in steps:
+        raced = Sampler(300, race_kernel=True).sample(logits, requests)
+        assert raced == Sampler(300, race_kernel=False).sample(logits, requests)
