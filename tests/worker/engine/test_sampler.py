@@ -231,7 +231,7 @@ def test_the_race_kernel_draws_the_distribution_and_keeps_a_greedy_row_the_argma
     proportion to their probabilities at their temperature, never a token ruled out, and a greedy row beside
     them stays the argmax."""
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
-    num_draws = 600
+    num_draws = 300
     logits = torch.cat([(probs.log() * 0.5).expand(num_draws, -1), torch.tensor([[0.0, 0.0, 0.0, 5.0, 0.0]])])
     requests = [_request(f"u{i}", temperature=0.5) for i in range(num_draws)] + [_request("g", temperature=0.0)]
     tokens = [t.token_id for t in Sampler(5, seed=11, race_kernel=True).sample(logits, requests)]
