@@ -68,7 +68,9 @@ def _race_kernel(
             # G = -log(-log U) for U uniform in [0, 1): U = 0 gives -inf, never drawn (probability 2^-24 an id).
             uniform = tl.rand(seed, row * VOCAB + offs)
             gumbel = -tl.log(-tl.log(uniform))
-        key = tl.where(is_sampled, (x - top) / safe_t + gumbel, x)
+        # Correctly rounded division, as torch's: the same keys as the reference bit for bit, a subnormal
+        # temperature included.
+        key = tl.where(is_sampled, tl.div_rn(x - top, safe_t) + gumbel, x)
         key = tl.where(mask, key, float("-inf"))
         block_best = tl.max(key, axis=0)
         block_id = tl.argmax(key, axis=0).to(tl.int64) + start

@@ -288,6 +288,7 @@ class Sampler:
         same request objects in the same order, with the same counts and no row assigned or freed since (the
         usual decode step), else made anew."""
         last = self._last_batch
+        # By identity: the engine keeps one SampleRequest per request, never reused under another id.
         if (last is not None and last.version == self._rows.version and last.counts == counts
                 and len(last.requests) == len(requests) and all(map(operator.is_, last.requests, requests))
                 and all(map(operator.is_, last.request_params, map(_PARAMS, requests)))):
