@@ -20,7 +20,9 @@ async def test_idle_reads_longer_than_the_redis_timeout_are_not_an_outage(redis_
     proc = start_worker_process(redis_url, tiny_model(), "patient", log_path, "--read-block-ms", str(block_ms))
     try:
         await wait_until(lambda: client.hexists(KEYS.workers, "patient"), "the worker's first heartbeat")
-        await asyncio.sleep(2 * block_ms / 1000)  # two idle reads that each block past the Redis timeout
+        # An idle read that blocks past the Redis timeout, and most of the next: a socket timeout that left out
+        # the block would have ended the first one 2 s before its end.
+        await asyncio.sleep(1.5 * block_ms / 1000)
         await xadd_job(client, JobSpec(id="after-idle", prompt="hello", params=SamplingParams(max_tokens=3)))
         views = await wait_terminal(client, ["after-idle"])
     finally:

@@ -216,3 +216,16 @@ def test_jobs_and_aborts_sent_with_later_ticks_join_the_step_about_to_run(tiny_m
     # "b" took the first step (its prefill) and each tick after it a token: three tokens in three replies.
     assert [len(o["b"].new_token_ids) for o in outputs] == [1, 1, 1] and outputs[2]["b"].finished
     assert [tick.num_unfinished for tick in ticks] == [1, 1, 0]  # type: ignore[union-attr]
+
+
+def test_a_step_output_crosses_the_socket_with_every_field() -> None:
+    """`StepOutput` pickles as its fields in order: each field, whatever it is, comes back as it was."""
+    import dataclasses
+    import pickle
+
+    from worker.engine.wire import StepOutput
+
+    out = StepOutput("job-1", [5, 6], "text", [{"token_id": 5, "logprob": -0.5, "top_logprobs": []}], True,
+                     "stop", 7, 3)
+    assert len({repr(getattr(out, f.name)) for f in dataclasses.fields(out)}) == len(dataclasses.fields(out))
+    assert pickle.loads(pickle.dumps(out)) == out
