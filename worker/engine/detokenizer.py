@@ -60,6 +60,14 @@ class IncrementalDetokenizer:
         self._ids.extend(token_ids)
         return self._advance(is_final=False)
 
+    def push_one(self, token_id: int) -> str:
+        """`push([token_id])`, without the list where the output streams (a decode step's one token)."""
+        if self._stream is not None:
+            new_text = self._stream.push_one(token_id)
+            self._text += new_text
+            return new_text
+        return self.push([token_id])
+
     def flush(self) -> str:
         """Emit whatever is still held back (an incomplete character at the end of output)."""
         if self._stream is not None:

@@ -98,6 +98,8 @@ class RequestState:
     new_token_ids: list[int] = field(default_factory=list)
     text_reported: int = 0
     """Length of the text in the last output."""
+    max_tokens: int = field(init=False)
+    """The output limit, resolved when the request was added."""
     sample_request: SampleRequest = field(init=False)
     """What the sampler reads of this request, made once: `sample_request_now` brings its position and
     suppressed ids up to date each step (its token lists are the sequence's own, which only grow)."""
@@ -106,6 +108,7 @@ class RequestState:
         if self.seq.params.logprobs is not None:
             self.logprobs = []
         seq = self.seq
+        self.max_tokens = seq.max_tokens
         self.sample_request = SampleRequest(request_id=seq.request_id, params=seq.params,
                                             prompt_token_ids=seq.prompt_token_ids,
                                             output_token_ids=seq.output_token_ids, position=0, suppress_token_ids=[])
@@ -161,7 +164,7 @@ class RequestState:
             if decision is not None:
                 self.detokenizer.flush()
                 return decision
-        new_text = self.detokenizer.push([token])
+        new_text = self.detokenizer.push_one(token)
         if can_stop and params.stop and new_text:
             found = find_stop(self.detokenizer.text, params.stop, len(new_text))
             if found is not None:
@@ -169,7 +172,7 @@ class RequestState:
                 end = index + len(stop) if params.include_stop_str_in_output else index
                 self.final_text = self.detokenizer.text[:end]
                 return StopDecision(FinishReason.STOP, stop)
-        if num_output >= seq.max_tokens:
+        if num_output >= self.max_tokens:
             self.detokenizer.flush()
             return StopDecision(FinishReason.LENGTH)
         return None

@@ -124,15 +124,21 @@ class ByteStream:
 
     def push(self, ids: list[int], is_final: bool = False) -> str:
         """The text the ids complete; with `is_final`, held bytes too (as U+FFFD)."""
-        if len(ids) == 1 and not is_final:  # a decode step's one token
-            token = ids[0]
-            whole = self._whole[token] if token < len(self._whole) else ""
-            if whole is not None and not self._utf8.buffer:
-                text = whole  # no bytes held: the decoder would return the id's characters as they are
-            else:
-                text = self._utf8.decode(self._table[token] if token < len(self._table) else b"")
+        if len(ids) == 1 and not is_final:
+            return self.push_one(ids[0])
+        return self._dropping(self._utf8.decode(self._bytes(ids), final=is_final))
+
+    def push_one(self, token: int) -> str:
+        """`push([token])`: a decode step's one token."""
+        whole = self._whole[token] if token < len(self._whole) else ""
+        if whole is not None and not self._utf8.buffer:
+            text = whole  # no bytes held: the decoder would return the id's characters as they are
         else:
-            text = self._utf8.decode(self._bytes(ids), final=is_final)
+            text = self._utf8.decode(self._table[token] if token < len(self._table) else b"")
+        return self._dropping(text) if self._num_to_drop else text
+
+    def _dropping(self, text: str) -> str:
+        """`text` less what is still to drop of the output's start."""
         if self._num_to_drop and text:
             num_dropped = min(self._num_to_drop, len(text))
             text = text[num_dropped:]
