@@ -226,8 +226,9 @@ class Sampler:
         batch = self._batch_rows(requests, counts)
         num_rows = batch.first_rows[-1]
         assert logits.ndim == 2 and logits.shape == (num_rows, self.vocab_size), (logits.shape, num_rows)
-        if batch.penalised:
-            self._rows.refresh_counts([requests[i] for i in batch.penalised])
+        penalised = [requests[i] for i in batch.penalised]
+        if penalised:
+            self._rows.refresh_counts(penalised)
         # What changes from step to step goes to the device in one transfer: the positions of seeded rows (their
         # noise's key) and the suppressed (row, id) pairs. A stop id past the vocabulary can never be drawn, so
         # there is nothing of it to suppress (and no logit).
@@ -265,7 +266,6 @@ class Sampler:
         if batch.has_penalties:
             self._rows.count_sampled(batch.index, token_ids, batch.ints[:, IS_PENALISED])
         # Penalty counts follow the first row of each request: the only one of a request with penalties.
-        penalised = [requests[i] for i in batch.penalised]
         self._rows.note_drawn(penalised)
         packed = _packed(final, token_ids, batch.num_top)
         if not self._is_cuda:

@@ -32,6 +32,16 @@ def _draw_many(logits: torch.Tensor, num_draws: int, **params: object) -> set[in
     return {t.token_id for t in sampler.sample(rows, [_request(f"d{i}", **params) for i in range(num_draws)])}
 
 
+def _assert_drawn_in_proportion(tokens: list[int], probs: torch.Tensor) -> None:
+    """Each id's count within five standard deviations of its expectation (a false failure is about 1e-6 likely),
+    and no id of probability 0 drawn."""
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(probs)).double()
+    expected = len(tokens) * probs.double()
+    spread = (expected * (1 - probs.double())).sqrt()
+    assert ((counts - expected).abs() <= 5 * spread).all(), counts
+    assert (counts[probs == 0] == 0).all(), counts
+
+
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0, 1.5]])  # order: 6, 0, 7, 1, 2, 3, 4, 5
 
 
@@ -145,11 +155,7 @@ def test_unseeded_draws_follow_the_distribution(greedy_beside: bool) -> None:
     tokens = [t.token_id for t in Sampler(5, seed=11).sample(logits, requests)]
     if greedy_beside:
         assert tokens.pop() == 3
-    counts = torch.bincount(torch.tensor(tokens), minlength=5)
-    assert counts[4] == 0
-    # Each count within five standard deviations of its expectation (a false failure is about 1e-6 likely).
-    expected, spread = num_draws * probs[:4], (num_draws * probs[:4] * (1 - probs[:4])).sqrt()
-    assert ((counts[:4] - expected).abs() <= 5 * spread).all(), counts
+    _assert_drawn_in_proportion(tokens, probs)
 
 
 def test_unseeded_draws_follow_the_sampler_seed_and_not_the_global_rng() -> None:
@@ -236,10 +242,7 @@ def test_the_race_kernel_draws_the_distribution_and_keeps_a_greedy_row_the_argma
     requests = [_request(f"u{i}", temperature=0.5) for i in range(num_draws)] + [_request("g", temperature=0.0)]
     tokens = [t.token_id for t in Sampler(5, seed=11, race_kernel=True).sample(logits, requests)]
     assert tokens.pop() == 3
-    counts = torch.bincount(torch.tensor(tokens), minlength=5)
-    assert counts[4] == 0
-    expected, spread = num_draws * probs[:4], (num_draws * probs[:4] * (1 - probs[:4])).sqrt()
-    assert ((counts[:4] - expected).abs() <= 5 * spread).all(), counts
+    _assert_drawn_in_proportion(tokens, probs)
 
 
 def test_the_race_kernel_follows_the_sampler_seed_and_not_the_global_rng() -> None:
