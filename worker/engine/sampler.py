@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.params import SamplingParams
 from kernels.sample_race import MAX_COUNTER, SEED_RANGE, sample_race
+from scheduler.params import SamplingParams
 from worker.engine.noise import exponential_noise, token_keys
 from worker.engine.penalties import penalise_rows
 from worker.engine.sampling_rows import (

@@ -284,6 +284,7 @@ class StepInputs:
         """Each sequence's row, and the table changes staged for the device; returns (rows, number of changes)."""
         staged, base, step = self._staged, self._changes_at, self._num_steps
         known = self._rows
+        in_batch: set[str] | None = None  # the step's keys, made when a row is first taken (most steps take none)
         rows: list[int] = []
         transient: list[_Row] = []
         num_changes = 0
@@ -292,7 +293,9 @@ class StepInputs:
             row = known.get(seq.key) if seq.key is not None else None
             if row is None or row.table is not table or len(table) < row.num_sent:
                 if row is None:
-                    row = _Row(self._take_row({s.key for s in batch if s.key is not None}), table, 0, step)
+                    if in_batch is None:
+                        in_batch = {s.key for s in batch if s.key is not None}
+                    row = _Row(self._take_row(in_batch), table, 0, step)
                     if seq.key is None:
                         transient.append(row)
                     else:
