@@ -94,8 +94,6 @@ def host_phases(model: str, device: str, dtype: str, batch: int, steps: int = 10
     `async_scheduling` as the engine's (None: its default, on for CUDA)."""
     engine = _filled_engine(model, device, dtype, batch, "auto", None, cuda_graphs=device.startswith("cuda"),
                             async_scheduling=async_scheduling)
-    for _ in range(10):  # past the first steps' one-off work (pinned blocks, rows)
-        engine.step()
     return measure(engine, steps, batch)
 
 
