@@ -72,8 +72,10 @@ def http_get(url: str) -> tuple[int, str]:
 
 async def test_standalone_dispatcher_serves_metrics_and_health(redis_url: str, tmp_path: Path) -> None:
     secret = generate_secret()
-    port = free_port()
     receiver = await Receiver(secret).start()
+    # Picked once the receiver holds its own port: a port picked first and let go could be the one the receiver is
+    # then given, and /metrics would ask the receiver (404).
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CARPOOL_", "OTEL_"))}
     env.update(PYTHONPATH=child_pythonpath(REPO), CARPOOL_WEBHOOK_SECRET=secret, CARPOOL_WEBHOOK_ALLOW="127.0.0.1",
                CARPOOL_WEBHOOK_POLL_S="0.02", CARPOOL_KEY_PREFIX=KEYS.prefix)
