@@ -294,7 +294,7 @@ class Sampler:
                 and all(map(operator.is_, last.request_params, map(_PARAMS, requests)))):
             return last
         request_rows = self._rows.assign(requests)
-        row_index = [row for row, n in zip(request_rows, counts) for _ in range(n)]
+        row_index = [row.index for row, n in zip(request_rows, counts) for _ in range(n)]
         params = [r.params for r, n in zip(requests, counts) for _ in range(n)]
         index = to_device(row_index, torch.int64, self.device)
         floats, ints = self._rows.floats[index], self._rows.ints[index]
@@ -310,7 +310,7 @@ class Sampler:
                  and len(params) * self.vocab_size < MAX_COUNTER)
         batch = _BatchRows(
             requests=list(requests), request_params=[r.params for r in requests], counts=list(counts),
-            version=self._rows.version, rows=self._rows.rows_of(requests),
+            version=self._rows.version, rows=request_rows,
             request_ids=[r.request_id for r in requests], first_rows=list(itertools.accumulate(counts, initial=0)),
             index=index, floats=floats, ints=ints, divisor=divisor, params=params,
             all_greedy=divisor is None, any_greedy=any(p.is_greedy for p in params),

@@ -82,8 +82,8 @@ class SamplingRows:
     def num_rows(self) -> int:
         return self.floats.shape[0]
 
-    def assign(self, requests: Sequence[RowRequest]) -> list[int]:
-        """Each request's row index, writing parameters and counts where a row is new or stale."""
+    def assign(self, requests: Sequence[RowRequest]) -> list[Row]:
+        """Each request's row, writing parameters and counts where a row is new or stale."""
         assert len({r.request_id for r in requests}) == len(requests), "one row per request in a step"
         # Touch the known rows first, so that eviction below never takes a row this step uses.
         for request in requests:
@@ -105,10 +105,6 @@ class SamplingRows:
             self._write_params(new)
             self.version += 1
         self.refresh_counts([r for r in requests if r.params.has_penalties])
-        return [self._rows[r.request_id].index for r in requests]
-
-    def rows_of(self, requests: Sequence[RowRequest]) -> list[Row]:
-        """The requests' rows (each must have one)."""
         return [self._rows[r.request_id] for r in requests]
 
     def refresh_counts(self, requests: Sequence[RowRequest]) -> None:
