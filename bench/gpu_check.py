@@ -6,7 +6,9 @@
 Its parts, in the order they run (`--parts` picks some, in this order whatever order it names them):
 
 - `steps`: the GPU memory's bandwidth (a device-to-device copy), then `bench.step_profile`'s decode step for
-  carpool's own model, graphed at batch 32 and 128 first (the targets), then graphed at 1 and 8, then eager,
+  carpool's own model, graphed at batch 32 and 128 first (the targets), then graphed at 32 and 8 with torch's
+  matmul only (`torch-matmul`: the engine's timed matmul choice off, its baseline), then graphed at 1 and 8,
+  then eager,
   and the transformers path at batch 32, graphed and eager: wall time, GPU kernel time, and the rate the
   matrix products read the model's matrices at as a share of that bandwidth; then the host's share of a
   graphed step at batch 32 and 128, part by part (`bench.host_phases`), and the sampler alone at those
@@ -52,15 +54,18 @@ from typing import Any
 
 KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_paged_decode.py",
                 "tests/kernels/test_kernels_torch.py", "tests/kernels/test_kernels_model.py",
-                "tests/kernels/test_quantized_matmul.py", "tests/kernels/test_sample_race.py",
+                "tests/kernels/test_decode_matmul.py", "tests/kernels/test_sample_race.py",
                 "tests/worker/engine/test_sampler.py",
                 "tests/worker/engine/test_engine_triton.py", "tests/worker/engine/test_graph_runner.py",
                 "tests/worker/engine/test_own_models.py",
                 "tests/worker/engine/test_speculative.py::test_greedy_ngram_through_the_triton_kernels"]
 PARTS = ("steps", "skewed", "identity", "tests", "quantized", "lookup")
-STEP_RUNS = [("carpool", "graphs", 32), ("carpool", "graphs", 128), ("carpool", "graphs", 1), ("carpool", "graphs", 8),
-             ("carpool", "eager", 32), ("carpool", "eager", 128), ("carpool", "eager", 1), ("carpool", "eager", 8),
-             ("transformers", "graphs", 32), ("transformers", "eager", 32)]
+# (implementation, mode, batch, matmul tuning): the engine's default (None) but for the baseline of the timed
+# matmul choice, torch's matmul only (False), at the batches the choice covers.
+STEP_RUNS = [("carpool", "graphs", 32, None), ("carpool", "graphs", 128, None), ("carpool", "graphs", 32, False),
+             ("carpool", "graphs", 1, None), ("carpool", "graphs", 8, None), ("carpool", "graphs", 8, False),
+             ("carpool", "eager", 32, None), ("carpool", "eager", 128, None), ("carpool", "eager", 1, None),
+             ("carpool", "eager", 8, None), ("transformers", "graphs", 32, None), ("transformers", "eager", 32, None)]
 SKEWED_SLOTS = 32
 SKEWED_REQUESTS = 64
 QUANTIZED_BATCHES = (8, 32)
@@ -282,8 +287,8 @@ def step_sections(model: str, dtype: str) -> list[Section]:
                 "read and write counted; `weights read at` below is the model's matrices' bytes over the matrix-"
                 "product kernels' time, and its share of this |")
 
-    def profile_row(impl: str, mode: str, batch: int) -> str:
-        r = profile_batch(model, "cuda", dtype, batch, mode, model_impl=impl)
+    def profile_row(impl: str, mode: str, batch: int, matmul_tuning: bool | None) -> str:
+        r = profile_batch(model, "cuda", dtype, batch, mode, model_impl=impl, matmul_tuning=matmul_tuning)
         print(r.top_kernels, flush=True)
         return table_row(r, bandwidth.get("gbps"))
 
@@ -313,8 +318,9 @@ def step_sections(model: str, dtype: str) -> list[Section]:
     return [Section("steps", ["| measure | result | detail |", "|---|---|---|"],
                     [Row("memory bandwidth", _freeing(copy_row), 3)]),
             Section("steps", TABLE_HEADER.splitlines(),
-                    [Row(f"{impl} {mode} {batch}", _freeing(partial(profile_row, impl, mode, batch)), 10)
-                     for impl, mode, batch in STEP_RUNS]),
+                    [Row(f"{impl} {mode} {batch}{' torch-matmul' if tuning is False else ''}",
+                         _freeing(partial(profile_row, impl, mode, batch, tuning)), 10)
+                     for impl, mode, batch, tuning in STEP_RUNS]),
             Section("steps", ["host's share of a graphed step (`bench.host_phases`)", "", *PHASES_HEADER.splitlines()],
                     [Row(f"host phases {batch}", _freeing(partial(phases_row, batch)), len(PHASES) + 2)
                      for batch in HOST_PHASE_BATCHES]),

@@ -3,7 +3,7 @@
     python -m bench.quantized_matmul [--dtype bf16] [--rows 1,8,32,128] [--peak-gbps 3350]
 
 The 1B model's four layer matrices (qkv, o, gate_up, down) at each row count: the kernel of
-`kernels/quantized_matmul.py` on int8 and fp8 weights (fp8 on compute capability 8.9+; rows above its
+`kernels/decode_matmul.py` on int8 and fp8 weights (fp8 on compute capability 8.9+; rows above its
 MAX_ROWS are not its regime and show as -), `F.linear` on the int8 weight widened to the activations' dtype
 (the path `linear()` takes without the kernel), `F.linear` on the same matrix in the activations' dtype, and
 the same kernel reading that unquantized matrix (scales of 1), to tell the kernel's own efficiency from the
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton.testing
 
 from bench.kernels import peak_gbps
-from kernels.quantized_matmul import MAX_ROWS, quantized_matmul, quantized_matmul_reference
+from kernels.decode_matmul import MAX_ROWS, decode_matmul, decode_matmul_reference
 
 # (name, out features, in features) of the 1B model's layers.
 LAYERS = [("qkv", 2560, 2048), ("o", 2048, 2048), ("gate_up", 11264, 2048), ("down", 2048, 5632)]
@@ -55,10 +55,10 @@ def _kernel_ms(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> flo
     """The kernel's time, once its result matches the reference; None for more rows than it takes."""
     if x.shape[0] > MAX_ROWS:
         return None
-    expected = quantized_matmul_reference(x, data, scales).float()
-    got = quantized_matmul(x, data, scales).float()
+    expected = decode_matmul_reference(x, data, scales).float()
+    got = decode_matmul(x, data, scales).float()
     torch.testing.assert_close(got, expected, atol=TOLERANCE * expected.abs().max().item(), rtol=TOLERANCE)
-    return _ms(lambda: quantized_matmul(x, data, scales))
+    return _ms(lambda: decode_matmul(x, data, scales))
 
 
 def _kernel_cells(ms: float | None, nbytes: int, peak: float | None) -> str:

@@ -39,8 +39,8 @@ from worker.engine.startup_heap import freeze_startup_heap
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
 # Pieces of the names of the kernels matrix products run on NVIDIA GPUs: cuBLAS's GEMM and GEMV kernels
 # (`sm90_xmma_gemm_...`, `gemv2T_kernel_val`, `splitKreduce_kernel` of a split-K product), cuBLASLt's
-# `nvjet_...`, CUTLASS's, and the quantized weights' Triton kernels (`kernels/quantized_matmul.py`).
-MATMUL_KERNEL_MARKERS = ("gemm", "gemv", "splitkreduce", "nvjet", "cutlass", "xmma", "quantized_matmul")
+# `nvjet_...`, CUTLASS's, and the quantized weights' Triton kernels (`kernels/decode_matmul.py`).
+MATMUL_KERNEL_MARKERS = ("gemm", "gemv", "splitkreduce", "nvjet", "cutlass", "xmma", "decode_matmul")
 MODES = ("eager", "graphs")
 
 
@@ -112,13 +112,13 @@ def _merged_length_us(intervals: list[tuple[float, float]]) -> float:
 
 def _filled_engine(model: str, device: str, dtype: str, batch: int, model_impl: str, quantization: str | None,
                    cuda_graphs: bool = False, cpu_kernels: bool | None = None,
-                   async_scheduling: bool | None = None) -> Any:
+                   async_scheduling: bool | None = None, matmul_tuning: bool | None = None) -> Any:
     """An engine with `batch` requests of 32-token prompts, past their prefills and decoding."""
     from worker import Engine
 
     engine = Engine(model=model, device=device, dtype=dtype, max_num_seqs=batch, cuda_graphs=cuda_graphs,
                     model_impl=model_impl, quantization=quantization, cpu_kernels=cpu_kernels,
-                    async_scheduling=async_scheduling)
+                    async_scheduling=async_scheduling, matmul_tuning=matmul_tuning)
     freeze_startup_heap()  # as a worker's engine process does once its engine is built
     for i in range(batch):
         engine.add_request(f"r{i}", [65 + i % 20] * 32, SamplingParams(max_tokens=2000, ignore_eos=True))
@@ -131,14 +131,23 @@ def _filled_engine(model: str, device: str, dtype: str, batch: int, model_impl: 
 
 def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, timed_steps: int = 100,
                   model_impl: str = "auto", quantization: str | None = None,
-                  cpu_kernels: bool | None = None) -> StepProfile:
+                  cpu_kernels: bool | None = None, matmul_tuning: bool | None = None) -> StepProfile:
+    """`matmul_tuning`: the engine's (False: torch's matrix products only, the baseline of the timed choice)."""
     is_cuda = device.startswith("cuda")
     engine = _filled_engine(model, device, dtype, batch, model_impl, quantization, cuda_graphs=mode == "graphs",
-                            cpu_kernels=cpu_kernels)
+                            cpu_kernels=cpu_kernels, matmul_tuning=matmul_tuning)
     assert mode == "eager" or engine.runner.graph_sizes, "CUDA graphs were asked for but not recorded (see the log)"
     impl = engine.runner.model_choice.impl.value
     if is_cuda and getattr(engine.runner.model, "use_kernels", True) is False:
         impl += " (fused kernels failed their start-up check: torch ops)"
+    matmuls = getattr(engine.runner.model, "matmuls", None)
+    if matmul_tuning is False:
+        impl += ", torch's matmul"
+    elif matmuls is not None and matmuls.plans:
+        taken = sum(plan is not None for plan in matmuls.plans.values())
+        impl += f", timed matmul ({taken} of {len(matmuls.plans)} kernel)"
+        print("matrix products, carpool's kernel where timed faster:\n  " + "\n  ".join(matmuls.describe()),
+              flush=True)
     matrix_bytes = float(getattr(engine.runner.model, "matrix_nbytes", float("nan")))
     if is_cuda:
         torch.cuda.synchronize()
@@ -201,6 +210,9 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, choices=["int8", "fp8"], help="weights; default: unquantized")
     parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "on", "off"],
                         help="CPU: the compiled decode-attention kernel (the engine's --cpu-kernels); default: auto")
+    parser.add_argument("--matmul-tuning", default="auto", choices=["auto", "on", "off"],
+                        help="CUDA: time decode-sized matrix products at start-up and keep the fastest (the "
+                             "engine's --matmul-tuning); off: torch's matmul; default: auto")
     parser.add_argument("--timed-steps", type=int, default=100)
     parser.add_argument("--tables", action="store_true", help="also print each run's top kernels")
     parser.add_argument("--alternate", type=int, default=None, metavar="ROUNDS",
@@ -240,7 +252,8 @@ def main() -> None:
         for mode in modes:
             for batch in (int(b) for b in args.batches.split(",")):
                 result = profile_batch(args.model, args.device, args.dtype, batch, mode, args.timed_steps, impl,
-                                       args.quantization, cpu_kernels)
+                                       args.quantization, cpu_kernels,
+                                       {"auto": None, "on": True, "off": False}[args.matmul_tuning])
                 rows.append(result)
                 if args.tables and result.top_kernels:
                     print(f"## {impl}, {mode}, batch {batch}\n{result.top_kernels}")

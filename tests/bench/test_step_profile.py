@@ -20,8 +20,8 @@ MATMUL_KERNELS = [
     "ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x4_tn",
     "void splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, true, false, false>",
     "cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>",
-    "_quantized_matmul_kernel",
-    "_quantized_matmul_reduce_kernel",
+    "_decode_matmul_kernel",
+    "_decode_matmul_reduce_kernel",
 ]
 OTHER_KERNELS = [
     "_paged_attention_kernel",

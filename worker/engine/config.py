@@ -54,7 +54,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 _INT_FIELDS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                "num_speculative_tokens")
-_BOOL_FIELDS = ("enable_prefix_caching", "cuda_graphs", "cpu_kernels", "async_scheduling")
+_BOOL_FIELDS = ("enable_prefix_caching", "cuda_graphs", "cpu_kernels", "async_scheduling", "matmul_tuning")
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,12 @@ class EngineConfig:
         "schedule and launch the next engine step before this one's tokens reach the host, feeding them to it on "
         "the device (with speculative decoding: after reading them, before turning them into outputs); a "
         "request stopped by a stop token or string then computes one token more, dropped; default: on for CUDA"))
+    matmul_tuning: bool | None = field(default=None, metadata=help_text(
+        "CUDA, carpool's models in bf16/fp16 or quantized: at start-up, time each kind of weight matrix's "
+        "products of 1 to 64 rows (decode steps) through torch's matmul and the launches of carpool's Triton "
+        "kernel for small batches, over every layer's matrix, and keep the fastest for each (the start-up log "
+        "lists where the kernel won); off: torch's matmul for plain weights, the kernel's default launch for "
+        "quantized ones; default: on wherever the Triton kernels run"))
     model_impl: ModelImpl = field(default=ModelImpl.AUTO, metadata=help_text(
         "auto, carpool or transformers: carpool's own fused model for the Llama family (Llama, Mistral, Qwen2, "
         "Qwen3), transformers' for everything else; auto picks by the checkpoint's architecture"))

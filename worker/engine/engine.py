@@ -115,7 +115,7 @@ class Engine:
                 attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, cuda_graphs=config.cuda_graphs,
                 model_impl=config.model_impl, quantization=config.quantization, cpu_kernels=config.cpu_kernels,
-                draft_model=config.draft_model,
+                matmul_tuning=config.matmul_tuning, draft_model=config.draft_model,
                 num_speculative_tokens=config.num_speculative_tokens if config.speculative else 0,
             )
         self.tokenizer = self.runner.tokenizer

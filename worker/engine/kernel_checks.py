@@ -129,7 +129,7 @@ def check_quantized_matmul(device: torch.device, dtype: torch.dtype, storage: to
                            shapes: Sequence[tuple[int, int]]) -> str | None:
     """None when the quantized matmul kernel gives its reference's results for `(out, in)` weights of each of
     `shapes` held in `storage` (int8 or float8_e4m3fn), at a row count of each of its block sizes, else why not."""
-    from kernels.quantized_matmul import MAX_ROWS, quantized_matmul, quantized_matmul_reference
+    from kernels.decode_matmul import MAX_ROWS, decode_matmul, decode_matmul_reference
 
     try:
         # Drawn on the device: a model's matrices are tens of millions of values.
@@ -143,7 +143,7 @@ def check_quantized_matmul(device: torch.device, dtype: torch.dtype, storage: to
             # One row (a mostly masked row tile), and rows for the 32- and 64-row tiles.
             for m in (1, 17, MAX_ROWS):
                 x = torch.randn((m, k), generator=gen, device=device).to(dtype)
-                if not _close(quantized_matmul(x, data, scales), quantized_matmul_reference(x, data, scales), dtype):
+                if not _close(decode_matmul(x, data, scales), decode_matmul_reference(x, data, scales), dtype):
                     return f"the quantized matmul differs from its reference for [{m}, {k}] x [{n}, {k}]^T"
     except Exception as e:  # a compile or launch failure on this GPU
         return f"{type(e).__name__}: {e}"

@@ -94,6 +94,7 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         model_impl: str = "auto",
         model_kernels: bool | None = None,
+        matmul_tuning: bool | None = None,
         quantization: str | None = None,
         cpu_kernels: bool | None = None,
         draft_model: str | None = None,
@@ -105,7 +106,9 @@ class ModelRunner:
         `model_impl` picks carpool's own model (`carpool`, the Llama family), transformers' (`transformers`),
         or the first by the checkpoint's architecture (`auto`); `model_kernels` has carpool's models use their
         fused Triton kernels, and quantized weights on CUDA the quantized matmul kernel (default: on CUDA; on CPU
-        only under TRITON_INTERPRET=1, for tests); `quantization`
+        only under TRITON_INTERPRET=1, for tests); `matmul_tuning` has carpool's models on CUDA time their
+        decode-sized matrix products through torch's and that kernel's launches at load and keep the fastest
+        for each (default: wherever the kernels run); `quantization`
         (`int8`, `fp8`) holds carpool's models' linear weights quantized per output channel (None: in `dtype`);
         `cpu_kernels` has the torch backend attend decoding sequences with the compiled C kernel of
         `kernels/paged_attention_cpu.py` (None: where it builds and passes its check; True: or fail);
@@ -143,7 +146,8 @@ class ModelRunner:
         cpu_ops = self._load_cpu_model_ops(config.hidden_size, config.intermediate_size, cpu_kernels)
         try:
             self.model: CausalLM = load_causal_lm(model_path, config, self.model_choice.impl, self.dtype, self.device,
-                                                  self.max_model_len, model_kernels, self.quantization, cpu_ops)
+                                                  self.max_model_len, model_kernels, self.quantization, cpu_ops,
+                                                  matmul_tuning)
         except OSError as e:
             raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
         self.config = config

@@ -144,3 +144,52 @@ def test_fused_kernels_give_the_same_logits_and_tokens(tmp_path_factory: pytest.
         position = len(tokens) + len(generated) - 1
         generated.append(int(kernels.execute([StepSeq([generated[-1]], position, table, True, "a")])[0].argmax()))
     assert generated == expected_tokens
+
+
+def test_the_matmul_kernel_gives_the_same_logits_and_tokens(tmp_path_factory: pytest.TempPathFactory,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every decode-sized product of an fp16 model through the matmul kernel, as a timed choice on a GPU may send
+    them (run here under Triton's interpreter), against the same model's torch products. (fp16: the interpreter
+    rounds fp32 to bf16 by truncation, which a GPU does not.)"""
+    from kernels.decode_matmul import candidate_plans
+    from worker.engine.models import quantization
+    from worker.engine.models.matmul_choice import ROW_BUCKETS, MatmulChoices
+
+    path = _checkpoint(tmp_path_factory, "llama-gqa")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runner = ModelRunner(path, device=device, dtype="float16", block_size=8, num_blocks=16, model_impl="carpool",
+                         model_kernels=True, matmul_tuning=False)
+    model = runner.model
+    assert model.matmuls is None, "not quantized and not timed: torch's products"  # type: ignore[attr-defined]
+    kinds = list(model._matrix_groups())  # type: ignore[attr-defined]
+    assert len(kinds) == 5, "qkv, o, gate_up, down and lm_head"
+    # The last candidate of each: another block shape than the default.
+    plans = {(bucket, kind): candidate_plans(bucket, kind[0], kind[1], 0)[-1] for bucket in ROW_BUCKETS
+             for kind in kinds}
+    tokens = [random.Random(7).randrange(262) for _ in range(13)]
+    table = [6, 2, 11]
+    rows: list[int] = []
+    kernel = quantization.decode_matmul
+
+    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return kernel(x, *args)
+
+    monkeypatch.setattr(quantization, "decode_matmul", counted)
+
+    def greedy() -> tuple[torch.Tensor, list[int]]:
+        logits = runner.execute([StepSeq(tokens, 0, table, True, "a")])[0].float().cpu()
+        generated = [int(logits.argmax())]
+        while len(generated) < 6:
+            step = [StepSeq([generated[-1]], len(tokens) + len(generated) - 1, table, True, "a")]
+            generated.append(int(runner.execute(step)[0].argmax()))
+        return logits, generated
+
+    expected_logits, expected_tokens = greedy()
+    assert rows == []
+    model.matmuls = MatmulChoices(0, plans)  # type: ignore[attr-defined]
+    logits, generated = greedy()
+    num_layers = len(model.layers)  # type: ignore[attr-defined]
+    assert rows == [13] * 4 * num_layers + [1] + [1] * (4 * num_layers + 1) * 5, "every product ran the kernel"
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-3 * expected_logits.abs().max().item())
+    assert generated == expected_tokens

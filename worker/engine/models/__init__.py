@@ -78,14 +78,16 @@ class TransformersModel:
 
 def load_causal_lm(path: str, config: PretrainedConfig, impl: ModelImpl, dtype: torch.dtype,
                    device: torch.device, max_positions: int, use_kernels: bool | None = None,
-                   quantization: Quantization | None = None, cpu_ops: CpuModelOps | None = None) -> CausalLM:
+                   quantization: Quantization | None = None, cpu_ops: CpuModelOps | None = None,
+                   matmul_tuning: bool | None = None) -> CausalLM:
     """`use_kernels`: carpool's models use the fused Triton kernels, and quantized layers of either
-    implementation the quantized matmul kernel on CUDA, each where it passes its start-up check (default: on
+    implementation the decode-sized matmul kernel on CUDA, each where it passes its start-up check (default: on
     CUDA); `quantization`: how their linear weights are held (None: in `dtype`); `cpu_ops`: the same fusions
-    compiled for the CPU, for carpool's models in fp32 on CPU."""
+    compiled for the CPU, for carpool's models in fp32 on CPU; `matmul_tuning`: carpool's models time their
+    decode-sized products at load and keep the fastest launch for each (default: where the kernels run)."""
     if impl is ModelImpl.CARPOOL:
         return LlamaFamilyModel(config, read_safetensors(path), dtype, device, max_positions, use_kernels,
-                                quantization, cpu_ops)
+                                quantization, cpu_ops, matmul_tuning)
     from transformers import AutoModelForCausalLM  # seconds to import: only for this path (see attention.py)
 
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,

@@ -12,8 +12,11 @@ one forward's calls checked once per step, with the compiled attention
 called directly for decodes), and their torch references otherwise. With a
 `quantization` the four layer matrices are held as int8 or fp8 with per-row
 scales (`worker.engine.models.quantization`), multiplied on CUDA at decode
-sizes by the Triton kernel of `kernels/quantized_matmul.py`; embeddings,
-norms and lm_head stay in the model's dtype. Attention goes
+sizes by the Triton kernel of `kernels/decode_matmul.py`; embeddings,
+norms and lm_head stay in the model's dtype. On CUDA in bf16 or fp16 the
+same kernel takes a plain matrix's decode-sized products where it beat
+torch's own when both were timed at load (`matmul_tuning`,
+`worker.engine.models.matmul_choice`). Attention goes
 through the same paged attention as the transformers path
 (`worker.engine.attention`). The arithmetic follows transformers' modules step for
 step (fp32 RMSNorm, RoPE tables computed the same way, the same roundings),
@@ -36,12 +39,15 @@ from transformers import PretrainedConfig
 from kernels import norm_act
 from kernels.model_ops_cpu import CpuForward, CpuModelOps
 from kernels.rope_kv import rope_store_kv
+from kernels.split_kv import num_multiprocessors
 from worker.engine.attention import PagedAttentionMetadata, attend_cached, paged_attention
 from worker.engine.kernel_checks import check_model_kernels
 from worker.engine.models.packed import PackedWeight, can_pack, pack_verified
+from worker.engine.models.matmul_choice import Matrix, MatmulChoices, MatrixKind, choose_matmuls, kind_of
 from worker.engine.models.quantization import (
     LinearWeight,
     Quantization,
+    QuantizedWeight,
     can_use_quantized_kernel,
     linear,
     quantize_weight,
@@ -77,12 +83,16 @@ class LlamaFamilyModel:
 
     def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, use_kernels: bool | None = None,
-                 quantization: Quantization | None = None, cpu_ops: CpuModelOps | None = None) -> None:
+                 quantization: Quantization | None = None, cpu_ops: CpuModelOps | None = None,
+                 matmul_tuning: bool | None = None) -> None:
         """`use_kernels`: the fused Triton kernels of `kernels/norm_act.py` and `kernels/rope_kv.py` (default:
-        on CUDA), and on CUDA the quantized matmul of `kernels/quantized_matmul.py`, each where it passes its
-        start-up check; otherwise `cpu_ops`, the same fusions compiled for the CPU (`kernels/model_ops_cpu.py`),
-        when given for an fp32 model on CPU; otherwise their plain-torch references. `quantization`: how qkv, o,
-        gate_up and down are held (None: in `dtype`)."""
+        on CUDA), and on CUDA the decode-sized matmul of `kernels/decode_matmul.py` for quantized weights, each
+        where it passes its start-up check; otherwise `cpu_ops`, the same fusions compiled for the CPU
+        (`kernels/model_ops_cpu.py`), when given for an fp32 model on CPU; otherwise their plain-torch
+        references. `quantization`: how qkv, o, gate_up and down are held (None: in `dtype`). `matmul_tuning`:
+        with the kernels on CUDA, time each matrix kind's decode-sized products through torch's product and
+        the matmul kernel's plans at load and keep the fastest (`worker.engine.models.matmul_choice`; default:
+        on where the kernels are)."""
         arch = (config.architectures or [""])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"model: carpool's models cover {sorted(ARCHITECTURES)}, not {arch!r}")
@@ -121,7 +131,7 @@ class LlamaFamilyModel:
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.use_quantized_kernel = quantization is not None and wants_kernels and can_use_quantized_kernel(
+        use_quantized_kernel = quantization is not None and wants_kernels and can_use_quantized_kernel(
             device, dtype, quantization, self._matrix_shapes(config.hidden_size, config.intermediate_size))
         self.eps: float = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
@@ -186,6 +196,15 @@ class LlamaFamilyModel:
         else:
             self.lm_head = matrix(weights.pop("lm_head.weight")) if self.packed else take("lm_head.weight")
         self.vocab_size = self.lm_head.shape[0]
+        self.matmuls: MatmulChoices | None = None
+        """Which decode-sized products run the matmul kernel, and how; None: none do."""
+        # Plain matrices in fp32 stay with torch's product: the kernel's fp32 products are not tensor-core ones.
+        tunes = (self.use_kernels and device.type == "cuda" and matmul_tuning is not False
+                 and (use_quantized_kernel if quantization is not None else dtype in (torch.bfloat16, torch.float16)))
+        if tunes:
+            self.matmuls = choose_matmuls(self._matrix_groups(), dtype, device, num_multiprocessors(device))
+        elif use_quantized_kernel:
+            self.matmuls = MatmulChoices(num_multiprocessors(device))
         if self.packed:
             matrices = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             extra = sum(w.plain.nbytes for w in [*matrices, self.lm_head] if isinstance(w, PackedWeight))
@@ -197,8 +216,19 @@ class LlamaFamilyModel:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return [(q_size + 2 * kv_size, hidden), (hidden, q_size), (2 * intermediate, hidden), (hidden, intermediate)]
 
+    def _matrix_groups(self) -> dict[MatrixKind, list[Matrix]]:
+        """The matrices a decode step reads, every layer's qkv, o, gate_up and down and lm_head, by kind."""
+        groups: dict[MatrixKind, list[Matrix]] = {}
+        for weight in [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
+            assert not isinstance(weight, PackedWeight), "packed weights are the CPU's"
+            matrix: Matrix = (weight.data, weight.scales) if isinstance(weight, QuantizedWeight) else (weight, None)
+            groups.setdefault(kind_of(matrix[0]), []).append(matrix)
+        assert isinstance(self.lm_head, torch.Tensor), type(self.lm_head)
+        groups.setdefault(kind_of(self.lm_head), []).append((self.lm_head, None))
+        return groups
+
     def _linear(self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, weight, bias, self.use_quantized_kernel)
+        return linear(x, weight, bias, self.matmuls)
 
     @property
     def matrix_nbytes(self) -> int:
@@ -233,7 +263,7 @@ class LlamaFamilyModel:
             hidden, residual = hidden.index_select(0, logit_rows), residual.index_select(0, logit_rows)
             add_rms_norm = self._add_rms_norm
         hidden, _ = add_rms_norm(hidden, residual, self.norm, self.eps)
-        return linear(hidden, self.lm_head)
+        return self._linear(hidden, self.lm_head)
 
     def _attention(self, index: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    metadata: PagedAttentionMetadata, step: CpuForward | None) -> torch.Tensor:

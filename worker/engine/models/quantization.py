@@ -15,10 +15,12 @@ KV cache and the logits stay in the model's dtype.
 The product is `(x @ data^T) * scale`: the stored values are exact in bf16,
 fp16 and fp32, so the only roundings added are those of the scale multiply.
 On CUDA, a product of at most `MAX_ROWS` rows (a decode step's) runs the
-Triton kernel of `kernels/quantized_matmul.py` when the model asks for it
-(`use_kernel`, on once `can_use_quantized_kernel` has checked the kernel on
-the model's shapes at start-up): it reads the weight in its storage type,
-once, and accumulates in fp32. On CPU with bf16/fp16 activations an int8
+Triton kernel of `kernels/decode_matmul.py` when the model gives `linear`
+its `MatmulChoices` (once `can_use_quantized_kernel` has checked the kernel
+on the model's shapes at start-up): it reads the weight in its storage type,
+once, and accumulates in fp32. The same choices can send a plain weight's
+decode-sized products to that kernel too, where timing at start-up found it
+faster than torch's (`worker.engine.models.matmul_choice`). On CPU with bf16/fp16 activations an int8
 weight whose rows are a multiple of 16 long goes through
 `torch._weight_int8pack_mm` (a vectorized int8 kernel). Elsewhere (more
 rows, where the product is compute-bound, or the kernel off) the weight is
@@ -36,9 +38,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.quantized_matmul import MAX_ROWS, quantized_matmul
+from kernels.decode_matmul import decode_matmul
+from kernels.split_kv import num_multiprocessors
 from worker.engine.config import QUANTIZATIONS, Quantization
 from worker.engine.kernel_checks import check_quantized_matmul
+from worker.engine.models.matmul_choice import MatmulChoices
 from worker.engine.models.packed import PackedWeight, packed_linear
 
 log = logging.getLogger(__name__)
@@ -114,7 +118,7 @@ def quantize_weight(weight: torch.Tensor, quantization: Quantization, dtype: tor
 
 def can_use_quantized_kernel(device: torch.device, dtype: torch.dtype, quantization: Quantization,
                              shapes: Iterable[tuple[int, int]]) -> bool:
-    """Whether `linear(..., use_kernel=True)` may serve a model on `device`: on CUDA, when the Triton kernel gives
+    """Whether `linear(..., matmuls)` may send quantized weights to the kernel for a model on `device`: on CUDA, when the Triton kernel gives
     its reference's results for weights of each `(out, in)` shape; a failure is logged, and the weights are then
     widened for each product instead."""
     if device.type != "cuda":
@@ -128,23 +132,30 @@ def can_use_quantized_kernel(device: torch.device, dtype: torch.dtype, quantizat
 
 
 def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None,
-           use_kernel: bool = False) -> torch.Tensor:
+           matmuls: MatmulChoices | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a plain, packed or quantized weight; the result is in `x`'s dtype.
 
-    `use_kernel`: a quantized weight multiplies at most `MAX_ROWS` rows with the Triton kernel (the caller has
-    checked it with `can_use_quantized_kernel`)."""
+    `matmuls`: on the GPU, which products of at most `MAX_ROWS` rows run the Triton kernel, and how (None: none
+    do; the caller has checked the kernel with `can_use_quantized_kernel` where its weights are quantized)."""
     if isinstance(weight, torch.Tensor):
+        if matmuls is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            plan = matmuls.plan(flat.shape[0], weight, quantized=False)
+            if plan is not None:
+                out = decode_matmul(flat, weight, None, plan).view(*x.shape[:-1], weight.shape[0])
+                return out if bias is None else out + bias
         return F.linear(x, weight, bias)
     if isinstance(weight, PackedWeight):
         return packed_linear(x, weight, bias)
-    out = _quantized_product(x, weight, use_kernel)
+    out = _quantized_product(x, weight, matmuls)
     return out if bias is None else out + bias
 
 
-def _quantized_product(x: torch.Tensor, weight: QuantizedWeight, use_kernel: bool) -> torch.Tensor:
+def _quantized_product(x: torch.Tensor, weight: QuantizedWeight, matmuls: MatmulChoices | None) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
-    if use_kernel and flat.shape[0] <= MAX_ROWS:
-        out = quantized_matmul(flat, weight.data, weight.scales)
+    plan = matmuls.plan(flat.shape[0], weight.data, quantized=True) if matmuls is not None else None
+    if plan is not None:
+        out = decode_matmul(flat, weight.data, weight.scales, plan)
     elif (weight.data.dtype == torch.int8 and x.device.type == "cpu" and x.dtype in _INT8_KERNEL_DTYPES
             and weight.shape[1] % _INT8_KERNEL_ROW_MULTIPLE == 0):
         out = torch._weight_int8pack_mm(flat.contiguous(), weight.data, weight.scales)
@@ -160,11 +171,12 @@ class QuantizedLinear(torch.nn.Module):
     weight_data: torch.Tensor
     weight_scales: torch.Tensor
 
-    def __init__(self, layer: torch.nn.Linear, quantization: Quantization, use_kernel: bool = False) -> None:
+    def __init__(self, layer: torch.nn.Linear, quantization: Quantization,
+                 matmuls: MatmulChoices | None = None) -> None:
         super().__init__()
         weight = quantize_weight(layer.weight.detach(), quantization, layer.weight.dtype)
         self.in_features, self.out_features = layer.in_features, layer.out_features
-        self.use_kernel = use_kernel
+        self.matmuls = matmuls
         self.register_buffer("weight_data", weight.data)
         self.register_buffer("weight_scales", weight.scales)
         self.bias = layer.bias
@@ -174,7 +186,7 @@ class QuantizedLinear(torch.nn.Module):
         return QuantizedWeight(self.weight_data, self.weight_scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.use_kernel)
+        return linear(x, self.weight, self.bias, self.matmuls)
 
 
 def quantize_linear_layers(model: torch.nn.Module, quantization: Quantization, use_kernels: bool = False) -> int:
@@ -188,7 +200,9 @@ def quantize_linear_layers(model: torch.nn.Module, quantization: Quantization, u
     use_kernel = use_kernels and bool(targets) and can_use_quantized_kernel(
         targets[0][1].weight.device, targets[0][1].weight.dtype, quantization,
         [(module.out_features, module.in_features) for _, module in targets])
+    # Each bucket's default plan: a transformers model's products are not timed.
+    matmuls = MatmulChoices(num_multiprocessors(targets[0][1].weight.device)) if use_kernel else None
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, QuantizedLinear(module, quantization, use_kernel))
+        setattr(model.get_submodule(parent_name), child, QuantizedLinear(module, quantization, matmuls))
     return len(targets)

@@ -1,5 +1,6 @@
-"""The quantized matmul kernel (int8 / fp8 weights, per-row scales) against its reference, its plan, its start-up
-check and its use by `linear`.
+"""The decode-sized matmul kernel (plain weights, and int8 / fp8 weights with per-row scales) against its
+reference, its plans, its start-up check, the timed choice between its plans and torch's product, and its use
+by `linear`.
 
 Without a GPU the kernel runs under Triton's interpreter (tests/harness/torch_setup.py sets it), which reads
 int8 and float8_e4m3fn tensors alike, so both storage types are tested on CPU too.
@@ -13,10 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.quantized_matmul as qm
-from kernels.quantized_matmul import MAX_ROWS, MatmulPlan, plan_quantized_matmul, quantized_matmul
-from kernels.quantized_matmul import quantized_matmul_reference as reference
+import kernels.decode_matmul as qm
+from kernels.decode_matmul import MAX_ROWS, MatmulPlan, candidate_plans, decode_matmul, plan_decode_matmul
+from kernels.decode_matmul import decode_matmul_reference as reference
 from worker.engine.models import quantization as quantization_module
+from worker.engine.models.matmul_choice import ROW_BUCKETS, MatmulChoices, choose_matmuls, kind_of, row_bucket
 from worker.engine.models.quantization import Quantization, linear, quantize_weight
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,17 +71,19 @@ def test_kernel_matches_reference(storage: torch.dtype, dtype: torch.dtype, m: i
     data, scales = _weight(n, k, storage, seed=n + k)
     scales = scales.to(dtype)
     x = _x(m, k, dtype, seed=m)
-    _assert_close(quantized_matmul(x, data, scales, _small_plan(m, split_k, k)), reference(x, data, scales))
+    _assert_close(decode_matmul(x, data, scales, _small_plan(m, split_k, k)), reference(x, data, scales))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_an_unquantized_weight_is_the_plain_product(dtype: torch.dtype) -> None:
-    """A weight in the activations' own dtype (the benchmark's baseline for the kernel) with scales of 1."""
-    m, n, k = 3, 40, 72
+@pytest.mark.parametrize(("m", "n", "k", "split_k"), [(3, 40, 64, 1), (3, 40, 64, 2), (17, 37, 72, 3)])
+def test_a_plain_weight_is_the_plain_product(dtype: torch.dtype, m: int, n: int, k: int, split_k: int) -> None:
+    """A weight in the activations' own dtype without scales: K tiled exactly by the ranges (unmasked loads)
+    and not, one range and several, rows and columns past the tiles' edges."""
     weight = (0.05 * torch.randn((n, k), generator=torch.Generator().manual_seed(1))).to(dtype).to(DEVICE)
     x = _x(m, k, dtype, seed=2)
-    ones = torch.ones(n, dtype=dtype, device=DEVICE)
-    _assert_close(quantized_matmul(x, weight, ones, _small_plan(m, 2, k)), reference(x, weight, ones))
+    plan = _small_plan(m, split_k, k)
+    _assert_close(decode_matmul(x, weight, None, plan), reference(x, weight))
+    torch.testing.assert_close(reference(x, weight).float(), F.linear(x.float(), weight.float()).to(dtype).float())
 
 
 @pytest.mark.parametrize("storage", STORAGES, ids=str)
@@ -89,14 +93,23 @@ def test_default_plan_and_strided_rows(storage: torch.dtype) -> None:
     wide = _x(MAX_ROWS, 100, torch.float32, seed=4)
     x = wide[:, 2:98]
     assert x.stride() == (100, 1)
-    _assert_close(quantized_matmul(x, data, scales), reference(x, data, scales))
-    assert quantized_matmul(x[:0], data, scales).shape == (0, 130)
+    _assert_close(decode_matmul(x, data, scales), reference(x, data, scales))
+    assert decode_matmul(x[:0], data, scales).shape == (0, 130)
+
+
+def _assert_covers(plan: MatmulPlan, m: int, k: int) -> None:
+    assert plan.block_m >= m, "every row in one row tile: the weight is read once"
+    assert plan.k_per_split % plan.block_k == 0
+    # The ranges cover K, and none starts past its end.
+    assert plan.split_k * plan.k_per_split >= k > (plan.split_k - 1) * plan.k_per_split, plan
 
 
 @pytest.mark.parametrize("m", [1, 8, 16, 17, 32, 64])
 @pytest.mark.parametrize(("n", "k"), LAYER_SHAPES)
 def test_plan_covers_k_once_and_fills_the_gpu(m: int, n: int, k: int) -> None:
-    plan = plan_quantized_matmul(m, n, k, H100_MULTIPROCESSORS)
+    for plan in [plan_decode_matmul(m, n, k, H100_MULTIPROCESSORS), *candidate_plans(m, n, k, H100_MULTIPROCESSORS)]:
+        _assert_covers(plan, m, k)
+    plan = plan_decode_matmul(m, n, k, H100_MULTIPROCESSORS)
     assert plan.block_m >= m, "every row in one row tile: the weight is read once"
     assert plan.k_per_split % plan.block_k == 0
     # The ranges cover K, and none starts past its end.
@@ -109,7 +122,7 @@ def test_plan_covers_k_once_and_fills_the_gpu(m: int, n: int, k: int) -> None:
     # The partial sums, written and read back in fp32, come to at most half the weight's bytes.
     if plan.split_k > 1:
         assert 2 * plan.split_k * m * n * 4 <= n * k // 2, plan
-    assert plan_quantized_matmul(m, n, k, 0).split_k == 1, "no split off a GPU"
+    assert plan_decode_matmul(m, n, k, 0).split_k == 1, "no split off a GPU"
 
 
 def test_start_up_check_accepts_the_kernel() -> None:
@@ -122,13 +135,14 @@ def test_start_up_check_accepts_the_kernel() -> None:
 def test_start_up_check_rejects_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     from worker.engine.kernel_checks import check_quantized_matmul
 
-    def without_scales(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return reference(x, data, torch.ones_like(scales))
+    def without_scales(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
+                       plan: MatmulPlan | None = None) -> torch.Tensor:
+        return reference(x, data, None)
 
     # A storage type the kernel does not take fails its assertions: reported, not raised.
     failure = check_quantized_matmul(DEVICE, torch.float32, torch.float16, [(40, 72)])
     assert failure is not None and "AssertionError" in failure
-    monkeypatch.setattr(qm, "quantized_matmul", without_scales)
+    monkeypatch.setattr(qm, "decode_matmul", without_scales)
     failure = check_quantized_matmul(DEVICE, torch.float32, torch.int8, [(40, 72)])
     assert failure == "the quantized matmul differs from its reference for [1, 72] x [40, 72]^T"
 
@@ -138,18 +152,18 @@ def test_linear_takes_the_kernel_for_decode_sized_products(monkeypatch: pytest.M
                                                             quantization: Quantization) -> None:
     calls: list[int] = []
 
-    def counted(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    def counted(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, plan: MatmulPlan) -> torch.Tensor:
         calls.append(x.shape[0])
-        return quantized_matmul(x, data, scales)
+        return decode_matmul(x, data, scales, plan)
 
-    monkeypatch.setattr(quantization_module, "quantized_matmul", counted)
+    monkeypatch.setattr(quantization_module, "decode_matmul", counted)
     generator = torch.Generator().manual_seed(5)
     weight = quantize_weight((0.3 * torch.randn(40, 72, generator=generator)).to(DEVICE), quantization, torch.float32)
     bias = torch.randn(40, generator=generator).to(DEVICE)
     for shape in [(2, 3, 72), (MAX_ROWS + 1, 72)]:
         x = torch.randn(shape, generator=generator).to(DEVICE)
         expected = F.linear(x, weight.dequantize(), bias)
-        got = linear(x, weight, bias, use_kernel=True)
+        got = linear(x, weight, bias, MatmulChoices(num_multiprocessors=0))
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
     assert linear(x, weight, bias).shape == expected.shape
@@ -168,3 +182,78 @@ def test_a_model_on_cuda_uses_the_kernel_unless_its_check_fails(monkeypatch: pyt
     with caplog.at_level(logging.WARNING, logger=quantization_module.__name__):
         assert not quantization_module.can_use_quantized_kernel(cuda, torch.bfloat16, Quantization.INT8, shapes)
     assert "failed its start-up check (broken here)" in caplog.text
+
+
+@pytest.mark.parametrize(("n", "k"), LAYER_SHAPES)
+def test_candidate_plans_start_with_the_default_and_differ(n: int, k: int) -> None:
+    for m in ROW_BUCKETS:
+        plans = candidate_plans(m, n, k, H100_MULTIPROCESSORS)
+        assert plans[0] == plan_decode_matmul(m, n, k, H100_MULTIPROCESSORS)
+        assert len(set(plans)) == len(plans) > 1
+        assert {p.block_m for p in plans} == {plans[0].block_m}, "one row block per row count"
+
+
+def test_choices_take_the_bucket_of_the_rows() -> None:
+    plain = torch.zeros((40, 72))
+    quantized = torch.zeros((40, 72), dtype=torch.int8)
+    plan = _small_plan(20, 2, 72)
+    choices = MatmulChoices(num_multiprocessors=0, plans={(24, kind_of(plain)): plan, (32, kind_of(plain)): None})
+    assert [row_bucket(r) for r in (1, 3, 8, 9, 17, 24, 25, 64)] == [1, 4, 8, 16, 24, 24, 32, 64]
+    # Every row count of a bucket takes its plan: a padded graph and an eager step launch alike.
+    assert choices.plan(17, plain, quantized=False) is plan and choices.plan(24, plain, quantized=False) is plan
+    assert choices.plan(30, plain, quantized=False) is None, "torch's product was the faster there"
+    assert choices.plan(8, plain, quantized=False) is None, "not timed: torch's product for a plain weight"
+    assert choices.plan(8, quantized, quantized=True) == plan_decode_matmul(8, 40, 72, 0), "a quantized one's default"
+    assert choices.plan(MAX_ROWS + 1, quantized, quantized=True) is None, "more rows than the kernel takes"
+    assert choices.plan(0, plain, quantized=False) is None
+
+
+def test_the_timed_choice_keeps_the_fastest_by_a_margin(caplog: pytest.LogCaptureFixture) -> None:
+    """The choice between torch's product and the kernel's plans, with a timer that charges by plan: torch's
+    product stays unless a plan is clearly faster, a plan that cannot launch is left out, and each kept plan
+    gave the reference's results on the model's own matrices (run here under the interpreter)."""
+    generator = torch.Generator().manual_seed(6)
+    matrices: list[tuple[torch.Tensor, torch.Tensor | None]] = [
+        (torch.randn((40, 64), generator=generator).to(DEVICE), None) for _ in range(2)]
+    quantized: list[tuple[torch.Tensor, torch.Tensor | None]] = [_weight(24, 64, torch.int8, seed=7)]
+    groups = {kind_of(matrices[0][0]): matrices, kind_of(quantized[0][0]): quantized}
+    timed: list[object] = []
+
+    def timer(call: object) -> float:
+        plan = call.args[2]  # type: ignore[attr-defined]  # partial(_products, x, matrices, plan)
+        timed.append(plan)
+        if plan is not None and plan.block_n == 128:
+            raise RuntimeError("out of shared memory")
+        if plan is None:
+            return 10.0
+        if plan.block_k == 256 and plan.block_n == 32:
+            return 8.0 if call.args[0].shape[0] == 1 else 9.8  # type: ignore[attr-defined]
+        return 9.9
+
+    with caplog.at_level(logging.INFO):
+        choices = choose_matmuls(groups, torch.float32, DEVICE, 0, timer, buckets=(1, 24))
+    plain_kind, quantized_kind = kind_of(matrices[0][0]), kind_of(quantized[0][0])
+    one_row = choices.plans[(1, plain_kind)]
+    assert one_row is not None and (one_row.block_n, one_row.block_k) == (32, 256), "20 % faster: the kernel"
+    assert choices.plans[(24, plain_kind)] is None, "2 % faster is within the noise: torch's product stays"
+    assert choices.plans[(24, quantized_kind)] is not None, "a quantized weight always takes one of the plans"
+    assert None not in [p for (_, kind), p in choices.plans.items() if kind == quantized_kind]
+    assert timed.count(None) == 2, "torch's product timed for the plain kind at each bucket, never the quantized"
+    assert "cannot run here (RuntimeError: out of shared memory)" in caplog.text
+    assert "1 rows: 16x32x256 blocks" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the choice is timed with CUDA graphs")
+def test_the_timed_choice_runs_on_the_gpu() -> None:
+    """Timed by CUDA graphs on the GPU itself: a choice for every bucket of each kind, each kept plan checked."""
+    from kernels.split_kv import num_multiprocessors
+
+    cuda = torch.device("cuda")
+    generator = torch.Generator(device=cuda).manual_seed(8)
+    weights = [(0.02 * torch.randn((1024, 512), generator=generator, device=cuda)).to(torch.bfloat16)
+               for _ in range(3)]
+    matrices: list[tuple[torch.Tensor, torch.Tensor | None]] = [(w, None) for w in weights]
+    choices = choose_matmuls({kind_of(weights[0]): matrices}, torch.bfloat16, cuda, num_multiprocessors(cuda))
+    assert set(choices.plans) == {(bucket, kind_of(weights[0])) for bucket in ROW_BUCKETS}
+    x = torch.randn((24, 512), generator=generator, device=cuda).to(torch.bfloat16)
+    _assert_close(linear(x, weights[0], None, choices), reference(x, weights[0]))
