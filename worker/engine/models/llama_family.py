@@ -201,10 +201,14 @@ class LlamaFamilyModel:
         # Plain matrices in fp32 stay with torch's product: the kernel's fp32 products are not tensor-core ones.
         tunes = (self.use_kernels and device.type == "cuda" and matmul_tuning is not False
                  and (use_quantized_kernel if quantization is not None else dtype in (torch.bfloat16, torch.float16)))
+        if use_quantized_kernel:
+            self.matmuls = MatmulChoices(num_multiprocessors(device))  # each bucket's default launch
         if tunes:
-            self.matmuls = choose_matmuls(self._matrix_groups(), dtype, device, num_multiprocessors(device))
-        elif use_quantized_kernel:
-            self.matmuls = MatmulChoices(num_multiprocessors(device))
+            try:
+                self.matmuls = choose_matmuls(self._matrix_groups(), dtype, device, num_multiprocessors(device))
+            except Exception:  # a GPU where the timing itself fails: the worker starts without the choice
+                log.exception("timing the matrix products failed; %s", "quantized weights take the kernel's default "
+                              "launches" if use_quantized_kernel else "torch's matmul serves every product")
         if self.packed:
             matrices = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             extra = sum(w.plain.nbytes for w in [*matrices, self.lm_head] if isinstance(w, PackedWeight))

@@ -165,6 +165,9 @@ def choose_matmuls(groups: Mapping[MatrixKind, Sequence[Matrix]], dtype: torch.d
                 best = None
             plans[(bucket, kind)] = best
     choices = MatmulChoices(num_multiprocessors, plans)
+    if device.type == "cuda":
+        # The recordings' memory back to the device: the KV cache is sized from what the device has free.
+        torch.cuda.empty_cache()
     log.info("matrix products timed at %d row counts in %.1f s; carpool's kernel serves:\n  %s", len(buckets),
              time.perf_counter() - started, "\n  ".join(choices.describe()))
     return choices
