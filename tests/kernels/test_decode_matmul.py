@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 import kernels.decode_matmul as qm
 from kernels.decode_matmul import MAX_ROWS, MatmulPlan, candidate_plans, decode_matmul, plan_decode_matmul
@@ -223,7 +224,7 @@ def test_the_timed_choice_keeps_the_fastest_by_a_margin(caplog: pytest.LogCaptur
         plan = call.args[2]  # type: ignore[attr-defined]  # partial(_products, x, matrices, plan)
         timed.append(plan)
         if plan is not None and plan.block_n == 128:
-            raise RuntimeError("out of shared memory")
+            raise OutOfResources(300_000, 232_448, "shared memory")
         if plan is None:
             return 10.0
         if plan.block_k == 256 and plan.block_n == 32:
@@ -239,7 +240,7 @@ def test_the_timed_choice_keeps_the_fastest_by_a_margin(caplog: pytest.LogCaptur
     assert choices.plans[(24, quantized_kind)] is not None, "a quantized weight always takes one of the plans"
     assert None not in [p for (_, kind), p in choices.plans.items() if kind == quantized_kind]
     assert timed.count(None) == 2, "torch's product timed for the plain kind at each bucket, never the quantized"
-    assert "cannot run here (RuntimeError: out of shared memory)" in caplog.text
+    assert "cannot run here (OutOfResources: out of resource: shared memory" in caplog.text
     assert "1 rows: 16x32x256 blocks" in caplog.text
 
 
@@ -257,3 +258,25 @@ def test_the_timed_choice_runs_on_the_gpu() -> None:
     assert set(choices.plans) == {(bucket, kind_of(weights[0])) for bucket in ROW_BUCKETS}
     x = torch.randn((24, 512), generator=generator, device=cuda).to(torch.bfloat16)
     _assert_close(linear(x, weights[0], None, choices), reference(x, weights[0]))
+
+
+def test_a_quantized_kind_without_a_plan_widens_and_a_device_failure_ends_the_timing() -> None:
+    quantized: list[tuple[torch.Tensor, torch.Tensor | None]] = [_weight(24, 64, torch.int8, seed=9)]
+    kind = kind_of(quantized[0][0])
+
+    def unfit(call: object) -> float:
+        raise OutOfResources(300_000, 232_448, "shared memory")
+
+    choices = choose_matmuls({kind: quantized}, torch.float32, DEVICE, 0, unfit, buckets=(8,))
+    assert choices.plans == {(8, kind): None}
+    assert choices.plan(5, quantized[0][0], quantized=True) is None, "widened for torch's product"
+    weight = quantize_weight(torch.randn((24, 64), generator=torch.Generator().manual_seed(9)).to(DEVICE),
+                             Quantization.INT8, torch.float32)
+    x = _x(5, 64, torch.float32, seed=10)
+    torch.testing.assert_close(linear(x, weight, None, choices), F.linear(x, weight.dequantize()))
+
+    def broken(call: object) -> float:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        choose_matmuls({kind: quantized}, torch.float32, DEVICE, 0, broken, buckets=(8,))

@@ -120,6 +120,7 @@ class ModelRunner:
         assert num_speculative_tokens >= 0, num_speculative_tokens
         self.device = torch.device(device)
         self.block_size = block_size
+        self.matmul_tuning = matmul_tuning
         self.quantization = parse_quantization(quantization)
         check_device_supports(self.quantization, self.device)
         self.backend = get_backend(attention_backend or ("triton" if self.device.type == "cuda" else "torch"))

@@ -10,9 +10,10 @@ layer's matrix of that kind, one after another (more bytes than the L2 cache hol
 graph and replayed. Torch's product keeps its place unless a plan beats it by `MIN_GAIN`, and a plan is kept
 only once its result on the model's own weight matched torch's.
 
-A product of `rows` rows takes the choice of the smallest bucket that holds them, so a step replayed at a
-padded batch size and the same step run eager take the same launch: a row's result depends on the plan, never
-on how many rows share it. Without a timed choice (tuning off, or a shape not timed) a quantized weight takes
+A product of `rows` rows takes the choice of the smallest bucket that holds them, so a decode step replayed at
+a padded batch size and the same step run eager take the same launch: a row's result depends on the plan, never
+on how many rows share it. (A speculative verify step's rows, sequences times proposed tokens, may fall in
+another bucket eager than padded, as torch's own products may take another algorithm by row count.) Without a timed choice (tuning off, or a shape not timed) a quantized weight takes
 the default plan of its bucket and a plain one torch's product.
 """
 
@@ -27,6 +28,8 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import TritonError
 
 from kernels.decode_matmul import (
     MAX_ROWS,
@@ -45,6 +48,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, MAX_ROWS)
 MIN_GAIN = 0.03
 # Replays of a candidate's graph timed together.
 REPLAYS = 8
+# The most bytes of fp32 weight the reference widens at once.
+REFERENCE_BYTES = 256 << 20
 # A plan's result against the fp32 reference, relative to the largest output: fp32 sums in another order and
 # one rounding to the model's dtype on either side.
 _TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-4}
@@ -55,6 +60,10 @@ Matrix = tuple[torch.Tensor, torch.Tensor | None]
 """A weight `[out, in]` and its per-row scales (None: in the model's dtype)."""
 Timer = Callable[[Callable[[], object]], float]
 """Milliseconds one call of the given function takes on the device."""
+# What a plan that this GPU cannot run raises: Triton's compile errors (ptxas's among them) and its
+# shared-memory check (`TritonError`s), a launch
+# the wrapper refuses, memory the plan's workspace cannot get.
+_UNFIT: tuple[type[BaseException], ...] = (CompilationError, TritonError, AssertionError, torch.OutOfMemoryError)
 
 
 def row_bucket(rows: int) -> int:
@@ -104,7 +113,8 @@ def cuda_graph_ms(fn: Callable[[], object]) -> float:
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # The caller's stream comes back even where ending a failed recording raises.
+    with torch.cuda.stream(torch.cuda.current_stream()), torch.cuda.graph(graph):
         fn()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -121,9 +131,18 @@ def _products(x: torch.Tensor, matrices: Sequence[Matrix], plan: MatmulPlan | No
     return [F.linear(x, w) if plan is None else decode_matmul(x, w, s, plan) for w, s in matrices]
 
 
-def _matches(x: torch.Tensor, matrix: Matrix, plan: MatmulPlan) -> bool:
+def _reference(x: torch.Tensor, matrix: Matrix) -> torch.Tensor:
+    """`decode_matmul_reference` in fp32, a slice of the weight's rows at a time: an lm_head in fp32 whole would
+    take gigabytes."""
     weight, scales = matrix
-    want = decode_matmul_reference(x, weight, scales).float()
+    rows = max(1, REFERENCE_BYTES // (4 * weight.shape[1]))
+    return torch.cat([decode_matmul_reference(x.float(), weight[i:i + rows],
+                                              None if scales is None else scales[i:i + rows])
+                      for i in range(0, weight.shape[0], rows)], dim=1).to(x.dtype).float()
+
+
+def _matches(x: torch.Tensor, matrix: Matrix, plan: MatmulPlan, want: torch.Tensor) -> bool:
+    weight, scales = matrix
     got = decode_matmul(x, weight, scales, plan).float()
     limit = _TOLERANCE[x.dtype] * (float(want.abs().max()) or 1.0)
     return bool(torch.isfinite(got).all()) and float((got - want).abs().max()) <= limit
@@ -134,40 +153,44 @@ def choose_matmuls(groups: Mapping[MatrixKind, Sequence[Matrix]], dtype: torch.d
                    buckets: Sequence[int] = ROW_BUCKETS) -> MatmulChoices:
     """For each kind of matrix (its matrices, every layer's, in `groups`) and each bucket, the fastest of the
     candidate plans and, for weights in `dtype`, torch's product, by `timer` over the whole group. A plan that
-    fails to compile or launch, or whose result differs from the reference, is left out (and logged)."""
+    does not compile or fit this GPU, or whose result differs from the reference, is left out (and logged); a
+    quantized kind left with no plan widens its weight for torch's product. Any other failure (of the device,
+    say) ends the timing and propagates."""
     started = time.perf_counter()
     plans: dict[tuple[int, MatrixKind], MatmulPlan | None] = {}
     generator = torch.Generator(device=device).manual_seed(0)
-    for kind, matrices in groups.items():
-        n, k, storage = kind
-        quantized = storage != dtype
-        for bucket in buckets:
-            x = torch.randn((bucket, k), generator=generator, device=device).to(dtype)
-            timed: list[tuple[float, MatmulPlan | None]] = []
-            if not quantized:
-                timed.append((timer(partial(_products, x, matrices, None)), None))
-            for plan in candidate_plans(bucket, n, k, num_multiprocessors):
-                try:
-                    if not _matches(x, matrices[0], plan):
-                        log.warning("matmul plan %s for [%d, %d] %s differs from the reference: left out",
-                                    plan.describe(), n, k, storage)
+    try:
+        for kind, matrices in groups.items():
+            n, k, storage = kind
+            quantized = storage != dtype
+            for bucket in buckets:
+                x = torch.randn((bucket, k), generator=generator, device=device).to(dtype)
+                want = _reference(x, matrices[0])
+                timed: list[tuple[float, MatmulPlan | None]] = []
+                if not quantized:
+                    timed.append((timer(partial(_products, x, matrices, None)), None))
+                for plan in candidate_plans(bucket, n, k, num_multiprocessors):
+                    try:
+                        if not _matches(x, matrices[0], plan, want):
+                            log.warning("matmul plan %s for [%d, %d] %s differs from the reference: left out",
+                                        plan.describe(), n, k, storage)
+                            continue
+                        ms = timer(partial(_products, x, matrices, plan))
+                    except _UNFIT as error:
+                        log.info("matmul plan %s for [%d, %d] %s cannot run here (%s: %s): left out",
+                                 plan.describe(), n, k, storage, type(error).__name__, error)
                         continue
-                    ms = timer(partial(_products, x, matrices, plan))
-                except Exception as error:  # noqa: BLE001 - a plan this GPU cannot run (shared memory, say)
-                    log.info("matmul plan %s for [%d, %d] %s cannot run here (%s: %s): left out", plan.describe(),
-                             n, k, storage, type(error).__name__, error)
-                    continue
-                timed.append((ms, plan))
-            if not timed:
-                continue  # a quantized kind with no plan that runs: the default plan, checked at load, serves
-            best_ms, best = min(timed, key=lambda item: item[0])
-            if not quantized and best is not None and best_ms > (1 - MIN_GAIN) * timed[0][0]:
-                best = None
-            plans[(bucket, kind)] = best
+                    timed.append((ms, plan))
+                best_ms, best = min(timed, key=lambda item: item[0]) if timed else (0.0, None)
+                if not quantized and best is not None and best_ms > (1 - MIN_GAIN) * timed[0][0]:
+                    best = None
+                plans[(bucket, kind)] = best
+    finally:
+        if device.type == "cuda":
+            # The recordings' and references' memory back to the device: the KV cache is sized from what the
+            # device has free.
+            torch.cuda.empty_cache()
     choices = MatmulChoices(num_multiprocessors, plans)
-    if device.type == "cuda":
-        # The recordings' memory back to the device: the KV cache is sized from what the device has free.
-        torch.cuda.empty_cache()
     log.info("matrix products timed at %d row counts in %.1f s; carpool's kernel serves:\n  %s", len(buckets),
              time.perf_counter() - started, "\n  ".join(choices.describe()))
     return choices
