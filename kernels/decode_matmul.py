@@ -180,18 +180,25 @@ def _plan(blocks: _Blocks, block_m: int, split_k: int, k: int) -> MatmulPlan:
                       blocks.num_warps, blocks.num_stages)
 
 
-def _filling_split(blocks: _Blocks, m: int, n: int, k: int, num_multiprocessors: int) -> int:
-    """The K split that gives the GPU PROGRAMS_PER_MULTIPROCESSOR programs per multiprocessor where the output
-    tiles alone leave some idle; never so many that a range is shorter than MIN_K_BLOCKS_PER_SPLIT blocks or
-    that the partial sums (written and read back in fp32) come to more than half the weight's bytes."""
-    num_tiles = triton.cdiv(n, blocks.block_n)
-    if num_tiles >= num_multiprocessors:
-        return 1
-    wanted = triton.cdiv(PROGRAMS_PER_MULTIPROCESSOR * num_multiprocessors, num_tiles)
-    # Partial-sum traffic 2 * split_k * m * n * 4 bytes against the weight's n * k (at one byte an element).
-    by_traffic = k // (16 * m)
+def _split_for(blocks: _Blocks, m: int, n: int, k: int, num_multiprocessors: int, weight_bytes: int,
+               programs_per_multiprocessor: int) -> int:
+    """The K split that gives the GPU `programs_per_multiprocessor` programs per multiprocessor (1 where the
+    output tiles alone do); never so many that a range is shorter than MIN_K_BLOCKS_PER_SPLIT blocks or that
+    the partial sums (written and read back in fp32) come to more than half the weight's bytes (`weight_bytes`
+    an element)."""
+    wanted = triton.cdiv(programs_per_multiprocessor * num_multiprocessors, triton.cdiv(n, blocks.block_n))
+    # Partial-sum traffic 2 * split_k * m * n * 4 bytes against the weight's n * k * weight_bytes.
+    by_traffic = k * weight_bytes // (16 * m)
     by_length = triton.cdiv(k, blocks.block_k) // MIN_K_BLOCKS_PER_SPLIT
     return max(1, min(wanted, MAX_SPLIT_K, by_traffic, by_length))
+
+
+def _filling_split(blocks: _Blocks, m: int, n: int, k: int, num_multiprocessors: int) -> int:
+    """The default plan's split: none where the output tiles alone give every multiprocessor a program, else
+    PROGRAMS_PER_MULTIPROCESSOR programs per multiprocessor."""
+    if triton.cdiv(n, blocks.block_n) >= num_multiprocessors:
+        return 1
+    return _split_for(blocks, m, n, k, num_multiprocessors, 1, PROGRAMS_PER_MULTIPROCESSOR)
 
 
 def plan_decode_matmul(m: int, n: int, k: int, num_multiprocessors: int) -> MatmulPlan:
@@ -205,13 +212,17 @@ def plan_decode_matmul(m: int, n: int, k: int, num_multiprocessors: int) -> Matm
     return _plan(blocks, block_m, _filling_split(blocks, m, n, k, num_multiprocessors), k)
 
 
-def candidate_plans(m: int, n: int, k: int, num_multiprocessors: int) -> list[MatmulPlan]:
-    """The launches worth timing for `[m, k] x [n, k]^T` on this GPU: the default plan first, then each
-    candidate block shape with its filling split and, where that splits, unsplit too; no two alike."""
+def candidate_plans(m: int, n: int, k: int, num_multiprocessors: int, weight_bytes: int = 1) -> list[MatmulPlan]:
+    """The launches worth timing for `[m, k] x [n, k]^T` on this GPU, for a weight of `weight_bytes` an element:
+    the default plan first, then the default blocks and each candidate block shape with the K split that gives
+    every multiprocessor two programs and four (evening out the last wave where the tiles alone leave some
+    with one program more), and unsplit; no two alike. (The split is a launch argument, not a compiled
+    variant: more of them cost timing at start-up, not compiles.)"""
     block_m = row_block(m)
     plans = [plan_decode_matmul(m, n, k, num_multiprocessors)]
-    for blocks in _CANDIDATE_BLOCKS[block_m]:
-        for split_k in (_filling_split(blocks, m, n, k, num_multiprocessors), 1):
+    for blocks in (_DEFAULT_BLOCKS[block_m], *_CANDIDATE_BLOCKS[block_m]):
+        for split_k in (*(_split_for(blocks, m, n, k, num_multiprocessors, weight_bytes, programs)
+                          for programs in (PROGRAMS_PER_MULTIPROCESSOR, 2 * PROGRAMS_PER_MULTIPROCESSOR)), 1):
             plan = _plan(blocks, block_m, split_k, k)
             if plan not in plans:
                 plans.append(plan)

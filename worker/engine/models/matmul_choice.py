@@ -126,7 +126,7 @@ def cuda_graph_ms(fn: Callable[[], object]) -> float:
     return start.elapsed_time(end) / REPLAYS
 
 
-def _products(x: torch.Tensor, matrices: Sequence[Matrix], plan: MatmulPlan | None) -> list[torch.Tensor]:
+def each_product(x: torch.Tensor, matrices: Sequence[Matrix], plan: MatmulPlan | None) -> list[torch.Tensor]:
     """`x` by each matrix in turn, with the plan or (None) torch's product."""
     return [F.linear(x, w) if plan is None else decode_matmul(x, w, s, plan) for w, s in matrices]
 
@@ -168,14 +168,14 @@ def choose_matmuls(groups: Mapping[MatrixKind, Sequence[Matrix]], dtype: torch.d
                 want = _reference(x, matrices[0])
                 timed: list[tuple[float, MatmulPlan | None]] = []
                 if not quantized:
-                    timed.append((timer(partial(_products, x, matrices, None)), None))
-                for plan in candidate_plans(bucket, n, k, num_multiprocessors):
+                    timed.append((timer(partial(each_product, x, matrices, None)), None))
+                for plan in candidate_plans(bucket, n, k, num_multiprocessors, storage.itemsize):
                     try:
                         if not _matches(x, matrices[0], plan, want):
                             log.warning("matmul plan %s for [%d, %d] %s differs from the reference: left out",
                                         plan.describe(), n, k, storage)
                             continue
-                        ms = timer(partial(_products, x, matrices, plan))
+                        ms = timer(partial(each_product, x, matrices, plan))
                     except _UNFIT as error:
                         log.info("matmul plan %s for [%d, %d] %s cannot run here (%s: %s): left out",
                                  plan.describe(), n, k, storage, type(error).__name__, error)
