@@ -210,8 +210,7 @@ class LlamaFamilyModel:
                 log.exception("timing the matrix products failed; %s", "quantized weights take the kernel's default "
                               "launches" if use_quantized_kernel else "torch's matmul serves every product")
         if self.packed:
-            matrices = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            extra = sum(w.plain.nbytes for w in [*matrices, self.lm_head] if isinstance(w, PackedWeight))
+            extra = sum(w.plain.nbytes for w in [*self._layer_matrices(), self.lm_head] if isinstance(w, PackedWeight))
             log.info("fp32 weights packed for oneDNN at load, plain copies kept for one-row products (+%d MiB)",
                      extra >> 20)
 
@@ -220,10 +219,14 @@ class LlamaFamilyModel:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return [(q_size + 2 * kv_size, hidden), (hidden, q_size), (2 * intermediate, hidden), (hidden, intermediate)]
 
+    def _layer_matrices(self) -> list[LinearWeight]:
+        """Every layer's qkv, o, gate_up and down, in the order a step reads them."""
+        return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
     def _matrix_groups(self) -> dict[MatrixKind, list[Matrix]]:
         """The matrices a decode step reads, every layer's qkv, o, gate_up and down and lm_head, by kind."""
         groups: dict[MatrixKind, list[Matrix]] = {}
-        for weight in [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
+        for weight in self._layer_matrices():
             assert not isinstance(weight, PackedWeight), "packed weights are the CPU's"
             matrix: Matrix = (weight.data, weight.scales) if isinstance(weight, QuantizedWeight) else (weight, None)
             groups.setdefault(kind_of(matrix[0]), []).append(matrix)
@@ -241,7 +244,7 @@ class LlamaFamilyModel:
         def read(weight: LinearWeight) -> int:
             return weight.plain.nbytes if isinstance(weight, PackedWeight) else weight.nbytes
 
-        layers = sum(read(w) for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        layers = sum(read(w) for w in self._layer_matrices())
         return layers + read(self.lm_head)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata,
