@@ -13,6 +13,9 @@ Its parts, in the order they run (`--parts` picks some, in this order whatever o
   matrix products read the model's matrices at as a share of that bandwidth; then the host's share of a
   graphed step at batch 32 and 128, part by part (`bench.host_phases`), and the sampler alone at those
   batches, its race kernel against torch ops (`bench.sampler_speed`);
+- `matmul`: each of the 1B model's matrix kinds (qkv, o, gate_up, down over 22 distinct copies, lm_head) at 1,
+  8 and 32 rows, bf16 and int8, as a step reads them (`bench.decode_matmul`): torch's product against the
+  matmul kernel's default launch and its fastest candidate, each as a share of the copy bandwidth;
 - `skewed`: continuous batching on `skewed` at 32 slots (`bench.skewed_gpu`), graphed and eager, beside
   transformers' padded `generate` and `generate_batch` on the same requests and slots;
 - `identity`: greedy tokens of decode steps replayed as CUDA graphs against eager ones, one batch of
@@ -59,7 +62,7 @@ KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_pag
                 "tests/worker/engine/test_engine_triton.py", "tests/worker/engine/test_graph_runner.py",
                 "tests/worker/engine/test_own_models.py",
                 "tests/worker/engine/test_speculative.py::test_greedy_ngram_through_the_triton_kernels"]
-PARTS = ("steps", "skewed", "identity", "tests", "quantized", "lookup")
+PARTS = ("steps", "matmul", "skewed", "identity", "tests", "quantized", "lookup")
 # (implementation, mode, batch, matmul tuning): the engine's default (None) but for the baseline of the timed
 # matmul choice, torch's matmul only (False), at the batches the choice covers.
 STEP_RUNS = [("carpool", "graphs", 32, None), ("carpool", "graphs", 128, None), ("carpool", "graphs", 32, False),
@@ -330,6 +333,37 @@ def step_sections(model: str, dtype: str) -> list[Section]:
                      for batch in HOST_PHASE_BATCHES for race in (True, False)])]
 
 
+MATMUL_ROWS = [1, 8, 32]
+MATMUL_WEIGHTS = ("bf16", "int8")
+
+
+def matmul_section(dtype: str) -> Section:
+    """Torch's product against the matmul kernel's launches per matrix kind of the 1B model (`bench.decode_matmul`)."""
+
+    bandwidth: dict[str, float] = {}
+
+    def row(layer: str, weights: str) -> str:
+        import torch
+
+        from bench.decode_matmul import LAYERS, kernel_rows
+
+        if "gbps" not in bandwidth:
+            bandwidth["gbps"] = copy_bandwidth_gbps()
+        _, n, k, copies = next(entry for entry in LAYERS if entry[0] == layer)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        activations = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, torch.bfloat16)
+        held = weights if weights != "bf16" else str(activations).removeprefix("torch.")
+        return "\n".join(kernel_rows(layer, n, k, copies, held, activations, MATMUL_ROWS, gen, bandwidth["gbps"]))
+
+    from bench.decode_matmul import LAYERS, TABLE_HEADER
+
+    return Section("matmul", ["products timed as a step reads them (`bench.decode_matmul`), GB/s and their share of "
+                              "a device-to-device copy's", "", *TABLE_HEADER.splitlines()],
+                   [Row(f"matmul {layer} {weights}", _freeing(partial(row, layer, weights)), 8)
+                    for layer, *_ in LAYERS for weights in MATMUL_WEIGHTS
+                    if layer != "lm_head" or weights == "bf16"])  # lm_head is never quantized
+
+
 def skewed_section(model: str, dtype: str) -> Section:
     from bench.skewed_gpu import peer_tokens_per_s, skewed_tokens_per_s
 
@@ -416,6 +450,8 @@ def plan(model: str, dtype: str, parts: list[str], tests_timeout_s: float) -> li
             continue
         if part == "steps":
             sections += step_sections(model, dtype)
+        elif part == "matmul":
+            sections.append(matmul_section(dtype))
         elif part == "skewed":
             sections.append(skewed_section(model, dtype))
         elif part == "identity":
