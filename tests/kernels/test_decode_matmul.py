@@ -9,6 +9,7 @@ int8 and float8_e4m3fn tensors alike, so both storage types are tested on CPU to
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,14 @@ import kernels.decode_matmul as qm
 from kernels.decode_matmul import MAX_ROWS, MatmulPlan, candidate_plans, decode_matmul, plan_decode_matmul
 from kernels.decode_matmul import decode_matmul_reference as reference
 from worker.engine.models import quantization as quantization_module
-from worker.engine.models.matmul_choice import ROW_BUCKETS, MatmulChoices, choose_matmuls, kind_of, row_bucket
+from worker.engine.models.matmul_choice import (
+    ROW_BUCKETS,
+    MatmulChoices,
+    cache_file,
+    choose_matmuls,
+    kind_of,
+    row_bucket,
+)
 from worker.engine.models.quantization import Quantization, linear, quantize_weight
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -280,3 +288,51 @@ def test_a_quantized_kind_without_a_plan_widens_and_a_device_failure_ends_the_ti
 
     with pytest.raises(RuntimeError, match="illegal memory access"):
         choose_matmuls({kind: quantized}, torch.float32, DEVICE, 0, broken, buckets=(8,))
+
+
+def test_the_choices_are_kept_for_the_next_start(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A second start on the same GPU model reads the choices back instead of timing them again; a kind it has
+    not met is timed and added; a file it cannot read is timed over and rewritten."""
+    generator = torch.Generator().manual_seed(11)
+    plain: list[tuple[torch.Tensor, torch.Tensor | None]] = [(torch.randn((40, 64), generator=generator).to(DEVICE),
+                                                               None)]
+    other: list[tuple[torch.Tensor, torch.Tensor | None]] = [(torch.randn((24, 64), generator=generator).to(DEVICE),
+                                                               None)]
+    path = cache_file(tmp_path, DEVICE, torch.float32, 0)
+    assert path.parent == tmp_path and path.suffix == ".json"
+    assert cache_file(tmp_path, DEVICE, torch.float16, 0) != path, "one file per activation dtype"
+
+    def plans_faster(call: object) -> float:
+        plan = call.args[2]  # type: ignore[attr-defined]
+        return 10.0 if plan is None else 5.0 + plan.split_k
+
+    first = choose_matmuls({kind_of(plain[0][0]): plain}, torch.float32, DEVICE, 0, plans_faster, (1, 8), path)
+    assert all(plan is not None for plan in first.plans.values())
+
+    def untimed(call: object) -> float:
+        raise AssertionError("timed again")
+
+    again = choose_matmuls({kind_of(plain[0][0]): plain}, torch.float32, DEVICE, 0, untimed, (1, 8), path)
+    assert again.plans == first.plans
+    both = choose_matmuls({kind_of(plain[0][0]): plain, kind_of(other[0][0]): other}, torch.float32, DEVICE, 0,
+                          lambda call: 10.0 if call.args[2] is None else 20.0,  # type: ignore[attr-defined]
+                          (1, 8), path)
+    assert {key: plan for key, plan in both.plans.items() if key[1] == kind_of(plain[0][0])} == first.plans
+    assert both.plans[(8, kind_of(other[0][0]))] is None, "torch's product, timed faster, is kept too"
+    assert choose_matmuls({kind_of(other[0][0]): other}, torch.float32, DEVICE, 0, untimed, (1, 8), path).plans == {
+        key: plan for key, plan in both.plans.items() if key[1] == kind_of(other[0][0])}
+    for garbage in ["{not json", '{"40x64:float32:1": {"block_m": -1}}', "[]"]:
+        path.write_text(garbage)
+        with caplog.at_level(logging.WARNING):
+            redone = choose_matmuls({kind_of(plain[0][0]): plain}, torch.float32, DEVICE, 0, plans_faster, (1, 8),
+                                    path)
+        assert "not readable" in caplog.text and redone.plans == first.plans
+        caplog.clear()
+    assert choose_matmuls({kind_of(plain[0][0]): plain}, torch.float32, DEVICE, 0, untimed, (1, 8), path).plans == \
+        first.plans, "rewritten whole"
+    # Well formed but not for these rows (edited by hand, say): timed again rather than launched.
+    path.write_text(path.read_text().replace('"block_m": 16', '"block_m": 4', 1))
+    with caplog.at_level(logging.WARNING):
+        assert choose_matmuls({kind_of(plain[0][0]): plain}, torch.float32, DEVICE, 0, plans_faster, (1, 8),
+                              path).plans == first.plans
+    assert "does not fit" in caplog.text

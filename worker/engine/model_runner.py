@@ -108,7 +108,8 @@ class ModelRunner:
         fused Triton kernels, and quantized weights on CUDA the quantized matmul kernel (default: on CUDA; on CPU
         only under TRITON_INTERPRET=1, for tests); `matmul_tuning` has carpool's models on CUDA time their
         decode-sized matrix products through torch's and that kernel's launches at load and keep the fastest
-        for each (default: wherever the kernels run); `quantization`
+        for each (default: wherever the kernels run), kept for later starts in the kernels' cache folder
+        (`$XDG_CACHE_HOME/carpool/kernels/matmul-choices`); `quantization`
         (`int8`, `fp8`) holds carpool's models' linear weights quantized per output channel (None: in `dtype`);
         `cpu_kernels` has the torch backend attend decoding sequences with the compiled C kernel of
         `kernels/paged_attention_cpu.py` (None: where it builds and passes its check; True: or fail);
@@ -148,7 +149,7 @@ class ModelRunner:
         try:
             self.model: CausalLM = load_causal_lm(model_path, config, self.model_choice.impl, self.dtype, self.device,
                                                   self.max_model_len, model_kernels, self.quantization, cpu_ops,
-                                                  matmul_tuning)
+                                                  matmul_tuning, kernels_cache_dir(os.environ) / "matmul-choices")
         except OSError as e:
             raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
         self.config = config

@@ -11,6 +11,7 @@ own models hold their fused layers quantized, and a transformers model has its
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -79,15 +80,16 @@ class TransformersModel:
 def load_causal_lm(path: str, config: PretrainedConfig, impl: ModelImpl, dtype: torch.dtype,
                    device: torch.device, max_positions: int, use_kernels: bool | None = None,
                    quantization: Quantization | None = None, cpu_ops: CpuModelOps | None = None,
-                   matmul_tuning: bool | None = None) -> CausalLM:
+                   matmul_tuning: bool | None = None, matmul_cache: Path | None = None) -> CausalLM:
     """`use_kernels`: carpool's models use the fused Triton kernels, and quantized layers of either
     implementation the decode-sized matmul kernel on CUDA, each where it passes its start-up check (default: on
     CUDA); `quantization`: how their linear weights are held (None: in `dtype`); `cpu_ops`: the same fusions
     compiled for the CPU, for carpool's models in fp32 on CPU; `matmul_tuning`: carpool's models time their
-    decode-sized products at load and keep the fastest launch for each (default: where the kernels run)."""
+    decode-sized products at load and keep the fastest launch for each (default: where the kernels run), the
+    choices kept in a file in the `matmul_cache` folder."""
     if impl is ModelImpl.CARPOOL:
         return LlamaFamilyModel(config, read_safetensors(path), dtype, device, max_positions, use_kernels,
-                                quantization, cpu_ops, matmul_tuning)
+                                quantization, cpu_ops, matmul_tuning, matmul_cache)
     from transformers import AutoModelForCausalLM  # seconds to import: only for this path (see attention.py)
 
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,

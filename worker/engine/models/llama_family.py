@@ -43,7 +43,14 @@ from kernels.split_kv import num_multiprocessors
 from worker.engine.attention import PagedAttentionMetadata, attend_cached, paged_attention
 from worker.engine.kernel_checks import check_model_kernels
 from worker.engine.models.packed import PackedWeight, can_pack, pack_verified
-from worker.engine.models.matmul_choice import Matrix, MatmulChoices, MatrixKind, choose_matmuls, kind_of
+from worker.engine.models.matmul_choice import (
+    Matrix,
+    MatmulChoices,
+    MatrixKind,
+    cache_file,
+    choose_matmuls,
+    kind_of,
+)
 from worker.engine.models.quantization import (
     LinearWeight,
     Quantization,
@@ -84,7 +91,7 @@ class LlamaFamilyModel:
     def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, use_kernels: bool | None = None,
                  quantization: Quantization | None = None, cpu_ops: CpuModelOps | None = None,
-                 matmul_tuning: bool | None = None) -> None:
+                 matmul_tuning: bool | None = None, matmul_cache: Path | None = None) -> None:
         """`use_kernels`: the fused Triton kernels of `kernels/norm_act.py` and `kernels/rope_kv.py` (default:
         on CUDA), and on CUDA the decode-sized matmul of `kernels/decode_matmul.py` for quantized weights, each
         where it passes its start-up check; otherwise `cpu_ops`, the same fusions compiled for the CPU
@@ -92,7 +99,7 @@ class LlamaFamilyModel:
         references. `quantization`: how qkv, o, gate_up and down are held (None: in `dtype`). `matmul_tuning`:
         with the kernels on CUDA, time each matrix kind's decode-sized products through torch's product and
         the matmul kernel's plans at load and keep the fastest (`worker.engine.models.matmul_choice`; default:
-        on where the kernels are)."""
+        on where the kernels are), keeping the choices in a file in the `matmul_cache` folder for later starts."""
         arch = (config.architectures or [""])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"model: carpool's models cover {sorted(ARCHITECTURES)}, not {arch!r}")
@@ -205,7 +212,9 @@ class LlamaFamilyModel:
             self.matmuls = MatmulChoices(num_multiprocessors(device))  # each bucket's default launch
         if tunes:
             try:
-                self.matmuls = choose_matmuls(self._matrix_groups(), dtype, device, num_multiprocessors(device))
+                sms = num_multiprocessors(device)
+                cache = None if matmul_cache is None else cache_file(matmul_cache, device, dtype, sms)
+                self.matmuls = choose_matmuls(self._matrix_groups(), dtype, device, sms, cache=cache)
             except Exception:  # a GPU where the timing itself fails: the worker starts without the choice
                 log.exception("timing the matrix products failed; %s", "quantized weights take the kernel's default "
                               "launches" if use_quantized_kernel else "torch's matmul serves every product")

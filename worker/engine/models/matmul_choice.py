@@ -13,24 +13,40 @@ only once its result on the model's own weight matched torch's.
 A product of `rows` rows takes the choice of the smallest bucket that holds them, so a decode step replayed at
 a padded batch size and the same step run eager take the same launch: a row's result depends on the plan, never
 on how many rows share it. (A speculative verify step's rows, sequences times proposed tokens, may fall in
-another bucket eager than padded, as torch's own products may take another algorithm by row count.) Without a timed choice (tuning off, or a shape not timed) a quantized weight takes
-the default plan of its bucket and a plain one torch's product.
+another bucket eager than padded, as torch's own products may take another algorithm by row count.) Without a
+timed choice (tuning off, or a shape not timed) a quantized weight takes the default plan of its bucket and a
+plain one torch's product.
+
+The choices are kept in a file per GPU model, torch and Triton version, activation dtype and version of the
+kernel's source (`cache_file`), so that a worker restarted on the same machine, or a second worker beside it,
+takes the same launches without timing them again: the same greedy tokens after a restart, and a start-up
+that times only matrix kinds it has not met. Among plans within `MIN_GAIN` of the fastest the first in
+`candidate_plans`' order is kept, so that timing noise rarely changes a choice either.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 import logging
+import os
+import re
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import TritonError
 
+import kernels.decode_matmul
 from kernels.decode_matmul import (
     MAX_ROWS,
     MatmulPlan,
@@ -148,49 +164,141 @@ def _matches(x: torch.Tensor, matrix: Matrix, plan: MatmulPlan, want: torch.Tens
     return bool(torch.isfinite(got).all()) and float((got - want).abs().max()) <= limit
 
 
+def cache_file(directory: Path, device: torch.device, dtype: torch.dtype, num_multiprocessors: int) -> Path:
+    """Where the choices for this GPU model, torch and Triton, activation dtype and kernel source are kept."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    source = Path(kernels.decode_matmul.__file__).read_bytes()
+    tag = hashlib.sha256(repr((name, num_multiprocessors, torch.__version__, triton.__version__, str(dtype))).encode()
+                         + source).hexdigest()[:16]
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return directory / f"{slug}-{str(dtype).removeprefix('torch.')}-{tag}.json"
+
+
+_PLAN_FIELDS = ("block_m", "block_n", "block_k", "split_k", "k_per_split", "num_warps", "num_stages")
+
+
+def _entry_key(bucket: int, kind: MatrixKind) -> str:
+    return f"{kind[0]}x{kind[1]}:{str(kind[2]).removeprefix('torch.')}:{bucket}"
+
+
+def _read_cache(path: Path) -> dict[str, MatmulPlan | None]:
+    """The choices kept in `path`, by `_entry_key`; none where it is missing, and none (with a warning) where it
+    cannot be read or holds anything but well-formed plans."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as error:
+        log.warning("cannot read the matmul choices in %s (%s): timing them again", path, error)
+        return {}
+    try:
+        entries = json.loads(text)
+        if not isinstance(entries, dict):
+            raise ValueError("not an object")
+        return {key: None if value is None else _plan_from(value) for key, value in entries.items()}
+    except (ValueError, TypeError) as error:
+        log.warning("the matmul choices in %s are not readable (%s): timing them again", path, error)
+        return {}
+
+
+def _plan_from(value: Any) -> MatmulPlan:
+    if not isinstance(value, dict) or set(value) != set(_PLAN_FIELDS):
+        raise ValueError(f"a plan has the fields {', '.join(_PLAN_FIELDS)}, got {value!r}")
+    if not all(type(value[name]) is int and value[name] > 0 for name in _PLAN_FIELDS):
+        raise ValueError(f"a plan's fields are positive integers, got {value!r}")
+    return MatmulPlan(**value)
+
+
+def _fits(plan: MatmulPlan | None, bucket: int, k: int) -> bool:
+    """Whether `plan` (None: torch's product) can launch `bucket` rows by a matrix `k` long."""
+    if plan is None:
+        return True
+    # tl.dot takes blocks of powers of two, 16 or more.
+    blocks = (plan.block_m, plan.block_n, plan.block_k)
+    return (all(b >= 16 and b & (b - 1) == 0 for b in blocks) and plan.block_m >= bucket
+            and plan.k_per_split % plan.block_k == 0 and plan.split_k * plan.k_per_split >= k)
+
+
+def _write_cache(path: Path, entries: Mapping[str, MatmulPlan | None]) -> None:
+    """`entries` into `path`, whole or not at all (a second worker may be reading it); a failure is logged."""
+    payload = {key: None if plan is None else {name: getattr(plan, name) for name in _PLAN_FIELDS}
+               for key, plan in sorted(entries.items())}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(handle, "w") as out:
+            json.dump(payload, out, indent=1)
+        os.replace(temporary, path)
+    except OSError as error:
+        log.warning("cannot keep the matmul choices in %s (%s): the next start times them again", path, error)
+
+
 def choose_matmuls(groups: Mapping[MatrixKind, Sequence[Matrix]], dtype: torch.dtype, device: torch.device,
                    num_multiprocessors: int, timer: Timer = cuda_graph_ms,
-                   buckets: Sequence[int] = ROW_BUCKETS) -> MatmulChoices:
+                   buckets: Sequence[int] = ROW_BUCKETS, cache: Path | None = None) -> MatmulChoices:
     """For each kind of matrix (its matrices, every layer's, in `groups`) and each bucket, the fastest of the
-    candidate plans and, for weights in `dtype`, torch's product, by `timer` over the whole group. A plan that
-    does not compile or fit this GPU, or whose result differs from the reference, is left out (and logged); a
-    quantized kind left with no plan widens its weight for torch's product. Any other failure (of the device,
-    say) ends the timing and propagates."""
+    candidate plans and, for weights in `dtype`, torch's product, by `timer` over the whole group; choices
+    already in the `cache` file are taken from it, and new ones added to it. A plan that does not compile or
+    fit this GPU, or whose result differs from the reference, is left out (and logged); a quantized kind left
+    with no plan widens its weight for torch's product. Any other failure (of the device, say) ends the
+    timing and propagates."""
     started = time.perf_counter()
+    kept = _read_cache(cache) if cache is not None else {}
     plans: dict[tuple[int, MatrixKind], MatmulPlan | None] = {}
     generator = torch.Generator(device=device).manual_seed(0)
+    num_timed = 0
     try:
         for kind, matrices in groups.items():
             n, k, storage = kind
             quantized = storage != dtype
             for bucket in buckets:
-                x = torch.randn((bucket, k), generator=generator, device=device).to(dtype)
-                want = _reference(x, matrices[0])
-                timed: list[tuple[float, MatmulPlan | None]] = []
-                if not quantized:
-                    timed.append((timer(partial(each_product, x, matrices, None)), None))
-                for plan in candidate_plans(bucket, n, k, num_multiprocessors, storage.itemsize):
-                    try:
-                        if not _matches(x, matrices[0], plan, want):
-                            log.warning("matmul plan %s for [%d, %d] %s differs from the reference: left out",
-                                        plan.describe(), n, k, storage)
-                            continue
-                        ms = timer(partial(each_product, x, matrices, plan))
-                    except _UNFIT as error:
-                        log.info("matmul plan %s for [%d, %d] %s cannot run here (%s: %s): left out",
-                                 plan.describe(), n, k, storage, type(error).__name__, error)
-                        continue
-                    timed.append((ms, plan))
-                best_ms, best = min(timed, key=lambda item: item[0]) if timed else (0.0, None)
-                if not quantized and best is not None and best_ms > (1 - MIN_GAIN) * timed[0][0]:
-                    best = None
-                plans[(bucket, kind)] = best
+                key = _entry_key(bucket, kind)
+                if key in kept and _fits(kept[key], bucket, k):
+                    plans[(bucket, kind)] = kept[key]
+                    continue
+                if key in kept:
+                    log.warning("the kept matmul choice %s does not fit %s: timing it again", kept[key], key)
+                num_timed += 1
+                plans[(bucket, kind)] = _fastest(matrices, bucket, quantized, dtype, device, generator,
+                                                 num_multiprocessors, timer)
     finally:
         if device.type == "cuda":
             # The recordings' and references' memory back to the device: the KV cache is sized from what the
             # device has free.
             torch.cuda.empty_cache()
+    if cache is not None and num_timed:
+        _write_cache(cache, {**kept, **{_entry_key(bucket, kind): plan for (bucket, kind), plan in plans.items()}})
     choices = MatmulChoices(num_multiprocessors, plans)
-    log.info("matrix products timed at %d row counts in %.1f s; carpool's kernel serves:\n  %s", len(buckets),
-             time.perf_counter() - started, "\n  ".join(choices.describe()))
+    log.info("matrix products: %d choices timed in %.1f s, %d kept from %s; carpool's kernel serves:\n  %s",
+             num_timed, time.perf_counter() - started, len(plans) - num_timed, cache or "no file",
+             "\n  ".join(choices.describe()))
     return choices
+
+
+def _fastest(matrices: Sequence[Matrix], bucket: int, quantized: bool, dtype: torch.dtype, device: torch.device,
+             generator: torch.Generator, num_multiprocessors: int, timer: Timer) -> MatmulPlan | None:
+    """The launch for `bucket` rows by `matrices`: the first candidate plan within MIN_GAIN of the fastest, or
+    None (torch's product) where that is the faster, for a plain weight, or where no plan works."""
+    n, k = matrices[0][0].shape
+    storage = matrices[0][0].dtype
+    x = torch.randn((bucket, k), generator=generator, device=device).to(dtype)
+    want = _reference(x, matrices[0])
+    torch_ms = None if quantized else timer(partial(each_product, x, matrices, None))
+    timed: list[tuple[float, MatmulPlan]] = []
+    for plan in candidate_plans(bucket, n, k, num_multiprocessors, storage.itemsize):
+        try:
+            if not _matches(x, matrices[0], plan, want):
+                log.warning("matmul plan %s for [%d, %d] %s differs from the reference: left out", plan.describe(),
+                            n, k, storage)
+                continue
+            timed.append((timer(partial(each_product, x, matrices, plan)), plan))
+        except _UNFIT as error:
+            log.info("matmul plan %s for [%d, %d] %s cannot run here (%s: %s): left out", plan.describe(), n, k,
+                     storage, type(error).__name__, error)
+    if not timed:
+        return None
+    best_ms = min(ms for ms, _ in timed)
+    first = next(plan for ms, plan in timed if ms <= (1 + MIN_GAIN) * best_ms)
+    if torch_ms is not None and best_ms > (1 - MIN_GAIN) * torch_ms:
+        return None
+    return first
