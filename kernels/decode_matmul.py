@@ -12,7 +12,8 @@ All M rows share one row tile (M <= MAX_ROWS), so no weight tile is read twice. 
 into `split_k` contiguous ranges swept by separate programs: each writes its fp32 partial sums to a workspace
 `[split_k, M, N]`, and a second small kernel adds them in a fixed order (the same result on every run, no
 atomics), scales and rounds. Row and column indices past the edges are clamped, not masked (their results are
-never stored), so where the ranges tile K exactly the loads carry no mask at all.
+never stored), and each K range stops at K, so where K is a whole number of K blocks the loads carry no mask
+at all.
 
 A launch's blocks and split are a `MatmulPlan`, known before a CUDA graph records the launch; every buffer is
 sized from shapes alone. `plan_decode_matmul` gives one from a fixed table by M and the multiprocessor count;
@@ -69,17 +70,19 @@ def _decode_matmul_kernel(
     cols = tl.minimum(offs_n, N - 1)
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # This program's K range: k_per_split is a multiple of BLOCK_K; with EVEN_K the ranges tile K exactly.
+    # This program's K range: k_per_split is a multiple of BLOCK_K, and the last range stops at K. With EVEN_K
+    # (K a multiple of BLOCK_K) every block of every range lies inside K.
     k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_start + offs_k)[None, :]
     # The weight tile read in its storage type, as [BLOCK_K, BLOCK_N] (K contiguous), and widened in registers.
     w_ptrs = w_ptr + cols[None, :] * stride_wn + (k_start + offs_k)[:, None]
-    for k in range(0, k_per_split, BLOCK_K):
+    for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
         else:
-            is_k = k_start + k + offs_k < K
+            is_k = k + offs_k < K
             x = tl.load(x_ptrs, mask=is_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=is_k[:, None], other=0.0)
         if DOT_IN_FP32:
@@ -265,7 +268,7 @@ def decode_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
         m, n, k, plan.k_per_split,
         x.stride(0), weight.stride(0), out.stride(0), partial.stride(0), partial.stride(1),
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, IS_SPLIT=is_split,
-        HAS_SCALES=scales is not None, EVEN_K=plan.split_k * plan.k_per_split == k,
+        HAS_SCALES=scales is not None, EVEN_K=k % plan.block_k == 0,
         DOT_IN_FP32=dot_in_fp32, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if is_split:

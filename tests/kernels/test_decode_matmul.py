@@ -84,10 +84,11 @@ def test_kernel_matches_reference(storage: torch.dtype, dtype: torch.dtype, m: i
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(("m", "n", "k", "split_k"), [(3, 40, 64, 1), (3, 40, 64, 2), (17, 37, 72, 3)])
+@pytest.mark.parametrize(("m", "n", "k", "split_k"), [(3, 40, 64, 1), (3, 40, 64, 2), (5, 40, 80, 2), (17, 37, 72, 3)])
 def test_a_plain_weight_is_the_plain_product(dtype: torch.dtype, m: int, n: int, k: int, split_k: int) -> None:
-    """A weight in the activations' own dtype without scales: K tiled exactly by the ranges (unmasked loads)
-    and not, one range and several, rows and columns past the tiles' edges."""
+    """A weight in the activations' own dtype without scales: K a whole number of blocks (unmasked loads),
+    split into ranges of equal length and with a shorter last one, and K not a whole number of blocks (masked);
+    rows and columns past the tiles' edges."""
     weight = (0.05 * torch.randn((n, k), generator=torch.Generator().manual_seed(1))).to(dtype).to(DEVICE)
     x = _x(m, k, dtype, seed=2)
     plan = _small_plan(m, split_k, k)
