@@ -337,3 +337,23 @@ def test_the_choices_are_kept_for_the_next_start(tmp_path: Path, caplog: pytest.
         assert choose_matmuls({kind_of(plain[0][0]): plain}, torch.float32, DEVICE, 0, plans_faster, (1, 8),
                               path).plans == first.plans
     assert "does not fit" in caplog.text
+
+
+def test_a_near_tie_keeps_the_first_plan_and_an_unwritable_folder_only_warns(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    generator = torch.Generator().manual_seed(12)
+    plain: list[tuple[torch.Tensor, torch.Tensor | None]] = [(torch.randn((40, 64), generator=generator).to(DEVICE),
+                                                               None)]
+    default = plan_decode_matmul(8, 40, 64, 0)
+
+    def near_tie(call: object) -> float:
+        plan = call.args[2]  # type: ignore[attr-defined]
+        return 10.0 if plan is None else 5.1 if plan == default else 5.0
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the folder should be
+    with caplog.at_level(logging.WARNING):
+        choices = choose_matmuls({kind_of(plain[0][0]): plain}, torch.float32, DEVICE, 0, near_tie, (8,),
+                                 blocked / "choices.json")
+    assert choices.plans[(8, kind_of(plain[0][0]))] == default, "2 % slower than the fastest: the first in order"
+    assert "cannot keep the matmul choices" in caplog.text

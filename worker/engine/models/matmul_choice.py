@@ -77,8 +77,7 @@ Matrix = tuple[torch.Tensor, torch.Tensor | None]
 Timer = Callable[[Callable[[], object]], float]
 """Milliseconds one call of the given function takes on the device."""
 # What a plan that this GPU cannot run raises: Triton's compile errors (ptxas's among them) and its
-# shared-memory check (`TritonError`s), a launch
-# the wrapper refuses, memory the plan's workspace cannot get.
+# shared-memory check (`TritonError`s), a launch the wrapper refuses, memory the plan's workspace cannot get.
 _UNFIT: tuple[type[BaseException], ...] = (CompilationError, TritonError, AssertionError, torch.OutOfMemoryError)
 
 
@@ -226,10 +225,15 @@ def _write_cache(path: Path, entries: Mapping[str, MatmulPlan | None]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    except OSError as error:
+        log.warning("cannot keep the matmul choices in %s (%s): the next start times them again", path, error)
+        return
+    try:
         with os.fdopen(handle, "w") as out:
             json.dump(payload, out, indent=1)
         os.replace(temporary, path)
     except OSError as error:
+        Path(temporary).unlink(missing_ok=True)
         log.warning("cannot keep the matmul choices in %s (%s): the next start times them again", path, error)
 
 
@@ -298,7 +302,7 @@ def _fastest(matrices: Sequence[Matrix], bucket: int, quantized: bool, dtype: to
     if not timed:
         return None
     best_ms = min(ms for ms, _ in timed)
-    first = next(plan for ms, plan in timed if ms <= (1 + MIN_GAIN) * best_ms)
-    if torch_ms is not None and best_ms > (1 - MIN_GAIN) * torch_ms:
+    first_ms, first = next((ms, plan) for ms, plan in timed if ms <= (1 + MIN_GAIN) * best_ms)
+    if torch_ms is not None and first_ms > (1 - MIN_GAIN) * torch_ms:
         return None
     return first
