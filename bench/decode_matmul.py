@@ -75,7 +75,8 @@ def kernel_rows(name: str, n: int, k: int, copies: int, weights: str, dtype: tor
         if weights not in STORAGES:
             torch_ms = cuda_graph_ms(partial(each_product, x, matrices, None))
             torch_cell = f"{1e3 * torch_ms / copies:.1f} µs, {_rate(torch_ms, nbytes, peak)}"
-        plans = candidate_plans(m, n, k, num_multiprocessors(x.device), matrices[0][0].element_size())
+        plans = candidate_plans(m, n, k, num_multiprocessors(x.device), matrices[0][0].element_size(),
+                                with_tma=torch.cuda.get_device_capability() >= (9, 0))
         timed: list[tuple[float, MatmulPlan]] = []
         for plan in plans:
             if not _checked(x, matrices[0], plan):

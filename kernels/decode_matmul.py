@@ -15,6 +15,11 @@ atomics), scales and rounds. Row and column indices past the edges are clamped, 
 never stored), and each K range stops at K, so where K is a whole number of K blocks the loads carry no mask
 at all.
 
+On a Hopper GPU or later a plan may read the weight through a tensor descriptor instead (`tma`): its tensor
+memory accelerator copies each `[BLOCK_N, BLOCK_K]` tile, zeros past N and K, without the threads computing
+addresses; the descriptor is made on the host at each launch and travels in the launch's arguments, so a
+recorded graph keeps it.
+
 A launch's blocks and split are a `MatmulPlan`, known before a CUDA graph records the launch; every buffer is
 sized from shapes alone. `plan_decode_matmul` gives one from a fixed table by M and the multiprocessor count;
 `candidate_plans` gives the few that `worker.engine.models.matmul_choice` times on the GPU at start-up (with
@@ -24,6 +29,7 @@ on the plan's K ranges and block, never on M: a plan serves any number of rows u
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +37,11 @@ import triton
 import triton.language as tl
 
 from kernels.interpret import check_launchable, is_interpreted
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without host-side tensor descriptors: no TMA launches
+    TensorDescriptor = None
 from kernels.split_kv import num_multiprocessors
 
 # The kernel's regime: decode steps and small speculative batches. Larger products head towards compute-bound,
@@ -48,7 +59,7 @@ PROGRAMS_PER_MULTIPROCESSOR = 2
 
 @triton.jit
 def _decode_matmul_kernel(
-    x_ptr, w_ptr, scales_ptr, out_ptr, partial_ptr,
+    x_ptr, w_ptr, w_desc, scales_ptr, out_ptr, partial_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
     BLOCK_M: tl.constexpr,
@@ -57,6 +68,7 @@ def _decode_matmul_kernel(
     IS_SPLIT: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
     # Grid: (output tile along N, K range). Every row of x is in the one row tile.
@@ -78,12 +90,18 @@ def _decode_matmul_kernel(
     # The weight tile read in its storage type, as [BLOCK_K, BLOCK_N] (K contiguous), and widened in registers.
     w_ptrs = w_ptr + cols[None, :] * stride_wn + (k_start + offs_k)[:, None]
     for k in range(k_start, k_end, BLOCK_K):
+        is_k = k + offs_k < K
         if EVEN_K:
             x = tl.load(x_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=is_k[None, :], other=0.0)
+        if USE_TMA:
+            # The tile copied by the tensor memory accelerator through the weight's descriptor, as [BLOCK_N,
+            # BLOCK_K] with zeros past N and K, then seen transposed.
+            w = tl.trans(w_desc.load([pid_n * BLOCK_N, k]))
+        elif EVEN_K:
             w = tl.load(w_ptrs)
         else:
-            is_k = k + offs_k < K
-            x = tl.load(x_ptrs, mask=is_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=is_k[:, None], other=0.0)
         if DOT_IN_FP32:
             # Full fp32 products, not tf32, so an fp32 model gets fp32 results.
@@ -136,10 +154,13 @@ class MatmulPlan:
     k_per_split: int
     num_warps: int
     num_stages: int
+    tma: bool = False
+    """The weight read through a tensor descriptor (the tensor memory accelerator of Hopper GPUs and later)."""
 
     def describe(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} blocks, {self.split_k} K range"
-                f"{'s' if self.split_k > 1 else ''}, {self.num_warps} warps, {self.num_stages} stages")
+                f"{'s' if self.split_k > 1 else ''}, {self.num_warps} warps, {self.num_stages} stages"
+                f"{', TMA' if self.tma else ''}")
 
 
 @dataclass(frozen=True)
@@ -215,20 +236,29 @@ def plan_decode_matmul(m: int, n: int, k: int, num_multiprocessors: int) -> Matm
     return _plan(blocks, block_m, _filling_split(blocks, m, n, k, num_multiprocessors), k)
 
 
-def candidate_plans(m: int, n: int, k: int, num_multiprocessors: int, weight_bytes: int = 1) -> list[MatmulPlan]:
+def can_use_tma(k: int, weight_bytes: int) -> bool:
+    """Whether a `[n, k]` weight of `weight_bytes` an element can be read through a tensor descriptor: this
+    Triton has them, and a row is a whole number of 16 bytes (the accelerator's alignment)."""
+    return TensorDescriptor is not None and k * weight_bytes % 16 == 0
+
+
+def candidate_plans(m: int, n: int, k: int, num_multiprocessors: int, weight_bytes: int = 1,
+                    with_tma: bool = False) -> list[MatmulPlan]:
     """The launches worth timing for `[m, k] x [n, k]^T` on this GPU, for a weight of `weight_bytes` an element:
     the default plan first, then the default blocks and each candidate block shape with the K split that gives
     every multiprocessor two programs and four (evening out the last wave where the tiles alone leave some
-    with one program more), and unsplit; no two alike. (The split is a launch argument, not a compiled
-    variant: more of them cost timing at start-up, not compiles.)"""
+    with one program more), and unsplit; with `with_tma` (a Hopper GPU or later) each of those again reading
+    the weight through a tensor descriptor, where `can_use_tma`; no two alike. (The split is a launch
+    argument, not a compiled variant: more of them cost timing at start-up, not compiles.)"""
     block_m = row_block(m)
     plans = [plan_decode_matmul(m, n, k, num_multiprocessors)]
-    for blocks in (_DEFAULT_BLOCKS[block_m], *_CANDIDATE_BLOCKS[block_m]):
-        for split_k in (*(_split_for(blocks, m, n, k, num_multiprocessors, weight_bytes, programs)
-                          for programs in (PROGRAMS_PER_MULTIPROCESSOR, 2 * PROGRAMS_PER_MULTIPROCESSOR)), 1):
-            plan = _plan(blocks, block_m, split_k, k)
-            if plan not in plans:
-                plans.append(plan)
+    for tma in (False, True) if with_tma and can_use_tma(k, weight_bytes) else (False,):
+        for blocks in (_DEFAULT_BLOCKS[block_m], *_CANDIDATE_BLOCKS[block_m]):
+            for split_k in (*(_split_for(blocks, m, n, k, num_multiprocessors, weight_bytes, programs)
+                              for programs in (PROGRAMS_PER_MULTIPROCESSOR, 2 * PROGRAMS_PER_MULTIPROCESSOR)), 1):
+                plan = dataclasses.replace(_plan(blocks, block_m, split_k, k), tma=tma)
+                if plan not in plans:
+                    plans.append(plan)
     return plans
 
 
@@ -263,12 +293,16 @@ def decode_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
     # Sized by shapes alone: a graph records the allocation, and nothing is read back to the host.
     partial = torch.empty((plan.split_k, m, n) if is_split else (1, 1, 1), dtype=torch.float32, device=x.device)
     scale_arg = scales if scales is not None else out  # never read without HAS_SCALES
+    descriptor = None
+    if plan.tma:
+        assert TensorDescriptor is not None and can_use_tma(k, weight.element_size()), (k, weight.dtype)
+        descriptor = TensorDescriptor.from_tensor(weight, [plan.block_n, plan.block_k])
     _decode_matmul_kernel[(triton.cdiv(n, plan.block_n), plan.split_k)](
-        x, weight, scale_arg, out, partial,
+        x, weight, descriptor, scale_arg, out, partial,
         m, n, k, plan.k_per_split,
         x.stride(0), weight.stride(0), out.stride(0), partial.stride(0), partial.stride(1),
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, IS_SPLIT=is_split,
-        HAS_SCALES=scales is not None, EVEN_K=k % plan.block_k == 0,
+        HAS_SCALES=scales is not None, EVEN_K=k % plan.block_k == 0, USE_TMA=plan.tma,
         DOT_IN_FP32=dot_in_fp32, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if is_split:

@@ -8,6 +8,7 @@ int8 and float8_e4m3fn tensors alike, so both storage types are tested on CPU to
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -62,13 +63,25 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, atol=tolerance * want.float().abs().max().item(), rtol=tolerance)
 
 
-def _small_plan(m: int, split_k: int, k: int) -> MatmulPlan:
+def _small_plan(m: int, split_k: int, k: int, tma: bool = False) -> MatmulPlan:
     """16-wide blocks, so the irregular test shapes take several tiles, masked edges and `split_k` K ranges."""
     num_k_blocks = -(-k // 16)
     per_split = -(-num_k_blocks // split_k)
     assert -(-num_k_blocks // per_split) == split_k, (k, split_k)
     return MatmulPlan(block_m=max(16, 1 << (m - 1).bit_length()), block_n=16, block_k=16, split_k=split_k,
-                      k_per_split=16 * per_split, num_warps=4, num_stages=1)
+                      k_per_split=16 * per_split, num_warps=4, num_stages=1, tma=tma)
+
+
+@pytest.mark.parametrize("storage", STORAGES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("m", "n", "k", "split_k"), [(3, 40, 96, 2), (17, 37, 80, 3)])
+def test_a_quantized_weight_through_its_descriptor(storage: torch.dtype, dtype: torch.dtype, m: int, n: int, k: int,
+                                                   split_k: int) -> None:
+    """The weight read through a tensor descriptor (zeros past N and K), rows of a whole number of 16 bytes."""
+    data, scales = _weight(n, k, storage, seed=n + k)
+    x = _x(m, k, dtype, seed=m)
+    plan = _small_plan(m, split_k, k, tma=True)
+    _assert_close(decode_matmul(x, data, scales.to(dtype), plan), reference(x, data, scales.to(dtype)))
 
 
 @pytest.mark.parametrize("storage", STORAGES, ids=str)
@@ -85,13 +98,15 @@ def test_kernel_matches_reference(storage: torch.dtype, dtype: torch.dtype, m: i
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("m", "n", "k", "split_k"), [(3, 40, 64, 1), (3, 40, 64, 2), (5, 40, 80, 2), (17, 37, 72, 3)])
-def test_a_plain_weight_is_the_plain_product(dtype: torch.dtype, m: int, n: int, k: int, split_k: int) -> None:
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_a_plain_weight_is_the_plain_product(dtype: torch.dtype, m: int, n: int, k: int, split_k: int,
+                                             tma: bool) -> None:
     """A weight in the activations' own dtype without scales: K a whole number of blocks (unmasked loads),
     split into ranges of equal length and with a shorter last one, and K not a whole number of blocks (masked);
     rows and columns past the tiles' edges."""
     weight = (0.05 * torch.randn((n, k), generator=torch.Generator().manual_seed(1))).to(dtype).to(DEVICE)
     x = _x(m, k, dtype, seed=2)
-    plan = _small_plan(m, split_k, k)
+    plan = _small_plan(m, split_k, k, tma)
     _assert_close(decode_matmul(x, weight, None, plan), reference(x, weight))
     torch.testing.assert_close(reference(x, weight).float(), F.linear(x.float(), weight.float()).to(dtype).float())
 
@@ -197,10 +212,16 @@ def test_a_model_on_cuda_uses_the_kernel_unless_its_check_fails(monkeypatch: pyt
 @pytest.mark.parametrize(("n", "k"), LAYER_SHAPES)
 def test_candidate_plans_start_with_the_default_and_differ(n: int, k: int) -> None:
     for m in ROW_BUCKETS:
-        plans = candidate_plans(m, n, k, H100_MULTIPROCESSORS)
+        plans = candidate_plans(m, n, k, H100_MULTIPROCESSORS, 2)
         assert plans[0] == plan_decode_matmul(m, n, k, H100_MULTIPROCESSORS)
         assert len(set(plans)) == len(plans) > 1
         assert {p.block_m for p in plans} == {plans[0].block_m}, "one row block per row count"
+        with_tma = candidate_plans(m, n, k, H100_MULTIPROCESSORS, 2, with_tma=True)
+        assert not any(p.tma for p in plans) and with_tma[:len(plans)] == plans
+        # Each block shape and split again through TMA (the default plan among them where it is one of those).
+        assert {dataclasses.replace(p, tma=False) for p in with_tma if p.tma} in ({*plans}, {*plans[1:]})
+    assert not any(p.tma for p in candidate_plans(8, 40, 36, H100_MULTIPROCESSORS, 2, with_tma=True)), \
+        "72-byte rows: not a whole number of 16 bytes"
 
 
 def test_choices_take_the_bucket_of_the_rows() -> None:
@@ -357,3 +378,28 @@ def test_a_near_tie_keeps_the_first_plan_and_an_unwritable_folder_only_warns(
                                  blocked / "choices.json")
     assert choices.plans[(8, kind_of(plain[0][0]))] == default, "2 % slower than the fastest: the first in order"
     assert "cannot keep the matmul choices" in caplog.text
+
+
+def test_a_kept_tma_launch_is_timed_again_where_the_gpu_has_no_tma(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    generator = torch.Generator().manual_seed(13)
+    plain: list[tuple[torch.Tensor, torch.Tensor | None]] = [(torch.randn((40, 64), generator=generator).to(DEVICE),
+                                                               None)]
+    kind = kind_of(plain[0][0])
+    path = tmp_path / "choices.json"
+
+    def tma_faster(call: object) -> float:
+        plan = call.args[2]  # type: ignore[attr-defined]
+        return 10.0 if plan is None else 4.0 if plan.tma else 6.0
+
+    chosen = choose_matmuls({kind: plain}, torch.float32, DEVICE, 0, tma_faster, (8,), path, with_tma=True)
+    plan = chosen.plans[(8, kind)]
+    assert plan is not None and plan.tma
+    assert '"tma": true' in path.read_text()
+    assert choose_matmuls({kind: plain}, torch.float32, DEVICE, 0, tma_faster, (8,), path,
+                          with_tma=True).plans == chosen.plans, "read back as it was"
+    with caplog.at_level(logging.WARNING):
+        again = choose_matmuls({kind: plain}, torch.float32, DEVICE, 0, tma_faster, (8,), path, with_tma=False)
+    assert "does not fit" in caplog.text
+    replan = again.plans[(8, kind)]
+    assert replan is not None and not replan.tma

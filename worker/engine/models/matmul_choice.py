@@ -50,6 +50,7 @@ import kernels.decode_matmul
 from kernels.decode_matmul import (
     MAX_ROWS,
     MatmulPlan,
+    can_use_tma,
     candidate_plans,
     decode_matmul,
     decode_matmul_reference,
@@ -77,8 +78,10 @@ Matrix = tuple[torch.Tensor, torch.Tensor | None]
 Timer = Callable[[Callable[[], object]], float]
 """Milliseconds one call of the given function takes on the device."""
 # What a plan that this GPU cannot run raises: Triton's compile errors (ptxas's among them) and its
-# shared-memory check (`TritonError`s), a launch the wrapper refuses, memory the plan's workspace cannot get.
-_UNFIT: tuple[type[BaseException], ...] = (CompilationError, TritonError, AssertionError, torch.OutOfMemoryError)
+# shared-memory check (`TritonError`s), a launch the wrapper or a tensor descriptor refuses (its block shape,
+# say), memory the plan's workspace cannot get.
+_UNFIT: tuple[type[BaseException], ...] = (CompilationError, TritonError, AssertionError, ValueError, TypeError,
+                                           torch.OutOfMemoryError)
 
 
 def row_bucket(rows: int) -> int:
@@ -173,7 +176,8 @@ def cache_file(directory: Path, device: torch.device, dtype: torch.dtype, num_mu
     return directory / f"{slug}-{str(dtype).removeprefix('torch.')}-{tag}.json"
 
 
-_PLAN_FIELDS = ("block_m", "block_n", "block_k", "split_k", "k_per_split", "num_warps", "num_stages")
+_PLAN_FIELDS = ("block_m", "block_n", "block_k", "split_k", "k_per_split", "num_warps", "num_stages", "tma")
+_PLAN_INTS = _PLAN_FIELDS[:-1]
 
 
 def _entry_key(bucket: int, kind: MatrixKind) -> str:
@@ -203,15 +207,18 @@ def _read_cache(path: Path) -> dict[str, MatmulPlan | None]:
 def _plan_from(value: Any) -> MatmulPlan:
     if not isinstance(value, dict) or set(value) != set(_PLAN_FIELDS):
         raise ValueError(f"a plan has the fields {', '.join(_PLAN_FIELDS)}, got {value!r}")
-    if not all(type(value[name]) is int and value[name] > 0 for name in _PLAN_FIELDS):
-        raise ValueError(f"a plan's fields are positive integers, got {value!r}")
+    if not all(type(value[name]) is int and value[name] > 0 for name in _PLAN_INTS) or type(value["tma"]) is not bool:
+        raise ValueError(f"a plan's fields are positive integers and a true/false tma, got {value!r}")
     return MatmulPlan(**value)
 
 
-def _fits(plan: MatmulPlan | None, bucket: int, k: int) -> bool:
-    """Whether `plan` (None: torch's product) can launch `bucket` rows by a matrix `k` long."""
+def _fits(plan: MatmulPlan | None, bucket: int, k: int, weight_bytes: int, with_tma: bool) -> bool:
+    """Whether `plan` (None: torch's product) can launch `bucket` rows by a matrix `k` long, of `weight_bytes` an
+    element, on this GPU (`with_tma`: it has the tensor memory accelerator)."""
     if plan is None:
         return True
+    if plan.tma and not (with_tma and can_use_tma(k, weight_bytes)):
+        return False
     # tl.dot takes blocks of powers of two, 16 or more.
     blocks = (plan.block_m, plan.block_n, plan.block_k)
     return (all(b >= 16 and b & (b - 1) == 0 for b in blocks) and plan.block_m >= bucket
@@ -239,13 +246,18 @@ def _write_cache(path: Path, entries: Mapping[str, MatmulPlan | None]) -> None:
 
 def choose_matmuls(groups: Mapping[MatrixKind, Sequence[Matrix]], dtype: torch.dtype, device: torch.device,
                    num_multiprocessors: int, timer: Timer = cuda_graph_ms,
-                   buckets: Sequence[int] = ROW_BUCKETS, cache: Path | None = None) -> MatmulChoices:
+                   buckets: Sequence[int] = ROW_BUCKETS, cache: Path | None = None,
+                   with_tma: bool | None = None) -> MatmulChoices:
     """For each kind of matrix (its matrices, every layer's, in `groups`) and each bucket, the fastest of the
     candidate plans and, for weights in `dtype`, torch's product, by `timer` over the whole group; choices
     already in the `cache` file are taken from it, and new ones added to it. A plan that does not compile or
     fit this GPU, or whose result differs from the reference, is left out (and logged); a quantized kind left
     with no plan widens its weight for torch's product. Any other failure (of the device, say) ends the
-    timing and propagates."""
+    timing and propagates. `with_tma`: time launches that read the weight through a tensor descriptor too
+    (default: on a CUDA GPU of compute capability 9.0 or later, which copies them with its tensor memory
+    accelerator)."""
+    if with_tma is None:
+        with_tma = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
     started = time.perf_counter()
     kept = _read_cache(cache) if cache is not None else {}
     plans: dict[tuple[int, MatrixKind], MatmulPlan | None] = {}
@@ -257,14 +269,14 @@ def choose_matmuls(groups: Mapping[MatrixKind, Sequence[Matrix]], dtype: torch.d
             quantized = storage != dtype
             for bucket in buckets:
                 key = _entry_key(bucket, kind)
-                if key in kept and _fits(kept[key], bucket, k):
+                if key in kept and _fits(kept[key], bucket, k, storage.itemsize, with_tma):
                     plans[(bucket, kind)] = kept[key]
                     continue
                 if key in kept:
                     log.warning("the kept matmul choice %s does not fit %s: timing it again", kept[key], key)
                 num_timed += 1
                 plans[(bucket, kind)] = _fastest(matrices, bucket, quantized, dtype, device, generator,
-                                                 num_multiprocessors, timer)
+                                                 num_multiprocessors, timer, with_tma)
     finally:
         if device.type == "cuda":
             # The recordings' and references' memory back to the device: the KV cache is sized from what the
@@ -280,7 +292,8 @@ def choose_matmuls(groups: Mapping[MatrixKind, Sequence[Matrix]], dtype: torch.d
 
 
 def _fastest(matrices: Sequence[Matrix], bucket: int, quantized: bool, dtype: torch.dtype, device: torch.device,
-             generator: torch.Generator, num_multiprocessors: int, timer: Timer) -> MatmulPlan | None:
+             generator: torch.Generator, num_multiprocessors: int, timer: Timer,
+             with_tma: bool) -> MatmulPlan | None:
     """The launch for `bucket` rows by `matrices`: the first candidate plan within MIN_GAIN of the fastest, or
     None (torch's product) where that is the faster, for a plain weight, or where no plan works."""
     n, k = matrices[0][0].shape
@@ -289,7 +302,7 @@ def _fastest(matrices: Sequence[Matrix], bucket: int, quantized: bool, dtype: to
     want = _reference(x, matrices[0])
     torch_ms = None if quantized else timer(partial(each_product, x, matrices, None))
     timed: list[tuple[float, MatmulPlan]] = []
-    for plan in candidate_plans(bucket, n, k, num_multiprocessors, storage.itemsize):
+    for plan in candidate_plans(bucket, n, k, num_multiprocessors, storage.itemsize, with_tma):
         try:
             if not _matches(x, matrices[0], plan, want):
                 log.warning("matmul plan %s for [%d, %d] %s differs from the reference: left out", plan.describe(),
