@@ -4,9 +4,10 @@
 
 For each of the 1B model's matrix kinds (qkv, o, gate_up and down, as many distinct copies as it has layers,
 and lm_head) and each row count: torch's product on the weights in bf16 (or fp16, `--dtype`), then the Triton
-kernel of `kernels/decode_matmul.py` with its default launch and with the fastest of `candidate_plans` (the
-launches the engine's `--matmul-tuning` times at start-up), on those weights and on int8 / fp8 copies (fp8 on
-compute capability 8.9+). Each is timed as `worker.engine.models.matmul_choice` times it: every copy in turn,
+kernel of `kernels/decode_matmul.py` with its default launch and with the fastest of the launches the
+engine's `--matmul-tuning` times at start-up (`time_launches`: `candidate_plans`, and on a Hopper GPU the
+fastest three again through a tensor descriptor), on those weights and on int8 / fp8 copies (fp8 on compute
+capability 8.9+). Each is timed as `worker.engine.models.matmul_choice` times it: every copy in turn,
 more bytes than the L2 cache holds, recorded once as a CUDA graph and replayed, so a launch from Python costs
 nothing. The rate is the weights' bytes over that time; each kernel result is checked against the fp32
 reference first. Needs a CUDA GPU.
@@ -16,24 +17,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from functools import partial
 
 import torch
 import triton
-from triton.runtime.errors import OutOfResources
 
 from bench.kernels import peak_gbps
-from kernels.decode_matmul import MatmulPlan, candidate_plans, decode_matmul, decode_matmul_reference
+from kernels.decode_matmul import plan_decode_matmul
 from kernels.split_kv import num_multiprocessors
-from worker.engine.models.matmul_choice import Matrix, cuda_graph_ms, each_product
+from worker.engine.models.matmul_choice import Matrix, time_launches
 
 # (name, out features, in features, copies: the 1B model's layers, one lm_head) of bench.gpu.make_1b_model.
 LAYERS = [("qkv", 2560, 2048, 22), ("o", 2048, 2048, 22), ("gate_up", 11264, 2048, 22), ("down", 2048, 5632, 22),
           ("lm_head", 32000, 2048, 1)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STORAGES = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
-# The kernel and the reference differ by summation order and one rounding.
-TOLERANCE = 2e-2
 
 
 def _copies(n: int, k: int, copies: int, weights: str, dtype: torch.dtype, gen: torch.Generator) -> list[Matrix]:
@@ -51,13 +48,6 @@ def _copies(n: int, k: int, copies: int, weights: str, dtype: torch.dtype, gen: 
     return out
 
 
-def _checked(x: torch.Tensor, matrix: Matrix, plan: MatmulPlan) -> bool:
-    weight, scales = matrix
-    want = decode_matmul_reference(x, weight, scales).float()
-    got = decode_matmul(x, weight, scales, plan).float()
-    return bool(((got - want).abs().max() <= TOLERANCE * want.abs().max()).item())
-
-
 def _rate(ms: float, nbytes: int, peak: float | None) -> str:
     gbps = nbytes / (ms * 1e-3) / 1e9
     return f"{gbps:,.0f}" + (f" ({100 * gbps / peak:.0f} %)" if peak else "")
@@ -65,29 +55,24 @@ def _rate(ms: float, nbytes: int, peak: float | None) -> str:
 
 def kernel_rows(name: str, n: int, k: int, copies: int, weights: str, dtype: torch.dtype, rows: list[int],
                 gen: torch.Generator, peak: float | None) -> list[str]:
-    """One table row per row count for one matrix kind held as `weights`."""
+    """One table row per row count for one matrix kind held as `weights`, timed as the engine's
+    `--matmul-tuning` times it (`time_launches`: each plan checked against the reference first)."""
     matrices = _copies(n, k, copies, weights, dtype, gen)
     nbytes = sum(w.nbytes for w, _ in matrices)
+    device = matrices[0][0].device
+    with_tma = torch.cuda.get_device_capability(device) >= (9, 0)
     lines = []
     for m in rows:
-        x = torch.randn((m, k), device="cuda", generator=gen).to(dtype)
-        torch_cell = "–"
-        if weights not in STORAGES:
-            torch_ms = cuda_graph_ms(partial(each_product, x, matrices, None))
-            torch_cell = f"{1e3 * torch_ms / copies:.1f} µs, {_rate(torch_ms, nbytes, peak)}"
-        plans = candidate_plans(m, n, k, num_multiprocessors(x.device), matrices[0][0].element_size(),
-                                with_tma=torch.cuda.get_device_capability() >= (9, 0))
-        timed: list[tuple[float, MatmulPlan]] = []
-        for plan in plans:
-            if not _checked(x, matrices[0], plan):
-                sys.exit(f"{name} {weights} {m} rows: plan {plan.describe()} differs from the reference")
-            try:
-                timed.append((cuda_graph_ms(partial(each_product, x, matrices, plan)), plan))
-            except OutOfResources:
-                continue  # too large for this GPU: the engine's timing leaves it out too
-        default_ms = next((ms for ms, plan in timed if plan == plans[0]), None)
-        best_ms, best = min(timed, key=lambda item: item[0])
+        torch_ms, timed = time_launches(matrices, m, dtype, device, gen, num_multiprocessors(device),
+                                        with_tma=with_tma)
+        torch_cell = "–" if torch_ms is None else f"{1e3 * torch_ms / copies:.1f} µs, {_rate(torch_ms, nbytes, peak)}"
+        default = plan_decode_matmul(m, n, k, num_multiprocessors(device))
+        default_ms = next((ms for ms, plan in timed if plan == default), None)
         default_cell = "–" if default_ms is None else _rate(default_ms, nbytes, peak)
+        if not timed:
+            lines.append(f"| {name} | {n} x {k} | {weights} | {m} | {torch_cell} | – | no plan ran | – |")
+            continue
+        best_ms, best = min(timed, key=lambda item: item[0])
         lines.append(f"| {name} | {n} x {k} | {weights} | {m} | {torch_cell} | {default_cell} | "
                      f"{1e3 * best_ms / copies:.1f} µs, {_rate(best_ms, nbytes, peak)} | {best.describe()} |")
     return lines

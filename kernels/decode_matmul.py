@@ -69,6 +69,7 @@ def _decode_matmul_kernel(
     HAS_SCALES: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr,
+    GATED: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
     # Grid: (output tile along N, K range). Every row of x is in the one row tile.
@@ -95,6 +96,16 @@ def _decode_matmul_kernel(
             x = tl.load(x_ptrs)
         else:
             x = tl.load(x_ptrs, mask=is_k[None, :], other=0.0)
+        if GATED:
+            # x's row holds gate then up, K each: SiLU(gate) * up as `kernels/norm_act.py` rounds it (SiLU in
+            # fp32 rounded to the dtype, then the product rounded), so the fused product gives the same bits.
+            if EVEN_K:
+                up = tl.load(x_ptrs + K)
+            else:
+                up = tl.load(x_ptrs + K, mask=is_k[None, :], other=0.0)
+            gate = x.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            x = (act * up.to(tl.float32)).to(dtype)
         if USE_TMA:
             # The tile copied by the tensor memory accelerator through the weight's descriptor, as [BLOCK_N,
             # BLOCK_K] with zeros past N and K, then seen transposed.
@@ -263,11 +274,13 @@ def candidate_plans(m: int, n: int, k: int, num_multiprocessors: int, weight_byt
 
 
 def decode_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
-                  plan: MatmulPlan | None = None) -> torch.Tensor:
+                  plan: MatmulPlan | None = None, gated: bool = False) -> torch.Tensor:
     """`(x @ weight^T) * scales` for `x [M, K]`, `weight [N, K]` in x's dtype or int8 / float8_e4m3fn, and
     `scales [N]` (None: no scaling); `[M, N]` in x's dtype. `plan` defaults to `plan_decode_matmul` for x's
-    device; it must hold M rows in its row block."""
-    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+    device; it must hold M rows in its row block. `gated`: x is `[M, 2K]`, gate then up, and the product is
+    of `silu_and_mul(x)` (an MLP's down projection with its activation read in)."""
+    assert x.dim() == 2 and weight.dim() == 2, (x.shape, weight.shape)
+    assert x.shape[1] == (2 if gated else 1) * weight.shape[1], (x.shape, weight.shape, gated)
     assert x.dtype in ACTIVATION_DTYPES and weight.dtype in (*STORAGE_DTYPES, x.dtype), (x.dtype, weight.dtype)
     if scales is not None:
         assert scales.shape == (weight.shape[0],) and scales.dtype in ACTIVATION_DTYPES, (scales.shape, scales.dtype)
@@ -276,7 +289,7 @@ def decode_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
     assert weight.numel() < 2**31, weight.shape
     assert x.stride(1) == 1 and weight.is_contiguous(), (x.stride(), weight.stride())
     assert x.device == weight.device, (x.device, weight.device)
-    m, k = x.shape
+    m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     assert m <= MAX_ROWS, f"{m} rows: more than the {MAX_ROWS} this kernel is planned for"
     check_launchable(x.device, _decode_matmul_kernel)
@@ -302,7 +315,7 @@ def decode_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
         m, n, k, plan.k_per_split,
         x.stride(0), weight.stride(0), out.stride(0), partial.stride(0), partial.stride(1),
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, IS_SPLIT=is_split,
-        HAS_SCALES=scales is not None, EVEN_K=k % plan.block_k == 0, USE_TMA=plan.tma,
+        HAS_SCALES=scales is not None, EVEN_K=k % plan.block_k == 0, USE_TMA=plan.tma, GATED=gated,
         DOT_IN_FP32=dot_in_fp32, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if is_split:
@@ -314,7 +327,14 @@ def decode_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
     return out
 
 
-def decode_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """The same product in fp32 with one rounding to x's dtype at the end."""
-    product = x.float() @ weight.float().T
+def silu_and_mul_rounded(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of `[M, 2K]` rows, rounded as the gated kernel (and `kernels/norm_act.py`) round it."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return ((gate / (1.0 + torch.exp(-gate))).to(x.dtype).float() * up).to(x.dtype)
+
+
+def decode_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
+                            gated: bool = False) -> torch.Tensor:
+    """The same product in fp32 with one rounding to x's dtype at the end (of the rounded activation, gated)."""
+    product = (silu_and_mul_rounded(x) if gated else x).float() @ weight.float().T
     return (product if scales is None else product * scales.float()).to(x.dtype)

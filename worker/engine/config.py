@@ -96,8 +96,9 @@ class EngineConfig:
     matmul_tuning: bool | None = field(default=None, metadata=help_text(
         "CUDA, carpool's models in bf16/fp16 or quantized: at start-up, time each kind of weight matrix's "
         "products of 1 to 64 rows (decode steps) through torch's matmul and the launches of carpool's Triton "
-        "kernel for small batches, over every layer's matrix, and keep the fastest for each (the start-up log "
-        "lists where the kernel won), the choices kept in $XDG_CACHE_HOME/carpool/kernels/matmul-choices "
+        "kernel for small batches, over every layer's matrix, and keep the fastest for each (and whether the MLP's "
+        "down projection reads its SiLU-and-multiply in; the start-up log lists where the kernel won), the "
+        "choices kept in $XDG_CACHE_HOME/carpool/kernels/matmul-choices "
         "(~/.cache/...) for later starts on the same GPU model; off: torch's matmul for plain weights, the "
         "kernel's default launch for quantized ones; default: on wherever the Triton kernels run"))
     model_impl: ModelImpl = field(default=ModelImpl.AUTO, metadata=help_text(

@@ -148,8 +148,9 @@ def test_fused_kernels_give_the_same_logits_and_tokens(tmp_path_factory: pytest.
 
 def test_the_matmul_kernel_gives_the_same_logits_and_tokens(tmp_path_factory: pytest.TempPathFactory,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every decode-sized product of an fp16 model through the matmul kernel, as a timed choice on a GPU may send
-    them (run here under Triton's interpreter), against the same model's torch products. (fp16: the interpreter
+    """Every decode-sized product of an fp16 model through the matmul kernel, the down projections reading their
+    activation in, as a timed choice on a GPU may send them (run here under Triton's interpreter), against the
+    same model's torch products and activation kernel. (fp16: the interpreter
     rounds fp32 to bf16 by truncation, which a GPU does not.)"""
     from kernels.decode_matmul import candidate_plans
     from worker.engine.models import quantization
@@ -163,17 +164,24 @@ def test_the_matmul_kernel_gives_the_same_logits_and_tokens(tmp_path_factory: py
     assert model.matmuls is None, "not quantized and not timed: torch's products"  # type: ignore[attr-defined]
     kinds = list(model._matrix_groups())  # type: ignore[attr-defined]
     assert len(kinds) == 5, "qkv, o, gate_up, down and lm_head"
-    # The last candidate of each: another block shape than the default.
+    # The last candidate of each: another block shape than the default; the down projection reads its
+    # activation in.
     plans = {(bucket, kind): candidate_plans(bucket, kind[0], kind[1], 0)[-1] for bucket in ROW_BUCKETS
              for kind in kinds}
+    down_kind = (model.config.hidden_size, model.config.intermediate_size, torch.float16)  # type: ignore[attr-defined]
+    gated = {(bucket, kind): plan for (bucket, kind), plan in plans.items() if kind == down_kind}
+    assert len(gated) == len(ROW_BUCKETS)
     tokens = [random.Random(7).randrange(262) for _ in range(13)]
     table = [6, 2, 11]
     rows: list[int] = []
+    num_gated: list[int] = []
     kernel = quantization.decode_matmul
 
-    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    def counted(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, plan: Any,
+                gated: bool = False) -> torch.Tensor:
         rows.append(x.shape[0])
-        return kernel(x, *args)
+        num_gated.append(gated)
+        return kernel(x, weight, scales, plan, gated)
 
     monkeypatch.setattr(quantization, "decode_matmul", counted)
 
@@ -187,9 +195,10 @@ def test_the_matmul_kernel_gives_the_same_logits_and_tokens(tmp_path_factory: py
 
     expected_logits, expected_tokens = greedy()
     assert rows == []
-    model.matmuls = MatmulChoices(0, plans)  # type: ignore[attr-defined]
+    model.matmuls = MatmulChoices(0, plans, gated)  # type: ignore[attr-defined]
     logits, generated = greedy()
     num_layers = len(model.layers)  # type: ignore[attr-defined]
     assert rows == [13] * 4 * num_layers + [1] + [1] * (4 * num_layers + 1) * 5, "every product ran the kernel"
+    assert sum(num_gated) == num_layers * 6, "each down projection read its activation in, each of the 6 steps"
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-3 * expected_logits.abs().max().item())
     assert generated == expected_tokens

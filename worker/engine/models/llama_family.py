@@ -56,6 +56,7 @@ from worker.engine.models.quantization import (
     Quantization,
     QuantizedWeight,
     can_use_quantized_kernel,
+    gated_linear,
     linear,
     quantize_weight,
 )
@@ -214,7 +215,11 @@ class LlamaFamilyModel:
             try:
                 sms = num_multiprocessors(device)
                 cache = None if matmul_cache is None else cache_file(matmul_cache, device, dtype, sms)
-                self.matmuls = choose_matmuls(self._matrix_groups(), dtype, device, sms, cache=cache)
+                down = self.layers[0].down
+                assert not isinstance(down, PackedWeight), "packed weights are the CPU's"
+                down_kind = kind_of(down.data if isinstance(down, QuantizedWeight) else down)
+                self.matmuls = choose_matmuls(self._matrix_groups(), dtype, device, sms, cache=cache,
+                                              gated_kinds={down_kind})
             except Exception:  # a GPU where the timing itself fails: the worker starts without the choice
                 log.exception("timing the matrix products failed; %s", "quantized weights take the kernel's default "
                               "launches" if use_quantized_kernel else "torch's matmul serves every product")
@@ -246,6 +251,13 @@ class LlamaFamilyModel:
     def _linear(self, x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, weight, bias, self.matmuls)
 
+    def _mlp_down(self, gate_up: torch.Tensor, down: LinearWeight,
+                  silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The down projection of SiLU(gate) * up: in one launch where the timed choice read the activation in."""
+        if self.matmuls is not None and (out := gated_linear(gate_up, down, self.matmuls)) is not None:
+            return out
+        return self._linear(silu_and_mul(gate_up), down)
+
     @property
     def matrix_nbytes(self) -> int:
         """Bytes of the matrices a decode step reads once each, every layer's four and lm_head: the floor of a
@@ -273,7 +285,7 @@ class LlamaFamilyModel:
             x, residual = add_rms_norm(hidden, residual, layer.input_norm, self.eps)
             x = self._attention(i, layer, x, cos, sin, metadata, step)
             x, residual = add_rms_norm(x, residual, layer.post_norm, self.eps)
-            hidden = self._linear(silu_and_mul(self._linear(x, layer.gate_up)), layer.down)
+            hidden = self._mlp_down(self._linear(x, layer.gate_up), layer.down, silu_and_mul)
         assert residual is not None, "a model has at least one layer"
         if logit_rows is not None:  # fewer rows than the forward's: the checked call
             hidden, residual = hidden.index_select(0, logit_rows), residual.index_select(0, logit_rows)

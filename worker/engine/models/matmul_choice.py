@@ -8,7 +8,9 @@ matrix (an `(out, in)` shape and storage type: qkv, o, gate_up, down, lm_head) a
 product are timed, and the fastest is kept. Each candidate is timed as a step reads the weights: over every
 layer's matrix of that kind, one after another (more bytes than the L2 cache holds), recorded once as a CUDA
 graph and replayed. Torch's product keeps its place unless a plan beats it by `MIN_GAIN`, and a plan is kept
-only once its result on the model's own weight matched torch's.
+only once its result on the model's own weight matched torch's. For an MLP's down projection the kernel may
+also read the activation in (SiLU(gate) * up, `decode_matmul(..., gated=True)`): that is timed against the
+activation's own kernel followed by the plain choice.
 
 A product of `rows` rows takes the choice of the smallest bucket that holds them, so a decode step replayed at
 a padded batch size and the same step run eager take the same launch: a row's result depends on the plan, never
@@ -35,7 +37,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -56,7 +58,9 @@ from kernels.decode_matmul import (
     decode_matmul,
     decode_matmul_reference,
     plan_decode_matmul,
+    silu_and_mul_rounded,
 )
+from kernels.norm_act import silu_and_mul
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +72,8 @@ MIN_GAIN = 0.03
 REPLAYS = 8
 # How many of the fastest launches are timed again reading the weight through a tensor descriptor.
 TMA_TRIES = 3
+# How many of a down projection's fastest launches are timed again reading its activation in.
+GATED_TRIES = 3
 # The most bytes of fp32 weight the reference widens at once.
 REFERENCE_BYTES = 256 << 20
 # A plan's result against the fp32 reference, relative to the largest output: fp32 sums in another order and
@@ -85,6 +91,7 @@ Timer = Callable[[Callable[[], object]], float]
 # say), memory the plan's workspace cannot get.
 _UNFIT: tuple[type[BaseException], ...] = (CompilationError, TritonError, AssertionError, ValueError, TypeError,
                                            torch.OutOfMemoryError)
+_UNFIT_OR_RUNTIME: tuple[type[BaseException], ...] = (*_UNFIT, RuntimeError)
 
 
 def row_bucket(rows: int) -> int:
@@ -103,6 +110,10 @@ class MatmulChoices:
     num_multiprocessors: int
     plans: Mapping[tuple[int, MatrixKind], MatmulPlan | None] = field(default_factory=dict)
     """By (row bucket, matrix kind): the kernel's plan, or None for torch's product."""
+    gated: Mapping[tuple[int, MatrixKind], MatmulPlan | None] = field(default_factory=dict)
+    """For an MLP's down projection, by (row bucket, matrix kind): the plan of the kernel that reads the
+    activation in (`decode_matmul(..., gated=True)`), or None for the activation's own kernel and then the
+    product by `plans`."""
 
     def plan(self, rows: int, weight: torch.Tensor, quantized: bool) -> MatmulPlan | None:
         """The kernel's plan for `rows` rows by `weight` (a quantized weight's data), or None for torch's product
@@ -117,14 +128,24 @@ class MatmulChoices:
             return None
         return plan_decode_matmul(bucket, weight.shape[0], weight.shape[1], self.num_multiprocessors)
 
+    def gated_plan(self, rows: int, weight: torch.Tensor) -> MatmulPlan | None:
+        """The plan that multiplies `silu_and_mul` of `rows` rows by `weight` (a down projection's, or a quantized
+        one's data) in one launch, or None: the activation's kernel first, then `plan`'s product."""
+        if not 0 < rows <= MAX_ROWS:
+            return None
+        return self.gated.get((row_bucket(rows), kind_of(weight)))
+
     def describe(self) -> list[str]:
-        """One line per matrix kind: the buckets the kernel took, and with which plans."""
+        """One line per matrix kind (and per down projection with its activation read in): the buckets the
+        kernel took, and with which plans."""
         lines = []
-        for kind in sorted({kind for _, kind in self.plans}, key=str):
-            taken = [f"{bucket} rows: {plan.describe()}" for (bucket, k), plan in sorted(
-                self.plans.items(), key=lambda item: item[0][0]) if k == kind and plan is not None]
-            name = f"[{kind[0]}, {kind[1]}] {str(kind[2]).removeprefix('torch.')}"
-            lines.append(f"{name}: " + ("; ".join(taken) if taken else "torch's product at every bucket"))
+        for label, table in (("", self.plans), (", SiLU-and-multiply read in", self.gated)):
+            for kind in sorted({kind for _, kind in table}, key=str):
+                taken = [f"{bucket} rows: {plan.describe()}" for (bucket, k), plan in sorted(
+                    table.items(), key=lambda item: item[0][0]) if k == kind and plan is not None]
+                name = f"[{kind[0]}, {kind[1]}] {str(kind[2]).removeprefix('torch.')}{label}"
+                other = "torch's product" if not label else "the activation's own kernel first"
+                lines.append(f"{name}: " + ("; ".join(taken) if taken else f"{other} at every bucket"))
         return lines
 
 
@@ -147,9 +168,19 @@ def cuda_graph_ms(fn: Callable[[], object]) -> float:
     return start.elapsed_time(end) / REPLAYS
 
 
-def each_product(x: torch.Tensor, matrices: Sequence[Matrix], plan: MatmulPlan | None) -> list[torch.Tensor]:
-    """`x` by each matrix in turn, with the plan or (None) torch's product."""
-    return [F.linear(x, w) if plan is None else decode_matmul(x, w, s, plan) for w, s in matrices]
+def each_product(x: torch.Tensor, matrices: Sequence[Matrix], plan: MatmulPlan | None,
+                 gated: bool = False) -> list[torch.Tensor]:
+    """`x` by each matrix in turn, with the plan or (None) torch's product; `gated`: `silu_and_mul(x)` by each,
+    read in by the plan's kernel."""
+    return [F.linear(x, w) if plan is None else decode_matmul(x, w, s, plan, gated) for w, s in matrices]
+
+
+def each_activation_then_product(x: torch.Tensor, matrices: Sequence[Matrix],
+                                 plan: MatmulPlan | None) -> list[torch.Tensor]:
+    """As an MLP's layers do without the gated kernel: the activation's own kernel, then the product by the plan
+    or (None) torch's product, for each matrix in turn."""
+    return [F.linear(silu_and_mul(x), w) if plan is None else decode_matmul(silu_and_mul(x), w, s, plan)
+            for w, s in matrices]
 
 
 def _reference(x: torch.Tensor, matrix: Matrix) -> torch.Tensor:
@@ -162,9 +193,9 @@ def _reference(x: torch.Tensor, matrix: Matrix) -> torch.Tensor:
                       for i in range(0, weight.shape[0], rows)], dim=1).to(x.dtype).float()
 
 
-def _matches(x: torch.Tensor, matrix: Matrix, plan: MatmulPlan, want: torch.Tensor) -> bool:
+def _matches(x: torch.Tensor, matrix: Matrix, plan: MatmulPlan, want: torch.Tensor, gated: bool = False) -> bool:
     weight, scales = matrix
-    got = decode_matmul(x, weight, scales, plan).float()
+    got = decode_matmul(x, weight, scales, plan, gated).float()
     limit = _TOLERANCE[x.dtype] * (float(want.abs().max()) or 1.0)
     return bool(torch.isfinite(got).all()) and float((got - want).abs().max()) <= limit
 
@@ -183,26 +214,26 @@ _PLAN_FIELDS = ("block_m", "block_n", "block_k", "split_k", "k_per_split", "num_
 _PLAN_INTS = _PLAN_FIELDS[:-1]
 
 
-def _entry_key(bucket: int, kind: MatrixKind) -> str:
-    return f"{kind[0]}x{kind[1]}:{str(kind[2]).removeprefix('torch.')}:{bucket}"
+def _entry_key(bucket: int, kind: MatrixKind, gated: bool = False) -> str:
+    return f"{kind[0]}x{kind[1]}:{str(kind[2]).removeprefix('torch.')}:{bucket}{':gated' if gated else ''}"
 
 
 def _read_cache(path: Path) -> dict[str, MatmulPlan | None]:
     """The choices kept in `path`, by `_entry_key`; none where it is missing, and none (with a warning) where it
     cannot be read or holds anything but well-formed plans."""
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
         return {}
     except OSError as error:
         log.warning("cannot read the matmul choices in %s (%s): timing them again", path, error)
         return {}
     try:
-        entries = json.loads(text)
+        entries = json.loads(data.decode())
         if not isinstance(entries, dict):
             raise ValueError("not an object")
         return {key: None if value is None else _plan_from(value) for key, value in entries.items()}
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
         log.warning("the matmul choices in %s are not readable (%s): timing them again", path, error)
         return {}
 
@@ -215,17 +246,17 @@ def _plan_from(value: Any) -> MatmulPlan:
     return MatmulPlan(**value)
 
 
-def _fits(plan: MatmulPlan | None, bucket: int, k: int, weight_bytes: int, with_tma: bool) -> bool:
-    """Whether `plan` (None: torch's product) can launch `bucket` rows by a matrix `k` long, of `weight_bytes` an
-    element, on this GPU (`with_tma`: it has the tensor memory accelerator)."""
+def _fits(plan: MatmulPlan | None, bucket: int, kind: MatrixKind, num_multiprocessors: int, with_tma: bool) -> bool:
+    """Whether `plan` (None: torch's product) is one this code would time for `bucket` rows by a matrix of `kind`
+    on this GPU (`with_tma`: it has the tensor memory accelerator): a file edited by hand, or written by other
+    code, never launches what the kernel was not planned for."""
     if plan is None:
         return True
-    if plan.tma and not (with_tma and can_use_tma(k, weight_bytes)):
+    n, k, storage = kind
+    if plan.tma and not (with_tma and can_use_tma(k, storage.itemsize)):
         return False
-    # tl.dot takes blocks of powers of two, 16 or more.
-    blocks = (plan.block_m, plan.block_n, plan.block_k)
-    return (all(b >= 16 and b & (b - 1) == 0 for b in blocks) and plan.block_m >= bucket
-            and plan.k_per_split % plan.block_k == 0 and plan.split_k * plan.k_per_split >= k)
+    return dataclasses.replace(plan, tma=False) in candidate_plans(bucket, n, k, num_multiprocessors,
+                                                                  storage.itemsize)
 
 
 def _write_cache(path: Path, entries: Mapping[str, MatmulPlan | None]) -> None:
@@ -241,6 +272,7 @@ def _write_cache(path: Path, entries: Mapping[str, MatmulPlan | None]) -> None:
     try:
         with os.fdopen(handle, "w") as out:
             json.dump(payload, out, indent=1)
+        os.chmod(temporary, 0o644)  # readable by other users sharing the cache folder, as an ordinary file is
         os.replace(temporary, path)
     except OSError as error:
         Path(temporary).unlink(missing_ok=True)
@@ -250,84 +282,159 @@ def _write_cache(path: Path, entries: Mapping[str, MatmulPlan | None]) -> None:
 def choose_matmuls(groups: Mapping[MatrixKind, Sequence[Matrix]], dtype: torch.dtype, device: torch.device,
                    num_multiprocessors: int, timer: Timer = cuda_graph_ms,
                    buckets: Sequence[int] = ROW_BUCKETS, cache: Path | None = None,
-                   with_tma: bool | None = None) -> MatmulChoices:
+                   with_tma: bool | None = None, gated_kinds: Collection[MatrixKind] = ()) -> MatmulChoices:
     """For each kind of matrix (its matrices, every layer's, in `groups`) and each bucket, the fastest of the
-    candidate plans and, for weights in `dtype`, torch's product, by `timer` over the whole group; choices
-    already in the `cache` file are taken from it, and new ones added to it. A plan that does not compile or
-    fit this GPU, or whose result differs from the reference, is left out (and logged); a quantized kind left
-    with no plan widens its weight for torch's product. Any other failure (of the device, say) ends the
-    timing and propagates. `with_tma`: time launches that read the weight through a tensor descriptor too
-    (default: on a CUDA GPU of compute capability 9.0 or later, which copies them with its tensor memory
-    accelerator)."""
+    candidate plans and, for weights in `dtype`, torch's product, by `timer` over the whole group; for each of
+    `gated_kinds` (an MLP's down projection) also whether reading the activation in beats its own kernel
+    before that product. Choices already in the `cache` file are taken from it, and new ones added to it. A
+    plan that does not compile or fit this GPU, or whose result differs from the reference, is left out (and
+    logged); a quantized kind left with no plan widens its weight for torch's product. Any other failure (of
+    the device, say) ends the timing and propagates. `with_tma`: time launches that read the weight through a
+    tensor descriptor too (default: on a CUDA GPU of compute capability 9.0 or later, which copies them with
+    its tensor memory accelerator)."""
     if with_tma is None:
         with_tma = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
     started = time.perf_counter()
     kept = _read_cache(cache) if cache is not None else {}
     plans: dict[tuple[int, MatrixKind], MatmulPlan | None] = {}
+    gated: dict[tuple[int, MatrixKind], MatmulPlan | None] = {}
     generator = torch.Generator(device=device).manual_seed(0)
-    num_timed = 0
+    timed: list[str] = []
+
+    def take_kept(key: str, bucket: int, kind: MatrixKind) -> bool:
+        if key in kept and _fits(kept[key], bucket, kind, num_multiprocessors, with_tma):
+            return True
+        if key in kept:
+            log.warning("the kept matmul choice %s does not fit %s: timing it again", kept[key], key)
+        timed.append(key)
+        return False
+
     try:
         for kind, matrices in groups.items():
-            n, k, storage = kind
-            quantized = storage != dtype
             for bucket in buckets:
                 key = _entry_key(bucket, kind)
-                if key in kept and _fits(kept[key], bucket, k, storage.itemsize, with_tma):
+                tried: list[tuple[float, MatmulPlan]] = []
+                if take_kept(key, bucket, kind):
                     plans[(bucket, kind)] = kept[key]
+                else:
+                    plans[(bucket, kind)], tried = _fastest(matrices, bucket, dtype, device, generator,
+                                                            num_multiprocessors, timer, with_tma)
+                if kind not in gated_kinds:
                     continue
-                if key in kept:
-                    log.warning("the kept matmul choice %s does not fit %s: timing it again", kept[key], key)
-                num_timed += 1
-                plans[(bucket, kind)] = _fastest(matrices, bucket, quantized, dtype, device, generator,
-                                                 num_multiprocessors, timer, with_tma)
+                gated_key = _entry_key(bucket, kind, gated=True)
+                if take_kept(gated_key, bucket, kind):
+                    gated[(bucket, kind)] = kept[gated_key]
+                else:
+                    gated[(bucket, kind)] = _fastest_gated(matrices, bucket, dtype, device, generator, timer,
+                                                           plans[(bucket, kind)], tried)
     finally:
         if device.type == "cuda":
             # The recordings' and references' memory back to the device: the KV cache is sized from what the
             # device has free.
             torch.cuda.empty_cache()
-    if cache is not None and num_timed:
-        _write_cache(cache, {**kept, **{_entry_key(bucket, kind): plan for (bucket, kind), plan in plans.items()}})
-    choices = MatmulChoices(num_multiprocessors, plans)
+    if cache is not None and timed:
+        # Another worker may have timed the same kinds since this one read the file: what the file holds now
+        # wins, so that both run the same launches.
+        now = {key: plan for key, plan in _read_cache(cache).items()}
+        ours: dict[str, MatmulPlan | None] = {}
+        for table, is_gated in ((plans, False), (gated, True)):
+            for (bucket, kind), plan in table.items():
+                key = _entry_key(bucket, kind, is_gated)
+                if key in now and _fits(now[key], bucket, kind, num_multiprocessors, with_tma):
+                    table[(bucket, kind)] = now[key]
+                elif plan is not None or kind[2] == dtype:
+                    # (A quantized kind that no plan served, out of memory, say, is not kept: timed again.)
+                    ours[key] = plan
+        _write_cache(cache, {**now, **ours})
+    choices = MatmulChoices(num_multiprocessors, plans, gated)
     log.info("matrix products: %d choices timed in %.1f s, %d kept from %s; carpool's kernel serves:\n  %s",
-             num_timed, time.perf_counter() - started, len(plans) - num_timed, cache or "no file",
+             len(timed), time.perf_counter() - started, len(plans) + len(gated) - len(timed), cache or "no file",
              "\n  ".join(choices.describe()))
     return choices
 
 
-def _fastest(matrices: Sequence[Matrix], bucket: int, quantized: bool, dtype: torch.dtype, device: torch.device,
-             generator: torch.Generator, num_multiprocessors: int, timer: Timer,
-             with_tma: bool) -> MatmulPlan | None:
-    """The launch for `bucket` rows by `matrices`: the first candidate plan within MIN_GAIN of the fastest, or
-    None (torch's product) where that is the faster, for a plain weight, or where no plan works."""
+def _time_plans(x: torch.Tensor, matrices: Sequence[Matrix], plans: Sequence[MatmulPlan], want: torch.Tensor,
+                timer: Timer, gated: bool = False) -> list[tuple[float, MatmulPlan]]:
+    """Each plan's time over `matrices`, once its result matched `want`; plans that differ, or that this GPU
+    cannot run, left out (and logged)."""
+    n, k = matrices[0][0].shape
+    storage = matrices[0][0].dtype
+    timed = []
+    for plan in plans:
+        try:
+            if not _matches(x, matrices[0], plan, want, gated):
+                log.warning("matmul plan %s for [%d, %d] %s differs from the reference: left out", plan.describe(),
+                            n, k, storage)
+                continue
+            timed.append((timer(partial(each_product, x, matrices, plan, gated)), plan))
+        except _UNFIT_OR_RUNTIME as error:
+            if not isinstance(error, _UNFIT) and x.device.type == "cuda":
+                # Triton's backend passes fail with a plain RuntimeError; so does a faulted device, whose next
+                # synchronization raises too, ending the timing.
+                torch.cuda.synchronize(x.device)
+            log.info("matmul plan %s for [%d, %d] %s cannot run here (%s: %s): left out", plan.describe(), n, k,
+                     storage, type(error).__name__, error)
+    return timed
+
+
+def _first_of_fastest(timed: Sequence[tuple[float, MatmulPlan]]) -> tuple[float, MatmulPlan]:
+    """The first plan within MIN_GAIN of the fastest, and its time: timing noise rarely moves the choice."""
+    best_ms = min(ms for ms, _ in timed)
+    return next((ms, plan) for ms, plan in timed if ms <= (1 + MIN_GAIN) * best_ms)
+
+
+def time_launches(matrices: Sequence[Matrix], bucket: int, dtype: torch.dtype, device: torch.device,
+                  generator: torch.Generator, num_multiprocessors: int, timer: Timer = cuda_graph_ms,
+                  with_tma: bool = False) -> tuple[float | None, list[tuple[float, MatmulPlan]]]:
+    """`bucket` rows by `matrices`: torch's product's time (None for a quantized weight, which torch does not
+    take), and each candidate plan's that gave the reference's result and runs here, in `candidate_plans`'
+    order, then the fastest TMA_TRIES again through a tensor descriptor where `with_tma`."""
     n, k = matrices[0][0].shape
     storage = matrices[0][0].dtype
     x = torch.randn((bucket, k), generator=generator, device=device).to(dtype)
     want = _reference(x, matrices[0])
-    torch_ms = None if quantized else timer(partial(each_product, x, matrices, None))
-    timed: list[tuple[float, MatmulPlan]] = []
-
-    def time_plans(plans: Sequence[MatmulPlan]) -> None:
-        for plan in plans:
-            try:
-                if not _matches(x, matrices[0], plan, want):
-                    log.warning("matmul plan %s for [%d, %d] %s differs from the reference: left out",
-                                plan.describe(), n, k, storage)
-                    continue
-                timed.append((timer(partial(each_product, x, matrices, plan)), plan))
-            except _UNFIT as error:
-                log.info("matmul plan %s for [%d, %d] %s cannot run here (%s: %s): left out", plan.describe(), n,
-                         k, storage, type(error).__name__, error)
-
-    time_plans(candidate_plans(bucket, n, k, num_multiprocessors, storage.itemsize))
+    torch_ms = None if storage != dtype else timer(partial(each_product, x, matrices, None))
+    timed = _time_plans(x, matrices, candidate_plans(bucket, n, k, num_multiprocessors, storage.itemsize), want,
+                        timer)
     if with_tma and can_use_tma(k, storage.itemsize):
         # Through the tensor memory accelerator: the fastest few launches again, not every one (each is
         # another compiled variant of the kernel).
         fastest = sorted(timed, key=lambda item: item[0])[:TMA_TRIES]
-        time_plans([dataclasses.replace(plan, tma=True) for _, plan in fastest])
+        timed += _time_plans(x, matrices, [dataclasses.replace(plan, tma=True) for _, plan in fastest], want, timer)
+    return torch_ms, timed
+
+
+def _fastest(matrices: Sequence[Matrix], bucket: int, dtype: torch.dtype, device: torch.device,
+             generator: torch.Generator, num_multiprocessors: int, timer: Timer,
+             with_tma: bool) -> tuple[MatmulPlan | None, list[tuple[float, MatmulPlan]]]:
+    """The launch for `bucket` rows by `matrices` (`_first_of_fastest`), or None (torch's product) where that is
+    the faster, for a plain weight, or where no plan works; and every plan's time."""
+    torch_ms, timed = time_launches(matrices, bucket, dtype, device, generator, num_multiprocessors, timer, with_tma)
+    if not timed:
+        return None, timed
+    first_ms, first = _first_of_fastest(timed)
+    if torch_ms is not None and first_ms > (1 - MIN_GAIN) * torch_ms:
+        return None, timed
+    return first, timed
+
+
+def _fastest_gated(matrices: Sequence[Matrix], bucket: int, dtype: torch.dtype, device: torch.device,
+                   generator: torch.Generator, timer: Timer, plain: MatmulPlan | None,
+                   tried: Sequence[tuple[float, MatmulPlan]]) -> MatmulPlan | None:
+    """For a down projection: the plan that reads the activation in, among the fastest few of the plain product
+    (`tried`; the plain choice `plain` among them), where it beats the activation's own kernel followed by the
+    plain choice by MIN_GAIN; else None."""
+    n, k = matrices[0][0].shape
+    if plain is None and matrices[0][1] is not None:
+        return None  # a quantized weight no plan serves: widened for torch's product, after the activation
+    x = torch.randn((bucket, 2 * k), generator=generator, device=device).to(dtype)
+    want = _reference(silu_and_mul_rounded(x), matrices[0])
+    apart_ms = timer(partial(each_activation_then_product, x, matrices, plain))
+    tries = [plan for _, plan in sorted(tried, key=lambda item: item[0])[:GATED_TRIES]]
+    if plain is not None and plain not in tries:
+        tries.append(plain)
+    timed = _time_plans(x, matrices, tries, want, timer, gated=True)
     if not timed:
         return None
-    best_ms = min(ms for ms, _ in timed)
-    first_ms, first = next((ms, plan) for ms, plan in timed if ms <= (1 + MIN_GAIN) * best_ms)
-    if torch_ms is not None and first_ms > (1 - MIN_GAIN) * torch_ms:
-        return None
-    return first
+    first_ms, first = _first_of_fastest(timed)
+    return first if first_ms <= (1 - MIN_GAIN) * apart_ms else None

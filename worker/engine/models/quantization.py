@@ -151,6 +151,19 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
+def gated_linear(gate_up: torch.Tensor, weight: LinearWeight, matmuls: MatmulChoices) -> torch.Tensor | None:
+    """`linear(silu_and_mul(gate_up), weight)` in one launch of the kernel, reading the activation in, where
+    `matmuls` holds a gated plan for these rows (an MLP's down projection); None where it does not."""
+    if isinstance(weight, PackedWeight):
+        return None
+    data, scales = (weight.data, weight.scales) if isinstance(weight, QuantizedWeight) else (weight, None)
+    flat = gate_up.reshape(-1, gate_up.shape[-1])
+    plan = matmuls.gated_plan(flat.shape[0], data)
+    if plan is None:
+        return None
+    return decode_matmul(flat, data, scales, plan, gated=True).view(*gate_up.shape[:-1], data.shape[0])
+
+
 def _quantized_product(x: torch.Tensor, weight: QuantizedWeight, matmuls: MatmulChoices | None) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     plan = matmuls.plan(flat.shape[0], weight.data, quantized=True) if matmuls is not None else None
