@@ -59,7 +59,7 @@ PROGRAMS_PER_MULTIPROCESSOR = 2
 
 @triton.jit
 def _decode_matmul_kernel(
-    x_ptr, w_ptr, w_desc, scales_ptr, out_ptr, partial_ptr,
+    x_ptr, w_ptr, w_desc, scales_ptr, bias_ptr, out_ptr, partial_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
     BLOCK_M: tl.constexpr,
@@ -67,6 +67,7 @@ def _decode_matmul_kernel(
     BLOCK_K: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     HAS_SCALES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr,
     GATED: tl.constexpr,
@@ -123,24 +124,28 @@ def _decode_matmul_kernel(
         w_ptrs += BLOCK_K
     is_out = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if IS_SPLIT:
-        # A partial sum of this K range, unscaled: the reduction kernel adds the ranges, scales and rounds.
+        # A partial sum of this K range, unscaled: the reduction kernel adds the ranges, scales, adds the bias
+        # and rounds.
         partial = partial_ptr + pid_k * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :]
         tl.store(partial, acc, mask=is_out)
     else:
         if HAS_SCALES:
-            # The per-row scale on the fp32 sum, then one rounding to the activations' dtype.
+            # The per-row scale on the fp32 sum, then the bias, then one rounding to the activations' dtype.
             acc = acc * tl.load(scales_ptr + cols).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + cols).to(tl.float32)[None, :]
         out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=is_out)
 
 
 @triton.jit
 def _decode_matmul_reduce_kernel(
-    partial_ptr, scales_ptr, out_ptr,
+    partial_ptr, scales_ptr, bias_ptr, out_ptr,
     N, split_k,
     stride_ps, stride_pm, stride_om,
     BLOCK_N: tl.constexpr,
     HAS_SCALES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     # Grid: (row, column tile). The ranges' partial sums are added in order, then scaled and rounded once.
     row = tl.program_id(0).to(tl.int64)
@@ -151,6 +156,8 @@ def _decode_matmul_reduce_kernel(
         acc += tl.load(partial_ptr + s * stride_ps + row * stride_pm + offs_n, mask=is_n, other=0.0)
     if HAS_SCALES:
         acc = acc * tl.load(scales_ptr + offs_n, mask=is_n, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=is_n, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=is_n)
 
 
@@ -274,17 +281,21 @@ def candidate_plans(m: int, n: int, k: int, num_multiprocessors: int, weight_byt
 
 
 def decode_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
-                  plan: MatmulPlan | None = None, gated: bool = False) -> torch.Tensor:
-    """`(x @ weight^T) * scales` for `x [M, K]`, `weight [N, K]` in x's dtype or int8 / float8_e4m3fn, and
-    `scales [N]` (None: no scaling); `[M, N]` in x's dtype. `plan` defaults to `plan_decode_matmul` for x's
-    device; it must hold M rows in its row block. `gated`: x is `[M, 2K]`, gate then up, and the product is
-    of `silu_and_mul(x)` (an MLP's down projection with its activation read in)."""
+                  plan: MatmulPlan | None = None, gated: bool = False,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`(x @ weight^T) * scales + bias` for `x [M, K]`, `weight [N, K]` in x's dtype or int8 / float8_e4m3fn,
+    `scales [N]` (None: no scaling) and `bias [N]` (None: none), rounded once; `[M, N]` in x's dtype. `plan`
+    defaults to `plan_decode_matmul` for x's device; it must hold M rows in its row block. `gated`: x is
+    `[M, 2K]`, gate then up, and the product is of `silu_and_mul(x)` (an MLP's down projection with its
+    activation read in)."""
     assert x.dim() == 2 and weight.dim() == 2, (x.shape, weight.shape)
     assert x.shape[1] == (2 if gated else 1) * weight.shape[1], (x.shape, weight.shape, gated)
     assert x.dtype in ACTIVATION_DTYPES and weight.dtype in (*STORAGE_DTYPES, x.dtype), (x.dtype, weight.dtype)
     if scales is not None:
         assert scales.shape == (weight.shape[0],) and scales.dtype in ACTIVATION_DTYPES, (scales.shape, scales.dtype)
         assert scales.is_contiguous() and scales.device == x.device, (scales.stride(), scales.device)
+    if bias is not None:
+        assert bias.shape == (weight.shape[0],) and bias.is_contiguous() and bias.device == x.device, bias.shape
     # Element offsets into the weight are 32-bit in the kernel.
     assert weight.numel() < 2**31, weight.shape
     assert x.stride(1) == 1 and weight.is_contiguous(), (x.stride(), weight.stride())
@@ -306,24 +317,26 @@ def decode_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
     # Sized by shapes alone: a graph records the allocation, and nothing is read back to the host.
     partial = torch.empty((plan.split_k, m, n) if is_split else (1, 1, 1), dtype=torch.float32, device=x.device)
     scale_arg = scales if scales is not None else out  # never read without HAS_SCALES
+    bias_arg = bias if bias is not None else out  # nor this without HAS_BIAS
     descriptor = None
     if plan.tma:
         assert TensorDescriptor is not None and can_use_tma(k, weight.element_size()), (k, weight.dtype)
         descriptor = TensorDescriptor.from_tensor(weight, [plan.block_n, plan.block_k])
     _decode_matmul_kernel[(triton.cdiv(n, plan.block_n), plan.split_k)](
-        x, weight, descriptor, scale_arg, out, partial,
+        x, weight, descriptor, scale_arg, bias_arg, out, partial,
         m, n, k, plan.k_per_split,
         x.stride(0), weight.stride(0), out.stride(0), partial.stride(0), partial.stride(1),
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, IS_SPLIT=is_split,
-        HAS_SCALES=scales is not None, EVEN_K=k % plan.block_k == 0, USE_TMA=plan.tma, GATED=gated,
+        HAS_SCALES=scales is not None, HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0, USE_TMA=plan.tma,
+        GATED=gated,
         DOT_IN_FP32=dot_in_fp32, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if is_split:
         # Short column tiles: a few more programs to spread the (small) reduction over.
         block = min(256, triton.next_power_of_2(n))
         _decode_matmul_reduce_kernel[(m, triton.cdiv(n, block))](
-            partial, scale_arg, out, n, plan.split_k, partial.stride(0), partial.stride(1), out.stride(0),
-            BLOCK_N=block, HAS_SCALES=scales is not None)
+            partial, scale_arg, bias_arg, out, n, plan.split_k, partial.stride(0), partial.stride(1), out.stride(0),
+            BLOCK_N=block, HAS_SCALES=scales is not None, HAS_BIAS=bias is not None)
     return out
 
 
@@ -334,7 +347,9 @@ def silu_and_mul_rounded(x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
-                            gated: bool = False) -> torch.Tensor:
+                            gated: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The same product in fp32 with one rounding to x's dtype at the end (of the rounded activation, gated)."""
     product = (silu_and_mul_rounded(x) if gated else x).float() @ weight.float().T
-    return (product if scales is None else product * scales.float()).to(x.dtype)
+    if scales is not None:
+        product = product * scales.float()
+    return (product if bias is None else product + bias.float()).to(x.dtype)

@@ -74,6 +74,26 @@ def _small_plan(m: int, split_k: int, k: int, tma: bool = False) -> MatmulPlan:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_a_bias_is_added_before_the_one_rounding(dtype: torch.dtype, split_k: int) -> None:
+    """A bias (Qwen2's q/k/v) added to the fp32 sum, after the scales, in the kernel or in the reduction of its
+    K ranges: one rounding, as torch's product with a bias rounds."""
+    m, n, k = 3, 40, 72
+    generator = torch.Generator().manual_seed(17)
+    bias = torch.randn(n, generator=generator).to(dtype).to(DEVICE)
+    weight = (0.05 * torch.randn((n, k), generator=generator)).to(dtype).to(DEVICE)
+    x = _x(m, k, dtype, seed=18)
+    plan = _small_plan(m, split_k, k)
+    got = decode_matmul(x, weight, None, plan, bias=bias)
+    _assert_close(got, reference(x, weight, None, bias=bias))
+    torch.testing.assert_close(reference(x, weight, None, bias=bias).float(),
+                               (F.linear(x.float(), weight.float()) + bias.float()).to(dtype).float())
+    data, scales = _weight(n, k, torch.int8, seed=19)
+    _assert_close(decode_matmul(x, data, scales.to(dtype), plan, bias=bias),
+                  reference(x, data, scales.to(dtype), bias=bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("m", "n", "k", "split_k", "tma"), [(3, 40, 64, 2, False), (5, 24, 72, 3, False),
                                                             (3, 40, 64, 1, True)])
 def test_the_gated_product_reads_silu_and_mul_in(dtype: torch.dtype, m: int, n: int, k: int, split_k: int,
@@ -198,9 +218,10 @@ def test_linear_takes_the_kernel_for_decode_sized_products(monkeypatch: pytest.M
                                                             quantization: Quantization) -> None:
     calls: list[int] = []
 
-    def counted(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, plan: MatmulPlan) -> torch.Tensor:
+    def counted(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, plan: MatmulPlan,
+                gated: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
         calls.append(x.shape[0])
-        return decode_matmul(x, data, scales, plan)
+        return decode_matmul(x, data, scales, plan, gated, bias)
 
     monkeypatch.setattr(quantization_module, "decode_matmul", counted)
     generator = torch.Generator().manual_seed(5)

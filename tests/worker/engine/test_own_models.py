@@ -146,17 +146,18 @@ def test_fused_kernels_give_the_same_logits_and_tokens(tmp_path_factory: pytest.
     assert generated == expected_tokens
 
 
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias-tied"])
 def test_the_matmul_kernel_gives_the_same_logits_and_tokens(tmp_path_factory: pytest.TempPathFactory,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                                            monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
     """Every decode-sized product of an fp16 model through the matmul kernel, the down projections reading their
     activation in, as a timed choice on a GPU may send them (run here under Triton's interpreter), against the
-    same model's torch products and activation kernel. (fp16: the interpreter
-    rounds fp32 to bf16 by truncation, which a GPU does not.)"""
+    same model's torch products and activation kernel; Qwen2's q/k/v biases added inside the kernel. (fp16: the
+    interpreter rounds fp32 to bf16 by truncation, which a GPU does not.)"""
     from kernels.decode_matmul import candidate_plans
     from worker.engine.models import quantization
     from worker.engine.models.matmul_choice import ROW_BUCKETS, MatmulChoices
 
-    path = _checkpoint(tmp_path_factory, "llama-gqa")
+    path = _checkpoint(tmp_path_factory, variant)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = ModelRunner(path, device=device, dtype="float16", block_size=8, num_blocks=16, model_impl="carpool",
                          model_kernels=True, matmul_tuning=False)
@@ -178,10 +179,10 @@ def test_the_matmul_kernel_gives_the_same_logits_and_tokens(tmp_path_factory: py
     kernel = quantization.decode_matmul
 
     def counted(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, plan: Any,
-                gated: bool = False) -> torch.Tensor:
+                gated: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows.append(x.shape[0])
         num_gated.append(gated)
-        return kernel(x, weight, scales, plan, gated)
+        return kernel(x, weight, scales, plan, gated, bias)
 
     monkeypatch.setattr(quantization, "decode_matmul", counted)
 

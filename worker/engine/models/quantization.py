@@ -142,13 +142,11 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
             flat = x.reshape(-1, x.shape[-1])
             plan = matmuls.plan(flat.shape[0], weight, quantized=False)
             if plan is not None:
-                out = decode_matmul(flat, weight, None, plan).view(*x.shape[:-1], weight.shape[0])
-                return out if bias is None else out + bias
+                return decode_matmul(flat, weight, None, plan, bias=bias).view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     if isinstance(weight, PackedWeight):
         return packed_linear(x, weight, bias)
-    out = _quantized_product(x, weight, matmuls)
-    return out if bias is None else out + bias
+    return _quantized_product(x, weight, matmuls, bias)
 
 
 def gated_linear(gate_up: torch.Tensor, weight: LinearWeight, matmuls: MatmulChoices) -> torch.Tensor | None:
@@ -164,17 +162,20 @@ def gated_linear(gate_up: torch.Tensor, weight: LinearWeight, matmuls: MatmulCho
     return decode_matmul(flat, data, scales, plan, gated=True).view(*gate_up.shape[:-1], data.shape[0])
 
 
-def _quantized_product(x: torch.Tensor, weight: QuantizedWeight, matmuls: MatmulChoices | None) -> torch.Tensor:
+def _quantized_product(x: torch.Tensor, weight: QuantizedWeight, matmuls: MatmulChoices | None,
+                       bias: torch.Tensor | None) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     plan = matmuls.plan(flat.shape[0], weight.data, quantized=True) if matmuls is not None else None
     if plan is not None:
-        out = decode_matmul(flat, weight.data, weight.scales, plan)
-    elif (weight.data.dtype == torch.int8 and x.device.type == "cpu" and x.dtype in _INT8_KERNEL_DTYPES
+        # The bias added to the fp32 sum inside the kernel, before its one rounding.
+        return decode_matmul(flat, weight.data, weight.scales, plan, bias=bias).view(*x.shape[:-1], weight.shape[0])
+    if (weight.data.dtype == torch.int8 and x.device.type == "cpu" and x.dtype in _INT8_KERNEL_DTYPES
             and weight.shape[1] % _INT8_KERNEL_ROW_MULTIPLE == 0):
-        out = torch._weight_int8pack_mm(flat.contiguous(), weight.data, weight.scales)
+        out = torch._weight_int8pack_mm(flat.contiguous(), weight.data, weight.scales).view(
+            *x.shape[:-1], weight.shape[0])
     else:
-        return F.linear(x, weight.data.to(x.dtype)) * weight.scales
-    return out.view(*x.shape[:-1], weight.shape[0])
+        out = F.linear(x, weight.data.to(x.dtype)) * weight.scales
+    return out if bias is None else out + bias
 
 
 class QuantizedLinear(torch.nn.Module):
