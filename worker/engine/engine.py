@@ -35,7 +35,7 @@ from worker.engine.model_runner import ModelRunner, StepSeq, TokenFeed
 from worker.engine.prompt_input import check_token_ids, max_prompt_chars, prompt_token_ids
 from worker.engine.records import EngineStats
 from worker.engine.request_state import Completion, RequestOutput, RequestState
-from worker.engine.sampler import DrawnTokens, SampledToken, Sampler
+from worker.engine.sampler import DrawnTokens, SampledToken, SampleRequest, Sampler
 from worker.engine.sampling_rows import to_device
 from worker.engine.speculation import Proposer, Speculator, parse_speculative
 from worker.engine.text_decoder import text_decoder_for
@@ -320,24 +320,35 @@ class Engine:
         yet come from the device."""
         for seq in scheduled.preempted:
             self._release(seq.request_id)
-        batch = [
-            StepSeq(s.token_ids, s.start_pos, s.seq.block_table, s.needs_logits, s.seq.request_id)
-            for s in scheduled.scheduled
-        ]
+        # One pass over the batch: its inputs, and for each sampling sequence its state, what the sampler needs
+        # and its logit row.
+        batch = []
+        sampling: list[ScheduledSeq] = []
+        states: list[RequestState] = []
+        requests: list[SampleRequest] = []
+        indices: list[int] = []
+        rows_of_sampling: list[int] = []
+        num_logit_rows = 0
+        by_id = self._requests
+        for s in scheduled.scheduled:
+            seq = s.seq
+            batch.append(StepSeq(s.token_ids, s.start_pos, seq.block_table, s.needs_logits, seq.request_id))
+            if s.is_sampling:
+                state = by_id[seq.request_id]
+                sampling.append(s)
+                states.append(state)
+                requests.append(state.sample_request_now())
+                indices.append(len(seq.output_token_ids))
+                rows_of_sampling.append(num_logit_rows)
+            num_logit_rows += s.needs_logits
         logits = self.runner.execute(batch, self._feed(scheduled.scheduled, batch, previous))
-        with_logits = [s for s in scheduled.scheduled if s.needs_logits]
-        sampling = [s for s in with_logits if s.is_sampling]
         drawn = None
         if sampling:
-            by_id = self._requests
-            states = [by_id[s.seq.request_id] for s in sampling]
-            requests = [state.sample_request_now() for state in states]
             # Usually every row samples (all decodes): no gather of the rows then. Else the index goes to the
             # device without a wait (a list index would copy from pageable memory, waiting for the forward).
             rows = logits if len(sampling) == logits.shape[0] else logits.index_select(
-                0, to_device([i for i, s in enumerate(with_logits) if s.is_sampling], torch.int64, logits.device))
-            drawn = _Drawn(self.sampler.launch(rows, requests), sampling, states,
-                           [len(s.seq.output_token_ids) for s in sampling])
+                0, to_device(rows_of_sampling, torch.int64, logits.device))
+            drawn = _Drawn(self.sampler.launch(rows, requests), sampling, states, indices)
         self.scheduler.advance_launched(scheduled)
         return _InFlight(scheduled, None, drawn)
 
