@@ -7,7 +7,7 @@ and lm_head) and each row count: torch's product on the weights in bf16 (or fp16
 kernel of `kernels/decode_matmul.py` with its default launch and with the fastest of the launches the
 engine's `--matmul-tuning` times at start-up (`time_launches`: `candidate_plans`, and on a Hopper GPU the
 fastest three again through a tensor descriptor), on those weights and on int8 / fp8 copies (fp8 on compute
-capability 8.9+). Each is timed as `worker.engine.models.matmul_choice` times it: every copy in turn,
+capability 8.9+). Each is timed as `worker.engine.models.matmul_timing` times it: every copy in turn,
 more bytes than the L2 cache holds, recorded once as a CUDA graph and replayed, so a launch from Python costs
 nothing. The rate is the weights' bytes over that time; each kernel result is checked against the fp32
 reference first. Needs a CUDA GPU.
@@ -24,7 +24,7 @@ import triton
 from bench.kernels import peak_gbps
 from kernels.decode_matmul import plan_decode_matmul
 from kernels.split_kv import num_multiprocessors
-from worker.engine.models.matmul_choice import Matrix, time_launches
+from worker.engine.models.matmul_timing import Matrix, time_launches
 
 # (name, out features, in features, copies: the 1B model's layers, one lm_head) of bench.gpu.make_1b_model.
 LAYERS = [("qkv", 2560, 2048, 22), ("o", 2048, 2048, 22), ("gate_up", 11264, 2048, 22), ("down", 2048, 5632, 22),

@@ -43,14 +43,8 @@ from kernels.split_kv import num_multiprocessors
 from worker.engine.attention import PagedAttentionMetadata, attend_cached, paged_attention
 from worker.engine.kernel_checks import check_model_kernels
 from worker.engine.models.packed import PackedWeight, can_pack, pack_verified
-from worker.engine.models.matmul_choice import (
-    Matrix,
-    MatmulChoices,
-    MatrixKind,
-    cache_file,
-    choose_matmuls,
-    kind_of,
-)
+from worker.engine.models.matmul_choice import MatmulChoices, MatrixKind, cache_file, choose_matmuls, kind_of
+from worker.engine.models.matmul_timing import Matrix
 from worker.engine.models.quantization import (
     LinearWeight,
     Quantization,
