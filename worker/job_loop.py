@@ -236,7 +236,7 @@ class JobLoop:
             job.token_ids += new_ids
             # The engine's text only grows while a job runs (a possible stop string is held back), so the
             # event carries just what is new; the final record holds the whole text.
-            job.text += out.new_text
+            job.text_buffer.append(out.new_text)
             if out.new_logprobs is not None:
                 job.engine_logprobs += out.new_logprobs
             if new_ids:
@@ -249,7 +249,7 @@ class JobLoop:
                 # its checkpoint's tokens but carries the text from the start, so subscribers de-duplicate each.
                 writes.publish(job.spec.id, pack({
                     "type": EventType.TOKEN, "id": job.spec.id, "text": out.new_text, "token_ids": new_ids,
-                    "index": len(job.token_ids) - len(new_ids), "text_index": len(job.text) - len(out.new_text),
+                    "index": len(job.token_ids) - len(new_ids), "text_index": len(job.text_buffer) - len(out.new_text),
                     "attempt": job.attempt}))
                 if job.throttle is not None and not out.finished and job.throttle.should_emit(mono):
                     partial = running_view(job.record, job.text, job.token_ids,

@@ -10,6 +10,7 @@ from scheduler.protocol.job import JobSpec, JobStatus
 from scheduler.protocol.webhooks import OutputThrottle
 from worker.job_store import EntryRef, Outcome
 from worker.job_trace import JobTrace
+from worker.text_buffer import TextBuffer
 
 
 @dataclass
@@ -18,7 +19,8 @@ class RunningJob:
     entry: EntryRef
     resumed_from: int
     token_ids: list[int]
-    text: str = ""
+    text_buffer: TextBuffer = field(default_factory=TextBuffer)
+    """The output text so far, grown by each step's new text (a string grown by `+=` is copied whole)."""
     attempt: int = 1
     """Which start of the job this is (the record's ``attempts``): on every event, so a subscriber can tell a
     re-run's events (and a repeated ``final``) from the first run's."""
@@ -36,6 +38,11 @@ class RunningJob:
     resumed_logprobs: list[dict[str, Any]] = field(default_factory=list)
     """Logprobs of the checkpoint's tokens: the engine reports only those of tokens it generated here."""
     engine_logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        """The output text so far (joined when read: checkpoints, webhooks and the result read it, not each step)."""
+        return self.text_buffer.text
 
     @property
     def logprobs(self) -> list[dict[str, Any]] | None:

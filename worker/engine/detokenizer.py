@@ -18,6 +18,7 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from worker.engine.text_decoder import TextDecoder, text_decoder_for
+from worker.text_buffer import StreamedText
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as decoding context for the first output tokens.
@@ -40,22 +41,21 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         # Characters of the pending tokens' text already emitted while a partial character waits.
         self._num_emitted_pending = 0
-        # Grown piece by piece: the engine reads the text every step, and a join of every piece so far walked
-        # one Python object per piece each time; appending copies the characters only (a memcpy).
-        self._text = ""
+        self.buffer = StreamedText()
+        """The output text emitted so far, read at its end each step (`text` joins it whole)."""
         # A byte table's text streams: one incremental UTF-8 decode per push, no windows decoded twice.
         self._stream = self._decoder.stream(self._ids)
 
     @property
     def text(self) -> str:
-        """All output text emitted so far."""
-        return self._text
+        """All output text emitted so far (joined on each call that finds new text: read `buffer` each step)."""
+        return self.buffer.text
 
     def push(self, token_ids: list[int]) -> str:
         """Add output tokens; return the text that became stable (possibly empty)."""
         if self._stream is not None:
             new_text = self._stream.push(token_ids)
-            self._text += new_text
+            self.buffer.append(new_text)
             return new_text
         self._ids.extend(token_ids)
         return self._advance(is_final=False)
@@ -64,7 +64,7 @@ class IncrementalDetokenizer:
         """`push([token_id])`, without the list where the output streams (a decode step's one token)."""
         if self._stream is not None:
             new_text = self._stream.push_one(token_id)
-            self._text += new_text
+            self.buffer.append(new_text)
             return new_text
         return self.push([token_id])
 
@@ -75,7 +75,7 @@ class IncrementalDetokenizer:
         return self._advance(is_final=True)
 
     def _add(self, new_text: str) -> str:
-        self._text += new_text
+        self.buffer.append(new_text)
         return new_text
 
     def _advance(self, is_final: bool) -> str:
@@ -96,7 +96,7 @@ class IncrementalDetokenizer:
             self._num_emitted_pending = 0
         else:
             self._num_emitted_pending += len(new_text)
-        self._text += new_text
+        self.buffer.append(new_text)
         return new_text
 
 

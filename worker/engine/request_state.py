@@ -32,8 +32,8 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    text: str
-    """All output text so far: stop strings trimmed, a possible partial stop string held back."""
+    num_text_chars: int
+    """Length of the output text so far: stop strings trimmed, a possible partial stop string held back."""
     new_text: str
     """What ``text`` gained since the request's last output (the text only ever grows)."""
     finished: bool
@@ -45,6 +45,14 @@ class RequestOutput:
     num_token_ids: int
     all_logprobs: list[dict[str, Any]] | None = field(repr=False)
     num_logprobs: int
+    text_source: RequestState = field(repr=False)
+    """The request's state, whose text (which only grows) `text` reads up to `num_text_chars`."""
+
+    @property
+    def text(self) -> str:
+        """All output text so far (`num_text_chars` of it), joined when read: a step's output carries only the
+        length, as it carries its tokens."""
+        return self.text_source.text_prefix(self.num_text_chars)
 
     @property
     def token_ids(self) -> list[int]:
@@ -104,10 +112,14 @@ class RequestState:
     """What the sampler reads of this request, made once: `sample_request_now` brings its position and
     suppressed ids up to date each step (its token lists are the sequence's own, which only grow)."""
 
+    longest_stop: int = field(init=False)
+    """Characters of the longest stop string (0: none): how much of the text's end a stop check reads."""
+
     def __post_init__(self) -> None:
         if self.seq.params.logprobs is not None:
             self.logprobs = []
         seq = self.seq
+        self.longest_stop = max((len(stop) for stop in seq.params.stop), default=0)
         self.max_tokens = seq.max_tokens
         self.sample_request = SampleRequest(request_id=seq.request_id, params=seq.params,
                                             prompt_token_ids=seq.prompt_token_ids,
@@ -123,13 +135,24 @@ class RequestState:
 
     @property
     def text(self) -> str:
+        """The text an output may show now (`text_prefix` of `reportable_length`)."""
+        return self.text_prefix(self.reportable_length())
+
+    def reportable_length(self) -> int:
+        """Characters of text an output may show now: the text cut at a stop string, or all of it but, while the
+        request runs, a possible partial stop string at its end (the next tokens may complete it). Reads only
+        the text not shown yet."""
         if self.final_text is not None:
-            return self.final_text
-        text = self.detokenizer.text
+            return len(self.final_text)
+        buffer = self.detokenizer.buffer
         stops = self.seq.params.stop
         if not stops or self.seq.is_finished:
-            return text
-        return text[: len(text) - partial_stop_len(text, stops)]
+            return buffer.length
+        return buffer.length - partial_stop_len(buffer.recent, stops)
+
+    def text_prefix(self, num_chars: int) -> str:
+        """The first `num_chars` characters of the request's text (cut at its stop string, if one ended it)."""
+        return (self.final_text if self.final_text is not None else self.detokenizer.text)[:num_chars]
 
     def suppress_token_ids(self) -> list[int]:
         """Ids the sampler must not draw: stop tokens (and EOS) before min_tokens."""
@@ -166,10 +189,13 @@ class RequestState:
                 return decision
         new_text = self.detokenizer.push_one(token)
         if can_stop and params.stop and new_text:
-            found = find_stop(self.detokenizer.text, params.stop, len(new_text))
+            # A stop ending in the new text starts in the text not shown yet: what came before it was held back
+            # as a possible start of a stop.
+            found = find_stop(self.detokenizer.buffer.recent, params.stop, len(new_text))
             if found is not None:
                 index, stop = found
-                end = index + len(stop) if params.include_stop_str_in_output else index
+                start = self.text_reported + index
+                end = start + len(stop) if params.include_stop_str_in_output else start
                 self.final_text = self.detokenizer.text[:end]
                 return StopDecision(FinishReason.STOP, stop)
         if num_output >= self.max_tokens:
@@ -181,12 +207,21 @@ class RequestState:
         """The output for this step; clears the new tokens."""
         seq = self.seq
         new, self.new_token_ids = self.new_token_ids, []
-        text = self.text
-        new_text, self.text_reported = text[self.text_reported:], len(text)
+        buffer, reported = self.detokenizer.buffer, self.text_reported
+        if self.final_text is not None:
+            end = len(self.final_text)
+            new_text = self.final_text[reported:end]
+            buffer.take(len(buffer.recent))  # nothing after a stop string is ever shown
+        else:
+            recent = buffer.recent
+            hold = partial_stop_len(recent, seq.params.stop) if self.longest_stop and not seq.is_finished else 0
+            new_text = buffer.take(len(recent) - hold)
+            end = reported + len(new_text)
+        self.text_reported = end
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new,
-            text=text,
+            num_text_chars=end,
             new_text=new_text,
             finished=seq.status is SequenceStatus.FINISHED,
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
@@ -197,6 +232,7 @@ class RequestState:
             num_token_ids=len(seq.output_token_ids) - seq.num_pending_tokens,  # the known ones
             all_logprobs=self.logprobs,
             num_logprobs=len(self.logprobs) if self.logprobs is not None else 0,
+            text_source=self,
         )
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from worker.engine.default_model import build_tokenizer
 from worker.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
+from worker.text_buffer import StreamedText
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +143,52 @@ def test_streaming_with_hold_back_never_emits_a_stop(tokenizer) -> None:
         streamed += text[len(streamed) : safe_end]
     assert stopped_at == len("alpha <EN beta ")
     assert streamed == "alpha <EN beta "
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.just("add"), st.text(max_size=6)),
+                          st.tuples(st.just("take"), st.integers(min_value=0, max_value=20)),
+                          st.tuples(st.just("text"), st.none())), max_size=60))
+def test_the_text_buffer_reads_as_the_string_it_grew_into(ops: list[tuple[str, object]]) -> None:
+    """Pieces added, the recent part taken and the whole text joined in any order: always what one string grown
+    piece by piece would give, `recent` always the text after what was taken."""
+    buffer, model, taken = StreamedText(), "", 0
+    for op, arg in ops:
+        if op == "add":
+            assert isinstance(arg, str)
+            buffer.append(arg)
+            model += arg
+        elif op == "take":
+            assert isinstance(arg, int)
+            assert buffer.take(arg) == model[taken:taken + arg]
+            taken = min(len(model), taken + arg)
+        else:
+            assert buffer.text == model
+        assert len(buffer) == len(model) and buffer.recent == model[taken:]
+
+
+def test_a_stop_string_is_found_past_long_text_reading_only_its_end(tokenizer) -> None:
+    """A stop found near the end of a long output cuts the whole text where it starts, as a search of the
+    whole text would."""
+    from scheduler import SamplingParams
+    from scheduler.sequence import Sequence
+    from worker.engine.request_state import RequestState
+    from worker.engine.sampler import SampledToken
+
+    filler = "lorem ipsum dolor " * 200
+    output = tokenizer(filler + "THE END and more", add_special_tokens=False).input_ids
+    params = SamplingParams(max_tokens=len(output) + 5, stop=["THE END", "xyz"], ignore_eos=True)
+    seq = Sequence("r", [1, 2, 3], params)
+    state = RequestState(seq, IncrementalDetokenizer(tokenizer, [1, 2, 3]), eos_token_ids=set())
+    shown = ""
+    decision = None
+    for token in output:
+        seq.output_token_ids.append(token)
+        decision = state.on_token(SampledToken(token, None, None))
+        out = state.take_output()
+        shown += out.new_text
+        assert out.text == shown, "the text so far, read back from the state"
+        if decision is not None:
+            break
+    assert decision is not None and decision.stop_reason == "THE END"
+    assert state.text == shown == filler
