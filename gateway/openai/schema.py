@@ -30,6 +30,8 @@ SERVICE_TIER_LANES = {"priority": Lane.INTERACTIVE, "default": Lane.STANDARD, "a
 MAX_CHOICES = 16
 MAX_STOP_SEQUENCES = 4
 """OpenAI's limit on `stop` (carpool's own job API takes more)."""
+MAX_TEMPERATURE = 2
+"""OpenAI's limit on `temperature` (carpool's own job API takes up to 100)."""
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -137,6 +139,9 @@ def _sampling(endpoint: Endpoint, given: dict[str, Any]) -> tuple[dict[str, Any]
     stop = given.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
         raise invalid("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stop)}")
+    temperature = given.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > MAX_TEMPERATURE:
+        raise invalid("temperature", f"must be at most {MAX_TEMPERATURE}, got {temperature}")
     limit_name = "max_completion_tokens" if "max_completion_tokens" in given else "max_tokens"
     if limit_name in given:
         params["max_tokens"] = given[limit_name]

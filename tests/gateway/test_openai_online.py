@@ -122,6 +122,9 @@ async def test_n_choices_logprobs_lanes_and_refusals(redis_url, model, engine, r
         with pytest.raises(openai.BadRequestError) as refused:
             await svc.client.completions.create(model=MODEL_NAME, prompt="x", temperature=-1)
         assert refused.value.param == "temperature"
+        with pytest.raises(openai.BadRequestError) as refused:
+            await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=2.5)
+        assert refused.value.param == "temperature" and "at most 2" in refused.value.message
         with pytest.raises(openai.NotFoundError) as missing:
             await svc.client.completions.create(model="no-such-model", prompt="x")
         assert missing.value.code == "model_not_found"
