@@ -249,7 +249,7 @@ class JobLoop:
                 # its checkpoint's tokens but carries the text from the start, so subscribers de-duplicate each.
                 writes.publish(job.spec.id, pack({
                     "type": EventType.TOKEN, "id": job.spec.id, "text": out.new_text, "token_ids": new_ids,
-                    "index": len(job.token_ids) - len(new_ids), "text_index": len(job.text_buffer) - len(out.new_text),
+                    "index": len(job.token_ids) - len(new_ids), "text_index": job.text_buffer.length - len(out.new_text),
                     "attempt": job.attempt}))
                 if job.throttle is not None and not out.finished and job.throttle.should_emit(mono):
                     partial = running_view(job.record, job.text, job.token_ids,

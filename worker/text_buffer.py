@@ -14,9 +14,6 @@ class TextBuffer:
         self.length = 0
         """Characters of the whole text."""
 
-    def __len__(self) -> int:
-        return self.length
-
     def append(self, piece: str) -> None:
         if piece:
             self._pieces.append(piece)

@@ -208,15 +208,12 @@ class RequestState:
         seq = self.seq
         new, self.new_token_ids = self.new_token_ids, []
         buffer, reported = self.detokenizer.buffer, self.text_reported
+        end = self.reportable_length()
         if self.final_text is not None:
-            end = len(self.final_text)
             new_text = self.final_text[reported:end]
             buffer.take(len(buffer.recent))  # nothing after a stop string is ever shown
         else:
-            recent = buffer.recent
-            hold = partial_stop_len(recent, seq.params.stop) if self.longest_stop and not seq.is_finished else 0
-            new_text = buffer.take(len(recent) - hold)
-            end = reported + len(new_text)
+            new_text = buffer.take(end - reported)
         self.text_reported = end
         return RequestOutput(
             request_id=seq.request_id,

@@ -164,7 +164,7 @@ def test_the_text_buffer_reads_as_the_string_it_grew_into(ops: list[tuple[str, o
             taken = min(len(model), taken + arg)
         else:
             assert buffer.text == model
-        assert len(buffer) == len(model) and buffer.recent == model[taken:]
+        assert buffer.length == len(model) and buffer.recent == model[taken:]
 
 
 def test_a_stop_string_is_found_past_long_text_reading_only_its_end(tokenizer) -> None:

@@ -268,14 +268,14 @@ def choose_matmuls(groups: Mapping[MatrixKind, Sequence[Matrix]], dtype: torch.d
     if cache is not None and timed:
         # Another worker may have timed the same kinds since this one read the file: what the file holds now
         # wins, so that both run the same launches.
-        now = {key: plan for key, plan in _read_cache(cache).items()}
+        now = _read_cache(cache)
         ours: dict[str, MatmulPlan | None] = {}
         for table, is_gated in ((plans, False), (gated, True)):
             for (bucket, kind), plan in table.items():
                 key = _entry_key(bucket, kind, is_gated)
                 if key in now and _fits(now[key], bucket, kind, num_multiprocessors, with_tma):
                     table[(bucket, kind)] = now[key]
-                elif plan is not None or kind[2] == dtype:
+                elif plan is not None or is_gated or kind[2] == dtype:
                     # (A quantized kind that no plan served, out of memory, say, is not kept: timed again.)
                     ours[key] = plan
         _write_cache(cache, {**now, **ours})
@@ -312,7 +312,7 @@ def _fastest_gated(matrices: Sequence[Matrix], bucket: int, dtype: torch.dtype, 
     """For a down projection: the plan that reads the activation in, among the fastest few of the plain product
     (`tried`; the plain choice `plain` among them), where it beats the activation's own kernel followed by the
     plain choice by MIN_GAIN; else None."""
-    n, k = matrices[0][0].shape
+    k = matrices[0][0].shape[1]
     if plain is None and matrices[0][1] is not None:
         return None  # a quantized weight no plan serves: widened for torch's product, after the activation
     x = torch.randn((bucket, 2 * k), generator=generator, device=device).to(dtype)
