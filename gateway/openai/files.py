@@ -110,11 +110,9 @@ class FileStore:
             start += len(page)
 
     async def delete(self, file_id: str) -> bool:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._keys.file(file_id), self._keys.file_lines(file_id))
-            pipe.zrem(self._keys.files, file_id)
-            deleted, _ = await pipe.execute()
-        return bool(deleted)
+        # The id keeps its place in the list's index (pruned with the expired ones), so a client paging
+        # with ``after=`` that id, the last of the page it just read, still gets the next page.
+        return bool(await self._redis.delete(self._keys.file(file_id), self._keys.file_lines(file_id)))
 
     def view(self, meta: dict[bytes, bytes]) -> dict[str, Any]:
         created = int(meta[b"created_at"])
@@ -200,19 +198,24 @@ async def list_files(request: web.Request) -> web.Response:
     store = file_store(request.app)
     purpose = request.query.get("purpose")
 
-    async def may_see_file(file_id: str) -> bool:
-        return may_see(request, await store.tenant(file_id))
+    async def read(file_id: str) -> tuple[dict[bytes, bytes], str]:
+        """The file's hash (empty when it is gone) and whose it is, in one read."""
+        meta = await read_hash(request.app[appkeys.REDIS], request.app[appkeys.KEYS].file(file_id))
+        return meta, tenant_of(meta[b"tenant"].decode() if b"tenant" in meta else None)
+
+    async def may_name_file(file_id: str) -> bool:
+        # A deleted file's id is still a cursor: the page before ended with it.
+        meta, owner = await read(file_id)
+        return not meta or may_see(request, owner)
 
     async def load(file_id: str) -> dict[str, Any] | None:
-        # One read gives both whose the file is and its object.
-        meta = await read_hash(request.app[appkeys.REDIS], request.app[appkeys.KEYS].file(file_id))
-        owner = tenant_of(meta[b"tenant"].decode() if b"tenant" in meta else None)
+        meta, owner = await read(file_id)
         if not meta or not may_see(request, owner):
             return None
         view = store.view(meta)
         return view if purpose in (None, view["purpose"]) else None
 
-    page = await cursor_page(request, request.app[appkeys.REDIS], request.app[appkeys.KEYS].files, load, may_see_file,
+    page = await cursor_page(request, request.app[appkeys.REDIS], request.app[appkeys.KEYS].files, load, may_name_file,
                              default_limit=MAX_LIST_LIMIT, max_limit=MAX_LIST_LIMIT)
     return web.json_response(page)
 

@@ -2,8 +2,9 @@
 
 The index holds every tenant's ids, scored by creation time; a page keeps only the ids `load` answers (the
 caller's own, still there, and matching the route's filters), reading the index 100 ids at a time until it
-has ``limit`` of them and knows whether more follow. ``after`` must name an id the caller may see, as OpenAI's
-lists take it: the last id of the page before.
+has ``limit`` of them and knows whether more follow. ``after`` must name an id still in the index that the
+caller may name, as OpenAI's lists take it: the last id of the page before. A deleted object's id stays in
+its index until it would have expired, so paging on from it still works after another client deleted it.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ ORDERS = ("desc", "asc")
 
 async def cursor_page(request: web.Request, redis: aioredis.Redis, index_key: str,
                       load: Callable[[str], Awaitable[dict[str, Any] | None]],
-                      may_see: Callable[[str], Awaitable[bool]], *, default_limit: int,
+                      may_name: Callable[[str], Awaitable[bool]], *, default_limit: int,
                       max_limit: int) -> dict[str, Any]:
     """One page of the list: ``{"object": "list", "data", "first_id", "last_id", "has_more"}``.
 
-    `load` gives an id's object, or None to leave it out; `may_see` says whether ``after`` may name an id."""
+    `load` gives an id's object, or None to leave it out; `may_name` says whether ``after`` may name an id."""
     query = request.query
     try:
         limit = int(query.get("limit", str(default_limit)))
@@ -43,7 +44,7 @@ async def cursor_page(request: web.Request, redis: aioredis.Redis, index_key: st
     if "after" in query:
         after = query["after"]
         rank = await (redis.zrevrank if is_newest_first else redis.zrank)(index_key, after)
-        if rank is None or not await may_see(after):
+        if rank is None or not await may_name(after):
             raise invalid("after", f"no such object: {after!r}")
         start = cast(int, rank) + 1
     read = redis.zrevrange if is_newest_first else redis.zrange

@@ -67,6 +67,12 @@ async def test_files_are_listed_newest_first_in_pages_by_purpose_and_order(redis
         assert [f.id async for f in svc.client.files.list(purpose="batch_output")] == []
         after = await svc.client.files.list(after=created[3], limit=10)
         assert [f.id for f in after.data] == created[2::-1] and not after.has_more
+        # Another client deletes the last file of the page just read: the next page still follows it.
+        page = await svc.client.files.list(limit=2)
+        await svc.client.files.delete(page.data[-1].id)
+        rest = await svc.client.files.list(after=page.data[-1].id, limit=10)
+        assert [f.id for f in rest.data] == created[2::-1] and not rest.has_more
+        assert [f.id async for f in svc.client.files.list(limit=2)] == [created[4], *created[2::-1]]
         try:
             await svc.client.files.list(limit=0)
             raise AssertionError("limit 0 accepted")
