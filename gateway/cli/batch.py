@@ -156,6 +156,8 @@ def run_batch(args: argparse.Namespace) -> int:
         if not args.wait and args.output is None:
             return 0
         batch = wait(base, batch["id"], args.timeout_s, sys.stderr, args.api_key)
+        for error in (batch.get("errors") or {}).get("data", []):
+            print(f"carpool batch: {batch['status']}: {error['message']}", file=sys.stderr)
         if args.output is not None:
             for key, path in (("output_file_id", args.output), ("error_file_id", args.output.with_suffix(".errors.jsonl"))):
                 if batch.get(key):

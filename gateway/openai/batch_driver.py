@@ -49,6 +49,11 @@ LOCK_S = 15
 MAX_ENQUEUE_PER_ROUND = 2000
 SCAN_INTERVAL_S = 10.0
 """Seconds between two scans of a batch's job records; its results stream counts requests in between."""
+MAX_LISTED_ERRORS = 100
+"""Line errors a batch that fails validation lists in its ``errors``; its error file holds every one."""
+PARAM_OF_CODE = {"missing_custom_id": "custom_id", "duplicate_custom_id": "custom_id", "invalid_method": "method",
+                 "invalid_url": "url", "invalid_request": "body", "model_not_found": "body.model",
+                 CONTEXT_LENGTH_EXCEEDED: "body"}
 class BatchDriver:
     def __init__(self, app: web.Application) -> None:
         self._app = app
@@ -114,7 +119,10 @@ class BatchDriver:
                 await self._batches.move(batch_id, (status,), BatchStatus.FINALIZING, outcome=outcome.value)
 
     async def _validate(self, batch_id: str, b: dict[str, str]) -> None:
-        """Read every line once: bad ones go to the error list (counted failed), the rest will run."""
+        """Read every line once: bad ones go to the error list (counted failed), the rest will run.
+
+        A file with no line that can run fails the batch: its ``errors`` list the first line errors (as OpenAI's
+        validation does) and its error file, written as for any batch, holds them all."""
         keys, endpoint = self._keys, Endpoint(b["endpoint"])
         total = await self._files.num_lines(b["input_file_id"])
         if total == 0:
@@ -130,6 +138,7 @@ class BatchDriver:
         models = await served_models(self._app)
         model: str | None = None
         start = num_blank = 0
+        listed: list[dict[str, object]] = []
         async for page in self._files.pages(b["input_file_id"]):
             custom_ids: list[str] = []
             bad: list[tuple[int, LineError]] = []
@@ -155,6 +164,9 @@ class BatchDriver:
                 except LineError as e:
                     bad.append((number, e))
                     custom_ids.append(_loose_custom_id(line) or "")
+                    if len(listed) < MAX_LISTED_ERRORS:
+                        listed.append({"code": e.code, "message": f"line {number + 1}: {e.message}",
+                                       "param": PARAM_OF_CODE.get(e.code), "line": number + 1})
             start += len(page)
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.rpush(keys.batch_custom_ids(batch_id), *custom_ids)
@@ -168,8 +180,12 @@ class BatchDriver:
         await self._redis.hset(keys.batch(batch_id), "blank", num_blank)
         for key in (keys.batch_custom_ids(batch_id), keys.batch_errors(batch_id), keys.batch_settled(batch_id)):
             await self._redis.expire(key, self._batches.ttl_s)
-        await self._batches.move(batch_id, (BatchStatus.VALIDATING,), BatchStatus.IN_PROGRESS,
-                                 **({"model": model} if model else {}))
+        if model is None:  # no line is a request that can run (uploads refuse a file of blank lines alone)
+            errors = json.dumps({"object": "list", "data": listed})
+            await self._batches.move(batch_id, (BatchStatus.VALIDATING,), BatchStatus.FINALIZING,
+                                     outcome=BatchStatus.FAILED.value, errors=errors)
+            return
+        await self._batches.move(batch_id, (BatchStatus.VALIDATING,), BatchStatus.IN_PROGRESS, model=model)
 
     async def _enqueue(self, batch_id: str, b: dict[str, str]) -> None:
         cursor, total, endpoint = int(b["enqueued"]), int(b["total"]), Endpoint(b["endpoint"])

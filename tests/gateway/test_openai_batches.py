@@ -237,6 +237,31 @@ async def test_files_are_stored_verbatim_and_a_batch_needs_a_string_input_file_i
             assert e.param == "metadata.k"
 
 
+async def test_a_batch_with_no_line_that_can_run_fails_and_lists_why(redis_url) -> None:
+    """As OpenAI's validation fails a batch: `errors` names each bad line, the error file holds them all, and the
+    one callback is batch.failed."""
+    receiver = await Receiver(SECRET).start()
+    # With no worker the model is not checked; a duplicate needs a good line before it.
+    left_out = ("a model not served", "duplicate custom_id")
+    bad = [line for name, line in BAD_LINES.items() if name not in left_out]
+    async with openai_service(redis_url, None, batch_poll_interval_s=0.1, **webhook_settings()) as svc:
+        batch = await svc.client.batches.create(input_file_id=await upload(svc.client, bad), endpoint=CHAT,
+                                                completion_window="24h", extra_body={"webhook": {"url": receiver.url}})
+        batch = await wait_batch(svc.client, batch.id, {"completed", "failed", "expired", "cancelled"})
+        assert batch.status == "failed" and batch.failed_at and batch.in_progress_at is None
+        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (8, 0, 8)
+        codes = [code for name, code in zip(BAD_LINES, EXPECTED_CODES) if name not in left_out]
+        assert [(e.code, e.line) for e in batch.errors.data] == list(zip(codes, range(1, 9)))
+        assert [e.param for e in batch.errors.data][:3] == [None, "custom_id", "custom_id"]
+        assert batch.errors.data[5].message.startswith("line 6: ") and "temperature" in batch.errors.data[5].message
+        assert batch.output_file_id is None
+        assert [e["error"]["code"] for e in await read_lines(svc.client, batch.error_file_id)] == codes
+        payload = await the_callback(receiver, batch.id, "batch.failed")
+        assert payload["data"]["status"] == "failed" and len(payload["data"]["errors"]["data"]) == 8
+        await receiver.stop()
+
+
+
 async def test_only_a_batch_that_has_not_ended_can_be_cancelled(redis_url) -> None:
     """No worker serves the model, so the requests wait in the batch lane until the cancel drops them."""
     async with openai_service(redis_url, None, batch_poll_interval_s=1) as svc:

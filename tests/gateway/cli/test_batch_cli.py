@@ -46,6 +46,13 @@ async def test_batch_submit_waits_with_progress_and_writes_the_output(redis_url,
         assert await asyncio.to_thread(main, ["batch", "cancel", "batch_nope", "--gateway", gateway.url]) == 2
         assert "404" in capsys.readouterr().err
 
+        # A file with no line that can run: the batch fails, and each line's fault is printed.
+        source.write_text("not json\n" + line(0).replace("/v1/completions", "/v1/embeddings") + "\n")
+        assert await asyncio.to_thread(main, ["batch", "submit", str(source), "--wait", "--gateway", gateway.url]) == 1
+        err = capsys.readouterr().err
+        assert "carpool batch: failed: line 1: the line is not valid JSON" in err
+        assert "carpool batch: failed: line 2: url must be the batch's endpoint" in err
+
 
 def test_a_local_file_problem_is_named_as_such_before_anything_is_sent(tmp_path, capsys) -> None:
     # No gateway listens on this port: a problem with a local file must be said before it is ever tried.
