@@ -181,9 +181,9 @@ class BatchDriver:
         for key in (keys.batch_custom_ids(batch_id), keys.batch_errors(batch_id), keys.batch_settled(batch_id)):
             await self._redis.expire(key, self._batches.ttl_s)
         if model is None:  # no line is a request that can run (uploads refuse a file of blank lines alone)
-            errors = json.dumps({"object": "list", "data": listed})
             await self._batches.move(batch_id, (BatchStatus.VALIDATING,), BatchStatus.FINALIZING,
-                                     outcome=BatchStatus.FAILED.value, errors=errors)
+                                     outcome=BatchStatus.FAILED.value,
+                                     errors=json.dumps({"object": "list", "data": listed}))
             return
         await self._batches.move(batch_id, (BatchStatus.VALIDATING,), BatchStatus.IN_PROGRESS, model=model)
 
