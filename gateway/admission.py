@@ -136,7 +136,7 @@ class Admission:
         self._redis = redis
         self._keys = keys
         self._config = config
-        self._limits = ModelLimits(redis, keys, config.max_model_len)
+        self._limits = ModelLimits(redis, keys, config.max_model_len, config.model_heartbeat_max_age_s)
         self._check_webhook = check_webhook
         self._enqueue_span = enqueue_span
         self._enqueue = redis.register_script(state_machine.ENQUEUE)

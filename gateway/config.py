@@ -44,8 +44,9 @@ class GatewayConfig:
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "largest accepted request body"})
     shutdown_grace_s: float = field(default=5.0, metadata={"help": "seconds open requests get to finish at shutdown"})
     model_heartbeat_max_age_s: float = field(default=30.0, metadata={"help": (
-        "workers heard from within this many seconds are live: they name the models GET /v1/models lists and are "
-        "the workers /readyz shows (an older heartbeat, of a worker that died, is removed)")})
+        "workers heard from within this many seconds are live: they name the models GET /v1/models lists, are "
+        "the workers /readyz shows (an older heartbeat, of a worker that died, is removed), and their context "
+        "length and vocabulary bound what is admitted")})
     max_batch_requests: int = field(default=50_000, metadata={"help": "most requests (non-blank lines), and most blank lines, in one Batch API input file"})
     max_batch_file_bytes: int = field(default=100 * 1024 * 1024, metadata={"help": "largest Batch API input file; a larger upload is answered 413"})
     file_ttl_s: int = field(default=DEFAULT_FILE_TTL_S, metadata={"help": "seconds uploaded files, batches and their output files are kept"})

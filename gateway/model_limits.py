@@ -2,8 +2,9 @@
 workers) and its vocabulary's size (learned from the workers).
 
 Every worker's heartbeat (`carpool:workers`) carries its engine's `max_model_len` and `vocab_size`; the
-smallest of each among recent heartbeats bounds what every worker can run. They are re-read at most every
-`REFRESH_S`; with no heartbeat yet the gateway knows no limit and the worker judges.
+smallest of each among live workers' heartbeats (`--model-heartbeat-max-age-s`) bounds what every worker can
+run. They are re-read at most every `REFRESH_S`; with no live worker the gateway knows no limit and the worker
+judges.
 """
 
 from __future__ import annotations
@@ -11,16 +12,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import msgpack
 import redis.asyncio as aioredis
 
+from gateway.worker_heartbeats import recent_heartbeats
 from scheduler.protocol.keys import Keys
-from scheduler.protocol.redis_replies import read_hash
 
 REFRESH_S = 2.0
 """How long learned limits are trusted before the heartbeats are read again."""
-STALE_HEARTBEAT_S = 60.0
-"""Heartbeats older than this are of workers that are gone (a killed worker leaves its entry)."""
 
 
 @dataclass(frozen=True)
@@ -32,9 +30,11 @@ class Limits:
 
 
 class ModelLimits:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, configured_max_model_len: int | None) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, configured_max_model_len: int | None,
+                 heartbeat_max_age_s: float) -> None:
         self._redis = redis
         self._keys = keys
+        self._max_age_s = heartbeat_max_age_s
         self._configured = configured_max_model_len
         self._learned = Limits(None, None)
         self._read_at = -REFRESH_S
@@ -52,13 +52,8 @@ class ModelLimits:
     async def _from_heartbeats(self) -> Limits:
         lengths: list[int] = []
         vocab_sizes: list[int] = []
-        for raw in (await read_hash(self._redis, self._keys.workers)).values():
-            try:
-                beat = msgpack.unpackb(raw, raw=False)
-            except Exception:
-                continue  # a heartbeat in another format says nothing about the model
-            if not isinstance(beat, dict) or time.time() - float(beat.get("time", 0)) > STALE_HEARTBEAT_S:
-                continue
+        for beat in await recent_heartbeats(self._redis, self._keys.workers, max_age_s=self._max_age_s,
+                                            now=time.time()):
             for name, found in (("max_model_len", lengths), ("vocab_size", vocab_sizes)):
                 value = beat.get(name)
                 if isinstance(value, int) and not isinstance(value, bool) and value > 0:

@@ -1,10 +1,11 @@
-"""The workers' heartbeats (``keys.workers``) as ``/readyz`` shows them: only the live ones.
+"""The workers' heartbeats (``keys.workers``): the one reader of them in the gateway.
 
-A worker writes its heartbeat (msgpack: ``time``, ``running``, ``capacity``, …) every
-``--heartbeat-interval-s`` and deletes it when it stops cleanly; a worker that is killed leaves its
-entry behind. So an entry is live while its ``time`` is within the gateway's
-``--model-heartbeat-max-age-s`` (the age that also decides which models ``GET /v1/models`` lists);
-an older one is of a worker that is gone, and is removed from the hash.
+A worker writes its heartbeat (msgpack: ``time``, ``model``, ``running``, ``capacity``, ``max_model_len``,
+``vocab_size``, …) every ``--heartbeat-interval-s`` and deletes it when it stops cleanly; a worker that is
+killed leaves its entry behind. So an entry is live while its ``time`` is within the gateway's
+``--model-heartbeat-max-age-s``; an older one is of a worker that is gone. The same age decides which workers
+``/readyz`` shows (it also removes the older entries), which models ``GET /v1/models`` lists and which
+workers' context length and vocabulary bound what the gateway admits.
 """
 
 from __future__ import annotations
@@ -18,6 +19,17 @@ from redis.exceptions import WatchError
 from scheduler.protocol.redis_replies import read_hash
 
 
+async def recent_heartbeats(redis: aioredis.Redis, key: str, *, max_age_s: float, now: float) -> list[dict[str, Any]]:
+    """The heartbeats written at most `max_age_s` before `now`; one this gateway cannot read, or without a
+    time, says nothing it can use and is left out."""
+    recent = []
+    for raw in (await read_hash(redis, key)).values():
+        beat = _decoded(raw)
+        if isinstance(beat, dict) and (at := _time_of(beat)) is not None and now - at <= max_age_s:
+            recent.append(beat)
+    return recent
+
+
 async def live_workers(redis: aioredis.Redis, key: str, *, max_age_s: float, now: float) -> dict[str, Any]:
     """Worker name -> heartbeat, for heartbeats at most `max_age_s` old at `now`; prunes the older ones.
 
@@ -27,19 +39,30 @@ async def live_workers(redis: aioredis.Redis, key: str, *, max_age_s: float, now
     live: dict[str, Any] = {}
     stale: dict[bytes, bytes] = {}
     for name, raw in (await read_hash(redis, key)).items():
-        try:
-            beat = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-        except Exception:  # a heartbeat in an unknown format is still a worker we can name
-            live[name.decode()] = None
-            continue
-        at = beat.get("time") if isinstance(beat, dict) else None
-        if isinstance(at, (int, float)) and not isinstance(at, bool) and now - at > max_age_s:
+        beat = _decoded(raw)
+        at = _time_of(beat) if isinstance(beat, dict) else None
+        if at is not None and now - at > max_age_s:
             stale[name] = raw
         else:
-            live[name.decode()] = beat
+            live[name.decode()] = None if beat is _UNREADABLE else beat
     if stale:
         await _prune(redis, key, stale)
     return live
+
+
+_UNREADABLE = object()
+
+
+def _decoded(raw: bytes) -> Any:
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception:  # any malformed value: msgpack raises several types
+        return _UNREADABLE
+
+
+def _time_of(beat: dict[Any, Any]) -> float | None:
+    at = beat.get("time")
+    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
 
 
 async def _prune(redis: aioredis.Redis, key: str, stale: dict[bytes, bytes]) -> None:

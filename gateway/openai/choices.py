@@ -9,7 +9,6 @@ from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any
 
-import msgpack
 import redis.asyncio as aioredis
 from aiohttp import web
 
@@ -22,6 +21,7 @@ from gateway.event_hub import EventHub, Subscription, is_terminal
 from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, PARAM_OF_FIELD
 from gateway.openai.schema import OpenAIRequest
 from gateway.rate_limits import RateLimited, TooManyTokens, job_tokens
+from gateway.worker_heartbeats import recent_heartbeats
 from scheduler.protocol.job_record import job_view
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import read_hash
@@ -33,19 +33,13 @@ async def served_models(app: web.Application) -> dict[str, float]:
     """Model name -> when the earliest of the workers serving it started (its `created`: the same at every
     call while they live), over workers heard from within the configured age; a heartbeat without its worker's
     start gives its own time."""
-    raw = await read_hash(app[appkeys.REDIS], app[appkeys.KEYS].workers)
-    oldest = time.time() - app[appkeys.CONFIG].model_heartbeat_max_age_s
     models: dict[str, float] = {}
-    for value in raw.values():
-        try:
-            beat = msgpack.unpackb(value, raw=False, strict_map_key=False)
-        except Exception:  # a heartbeat in an unknown format names no model
-            continue
-        if isinstance(beat, dict) and isinstance(beat.get("model"), str) and isinstance(beat.get("time"), (int, float)):
-            if beat["time"] >= oldest:
-                started = beat.get("started")
-                since = float(started if isinstance(started, (int, float)) else beat["time"])
-                models[beat["model"]] = min(models.get(beat["model"], since), since)
+    for beat in await recent_heartbeats(app[appkeys.REDIS], app[appkeys.KEYS].workers,
+                                        max_age_s=app[appkeys.CONFIG].model_heartbeat_max_age_s, now=time.time()):
+        if isinstance(beat.get("model"), str):
+            started = beat.get("started")
+            since = float(started if isinstance(started, (int, float)) else beat["time"])
+            models[beat["model"]] = min(models.get(beat["model"], since), since)
     return models
 
 

@@ -70,3 +70,25 @@ async def test_created_is_the_first_workers_start_and_stays_across_heartbeats(cl
         await _beat(redis, "w1", "llama", started=1_700_000_100.0)
         await _beat(redis, "w2", "llama", started=1_700_000_000.0)
         assert (await (await client.get("/v1/models/llama")).json())["created"] == 1_700_000_000
+
+
+async def test_one_age_decides_the_models_listed_and_the_limits_admitted_against(client: TestClient,
+                                                                                 redis: aioredis.Redis) -> None:
+    """A worker that died 10 s ago (past the 5 s max age) neither names its model nor bounds the prompts: only the
+    live worker's context length applies. A heartbeat that cannot be read, or has no time, says nothing."""
+    now = time.time()
+    await redis.hset(KEYS.workers, "dead", msgpack.packb({"time": now - 10, "model": "old", "max_model_len": 16,
+                                                          "vocab_size": 50}))
+    await redis.hset(KEYS.workers, "timeless", msgpack.packb({"model": "odd", "max_model_len": 8}))
+    await redis.hset(KEYS.workers, "future", b"\xc1 not msgpack")
+    await redis.hset(KEYS.workers, "live", msgpack.packb({"time": now, "model": "tiny", "max_model_len": 64,
+                                                          "vocab_size": 1000}))
+    assert [m["id"] for m in (await (await client.get("/v1/models")).json())["data"]] == ["tiny"]
+    fits = {"prompt_token_ids": list(range(40)), "params": {"max_tokens": 8}}
+    assert (await client.post("/v1/jobs", json=fits)).status == 202
+    too_long = {"prompt_token_ids": list(range(60)), "params": {"max_tokens": 8}}
+    resp = await client.post("/v1/jobs", json=too_long)
+    assert resp.status == 400 and (await resp.json())["error"]["field"] == "params.max_tokens"
+    past_vocabulary = {"prompt_token_ids": [999, 1000], "params": {"max_tokens": 1}}
+    resp = await client.post("/v1/jobs", json=past_vocabulary)
+    assert resp.status == 400 and (await resp.json())["error"]["field"] == "prompt_token_ids"
