@@ -81,7 +81,7 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     # request is answered 503): a burst of requests queues instead of failing past the pool size.
     pool = aioredis.BlockingConnectionPool.from_url(
         config.redis_url, max_connections=config.redis_max_connections, timeout=config.redis_pool_timeout_s,
-        **connection_options(),
+        **connection_options(timeout_s=config.redis_timeout_s),
     )
     client = aioredis.Redis(connection_pool=pool)
     app[appkeys.REDIS] = client

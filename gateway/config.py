@@ -13,7 +13,7 @@ from scheduler.protocol.keys import (
     check_key_prefix,
 )
 from scheduler.protocol.lanes import LANES, Lane
-from scheduler.protocol.redis_client import check_redis_url
+from scheduler.protocol.redis_client import REDIS_TIMEOUT_S, check_redis_url
 
 DEFAULT_MAX_LANE_DEPTH: dict[str, int] = {
     Lane.INTERACTIVE.value: 1_000,
@@ -41,6 +41,7 @@ class GatewayConfig:
     sse_heartbeat_s: float = field(default=15.0, metadata={"help": "seconds between keep-alive comments on an idle event stream"})
     redis_max_connections: int = field(default=100, metadata={"help": "Redis connections the gateway pools; a request waits for a free one"})
     redis_pool_timeout_s: float = field(default=10.0, metadata={"help": "longest wait for a free pooled Redis connection before the request is answered 503"})
+    redis_timeout_s: float = field(default=REDIS_TIMEOUT_S, metadata={"help": "longest wait for Redis to connect or to answer one command; past it the request is answered 503"})
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "largest accepted request body"})
     shutdown_grace_s: float = field(default=5.0, metadata={"help": "seconds open requests get to finish at shutdown"})
     model_heartbeat_max_age_s: float = field(default=30.0, metadata={"help": (
@@ -78,7 +79,7 @@ class GatewayConfig:
                      "max_batch_requests", "max_batch_file_bytes", "file_ttl_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        for name in ("max_wait_s", "sse_heartbeat_s", "shutdown_grace_s", "redis_pool_timeout_s",
+        for name in ("max_wait_s", "sse_heartbeat_s", "shutdown_grace_s", "redis_pool_timeout_s", "redis_timeout_s",
                      "model_heartbeat_max_age_s", "batch_poll_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")

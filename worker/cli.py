@@ -137,7 +137,7 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
         return 1
     loop = asyncio.get_running_loop()
     try:
-        client = connect_redis(config.redis_url, max_block_ms=config.read_block_ms)
+        client = connect_redis(config.redis_url, max_block_ms=config.read_block_ms, timeout_s=config.redis_timeout_s)
         telemetry = Telemetry(telemetry_config or TelemetryConfig(service_name="carpool-worker"))
         service = WorkerService(config, runner, client, telemetry)
     except BaseException:

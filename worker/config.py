@@ -24,7 +24,7 @@ from scheduler.protocol.keys import (
     check_key_prefix,
 )
 from scheduler.protocol.lanes import DEFAULT_LANE_WEIGHTS, Lane, lane_priority_bound
-from scheduler.protocol.redis_client import check_redis_url
+from scheduler.protocol.redis_client import REDIS_TIMEOUT_S, check_redis_url
 from scheduler.protocol.tenants import DEFAULT_MAX_TENANT_LABELS
 from scheduler.runtime.flags import help_text
 from scheduler.runtime.model_path import check_local_checkpoint
@@ -95,6 +95,9 @@ class WorkerConfig:
     checkpoint_tokens: int = field(default=16, metadata=help_text("write a running job's tokens to its record every N tokens"))
     checkpoint_interval_s: float = field(default=2.0, metadata=help_text("... or at least this often"))
     read_block_ms: int = field(default=200, metadata=help_text("how long an idle read waits for new entries"))
+    redis_timeout_s: float = field(default=REDIS_TIMEOUT_S, metadata=help_text(
+        "longest wait for Redis to connect or to answer one command (beyond an idle read's block); past it Redis "
+        "counts as unavailable and the worker retries"))
     heartbeat_interval_s: float = field(default=2.0, metadata=help_text("how often the worker announces itself in the workers hash"))
     shutdown_grace_s: float = field(default=30.0, metadata=help_text("on SIGTERM, how long in-flight jobs may run before they are handed back"))
     result_ttl_s: int = field(default=DEFAULT_RESULT_TTL_S, metadata=help_text("lifetime of a finished job record"))
@@ -122,7 +125,7 @@ class WorkerConfig:
             raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
         if self.interactive_reserve is not None and self.interactive_reserve < 0:
             raise ValueError(f"interactive_reserve: must be >= 0, got {self.interactive_reserve}")
-        for name in ("lease_s", "checkpoint_interval_s", "heartbeat_interval_s"):
+        for name in ("lease_s", "checkpoint_interval_s", "heartbeat_interval_s", "redis_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("shutdown_grace_s", "webhook_output_interval_s"):

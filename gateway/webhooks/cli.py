@@ -20,7 +20,7 @@ from gateway.webhooks.dispatcher import WebhookDispatcher
 from gateway.webhooks.metrics import WebhookMetrics, dispatcher_http_app
 from gateway.webhooks.signing import generate_secret
 from scheduler.protocol.keys import DEFAULT_PREFIX, Keys, check_key_prefix
-from scheduler.protocol.redis_client import check_redis_url, redacted_url
+from scheduler.protocol.redis_client import REDIS_TIMEOUT_S, check_redis_url, redacted_url
 from scheduler.protocol.redis_client import connect as connect_redis
 from scheduler.runtime.tasks import cancel_and_reap
 from scheduler.telemetry.otel import Telemetry
@@ -39,6 +39,10 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespac
     )
     parser.add_argument("--redis-url", default=env.get("CARPOOL_REDIS_URL", "redis://127.0.0.1:6379/0"),
                         help="Redis server holding the webhook queue [env CARPOOL_REDIS_URL]")
+    parser.add_argument("--redis-timeout-s", type=float,
+                        default=env.get("CARPOOL_REDIS_TIMEOUT_S", str(REDIS_TIMEOUT_S)),
+                        help="longest wait for Redis to connect or to answer one command; past it Redis counts as "
+                             "unavailable and the dispatcher retries [env CARPOOL_REDIS_TIMEOUT_S]")
     parser.add_argument("--key-prefix", default=env.get("CARPOOL_KEY_PREFIX", DEFAULT_PREFIX),
                         help="prefix of every Redis key [env CARPOOL_KEY_PREFIX]")
     parser.add_argument("--generate-secret", action="store_true", help="print a new whsec_ signing secret and exit")
@@ -58,7 +62,7 @@ class ListenError(Exception):
 
 
 async def serve(redis_url: str, keys: Keys, config: WebhookConfig, telemetry: Telemetry | None = None, *,
-                metrics_host: str = "127.0.0.1", metrics_port: int = 0) -> None:
+                metrics_host: str = "127.0.0.1", metrics_port: int = 0, redis_timeout_s: float = REDIS_TIMEOUT_S) -> None:
     """Run one dispatcher until SIGTERM or SIGINT, then shut it down in two phases.
 
     With ``telemetry``, attempts are counted and traced there; with a ``metrics_port`` too, they are
@@ -68,7 +72,7 @@ async def serve(redis_url: str, keys: Keys, config: WebhookConfig, telemetry: Te
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    client = connect_redis(redis_url)
+    client = connect_redis(redis_url, timeout_s=redis_timeout_s)
     metrics = WebhookMetrics(telemetry) if telemetry is not None else None
     http: web.AppRunner | None = None
     try:
@@ -114,6 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 <= args.metrics_port <= 65535:
         print(f"carpool webhooks: --metrics-port: must be a TCP port or 0, got {args.metrics_port}", file=sys.stderr)
         return 2
+    if not args.redis_timeout_s > 0:
+        print(f"carpool webhooks: --redis-timeout-s: must be positive, got {args.redis_timeout_s}", file=sys.stderr)
+        return 2
     try:
         check_redis_url(args.redis_url)
         check_key_prefix(args.key_prefix)
@@ -125,8 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(log_level, service=telemetry_config.service_name)
     telemetry = Telemetry(telemetry_config)
     try:
-        asyncio.run(serve(args.redis_url, Keys(args.key_prefix), config, telemetry,
-                          metrics_host=args.metrics_host, metrics_port=args.metrics_port))
+        asyncio.run(serve(args.redis_url, Keys(args.key_prefix), config, telemetry, metrics_host=args.metrics_host,
+                          metrics_port=args.metrics_port, redis_timeout_s=args.redis_timeout_s))
     except ListenError as e:
         print(f"carpool webhooks: {e}", file=sys.stderr)
         return 1

@@ -13,7 +13,7 @@ may have run, and sending it again could run it twice.
 A Redis that stops answering without closing its connections (a stopped or
 stalled server, a network path that drops packets) is noticed by a timeout
 rather than waited on forever: every read and connect ends after
-`REDIS_TIMEOUT_S` with a ``TimeoutError``, which each process treats like an
+`REDIS_TIMEOUT_S` (each process's ``--redis-timeout-s``) with a ``TimeoutError``, which each process treats like an
 unreachable Redis (the gateway answers 503, the worker and the webhook
 dispatcher retry). A client that blocks on purpose (the worker's
 ``XREADGROUP … BLOCK``) passes its longest block, which is added to the
@@ -38,32 +38,33 @@ HEALTH_CHECK_INTERVAL_S = 10
 """A connection idle this long is PINGed before its next command."""
 
 REDIS_TIMEOUT_S = 10.0
-"""Longest wait, in seconds, for a connection or for one reply (beyond a blocking command's own block time).
-Well above what any carpool command or script takes, and above Redis's own 5 s script time limit."""
+"""The default longest wait, in seconds, for a connection or for one reply (beyond a blocking command's own block
+time). Well above what any carpool command or script takes, and above Redis's own 5 s script time limit."""
 
 _OOM_REPLY = "OOM command not allowed"
 """How Redis at maxmemory refuses a write; a script's error carries it inside its own text."""
 
 
-def connection_options(*, max_block_ms: int = 0) -> dict[str, Any]:
+def connection_options(*, max_block_ms: int = 0, timeout_s: float = REDIS_TIMEOUT_S) -> dict[str, Any]:
     """The options every client's pool takes (`from_url(url, **connection_options())`).
 
     `max_block_ms`: the longest a command of this client blocks on purpose (``XREADGROUP … BLOCK``), so such a
-    command is never taken for a Redis that stopped answering.
+    command is never taken for a Redis that stopped answering. `timeout_s`: the longest wait for a connection or
+    a reply past that.
     """
-    assert max_block_ms >= 0, max_block_ms
+    assert max_block_ms >= 0 and timeout_s > 0, (max_block_ms, timeout_s)
     return {
         "health_check_interval": HEALTH_CHECK_INTERVAL_S,
         "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-        "socket_timeout": REDIS_TIMEOUT_S + max_block_ms / 1000,
-        "socket_connect_timeout": REDIS_TIMEOUT_S,
+        "socket_timeout": timeout_s + max_block_ms / 1000,
+        "socket_connect_timeout": timeout_s,
     }
 
 
-def connect(redis_url: str, *, max_block_ms: int = 0) -> aioredis.Redis:
+def connect(redis_url: str, *, max_block_ms: int = 0, timeout_s: float = REDIS_TIMEOUT_S) -> aioredis.Redis:
     """A client of `redis_url` whose connections survive a Redis restart and never wait on a silent Redis for
-    ever (replies as bytes, never decoded); `max_block_ms` as in `connection_options`."""
-    return aioredis.Redis.from_url(redis_url, **connection_options(max_block_ms=max_block_ms))
+    ever (replies as bytes, never decoded); `max_block_ms` and `timeout_s` as in `connection_options`."""
+    return aioredis.Redis.from_url(redis_url, **connection_options(max_block_ms=max_block_ms, timeout_s=timeout_s))
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -22,17 +22,19 @@ from gateway.cli.embedded_redis import EmbeddedRedis
 from gateway.config import GatewayConfig
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.lanes import Lane
-from scheduler.protocol.redis_client import REDIS_TIMEOUT_S
 from tests.harness.worker_harness import wait_until
 
 KEYS = Keys("carpool")
+REDIS_TIMEOUT_S = 2.0
+"""The gateway's --redis-timeout-s here: how long it waits on a silent Redis."""
 ENDS_WITHIN_S = 4 * REDIS_TIMEOUT_S
 """A generous bound on how long a request may take to end while Redis is silent."""
 
 
 @asynccontextmanager
 async def gateway_client(redis_url: str, **settings: Any) -> AsyncIterator[TestClient]:
-    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, retry_after_s=3, **settings)
+    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, retry_after_s=3, redis_timeout_s=REDIS_TIMEOUT_S,
+                           **settings)
     async with TestClient(TestServer(init_app(config), host="127.0.0.1")) as client:
         yield client
 

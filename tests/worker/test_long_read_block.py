@@ -1,5 +1,5 @@
 """A worker whose idle reads block longer than a Redis reply may take (`--read-block-ms` past
-``redis_client.REDIS_TIMEOUT_S``): an idle read that ends empty is no outage, and jobs still run."""
+`--redis-timeout-s`): an idle read that ends empty is no outage, and jobs still run."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ import redis.asyncio as aioredis
 
 from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobSpec
-from scheduler.protocol.redis_client import REDIS_TIMEOUT_S
 from tests.harness.worker_harness import KEYS, start_worker_process, wait_terminal, wait_until, xadd_job
 
 
 async def test_idle_reads_longer_than_the_redis_timeout_are_not_an_outage(redis_url, tiny_model, tmp_path) -> None:
     client = aioredis.Redis.from_url(redis_url)
     log_path = tmp_path / "worker.log"
-    block_ms = int((REDIS_TIMEOUT_S + 2) * 1000)
-    proc = start_worker_process(redis_url, tiny_model(), "patient", log_path, "--read-block-ms", str(block_ms))
+    timeout_s = 2
+    block_ms = (timeout_s + 2) * 1000
+    proc = start_worker_process(redis_url, tiny_model(), "patient", log_path, "--read-block-ms", str(block_ms),
+                                "--redis-timeout-s", str(timeout_s))
     try:
         await wait_until(lambda: client.hexists(KEYS.workers, "patient"), "the worker's first heartbeat")
         # An idle read that blocks past the Redis timeout, and most of the next: a socket timeout that left out

@@ -16,10 +16,13 @@ from aiohttp import web
 from gateway.cli.embedded_redis import EmbeddedRedis
 from gateway.webhooks.dispatcher import WebhookDispatcher
 from gateway.webhooks.signing import generate_secret
-from scheduler.protocol.redis_client import REDIS_TIMEOUT_S, connect
+from scheduler.protocol.redis_client import connect
 from tests.gateway.webhooks.test_webhook_dispatcher import KEYS, enqueue, fast_config, job_attempts, states_are
 from tests.harness.webhook_receiver import Receiver
 from tests.harness.worker_harness import wait_until
+
+REDIS_TIMEOUT_S = 2.0
+"""The dispatcher's client's timeout here: how long it waits on a silent Redis."""
 
 
 @pytest.fixture
@@ -62,7 +65,7 @@ async def test_a_silent_redis_neither_hangs_the_dispatcher_nor_loses_a_delivery(
     server = EmbeddedRedis(tmp_path / "redis", is_persistent=False).start()
     pid = server._proc.pid  # type: ignore[union-attr]
     client = aioredis.Redis.from_url(server.url)
-    dispatcher_redis = connect(server.url)
+    dispatcher_redis = connect(server.url, timeout_s=REDIS_TIMEOUT_S)
     try:
         first = await enqueue(client, "silent-1", "completed", receiver.url)
         dispatcher = WebhookDispatcher(dispatcher_redis, KEYS, fast_config(secret))
