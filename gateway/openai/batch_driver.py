@@ -278,13 +278,14 @@ class BatchDriver:
             num_out, num_err = num_out + len(out), num_err + len(err)
             start += len(custom_ids)
         files: dict[str, str | int] = {}
+        ttl_s = int(b["output_ttl_s"]) if "output_ttl_s" in b else None  # the batch's output_expires_after
         if num_out:
             await self._files.publish(out_id, f"{batch_id}_output.jsonl", "batch_output", out_bytes,
-                                     tenant_of(b.get("tenant")))
+                                     tenant_of(b.get("tenant")), ttl_s)
             files["output_file_id"] = out_id
         if num_err:
             await self._files.publish(err_id, f"{batch_id}_error.jsonl", "batch_output", err_bytes,
-                                     tenant_of(b.get("tenant")))
+                                     tenant_of(b.get("tenant")), ttl_s)
             files["error_file_id"] = err_id
         outcome = BatchStatus(b.get("outcome", BatchStatus.COMPLETED.value))
         await self._batches.move(batch_id, (BatchStatus.FINALIZING,), outcome, **files)

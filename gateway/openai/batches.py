@@ -32,7 +32,7 @@ from gateway import appkeys
 from gateway.admission import InvalidJob
 from gateway.auth import caller_of, may_see
 from gateway.errors import OpenAIError, invalid, unsupported
-from gateway.openai.files import file_store
+from gateway.openai.files import expiry_seconds, file_store
 from gateway.openai.listing import cursor_page
 from gateway.openai.online import read_json
 from gateway.openai.schema import Endpoint, check_metadata
@@ -79,7 +79,7 @@ class BatchStore:
 
     async def create(self, input_file_id: str, endpoint: Endpoint, window_s: int, window: str,
                      metadata: dict[str, str] | None, tenant: str = DEFAULT_TENANT,
-                     webhook_url: str | None = None) -> dict[str, Any]:
+                     webhook_url: str | None = None, output_ttl_s: int | None = None) -> dict[str, Any]:
         batch_id = "batch_" + secrets.token_hex(12)
         created_s = time.time()
         now = int(created_s)
@@ -89,6 +89,7 @@ class BatchStore:
             "expires_at": now + window_s, "metadata": json.dumps(metadata), "tenant": tenant,
             "total": 0, **{name: 0 for name in COUNTERS},
             **({"webhook_url": webhook_url} if webhook_url else {}),
+            **({"output_ttl_s": output_ttl_s} if output_ttl_s is not None else {}),
         }
         key = self._keys.batch(batch_id)
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -165,7 +166,8 @@ async def create_batch(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         raise invalid("body", "must be a JSON object")
     for name in body:
-        if name not in ("input_file_id", "endpoint", "completion_window", "metadata", "webhook"):
+        if name not in ("input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after",
+                        "webhook"):
             raise unsupported(str(name))
     try:
         endpoint = Endpoint(body.get("endpoint"))
@@ -175,6 +177,9 @@ async def create_batch(request: web.Request) -> web.Response:
     if window not in COMPLETION_WINDOWS_S:
         raise invalid("completion_window", f"must be one of {sorted(COMPLETION_WINDOWS_S)}")
     metadata = None if body.get("metadata") is None else check_metadata(body["metadata"])
+    output_ttl_s = (None if body.get("output_expires_after") is None else
+                    expiry_seconds("output_expires_after", body["output_expires_after"],
+                                   request.app[appkeys.CONFIG].file_ttl_s))
     file_id = body.get("input_file_id")
     if file_id is None:
         raise invalid("input_file_id", "required: the id of a file uploaded with purpose batch (POST /v1/files)")
@@ -188,7 +193,7 @@ async def create_batch(request: web.Request) -> web.Response:
         raise invalid("input_file_id", "the file's purpose must be batch")
     webhook_url = await _webhook_url(request, body.get("webhook"))
     view = await batch_store(request.app).create(file_id, endpoint, COMPLETION_WINDOWS_S[window], window, metadata,
-                                                 caller_of(request).tenant, webhook_url)
+                                                 caller_of(request).tenant, webhook_url, output_ttl_s)
     return web.json_response(view)
 
 

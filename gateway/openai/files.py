@@ -5,7 +5,8 @@ its own line ending (``\n``, ``\r\n``, or none on a last line without one), so
 the elements joined are the uploaded bytes exactly, and element ``i`` is line
 ``i + 1`` of the user's file, blank lines included. A 50,000-line file is 50,000
 small list elements (read in pages with LRANGE), never one giant value. Both
-keys expire after ``--file-ttl-s``. Uploads are streamed and refused past
+keys expire after ``--file-ttl-s``, or sooner when the upload's ``expires_after``
+asks (a batch's ``output_expires_after`` for its output files). Uploads are streamed and refused past
 ``--max-batch-file-bytes`` (413), or with more than ``--max-batch-requests``
 requests (non-blank lines) or blank lines (400).
 """
@@ -36,6 +37,8 @@ PAGE_LINES = 1000
 PURPOSES = ("batch",)
 MAX_LIST_LIMIT = 10_000
 """OpenAI's largest (and default) ``limit`` of ``GET /v1/files``."""
+EXPIRES_AFTER_S = (3600, 30 * 24 * 3600)
+"""OpenAI's range of an expiry policy's ``seconds`` (``expires_after``, a batch's ``output_expires_after``)."""
 
 
 class FileStore:
@@ -43,8 +46,9 @@ class FileStore:
         self._redis, self._keys, self._ttl_s = redis, keys, ttl_s
 
     async def write(self, file_id: str, filename: str, purpose: str, lines: Sequence[str],
-                    tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
-        """Store (or replace) a whole file of `tenant`'s in one transaction; returns its view.
+                    tenant: str = DEFAULT_TENANT, ttl_s: int | None = None) -> dict[str, Any]:
+        """Store (or replace) a whole file of `tenant`'s in one transaction, to expire after `ttl_s` (default
+        ``--file-ttl-s``); returns its view.
 
         `lines` keep their line endings (`split_lines`): joined, they are the file."""
         lines_key = self._keys.file_lines(file_id)
@@ -53,7 +57,7 @@ class FileStore:
             for start in range(0, len(lines), PAGE_LINES):
                 pipe.rpush(lines_key, *lines[start:start + PAGE_LINES])
             return await self._publish(pipe, file_id, filename, purpose, sum(len(line.encode()) for line in lines),
-                                       tenant)
+                                       tenant, ttl_s)
 
     async def append(self, file_id: str, lines: Sequence[str]) -> int:
         r"""Add lines (without line endings; each gets ``\n``) to a file being built (not listed until `publish`);
@@ -67,21 +71,23 @@ class FileStore:
         return sum(len(line.encode()) for line in ended)
 
     async def publish(self, file_id: str, filename: str, purpose: str, num_bytes: int,
-                      tenant: str = DEFAULT_TENANT) -> dict[str, Any]:
-        """List a file built with `append`, as `tenant`'s."""
+                      tenant: str = DEFAULT_TENANT, ttl_s: int | None = None) -> dict[str, Any]:
+        """List a file built with `append`, as `tenant`'s, to expire after `ttl_s` (default ``--file-ttl-s``)."""
         async with self._redis.pipeline(transaction=True) as pipe:
-            return await self._publish(pipe, file_id, filename, purpose, num_bytes, tenant)
+            return await self._publish(pipe, file_id, filename, purpose, num_bytes, tenant, ttl_s)
 
     async def _publish(self, pipe: aioredis.client.Pipeline, file_id: str, filename: str, purpose: str, num_bytes: int,
-                       tenant: str) -> dict[str, Any]:
+                       tenant: str, ttl_s: int | None) -> dict[str, Any]:
         lines_key = self._keys.file_lines(file_id)
         created_s = time.time()
         created_at = int(created_s)
+        ttl_s = self._ttl_s if ttl_s is None else ttl_s
         meta: dict[FieldT, EncodableT] = {"id": file_id, "filename": filename, "purpose": purpose,
-                                          "bytes": num_bytes, "created_at": created_at, "tenant": tenant}
+                                          "bytes": num_bytes, "created_at": created_at,
+                                          "expires_at": created_at + ttl_s, "tenant": tenant}
         pipe.hset(self._keys.file(file_id), mapping=meta)
-        pipe.expire(lines_key, self._ttl_s)
-        pipe.expire(self._keys.file(file_id), self._ttl_s)
+        pipe.expire(lines_key, ttl_s)
+        pipe.expire(self._keys.file(file_id), ttl_s)
         pipe.zadd(self._keys.files, {file_id: created_s})  # sub-second: newest first within a second too
         pipe.zremrangebyscore(self._keys.files, "-inf", created_at - self._ttl_s)  # expired ones
         await pipe.execute()
@@ -116,8 +122,10 @@ class FileStore:
 
     def view(self, meta: dict[bytes, bytes]) -> dict[str, Any]:
         created = int(meta[b"created_at"])
+        # Files stored before expiry policies were taken hold no expires_at: they live --file-ttl-s.
+        expires = int(meta[b"expires_at"]) if b"expires_at" in meta else created + self._ttl_s
         return {"id": meta[b"id"].decode(), "object": "file", "bytes": int(meta[b"bytes"]), "created_at": created,
-                "expires_at": created + self._ttl_s, "filename": meta[b"filename"].decode(),
+                "expires_at": expires, "filename": meta[b"filename"].decode(),
                 "purpose": meta[b"purpose"].decode(), "status": "processed", "status_details": None}
 
 
@@ -132,6 +140,26 @@ def split_lines(text: str) -> list[str]:
 def is_blank(line: str) -> bool:
     """Whether a line holds only JSON whitespace: not a request, skipped, but still counted in line numbers."""
     return not line.strip(" \t\r\n")
+
+
+def expiry_seconds(param: str, policy: object, max_ttl_s: int) -> int:
+    """The seconds of an OpenAI expiry policy ``{"anchor": "created_at", "seconds": N}`` named `param`; a 400 when
+    it is malformed, outside OpenAI's range, or longer than this server keeps files (`max_ttl_s`)."""
+    if not isinstance(policy, dict) or set(policy) != {"anchor", "seconds"}:
+        raise invalid(param, 'must be {"anchor": "created_at", "seconds": N}')
+    if policy["anchor"] != "created_at":
+        raise invalid(f"{param}.anchor", "must be created_at")
+    seconds = policy["seconds"]
+    if isinstance(seconds, str) and seconds.strip().isdigit():  # a multipart field is text
+        seconds = int(seconds)
+    if not isinstance(seconds, int) or isinstance(seconds, bool):
+        raise invalid(f"{param}.seconds", "must be an integer")
+    low, high = EXPIRES_AFTER_S
+    if not low <= seconds <= high:
+        raise invalid(f"{param}.seconds", f"must be within [{low}, {high}]")
+    if seconds > max_ttl_s:
+        raise invalid(f"{param}.seconds", f"this server keeps files at most {max_ttl_s} s (--file-ttl-s)")
+    return seconds
 
 
 def new_file_id() -> str:
@@ -149,18 +177,22 @@ async def upload(request: web.Request) -> web.Response:
         raise invalid("file", "upload the file as multipart/form-data with fields file and purpose")
     reader = await request.multipart()
     purpose, filename, data = None, None, None
+    expires_after: dict[str, str] = {}
     while (part := await reader.next()) is not None:
         if not isinstance(part, BodyPartReader):
             raise invalid("file", "nested multipart bodies are not supported")
         if part.name == "purpose":
-            purpose = (await part.read(decode=True)).decode("utf-8", "replace").strip()
+            purpose = await _read_text(part)
         elif part.name == "file":
             filename = part.filename or "upload.jsonl"
             data = await _read_limited(part, config.max_batch_file_bytes)
+        elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):  # how clients send the policy
+            expires_after[part.name.removeprefix("expires_after[").removesuffix("]")] = await _read_text(part)
         else:
             await part.release()
     if purpose not in PURPOSES:
         raise invalid("purpose", f"must be one of {list(PURPOSES)}")
+    ttl_s = expiry_seconds("expires_after", expires_after, config.file_ttl_s) if expires_after else None
     if data is None or filename is None:
         raise invalid("file", "required")
     try:
@@ -176,8 +208,13 @@ async def upload(request: web.Request) -> web.Response:
     if len(lines) - num_requests > config.max_batch_requests:
         raise invalid("file", f"{len(lines) - num_requests} blank lines; a file may hold at most "
                               f"{config.max_batch_requests}")
-    view = await file_store(request.app).write(new_file_id(), filename, purpose, lines, caller_of(request).tenant)
+    view = await file_store(request.app).write(new_file_id(), filename, purpose, lines, caller_of(request).tenant,
+                                               ttl_s)
     return web.json_response(view)
+
+
+async def _read_text(part: BodyPartReader) -> str:
+    return (await part.read(decode=True)).decode("utf-8", "replace").strip()
 
 
 async def _read_limited(part: BodyPartReader, max_bytes: int) -> bytes:

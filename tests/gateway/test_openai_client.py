@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 
@@ -96,3 +97,53 @@ async def test_response_format_text_is_taken_as_the_default_it_is_and_others_are
                 raise AssertionError(f"{response_format} accepted")
             except openai.BadRequestError as e:
                 assert e.body["param"] == "response_format" and e.body["code"] == "unsupported_parameter"
+
+
+async def test_an_upload_and_a_batchs_output_expire_as_their_policies_ask(redis_url) -> None:
+    """`expires_after` of an upload and `output_expires_after` of a batch, as the client sends them: the file
+    object says when, and Redis drops the file then. A policy outside OpenAI's range, with another anchor, or
+    longer than this server keeps files (--file-ttl-s, a week by default) is a 400 naming the field."""
+    import redis.asyncio as aioredis
+
+    from scheduler.protocol.keys import Keys
+
+    keys, redis = Keys(), aioredis.Redis.from_url(redis_url)
+    async with openai_service(redis_url, None, batch_poll_interval_s=0.1) as svc:
+        data = io.BytesIO(b"not a request\n")
+        hour = await svc.client.files.create(file=("a.jsonl", data), purpose="batch",
+                                             expires_after={"anchor": "created_at", "seconds": 3600})
+        assert hour.expires_at == hour.created_at + 3600
+        assert (await svc.client.files.retrieve(hour.id)).expires_at == hour.expires_at
+        assert 3590 <= await redis.ttl(keys.file(hour.id)) <= 3600
+        assert 3590 <= await redis.ttl(keys.file_lines(hour.id)) <= 3600
+        default = await svc.client.files.create(file=("b.jsonl", io.BytesIO(b"x\n")), purpose="batch")
+        assert default.expires_at == default.created_at + 7 * 24 * 3600
+
+        for policy, param in (({"anchor": "created_at", "seconds": 60}, "expires_after.seconds"),
+                              ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor"),
+                              ({"anchor": "created_at", "seconds": 30 * 24 * 3600}, "expires_after.seconds")):
+            try:
+                await svc.client.files.create(file=("c.jsonl", io.BytesIO(b"x\n")), purpose="batch",
+                                              expires_after=policy)  # type: ignore[arg-type]
+                raise AssertionError(f"{policy} accepted")
+            except openai.BadRequestError as e:
+                assert e.param == param, e.body
+
+        # Every line of this one is refused, so its error file is written at once: two hours, as asked.
+        batch = await svc.client.batches.create(input_file_id=hour.id, endpoint="/v1/completions",
+                                                completion_window="24h",
+                                                output_expires_after={"anchor": "created_at", "seconds": 7200})
+        while batch.status not in ("completed", "failed"):
+            await asyncio.sleep(0.1)
+            batch = await svc.client.batches.retrieve(batch.id)
+        assert batch.error_file_id is not None
+        errors = await svc.client.files.retrieve(batch.error_file_id)
+        assert errors.expires_at == errors.created_at + 7200
+        assert 7190 <= await redis.ttl(keys.file_lines(batch.error_file_id)) <= 7200
+        try:
+            await svc.client.batches.create(input_file_id=hour.id, endpoint="/v1/completions", completion_window="24h",
+                                            output_expires_after={"anchor": "created_at", "seconds": "soon"})  # type: ignore[typeddict-item]
+            raise AssertionError("a non-integer output_expires_after.seconds accepted")
+        except openai.BadRequestError as e:
+            assert e.param == "output_expires_after.seconds"
+    await redis.aclose()
