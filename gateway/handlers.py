@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import time
+from urllib.parse import quote
 
 from aiohttp import web
 from redis.exceptions import RedisError
@@ -90,7 +91,8 @@ async def post_job(request: web.Request) -> web.Response:
     return web.json_response(
         {"id": admitted.job_id, "status": admitted.status},
         status=202 if admitted.is_new else 200,
-        headers={"Location": f"/v1/jobs/{admitted.job_id}"},
+        # An id may hold any character (`/`, `?`, non-ASCII): the URL carries it percent-encoded.
+        headers={"Location": f"/v1/jobs/{quote(admitted.job_id, safe='')}"},
     )
 
 

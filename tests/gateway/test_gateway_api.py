@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 import redis.asyncio as aioredis
+import yarl
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway import model_limits
@@ -102,6 +103,16 @@ async def test_webhooks_are_refused_without_a_signing_secret(redis_url: str) -> 
         assert status == 400
         assert reply["error"]["field"] == "webhook.url" and "secret" in reply["error"]["message"]
         assert (await submit(client, {"prompt": "hi"}))[0] == 202
+
+
+async def test_the_location_of_a_job_whose_id_holds_url_characters_leads_to_it(client: TestClient) -> None:
+    for job_id in ("x/y?z#w", "jöb%2F"):
+        resp = await client.post("/v1/jobs", json={"id": job_id, "prompt": "hello"})
+        assert resp.status == 202
+        location = resp.headers["Location"]
+        assert location.isascii() and location.startswith("/v1/jobs/") and "?" not in location
+        followed = await client.get(yarl.URL(location, encoded=True))
+        assert followed.status == 200 and (await followed.json())["id"] == job_id
 
 
 async def test_body_that_is_not_json_names_the_body(client: TestClient) -> None:
