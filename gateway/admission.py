@@ -86,10 +86,13 @@ def check_fits(spec: JobSpec, max_len: int) -> None:
             raise InvalidJob("params.max_tokens", f"the prompt's {num_prompt} tokens + {max_tokens} exceed the "
                                                   f"model's context of {max_len}; at most {max_len - num_prompt}",
                              is_context_exceeded=True)
+    # No prompt leaves room for these (a prompt has a token at least), whatever it is: the context is exceeded.
     if max_tokens is not None and max_tokens >= max_len:
-        raise InvalidJob("params.max_tokens", f"must be below the model's context length of {max_len}")
-    if spec.params.min_tokens >= max_len:  # with max_tokens left out too: no prompt leaves room for them
-        raise InvalidJob("params.min_tokens", f"must be below the model's context length of {max_len}")
+        raise InvalidJob("params.max_tokens", f"must be below the model's context length of {max_len}",
+                         is_context_exceeded=True)
+    if spec.params.min_tokens >= max_len:  # with max_tokens left out too
+        raise InvalidJob("params.min_tokens", f"must be below the model's context length of {max_len}",
+                         is_context_exceeded=True)
 
 
 class JobIdTaken(InvalidJob):

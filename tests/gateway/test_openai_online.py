@@ -230,6 +230,12 @@ async def test_chat_without_max_tokens_gets_the_rest_of_the_context_and_too_long
         with pytest.raises(openai.BadRequestError) as refused:
             await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=21)
         assert (refused.value.param, refused.value.code) == ("max_tokens", "context_length_exceeded")
+        # The whole context or more: no prompt fits beside it, as the gateway itself judges.
+        for route, body in ((svc.client.chat.completions, {"messages": MESSAGES}),
+                            (svc.client.completions, {"prompt": "hi"})):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await route.create(model=MODEL_NAME, max_tokens=context, **body)  # type: ignore[attr-defined]
+            assert (refused.value.param, refused.value.code) == ("max_tokens", "context_length_exceeded")
         with pytest.raises(openai.BadRequestError) as refused:
             await svc.client.completions.create(model=MODEL_NAME, prompt=list(range(3, 3 + context)))
         assert (refused.value.param, refused.value.code) == ("prompt", "context_length_exceeded")
