@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import shlex
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -108,8 +109,10 @@ def run_up(config: UpConfig, worker: WorkerChild, webhooks: WebhookConfig, data_
         redis = EmbeddedRedis(data_dir / "redis", port=config.redis_port or None).start()
         redis_url = redis.url
         url_file.write_text(redis_url + "\n")
+        redis_cli = "carpool redis-cli" + ("" if data_dir == default_data_dir(Path.home())
+                                           else f" --data-dir {shlex.quote(str(data_dir))}")
         print(f"carpool: redis      {redis_url}  (data in {data_dir / 'redis'}; URL in {url_file}; "
-              "`carpool redis-cli` talks to it)", flush=True)
+              f"`{redis_cli}` talks to it)", flush=True)
     try:
         telemetry = Telemetry(telemetry_config)
         try:

@@ -4,6 +4,8 @@ data dir, and `carpool redis-cli` (the bundled binary) pointed at it."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -59,6 +61,14 @@ def test_readme_redis_examples_reach_the_stack(stack: UpStack) -> None:
         assert _wait_status(client, "doc-17") == b"succeeded"
     finally:
         client.close()
+
+
+def test_the_redis_cli_that_up_names_reaches_its_redis_as_pasted(stack: UpStack) -> None:
+    """The data dir is not the default one here, so the command `carpool up` prints names it."""
+    [hint] = re.findall(r"`(carpool redis-cli[^`]*)` talks to it", stack.log())
+    assert "--data-dir" in hint
+    pong = carpool(*shlex.split(hint)[1:], "PING")
+    assert (pong.returncode, pong.stdout.strip()) == (0, "PONG"), pong.stderr
 
 
 @pytest.mark.slow
