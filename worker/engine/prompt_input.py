@@ -26,7 +26,11 @@ def max_prompt_chars(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> 
 
 def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, prompt: str | list[int] | None,
                      messages: list[dict[str, Any]] | None, max_chars: int | None = None) -> list[int]:
-    """Checked token ids of the prompt. `max_chars` (`max_prompt_chars`): a longer text is refused untokenized."""
+    """Checked token ids of the prompt. `max_chars` (`max_prompt_chars`): a longer text is refused untokenized.
+
+    Text is tokenized without transformers' warning about sequences past the tokenizer's ``model_max_length``
+    ("will result in indexing errors"): the engine checks every prompt against its own context, and refuses
+    one too long with an error of its own."""
     if (prompt is None) == (messages is None):
         raise ValueError("prompt: give exactly one of prompt or messages")
     if max_chars is not None:
@@ -34,7 +38,7 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, prompt
     if messages is not None:
         ids = apply_chat_template(tokenizer, messages)
     elif isinstance(prompt, str):
-        ids = list(tokenizer(prompt)["input_ids"])
+        ids = list(tokenizer(prompt, verbose=False)["input_ids"])
     elif isinstance(prompt, list):
         ids = list(prompt)
         check_token_ids("prompt", ids, vocab_size)
@@ -70,7 +74,7 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[
     except Exception as e:  # template errors come in many types (jinja, KeyError, ...)
         raise ValueError(f"messages: the chat template failed: {e}") from e
     # The template writes the special tokens itself.
-    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(rendered, add_special_tokens=False, verbose=False)["input_ids"])
 
 
 def check_token_ids(name: str, ids: list[int], vocab_size: int) -> None:
