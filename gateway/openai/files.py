@@ -13,6 +13,7 @@ requests (non-blank lines) or blank lines (400).
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -150,7 +151,7 @@ def expiry_seconds(param: str, policy: object, max_ttl_s: int) -> int:
     if policy["anchor"] != "created_at":
         raise invalid(f"{param}.anchor", "must be created_at")
     seconds = policy["seconds"]
-    if isinstance(seconds, str) and seconds.strip().isdigit():  # a multipart field is text
+    if isinstance(seconds, str) and re.fullmatch(r"[0-9]{1,10}", seconds.strip()):  # a multipart field is text
         seconds = int(seconds)
     if not isinstance(seconds, int) or isinstance(seconds, bool):
         raise invalid(f"{param}.seconds", "must be an integer")

@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 
+import aiohttp
 import openai
 
 from tests.harness.openai_support import MODEL_NAME, openai_service
@@ -128,6 +129,16 @@ async def test_an_upload_and_a_batchs_output_expire_as_their_policies_ask(redis_
                 raise AssertionError(f"{policy} accepted")
             except openai.BadRequestError as e:
                 assert e.param == param, e.body
+        # The form's text as any client might send it: digits of other scripts, thousands of them, half a policy.
+        for fields, param in (({"expires_after[anchor]": "created_at", "expires_after[seconds]": "\u00b2"},
+                               "expires_after.seconds"),
+                              ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "9" * 5000},
+                               "expires_after.seconds"),
+                              ({"expires_after[seconds]": "3600"}, "expires_after")):
+            form = aiohttp.FormData({"purpose": "batch", **fields})
+            form.add_field("file", b"x\n", filename="d.jsonl")
+            async with aiohttp.ClientSession() as http, http.post(f"{svc.url}/v1/files", data=form) as resp:
+                assert (resp.status, (await resp.json())["error"]["param"]) == (400, param)
 
         # Every line of this one is refused, so its error file is written at once: two hours, as asked.
         batch = await svc.client.batches.create(input_file_id=hour.id, endpoint="/v1/completions",
