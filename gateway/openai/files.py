@@ -117,9 +117,17 @@ class FileStore:
             start += len(page)
 
     async def delete(self, file_id: str) -> bool:
-        # The id keeps its place in the list's index (pruned with the expired ones), so a client paging
-        # with ``after=`` that id, the last of the page it just read, still gets the next page.
-        return bool(await self._redis.delete(self._keys.file(file_id), self._keys.file_lines(file_id)))
+        # The id leaves the list's index for the deleted ones' with its score, so a client paging with
+        # ``after=`` that id, the last of the page it just read, still gets the next page.
+        score = await self._redis.zscore(self._keys.files, file_id)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._keys.file(file_id), self._keys.file_lines(file_id))
+            pipe.zrem(self._keys.files, file_id)
+            if score is not None:
+                pipe.zadd(self._keys.files_deleted, {file_id: score})
+            pipe.zremrangebyscore(self._keys.files_deleted, "-inf", time.time() - self._ttl_s)
+            deleted, *_ = await pipe.execute()
+        return bool(deleted)
 
     def view(self, meta: dict[bytes, bytes]) -> dict[str, Any]:
         created = int(meta[b"created_at"])
@@ -242,9 +250,8 @@ async def list_files(request: web.Request) -> web.Response:
         return meta, tenant_of(meta[b"tenant"].decode() if b"tenant" in meta else None)
 
     async def may_name_file(file_id: str) -> bool:
-        # A deleted file's id is still a cursor: the page before ended with it.
         meta, owner = await read(file_id)
-        return not meta or may_see(request, owner)
+        return bool(meta) and may_see(request, owner)
 
     async def load(file_id: str) -> dict[str, Any] | None:
         meta, owner = await read(file_id)
@@ -253,8 +260,9 @@ async def list_files(request: web.Request) -> web.Response:
         view = store.view(meta)
         return view if purpose in (None, view["purpose"]) else None
 
-    page = await cursor_page(request, request.app[appkeys.REDIS], request.app[appkeys.KEYS].files, load, may_name_file,
-                             default_limit=MAX_LIST_LIMIT, max_limit=MAX_LIST_LIMIT)
+    keys = request.app[appkeys.KEYS]
+    page = await cursor_page(request, request.app[appkeys.REDIS], keys.files, load, may_name_file,
+                             default_limit=MAX_LIST_LIMIT, max_limit=MAX_LIST_LIMIT, deleted_key=keys.files_deleted)
     return web.json_response(page)
 
 

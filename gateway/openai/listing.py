@@ -2,9 +2,10 @@
 
 The index holds every tenant's ids, scored by creation time; a page keeps only the ids `load` answers (the
 caller's own, still there, and matching the route's filters), reading the index 100 ids at a time until it
-has ``limit`` of them and knows whether more follow. ``after`` must name an id still in the index that the
-caller may name, as OpenAI's lists take it: the last id of the page before. A deleted object's id stays in
-its index until it would have expired, so paging on from it still works after another client deleted it.
+has ``limit`` of them and knows whether more follow. ``after`` must name an id in the index that the caller
+may see, as OpenAI's lists take it: the last id of the page before; or one deleted since (a second sorted set
+keeps deleted ids with their scores until they would have expired), so paging on from the last id of a page
+still works after another client deleted that object.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ ORDERS = ("desc", "asc")
 async def cursor_page(request: web.Request, redis: aioredis.Redis, index_key: str,
                       load: Callable[[str], Awaitable[dict[str, Any] | None]],
                       may_name: Callable[[str], Awaitable[bool]], *, default_limit: int,
-                      max_limit: int) -> dict[str, Any]:
+                      max_limit: int, deleted_key: str | None = None) -> dict[str, Any]:
     """One page of the list: ``{"object": "list", "data", "first_id", "last_id", "has_more"}``.
 
-    `load` gives an id's object, or None to leave it out; `may_name` says whether ``after`` may name an id."""
+    `load` gives an id's object, or None to leave it out; `may_name` says whether ``after`` may name an id of the
+    index; `deleted_key`: the deleted ids' sorted set, if the list has one."""
     query = request.query
     try:
         limit = int(query.get("limit", str(default_limit)))
@@ -44,9 +46,14 @@ async def cursor_page(request: web.Request, redis: aioredis.Redis, index_key: st
     if "after" in query:
         after = query["after"]
         rank = await (redis.zrevrank if is_newest_first else redis.zrank)(index_key, after)
-        if rank is None or not await may_name(after):
+        if rank is not None and await may_name(after):
+            start = cast(int, rank) + 1
+        elif rank is None and deleted_key is not None and (score := await redis.zscore(deleted_key, after)) is not None:
+            # Deleted: the page goes on from the ids past its score (as many as lie before that, in this order).
+            before = (f"({score}", "+inf") if is_newest_first else ("-inf", f"({score}")
+            start = cast(int, await redis.zcount(index_key, *before))
+        else:
             raise invalid("after", f"no such object: {after!r}")
-        start = cast(int, rank) + 1
     read = redis.zrevrange if is_newest_first else redis.zrange
     data: list[dict[str, Any]] = []
     has_more = False

@@ -208,6 +208,12 @@ class Keys:
         """Sorted set of file ids, scored by creation unix time."""
         return f"{self.prefix}:files"
 
+    @property
+    def files_deleted(self) -> str:
+        """Sorted set of deleted file ids, scored as they were in `files` until they would have expired: where a
+        list page that ended with one continues."""
+        return f"{self.prefix}:files:deleted"
+
     def batch(self, batch_id: str) -> str:
         """Hash of one batch: status, timestamps, request counts, file ids, the driver's cursors."""
         return f"{self.prefix}:batch:{batch_id}"

@@ -74,6 +74,8 @@ async def test_files_are_listed_newest_first_in_pages_by_purpose_and_order(redis
         await svc.client.files.delete(page.data[-1].id)
         rest = await svc.client.files.list(after=page.data[-1].id, limit=10)
         assert [f.id for f in rest.data] == created[2::-1] and not rest.has_more
+        rest = await svc.client.files.list(after=page.data[-1].id, limit=10, order="asc")
+        assert [f.id for f in rest.data] == [created[4]] and not rest.has_more
         assert [f.id async for f in svc.client.files.list(limit=2)] == [created[4], *created[2::-1]]
         try:
             await svc.client.files.list(limit=0)
