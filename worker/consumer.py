@@ -189,9 +189,13 @@ class LaneConsumer:
                 out.append(Entry(EntryRef(name, entry_id.decode()), lane, fields or None, 1))
         return out
 
-    async def reclaim(self, free: int) -> list[Entry]:
+    async def reclaim(self, free: int, *, handed_back_only: bool = False) -> list[Entry]:
         """Take over up to `free` entries whose owner stopped renewing them for longer than the lease,
-        from every stream of every lane (the tenants' streams stay active while they hold entries)."""
+        from every stream of every lane (the tenants' streams stay active while they hold entries).
+
+        `handed_back_only`: only entries handed back (made to look idle for `HANDBACK_IDLE_MS`), not those
+        merely idle past the lease: right after a Redis outage every lease has lapsed, live workers' too."""
+        min_idle_ms = HANDBACK_IDLE_MS // 2 if handed_back_only else self.lease_ms
         out: list[Entry] = []
         sources = await self.tenants.sources(route=False)
         for source in [s for lane in LANES for s in sources[lane]]:
@@ -199,7 +203,7 @@ class LaneConsumer:
                 break
             stream = source.stream
             try:
-                reply = await self.client.xautoclaim(stream, CONSUMER_GROUP, self.name, self.lease_ms,
+                reply = await self.client.xautoclaim(stream, CONSUMER_GROUP, self.name, min_idle_ms,
                                                      start_id="0-0", count=free - len(out))
             except ResponseError as e:
                 if "NOGROUP" not in str(e):

@@ -40,7 +40,7 @@ from worker.consumer import Entry
 from worker.job_loop import JobLoop
 from worker.job_store import EntryRef, JobStart, JobStore, Outcome, checkpoint_output, pack
 from worker.metrics import WorkerMetrics
-from worker.redis_errors import REDIS_RETRY_S, OutageLog, is_redis_down
+from worker.redis_errors import REDIS_RETRY_S, OutageLog, describe, is_redis_down
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,8 @@ class EntryIntake:
         except Exception as e:
             if not is_redis_down(e):
                 raise
-            log.warning("dead-lettering %s failed with Redis unavailable (%s); it will be redelivered", entry.ref, e)
+            log.warning("dead-lettering %s failed with Redis unavailable (%s); it will be redelivered", entry.ref,
+                        describe(e))
 
     async def _take_one(self, entry: Entry, start_token: str) -> None:
         ref = entry.ref

@@ -35,6 +35,7 @@ from worker.engine.records import EngineStats
 from worker.engine.wire import EngineFailed, EngineRunner, Tick
 from worker.job_store import EntryRef, JobStore, pack
 from worker.metrics import WorkerMetrics
+from worker.redis_errors import OutageLog, describe, is_redis_down
 from worker.running_job import RunningJob, outcome_of, output_of
 from worker.step_writes import CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NOT_OURS, StepWriter, StepWrites
 
@@ -67,6 +68,7 @@ class JobLoop:
         self._work = asyncio.Event()
         self.slot_freed = asyncio.Event()
         self.commits = CommitTasks(store, self.metrics)
+        self._outages = OutageLog(log)
 
     # --- capacity ----------------------------------------------------------------
 
@@ -270,8 +272,13 @@ class JobLoop:
         except (RedisError, OSError) as e:
             # Token events are best effort; a checkpoint is only late: its job stays due, so the next step
             # writes it again (the first one included, which live views and cancels over the record wait on).
-            log.warning("token events and checkpoints of this step not written: %s", e)
+            if is_redis_down(e):  # then every step meets it: said once in a while, not once a step
+                self._outages.warn("step writes", e, "token events and checkpoints wait for the next steps")
+            else:
+                log.warning("token events and checkpoints of this step not written: %s", describe(e))
             checkpointed = []
+        else:
+            self._outages.recovered()
         for index, job, num_tokens in checkpointed:
             job.checkpointed, job.checkpoint_at = num_tokens, mono
             if job.spec.id not in self.jobs:

@@ -30,6 +30,11 @@ REDIS_RETRY_S = 0.5
 """How long a loop that found Redis unavailable waits before it tries again."""
 
 
+def describe(error: BaseException) -> str:
+    """An error's message for a log line; its type where it has none (a bare timeout says nothing itself)."""
+    return str(error) or type(error).__name__
+
+
 def is_redis_down(error: BaseException) -> bool:
     """Whether ``error`` says Redis is unavailable for now: unreachable, or at maxmemory refusing writes."""
     return isinstance(error, REDIS_DOWN) or is_out_of_memory(error)
@@ -67,7 +72,8 @@ class OutageLog:
         left_out = self._left_out.pop(where, 0)
         said = f"; {left_out} more such since the last of these" if left_out else ""
         self._logger.warning("%s%s: Redis unavailable (%s); retrying every %.1fs, said again at most every %.0fs%s",
-                             where, f" ({detail})" if detail else "", error, REDIS_RETRY_S, self._every_s, said)
+                             where, f" ({detail})" if detail else "", describe(error), REDIS_RETRY_S, self._every_s,
+                             said)
 
     def recovered(self) -> None:
         """Redis answered again: say so once if an outage was logged, and log the next one from its start."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -29,7 +30,7 @@ from worker.intake import EntryIntake
 from worker.job_loop import JobLoop
 from worker.job_store import JobStore, pack
 from worker.metrics import METRICS_KEY, WorkerMetrics, metrics_handler
-from worker.redis_errors import REDIS_ERRORS, REDIS_RETRY_S, OutageLog, is_redis_down
+from worker.redis_errors import REDIS_ERRORS, REDIS_RETRY_S, OutageLog, describe, is_redis_down
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,10 @@ class WorkerService:
         """The shutdown could not hand its running jobs back (Redis unavailable): they wait for the lease."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._outages = OutageLog(log)
+        self._redis_down_at = -math.inf
+        """When a loop last found Redis unavailable (monotonic): for a lease after it, only handed-back entries
+        are reclaimed, since every other worker's leases lapsed during the outage too and need a lease to be
+        renewed (they renew every lease / 3)."""
         self._pubsub: Any = None
         self._http: web.AppRunner | None = None
 
@@ -119,7 +124,8 @@ class WorkerService:
                 async with asyncio.timeout(self.config.lease_s):
                     await self.client.hdel(self.keys.workers, self.config.worker_name)
             except REDIS_ERRORS as e:
-                log.warning("worker %s: could not leave %s (%s)", self.config.worker_name, self.keys.workers, e)
+                log.warning("worker %s: could not leave %s (%s)", self.config.worker_name, self.keys.workers,
+                            describe(e))
             if self._http is not None:
                 await self._http.cleanup()
             await self.job_loop.aclose()
@@ -157,7 +163,7 @@ class WorkerService:
                     raise
                 self.has_stranded_jobs = True
                 log.error("could not hand back %d unfinished jobs, Redis unavailable (%s): they are reclaimed after "
-                          "the lease, from their last checkpoint", num_jobs, e)
+                          "the lease, from their last checkpoint", num_jobs, describe(e))
         await self.job_loop.wait_commits()
         if self.job_loop.commits.num_given_up:
             # Finished jobs whose results Redis never took: they run again after the lease, as a killed worker's do.
@@ -168,6 +174,7 @@ class WorkerService:
         Any other Redis error is raised again."""
         if not is_redis_down(error):
             raise error
+        self._redis_down_at = time.monotonic()
         self._outages.warn(f"worker {self.config.worker_name} {loop}", error)
         raise_if_cancelled()
         await asyncio.sleep(REDIS_RETRY_S)
@@ -215,7 +222,8 @@ class WorkerService:
             try:
                 if time.monotonic() >= next_reclaim or self.reclaim_now.is_set():
                     self.reclaim_now.clear()
-                    reclaimed = await self.consumer.reclaim(free)
+                    after_outage = time.monotonic() - self._redis_down_at < self.config.lease_s
+                    reclaimed = await self.consumer.reclaim(free, handed_back_only=after_outage)
                     self.metrics.leases_reclaimed(e.lane.value for e in reclaimed)
                     entries += reclaimed
                     next_reclaim = time.monotonic() + reclaim_every_s

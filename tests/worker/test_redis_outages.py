@@ -3,6 +3,8 @@ job still ends exactly once."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import signal
 import time
 
@@ -162,3 +164,47 @@ async def test_an_entry_read_just_before_an_outage_is_admitted_once_redis_is_bac
     assert await replies(client, "replies:unlucky") == ["unlucky"]
     assert await client.xlen(KEYS.dead) == 0
     await client.aclose()
+
+
+async def test_an_outage_longer_than_the_lease_moves_no_job_between_live_workers(redis_url, tiny_model, caplog):
+    """Every lease lapses while Redis is away, live workers' too: once it is back, a worker with free slots must
+    not reclaim the jobs another live worker is still running (each would count a delivery, and run again from
+    its checkpoint). Both workers say the outage of their steps' writes once, not once a step."""
+    from worker.engine.engine import Engine
+
+    client = aioredis.Redis.from_url(redis_url)
+    proxy = await RedisProxy(redis_url).start()
+    model = tiny_model()
+    params = SamplingParams(max_tokens=HELD_TOKENS, temperature=0, ignore_eos=True)
+    ids = [f"held-{i}" for i in range(4)]
+    lease_s = 1.0
+    try:
+        # Two slots: the first worker runs two jobs and leaves two in the lane for the second, which keeps two
+        # slots free to reclaim with.
+        async with running_worker(proxy.url, Engine(model=model, max_num_seqs=2), lease_s=lease_s,
+                                  worker_name="first") as first:
+            for job_id in ids:
+                await xadd_job(client, JobSpec(id=job_id, prompt=f"{job_id} runs across an outage", params=params))
+            async with running_worker(proxy.url, Engine(model=model, max_num_seqs=4), lease_s=lease_s,
+                                      worker_name="second") as second:
+                for job_id in ids:
+                    await wait_until(lambda job_id=job_id: client.hget(KEYS.job(job_id), "checkpoint"),
+                                     f"{job_id}'s first checkpoint")
+                with caplog.at_level(logging.INFO):
+                    proxy.go_down()
+                    await asyncio.sleep(3 * lease_s)
+                    proxy.restore()
+                    views = await wait_terminal(client, ids)
+                assert not first.has_failed and not second.has_failed
+    finally:
+        await proxy.aclose()
+        await client.aclose()
+    owners = {job_id: view["worker"] for job_id, view in views.items()}
+    assert sorted(owners.values()) == ["first", "first", "second", "second"], owners
+    for view in views.values():
+        assert view["status"] == "succeeded"
+        assert (view["attempts"], view["resumed_from"]) == (1, 0), view
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "reclaimed" in m], messages
+    assert len([m for m in messages if m.startswith("step writes (") and "Redis unavailable" in m]) == 2, messages
+    assert not [m for m in messages if "of this step not written" in m]
