@@ -190,7 +190,8 @@ async def readyz(request: web.Request) -> web.Response:
         workers = await live_workers(redis, keys.workers, max_age_s=app[appkeys.CONFIG].model_heartbeat_max_age_s,
                                      now=time.time())
     except (RedisError, OSError) as e:
-        return web.json_response({"status": "unavailable", "redis": f"unreachable: {e}"}, status=503)
+        return web.json_response({"status": "unavailable", "redis": f"unreachable: {e}"}, status=503,
+                                 headers={"Retry-After": str(app[appkeys.CONFIG].retry_after_s)})
     max_depth = app[appkeys.CONFIG].max_lane_depth
     return web.json_response({
         "status": "ready",

@@ -57,7 +57,7 @@ class OutageLog:
         self._last: dict[str, float] = {}
         self._left_out: Counter[str] = Counter()
         self._since: float | None = None
-        """When the outage now logged began (its first warning); None while none is."""
+        """When the outage now logged was first warned of; None while none is."""
 
     def warn(self, where: str, error: BaseException, detail: str = "") -> None:
         """`where` met Redis unavailable (`error`); `detail` names what waits (a job, an entry)."""
@@ -80,7 +80,8 @@ class OutageLog:
         if self._since is None:
             return
         left_out = sum(self._left_out.values())
-        self._logger.info("Redis available again after %.0fs%s", self._clock() - self._since,
+        # Counted from the first warning, which a silent Redis delays by the timeout of the call that met it.
+        self._logger.info("Redis available again, %.0fs after the first warning%s", self._clock() - self._since,
                           f" ({left_out} warnings left out)" if left_out else "")
         self._since = None
         self._last.clear()

@@ -160,7 +160,8 @@ async def test_a_silent_redis_ends_every_request_with_503_and_it_recovers_withou
                 await assert_unavailable(await asyncio.wait_for(client.post("/v1/chat/completions",
                                                                             json={**CHAT, "stream": True}),
                                                                 ENDS_WITHIN_S), is_openai=True)
-                assert (await asyncio.wait_for(client.get("/readyz"), ENDS_WITHIN_S)).status == 503
+                ready = await asyncio.wait_for(client.get("/readyz"), ENDS_WITHIN_S)
+                assert (ready.status, ready.headers["Retry-After"]) == (503, "3")
                 # The open event stream ends (the client can come back with Last-Event-ID) rather than hang.
                 await asyncio.wait_for(events.read(), ENDS_WITHIN_S)
 

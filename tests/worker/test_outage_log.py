@@ -49,6 +49,6 @@ def test_the_end_of_an_outage_is_said_once_and_the_next_outage_is_logged_from_it
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
         "heartbeat: Redis unavailable (Connection refused); retrying every 0.5s, said again at most every 30s",
-        "Redis available again after 10s (19 warnings left out)",
+        "Redis available again, 10s after the first warning (19 warnings left out)",
         "heartbeat: Redis unavailable (Connection refused); retrying every 0.5s, said again at most every 30s",
     ]
