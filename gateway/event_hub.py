@@ -36,6 +36,7 @@ from scheduler.protocol.job import TERMINAL_STATUSES
 from scheduler.protocol.job_record import F_STATUS, EventType
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import read_hash
+from scheduler.runtime.outage_log import OutageLog
 from scheduler.runtime.tasks import cancel_and_reap, raise_if_cancelled
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ PING_INTERVAL_S = 5.0
 PONG_TIMEOUT_S = 10.0
 """A ping unanswered this long means the connection died without a word (a dropped network path, a frozen
 Redis): the hub drops it, and the next read connects again and subscribes every channel again."""
+RECONNECT_S = 0.5
+"""How long the hub waits before reading again after its connection failed (the read reconnects)."""
 
 CLOSED = {"type": "closed"}
 """Put in every waiter's queue when the gateway shuts down."""
@@ -91,6 +94,7 @@ class EventHub:
         self._has_connection = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._is_closed = False
+        self._outages = OutageLog(log, retry_s=RECONNECT_S)
 
     @property
     def num_waiters(self) -> int:
@@ -170,11 +174,12 @@ class EventHub:
                     pong_due, ping_due = now + self._pong_timeout_s, now + self._ping_interval_s
             except (RedisConnectionError, RedisTimeoutError, OSError) as e:
                 # redis-py reconnects and resubscribes on the next read; waiters re-read the record on heartbeats.
-                log.warning("event hub lost its Redis connection (%s); retrying", e)
+                self._outages.warn("event hub", e, "its pub/sub connection, which carries every waiter's events")
                 pong_due = None
                 raise_if_cancelled()
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(RECONNECT_S)
                 continue
+            self._outages.recovered()
             raise_if_cancelled()
             if message is None:
                 continue

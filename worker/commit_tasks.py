@@ -10,7 +10,7 @@ from scheduler.telemetry.log_format import job_context
 from scheduler.telemetry.otel import span_of_traceparent
 from worker.job_store import EntryRef, JobStore, Outcome
 from worker.metrics import WorkerMetrics
-from worker.redis_errors import REDIS_RETRY_S, OutageLog, is_redis_down
+from worker.redis_errors import REDIS_RETRY_S, is_redis_down, outage_log
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ class CommitTasks:
         self.metrics = metrics
         self.num_finished = 0
         self._commits: set[asyncio.Task[None]] = set()
-        self._outages = OutageLog(log)
+        self._outages = outage_log(log)
         self.retrying: set[EntryRef] = set()
         """Entries of the commits not written yet: their leases are renewed with the running jobs', and this
         worker's own reclaim leaves them alone (the job is done; only its result waits for Redis)."""

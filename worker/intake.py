@@ -33,6 +33,7 @@ from scheduler.protocol.keys import EVENTS_LOG_TTL_S, Keys
 from scheduler.protocol.redis_replies import as_optional_bytes
 from scheduler.protocol.state_machine import StartVerdict
 from scheduler.protocol.webhooks import delivery_fields
+from scheduler.runtime.outage_log import describe
 from scheduler.telemetry.log_format import job_context
 from scheduler.telemetry.otel import span_of_traceparent
 from worker.config import WorkerConfig
@@ -40,7 +41,7 @@ from worker.consumer import Entry
 from worker.job_loop import JobLoop
 from worker.job_store import EntryRef, JobStart, JobStore, Outcome, checkpoint_output, pack
 from worker.metrics import WorkerMetrics
-from worker.redis_errors import REDIS_RETRY_S, OutageLog, describe, is_redis_down
+from worker.redis_errors import REDIS_RETRY_S, is_redis_down, outage_log
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class EntryIntake:
         self.job_loop = job_loop
         self.metrics = metrics
         self._lane_of = lane_of
-        self._outages = OutageLog(log)
+        self._outages = outage_log(log)
         self.admitting: set[EntryRef] = set()
         """Entries being admitted: their leases are renewed with the running jobs'; one found lost is dropped."""
         self.is_draining = False

@@ -27,6 +27,7 @@ from scheduler.protocol.keys import Keys
 from scheduler.protocol.lanes import Lane, engine_priority
 from scheduler.protocol.redis_replies import read_hash
 from scheduler.protocol.webhooks import OutputThrottle, delivery_fields, running_view
+from scheduler.runtime.outage_log import describe
 from scheduler.runtime.tasks import raise_if_cancelled
 from scheduler.telemetry.log_format import job_context
 from worker.commit_tasks import CommitTasks
@@ -35,7 +36,7 @@ from worker.engine.records import EngineStats
 from worker.engine.wire import EngineFailed, EngineRunner, Tick
 from worker.job_store import EntryRef, JobStore, pack
 from worker.metrics import WorkerMetrics
-from worker.redis_errors import OutageLog, describe, is_redis_down
+from worker.redis_errors import is_redis_down, outage_log
 from worker.running_job import RunningJob, outcome_of, output_of
 from worker.step_writes import CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NOT_OURS, StepWriter, StepWrites
 
@@ -68,7 +69,7 @@ class JobLoop:
         self._work = asyncio.Event()
         self.slot_freed = asyncio.Event()
         self.commits = CommitTasks(store, self.metrics)
-        self._outages = OutageLog(log)
+        self._outages = outage_log(log)
 
     # --- capacity ----------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.lanes import Lane
+from scheduler.runtime.outage_log import describe
 from scheduler.runtime.tasks import raise_if_cancelled
 from scheduler.telemetry.otel import Telemetry
 from worker.config import WorkerConfig
@@ -30,7 +31,7 @@ from worker.intake import EntryIntake
 from worker.job_loop import JobLoop
 from worker.job_store import JobStore, pack
 from worker.metrics import METRICS_KEY, WorkerMetrics, metrics_handler
-from worker.redis_errors import REDIS_ERRORS, REDIS_RETRY_S, OutageLog, describe, is_redis_down
+from worker.redis_errors import REDIS_ERRORS, REDIS_RETRY_S, is_redis_down, outage_log
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class WorkerService:
         self.has_stranded_jobs = False
         """The shutdown could not hand its running jobs back (Redis unavailable): they wait for the lease."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._outages = OutageLog(log)
+        self._outages = outage_log(log)
         self._redis_down_at = -math.inf
         """When a loop last found Redis unavailable (monotonic): for a lease after it, only handed-back entries
         are reclaimed, since every other worker's leases lapsed during the outage too and need a lease to be

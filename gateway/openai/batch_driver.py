@@ -41,6 +41,7 @@ from scheduler.protocol.job_record import job_view
 from scheduler.protocol.redis_client import is_out_of_memory
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE, as_bytes
 from scheduler.protocol.tenants import tenant_of
+from scheduler.runtime.outage_log import OutageLog
 from scheduler.runtime.tasks import raise_if_cancelled
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class BatchDriver:
         self._name = secrets.token_hex(8)
         self._scanned_at: dict[str, float] = {}
         """Monotonic time each batch's job records were last read (`_count`)."""
+        self._outages = OutageLog(log, retry_s=self._config.batch_poll_interval_s)
 
     async def run(self) -> None:
         while True:
@@ -72,14 +74,16 @@ class BatchDriver:
                     if await self._lock(batch_id):
                         await self.step(batch_id)
             except REDIS_UNAVAILABLE as e:
-                log.warning("batch driver: Redis unavailable (%s); retrying", e)
+                self._outages.warn("batch driver", e)
             except Exception as e:
                 raise_if_cancelled()
                 if is_out_of_memory(e):
-                    log.warning("batch driver: Redis is at its maxmemory and refuses writes; retrying")
+                    self._outages.warn("batch driver", e, "at its maxmemory, Redis refuses writes")
                 else:
                     # One batch's fault must not stop every batch's progress: the next round tries again.
                     log.exception("batch driver: a round failed; retrying")
+            else:
+                self._outages.recovered()
             raise_if_cancelled()
             await asyncio.sleep(self._config.batch_poll_interval_s)
 

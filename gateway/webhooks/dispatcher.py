@@ -36,6 +36,7 @@ from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_client import is_out_of_memory
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 from scheduler.protocol.webhooks import AttemptOutcome, AttemptRecord, decide, parse_retry_after
+from scheduler.runtime.outage_log import OutageLog
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class WebhookDispatcher:
         self._wake = asyncio.Event()
         self._is_stopping = False
         self._task: asyncio.Task[None] | None = None
+        self._outages = OutageLog(log, retry_s=REDIS_RETRY_S)
 
     async def __aenter__(self) -> WebhookDispatcher:
         self.start()
@@ -134,13 +136,13 @@ class WebhookDispatcher:
                             is_grouped = False  # the stream was deleted under us: recreate the group
                             continue
                         if is_redis_unavailable(e):
-                            log.warning("webhook dispatcher: Redis unavailable (%s); retrying in %.0f s",
-                                        _unavailable_reason(e), REDIS_RETRY_S)
+                            self._outages.warn("webhook dispatcher", e)
                         else:
                             # Whatever went wrong, deliveries keep their state in Redis: the next round retries.
                             log.exception("webhook dispatcher: a round failed; retrying in %.0f s", REDIS_RETRY_S)
                         await self._sleep(REDIS_RETRY_S)
                         continue
+                    self._outages.recovered()
                     if not is_busy:
                         await self._sleep(self._config.webhook_poll_s)
             finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -185,3 +186,36 @@ async def test_a_silent_redis_ends_every_request_with_503_and_it_recovers_withou
         assert silent_id != before
     finally:
         server.stop()
+
+
+async def test_an_outage_is_logged_once_in_a_while_by_each_of_the_gateways_loops(redis_url: str, caplog) -> None:
+    """The event hub, the batch driver and the webhook dispatcher each retry about twice a second while Redis is
+    away: each says so once, then once more when Redis is back, not once a retry."""
+    from gateway.webhooks import generate_secret
+    from gateway.webhooks.config import WebhookConfig
+    from tests.harness.redis_proxy import RedisProxy
+
+    proxy = await RedisProxy(redis_url).start()
+    webhooks = WebhookConfig(webhook_secret=generate_secret(), webhook_poll_s=0.05)
+    config = GatewayConfig(redis_url=proxy.url, no_webhooks=False, webhooks=webhooks, batch_poll_interval_s=0.05,
+                           redis_timeout_s=REDIS_TIMEOUT_S)
+    try:
+        async with TestClient(TestServer(init_app(config), host="127.0.0.1")) as client:
+            job_id = (await (await client.post("/v1/jobs", json={"prompt": "waits"})).json())["id"]
+            events = await client.get(f"/v1/jobs/{job_id}/events")  # the hub reads while anyone waits
+            with caplog.at_level(logging.INFO):
+                proxy.go_down()
+                await asyncio.sleep(2.0)
+                proxy.restore()
+                await wait_until(lambda: _said(caplog, "available again", 3), "each loop saying Redis is back")
+            events.close()
+    finally:
+        await proxy.aclose()
+    warnings = [r.getMessage() for r in caplog.records if "Redis unavailable" in r.getMessage()]
+    for loop in ("event hub", "batch driver", "webhook dispatcher"):
+        assert len([m for m in warnings if m.startswith(loop)]) == 1, warnings
+    assert len([m for m in warnings if "left out" in m or "more such" in m]) == 0, warnings
+
+
+async def _said(caplog, text: str, times: int) -> bool:
+    return len([r for r in caplog.records if text in r.getMessage()]) >= times

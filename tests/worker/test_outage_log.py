@@ -7,12 +7,12 @@ import logging
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from worker.redis_errors import OutageLog
+from scheduler.runtime.outage_log import OutageLog
 
 
 def test_each_place_says_an_outage_once_per_interval_and_counts_the_rest(caplog: pytest.LogCaptureFixture) -> None:
     now = [100.0]
-    outages = OutageLog(logging.getLogger("outage-test"), every_s=30.0, clock=lambda: now[0])
+    outages = OutageLog(logging.getLogger("outage-test"), retry_s=0.5, every_s=30.0, clock=lambda: now[0])
     error = RedisConnectionError("Connection refused")
     with caplog.at_level(logging.WARNING, logger="outage-test"):
         for _ in range(60):  # 30 s of retries every 0.5 s, from two places
@@ -35,7 +35,7 @@ def test_the_end_of_an_outage_is_said_once_and_the_next_outage_is_logged_from_it
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     now = [0.0]
-    outages = OutageLog(logging.getLogger("outage-test"), every_s=30.0, clock=lambda: now[0])
+    outages = OutageLog(logging.getLogger("outage-test"), retry_s=0.5, every_s=30.0, clock=lambda: now[0])
     error = RedisConnectionError("Connection refused")
     with caplog.at_level(logging.INFO, logger="outage-test"):
         outages.recovered()  # no outage: nothing to say
