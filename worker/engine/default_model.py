@@ -18,6 +18,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     GenerationConfig,
+    GPT2Config,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -59,6 +60,9 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen3": Qwen3Config,
     # Outside the Llama family: runs through transformers (partial RoPE, LayerNorm, GELU).
     "phi": PhiConfig,
+    # Learned positions, Conv1D projections, and a config that names no intermediate_size (its MLP width is
+    # n_inner): through transformers too.
+    "gpt2": GPT2Config,
 }
 
 # Big enough that the logits of a random model are spread out: with the usual
@@ -157,6 +161,9 @@ def _create_model(path: Path, arch: str, seed: int, shape: dict[str, Any]) -> Pa
         "torch_dtype": "float32",
         **shape,
     }
+    if arch == "gpt2":  # multi-head attention only
+        settings.pop("num_key_value_heads", None)
+        settings["n_inner"] = settings.pop("intermediate_size", None)
     if arch == "mistral" and "sliding_window" not in shape:
         # No sliding window: the paged kernels attend to the whole context, and
         # so must the transformers reference they are compared against.

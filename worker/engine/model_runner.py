@@ -145,7 +145,7 @@ class ModelRunner:
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        cpu_ops = self._load_cpu_model_ops(config.hidden_size, config.intermediate_size, cpu_kernels)
+        cpu_ops = self._load_cpu_model_ops(config, cpu_kernels)
         try:
             self.model: CausalLM = load_causal_lm(model_path, config, self.model_choice.impl, self.dtype, self.device,
                                                   self.max_model_len, model_kernels, self.quantization, cpu_ops,
@@ -237,15 +237,17 @@ class ModelRunner:
                      self.verify_query_len)
         return True
 
-    def _load_cpu_model_ops(self, hidden_size: int, intermediate_size: int, wanted: bool | None) -> CpuModelOps | None:
+    def _load_cpu_model_ops(self, config: PretrainedConfig, wanted: bool | None) -> CpuModelOps | None:
         """carpool's models' add + RMSNorm, SiLU-and-multiply and RoPE + KV store compiled for the CPU, when they
-        serve this model and are asked for (None: where they build and pass their check)."""
+        serve this model and are asked for (None: where they build and pass their check). Only carpool's own
+        models are read for their sizes: a transformers-path config need not name an intermediate size."""
         if wanted is False or self.model_choice.impl is not ModelImpl.CARPOOL:
             return None
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return None  # the Triton kernels on CUDA; the references for other dtypes
         ops = load_cpu_model_ops(kernels_cache_dir(os.environ), compiler_of(os.environ))
-        failure = ops if isinstance(ops, str) else check_cpu_model_ops(ops, hidden_size, intermediate_size,
+        failure = ops if isinstance(ops, str) else check_cpu_model_ops(ops, config.hidden_size,
+                                                                       config.intermediate_size,
                                                                        self.num_heads, self.num_kv_heads,
                                                                        self.head_dim)
         return _accepted(ops, failure, wanted, "the compiled model ops",

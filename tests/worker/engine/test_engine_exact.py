@@ -18,8 +18,8 @@ from tests.harness.model_reference import transformers_greedy
 from worker import Engine
 from worker.engine.graph_runner import ReplayCapture
 
-# qwen3 and the Llama family run carpool's own models; phi, outside it, runs through transformers.
-ARCHS = ["llama", "qwen2", "mistral", "qwen3", "phi"]
+# qwen3 and the Llama family run carpool's own models; phi and gpt2, outside it, run through transformers.
+ARCHS = ["llama", "qwen2", "mistral", "qwen3", "phi", "gpt2"]
 NUM_REQUESTS = 32
 MAX_NEW_TOKENS = 10
 BLOCK_SIZE = 8
