@@ -61,11 +61,12 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         try:
             config = config_from_args(WorkerConfig, args, exclude=_service_fields())
             config.check_model()
-        except ValueError as e:
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                    seed=args.seed)
+        except ValueError as e:  # InvalidParam too: it names the setting
             print(f"carpool generate: {e}", file=sys.stderr)
             return 2
-        return generate(config, args.prompt, SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed))
+        return generate(config, args.prompt, params)
     try:
         config = config_from_args(WorkerConfig, args)
         config.check_model()

@@ -81,6 +81,19 @@ def test_a_bad_variable_is_reported_by_the_verb_that_reads_it() -> None:
     done = _carpool("gateway", env=_env(CARPOOL_PORT="eighty"))
     assert done.returncode == 2
     _one_line_refusal(done, "carpool gateway", "CARPOOL_PORT")
+    # Read by the worker and by generate: the verb being run says so, not another that reads it too.
+    done = _carpool("generate", "hi", env=_env(CARPOOL_BLOCK_SIZE="abc"))
+    assert done.returncode == 2
+    _one_line_refusal(done, "carpool generate", "CARPOOL_BLOCK_SIZE='abc'")
+
+
+@pytest.mark.parametrize(("flag", "value", "word"), [
+    ("--max-tokens", "0", "max_tokens"), ("--temperature", "-1", "temperature"), ("--top-p", "2", "top_p"),
+    ("--seed", "-5", "seed")])
+def test_generate_refuses_bad_sampling_flags_in_one_line(flag: str, value: str, word: str) -> None:
+    done = _carpool("generate", "hi", flag, value, env=_env())
+    assert done.returncode == 2
+    _one_line_refusal(done, "carpool generate", word)
 
 
 @pytest.mark.parametrize(("flag", "value", "word"), [
