@@ -169,8 +169,15 @@ class ModelRunner:
             raise ValueError(f"num_blocks: the KV cache must hold at least one block, got {self.num_blocks}")
         # Zeroed, not empty: a kernel that masks unused slots must never meet NaN garbage.
         cache_shape = (self.num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
-        self.k_caches = [self.backend.new_cache(*cache_shape) for _ in range(self.num_layers)]
-        self.v_caches = [self.backend.new_cache(*cache_shape) for _ in range(self.num_layers)]
+        try:
+            self.k_caches = [self.backend.new_cache(*cache_shape) for _ in range(self.num_layers)]
+            self.v_caches = [self.backend.new_cache(*cache_shape) for _ in range(self.num_layers)]
+        except RuntimeError as e:  # torch.OutOfMemoryError on CUDA, the allocator's own error on CPU
+            gib = self.num_blocks * self.block_bytes / GIB
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"num_blocks: a KV cache of {self.num_blocks} blocks ({gib:.1f} GiB) cannot be "
+                             f"allocated on {self.device} ({reason}); ask for less with --num-blocks or "
+                             "--kv-cache-memory-gb") from None
         self._workspace = Workspace()
         self._graph_workspace = Workspace()
         """The recorded steps' own buffers (split buffers, their logits), sized before recording: a graph keeps the

@@ -55,6 +55,14 @@ def test_a_kv_budget_too_small_for_one_block_names_the_budget(tiny_model: Callab
         Engine(model=tiny_model("llama"), kv_cache_memory_gb=1e-7)
 
 
+def test_a_kv_cache_too_large_to_allocate_names_its_size_and_the_settings(tiny_model: Callable[..., str]) -> None:
+    with pytest.raises(ValueError) as refused:
+        Engine(model=tiny_model(), kv_cache_memory_gb=1e6)  # a petabyte: no machine's allocator gives it
+    message = str(refused.value)
+    assert message.startswith("num_blocks: a KV cache of ") and "GiB) cannot be allocated on cpu" in message
+    assert "--num-blocks" in message and "--kv-cache-memory-gb" in message
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
 def test_cuda_on_a_machine_without_one_is_refused(tiny_model: Callable[..., str]) -> None:
     with pytest.raises(ValueError, match="device: cuda asked for, but torch sees no CUDA GPU here"):
