@@ -194,4 +194,4 @@ class WorkerConfig:
         if self.engine.model is not None:
             check_local_checkpoint(self.engine.model)
         if self.engine.draft_model is not None:
-            check_local_checkpoint(self.engine.draft_model)
+            check_local_checkpoint(self.engine.draft_model, "draft_model")

@@ -18,9 +18,11 @@ OFFLINE_ENV: dict[str, str] = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1
 """Set by the CLI before transformers is imported (it reads them at import) and inherited by its children."""
 
 
-def check_local_checkpoint(model: str) -> None:
-    """Raise ``ValueError`` unless ``model`` is a directory holding a transformers ``config.json``."""
+def check_local_checkpoint(model: str, setting: str = "model") -> None:
+    """Raise ``ValueError``, naming `setting`, unless ``model`` is a directory holding a transformers
+    ``config.json``."""
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         why = "no config.json in it" if path.is_dir() else "no such directory"
-        raise ValueError(f"model: not a local checkpoint directory: {model} ({why}); carpool never downloads models")
+        raise ValueError(f"{setting}: not a local checkpoint directory: {model} ({why}); carpool never downloads "
+                         "models")

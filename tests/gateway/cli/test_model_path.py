@@ -14,15 +14,20 @@ from tests.harness.up_stack import REPO, carpool, carpool_env
 ONE_LINE = "carpool never downloads models"
 
 
-def _assert_one_line_refusal(done: subprocess.CompletedProcess[str], model: str) -> None:
+def _assert_one_line_refusal(done: subprocess.CompletedProcess[str], model: str, setting: str = "model") -> None:
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr  # one line, no traceback
-    assert f"not a local checkpoint directory: {model}" in done.stderr and ONE_LINE in done.stderr
+    assert f"{setting}: not a local checkpoint directory: {model}" in done.stderr and ONE_LINE in done.stderr
 
 
 @pytest.mark.parametrize("model", ["Qwen/Qwen2.5-0.5B-Instruct", "/no/such/checkpoint"])
 def test_generate_refuses_a_hub_id_or_missing_path(model: str) -> None:
     _assert_one_line_refusal(carpool("generate", "hi", "--model", model), model)
+
+
+def test_a_missing_draft_model_is_named_as_the_draft(tiny_model) -> None:
+    done = carpool("generate", "hi", "--model", tiny_model(), "--speculative", "draft", "--draft-model", "/no/draft")
+    _assert_one_line_refusal(done, "/no/draft", "draft_model")
 
 
 def test_worker_refuses_a_directory_without_a_checkpoint(tmp_path: Path) -> None:
