@@ -105,11 +105,13 @@ def test_auto_picks_by_architecture_and_says_so(tiny_model: Any, caplog: pytest.
     assert llama.model_choice.impl is ModelImpl.CARPOOL
     assert phi.model_choice.impl is ModelImpl.TRANSFORMERS
     assert "carpool implementation (LlamaForCausalLM is in the Llama family)" in caplog.text
-    assert "transformers implementation (PhiForCausalLM" in caplog.text
+    assert "transformers implementation (not among carpool's own models: this model is PhiForCausalLM)" in caplog.text
     forced = ModelRunner(tiny_model("llama"), num_blocks=8, model_impl="transformers")
     assert forced.model_choice.impl is ModelImpl.TRANSFORMERS
-    with pytest.raises(ValueError, match="model_impl: carpool's models cover"):
+    with pytest.raises(ValueError, match="model_impl: carpool's models cover .*; this model is PhiForCausalLM$"):
         ModelRunner(tiny_model("phi"), num_blocks=8, model_impl="carpool")
+    with pytest.raises(ValueError, match="; this LlamaForCausalLM uses gelu, not SiLU$"):
+        ModelRunner(tiny_model("llama", hidden_act="gelu"), num_blocks=8, model_impl="carpool")
     with pytest.raises(ValueError, match="model_impl: must be one of"):
         choose_model_impl(llama.config, "fastest")
 

@@ -44,18 +44,28 @@ def choose_model_impl(config: PretrainedConfig, requested: str) -> ModelChoice:
     except ValueError:
         raise ValueError(f"model_impl: must be one of {', '.join(MODEL_IMPLS)}, got {requested!r}") from None
     arch = (getattr(config, "architectures", None) or ["unknown"])[0]
-    rope = rope_type(config)
-    fits = arch in ARCHITECTURES and rope in SUPPORTED_ROPE_TYPES and getattr(config, "hidden_act", "silu") == "silu"
+    misfit = _misfit(config, arch)
     if wanted is ModelImpl.TRANSFORMERS:
         return ModelChoice(ModelImpl.TRANSFORMERS, "asked for")
     if wanted is ModelImpl.CARPOOL:
-        if not fits:
+        if misfit is not None:
             raise ValueError(f"model_impl: carpool's models cover {sorted(ARCHITECTURES)} with "
-                             f"{sorted(SUPPORTED_ROPE_TYPES)} RoPE and SiLU; this model is {arch} with {rope} RoPE")
+                             f"{sorted(SUPPORTED_ROPE_TYPES)} RoPE and SiLU; {misfit}")
         return ModelChoice(ModelImpl.CARPOOL, "asked for")
-    if fits:
+    if misfit is None:
         return ModelChoice(ModelImpl.CARPOOL, f"{arch} is in the Llama family")
-    return ModelChoice(ModelImpl.TRANSFORMERS, f"{arch} with {rope} RoPE is not among carpool's own models")
+    return ModelChoice(ModelImpl.TRANSFORMERS, f"not among carpool's own models: {misfit}")
+
+
+def _misfit(config: PretrainedConfig, arch: str) -> str | None:
+    """What keeps `config`'s model from carpool's own models, in a few words; None when nothing does."""
+    if arch not in ARCHITECTURES:
+        return f"this model is {arch}"
+    if (rope := rope_type(config)) not in SUPPORTED_ROPE_TYPES:
+        return f"this {arch} has {rope} RoPE"
+    if (act := getattr(config, "hidden_act", "silu")) != "silu":
+        return f"this {arch} uses {act}, not SiLU"
+    return None
 
 
 class TransformersModel:
