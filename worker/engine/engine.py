@@ -125,12 +125,19 @@ class Engine:
         max_model_len = config.max_model_len
         if max_model_len is not None and max_model_len > self.runner.max_model_len:
             raise ValueError(
-                f"max_model_len: {max_model_len} exceeds the model's context length {self.runner.max_model_len}"
+                f"max_model_len: {max_model_len} exceeds the model's context length {self.runner.max_model_len} "
+                f"({self.runner.context_limit})"
             )
         # One sequence of max_model_len must always fit alone, or preemption could never make room.
-        self.max_model_len = min(
-            max_model_len or self.runner.max_model_len, self.runner.num_blocks * self.runner.block_size
-        )
+        cache_tokens = self.runner.num_blocks * self.runner.block_size
+        self.max_model_len = min(max_model_len or self.runner.max_model_len, cache_tokens)
+        if cache_tokens < (max_model_len or self.runner.max_model_len):
+            self.context_limit = f"the KV cache's {self.runner.num_blocks} blocks of {self.runner.block_size} tokens"
+        elif max_model_len is not None:
+            self.context_limit = "--max-model-len"
+        else:
+            self.context_limit = f"the model's context, {self.runner.context_limit}"
+        """What sets `max_model_len`, for the messages of prompts that do not fit."""
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         """Longer text prompts are refused before they are tokenized (`prompt_input.max_prompt_chars`)."""
         self.max_num_seqs = config.max_num_seqs
@@ -198,7 +205,7 @@ class Engine:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds max_model_len {self.max_model_len}"
+                f"exceeds max_model_len {self.max_model_len} (set by {self.context_limit})"
             )
         seq = Sequence(request_id, prompt_ids, params, priority=priority, output_token_ids=resumed)
         state = RequestState(seq, IncrementalDetokenizer(self.tokenizer, prompt_ids, decoder=self.text_decoder),

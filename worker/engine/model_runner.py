@@ -137,7 +137,8 @@ class ModelRunner:
             raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
         self.dtype: torch.dtype = _model_dtype(config, dtype)
         self.vocab_size: int = config.vocab_size
-        self.max_model_len: int = _max_model_len(config)
+        self.max_model_len, self.context_limit = _max_model_len(config)
+        """The model's context, and what sets it (its position embeddings, its sliding window, ...)."""
         self.model_choice = choose_model_impl(config, model_impl)
         weights = self.quantization.value if self.quantization else str(self.dtype).removeprefix("torch.")
         log.info("model %s: %s implementation (%s), %s weights", model_path, self.model_choice.impl.value,
@@ -472,17 +473,18 @@ def _model_dtype(config: PretrainedConfig, dtype: str | None) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _max_model_len(config: PretrainedConfig) -> int:
-    max_len = int(config.max_position_embeddings)
+def _max_model_len(config: PretrainedConfig) -> tuple[int, str]:
+    """The model's context length, and what sets it, for messages."""
+    max_len, why = int(config.max_position_embeddings), "its max_position_embeddings"
     if rope_type(config) == "dynamic":
         # Dynamic NTK scaling exists to stretch the trained context by its factor.
         params = getattr(config, "rope_parameters", None) or {}
-        max_len = int(max_len * float(params.get("factor", 1.0)))
+        max_len, why = int(max_len * float(params.get("factor", 1.0))), "its max_position_embeddings by its RoPE factor"
     window = getattr(config, "sliding_window", None)
     # The kernels attend to the whole context; within the window that equals sliding-window attention.
-    if window and getattr(config, "use_sliding_window", True):
-        max_len = min(max_len, int(window))
-    return max_len
+    if window and getattr(config, "use_sliding_window", True) and int(window) < max_len:
+        max_len, why = int(window), "its sliding window: the context is served up to the window"
+    return max_len, why
 
 
 def _eos_token_ids(model_path: str, config: PretrainedConfig) -> set[int]:

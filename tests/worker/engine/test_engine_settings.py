@@ -63,6 +63,14 @@ def test_a_kv_cache_too_large_to_allocate_names_its_size_and_the_settings(tiny_m
     assert "--num-blocks" in message and "--kv-cache-memory-gb" in message
 
 
+def test_a_sliding_window_shorter_than_the_positions_is_the_context_and_says_so(tiny_model: Callable[..., str]) -> None:
+    model = tiny_model("mistral", sliding_window=32)
+    assert Engine(model=model, num_blocks=16).max_model_len == 32
+    with pytest.raises(ValueError, match=r"max_model_len: 40 exceeds the model's context length 32 \(its sliding "
+                                         r"window: the context is served up to the window\)"):
+        Engine(model=model, num_blocks=16, max_model_len=40)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
 def test_cuda_on_a_machine_without_one_is_refused(tiny_model: Callable[..., str]) -> None:
     with pytest.raises(ValueError, match="device: cuda asked for, but torch sees no CUDA GPU here"):
@@ -79,9 +87,12 @@ def test_the_generate_verb_refuses_bad_settings_in_one_line(tiny_model: Callable
                               "bfloat16, bf16, auto or unset, got 'int8'"),
         # Refused by the engine as it is built, and by the prompt that cannot fit: the same one line.
         (["--max-model-len", "100000"], "carpool generate: max_model_len: 100000 exceeds the model's context "
-                                        "length 2048"),
+                                        "length 2048 (its max_position_embeddings)"),
         (["--max-tokens", "5000"], "carpool generate: max_tokens: prompt (3 tokens) + max_tokens (5000) exceeds "
-                                   "max_model_len 2048"),
+                                   "max_model_len 2048 (set by the model's context, its max_position_embeddings)"),
+        (["--max-tokens", "100", "--num-blocks", "4", "--block-size", "8"],
+         "carpool generate: max_tokens: prompt (3 tokens) + max_tokens (100) exceeds max_model_len 32 (set by the "
+         "KV cache's 4 blocks of 8 tokens)"),
     ]:
         args = [sys.executable, "-m", "worker.cli", "generate", "hi", "--max-tokens", "2",
                 "--model", tiny_model("llama"), *flags]
