@@ -135,6 +135,7 @@ class ModelRunner:
             config = AutoConfig.from_pretrained(model_path, local_files_only=True)
         except OSError as e:
             raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
+        _check_causal(config)
         self.dtype: torch.dtype = _model_dtype(config, dtype)
         self.vocab_size: int = config.vocab_size
         self.max_model_len, self.context_limit = _max_model_len(config)
@@ -471,6 +472,19 @@ def _model_dtype(config: PretrainedConfig, dtype: str | None) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: unknown dtype {dtype!r}, expected one of {sorted(_DTYPES)} or 'auto'")
     return _DTYPES[dtype]
+
+
+NOT_GENERATIVE_HEADS = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
+                        "ForMultipleChoice", "ForNextSentencePrediction", "ForPreTraining")
+"""Heads a checkpoint may be saved with that do not predict the next token: transformers would load such a
+checkpoint's encoder under a causal head it was never trained with, and generate noise without a word."""
+
+
+def _check_causal(config: PretrainedConfig) -> None:
+    for arch in getattr(config, "architectures", None) or []:
+        if arch.endswith(NOT_GENERATIVE_HEADS) or getattr(config, "is_encoder_decoder", False):
+            raise ValueError(f"model: {arch} is not a causal language model; carpool generates with checkpoints "
+                             "saved for next-token prediction (a ...ForCausalLM or ...LMHeadModel)")
 
 
 def _max_model_len(config: PretrainedConfig) -> tuple[int, str]:

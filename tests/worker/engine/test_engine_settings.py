@@ -71,6 +71,21 @@ def test_a_sliding_window_shorter_than_the_positions_is_the_context_and_says_so(
         Engine(model=model, num_blocks=16, max_model_len=40)
 
 
+def test_a_checkpoint_saved_for_another_task_is_refused_by_its_head(tmp_path: Path) -> None:
+    """transformers would load a masked-LM encoder under a causal head it never had and generate noise."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from worker.engine.default_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    BertForMaskedLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="^model: BertForMaskedLM is not a causal language model"):
+        Engine(model=str(tmp_path), num_blocks=8)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
 def test_cuda_on_a_machine_without_one_is_refused(tiny_model: Callable[..., str]) -> None:
     with pytest.raises(ValueError, match="device: cuda asked for, but torch sees no CUDA GPU here"):
