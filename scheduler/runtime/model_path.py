@@ -14,8 +14,9 @@ BUILTIN_MODEL_NOTICE = ("served by the built-in random-weight model: its text is
                         "(give --model PATH for a real checkpoint)")
 """The one line `up`, `submit` and `generate` print when no `--model` was given."""
 
-OFFLINE_ENV: dict[str, str] = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-"""Set by the CLI before transformers is imported (it reads them at import) and inherited by its children."""
+OFFLINE_ENV: dict[str, str] = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+"""Set by the CLI before transformers is imported (it reads them at import) and inherited by its children: no
+network, and no progress bars (transformers draws one per checkpoint it loads) in a worker's log."""
 
 
 def check_local_checkpoint(model: str, setting: str = "model") -> None:

@@ -133,8 +133,9 @@ class ModelRunner:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
             config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-        except OSError as e:
-            raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
+        except (OSError, ValueError) as e:  # ValueError: a model type this transformers does not know, say
+            first_paragraph = str(e).strip().split("\n\n")[0]
+            raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {first_paragraph}") from e
         _check_causal(config)
         self.dtype: torch.dtype = _model_dtype(config, dtype)
         self.vocab_size: int = config.vocab_size

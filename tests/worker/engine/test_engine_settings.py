@@ -86,6 +86,16 @@ def test_a_checkpoint_saved_for_another_task_is_refused_by_its_head(tmp_path: Pa
         Engine(model=str(tmp_path), num_blocks=8)
 
 
+def test_a_model_type_transformers_does_not_know_is_refused_as_the_model(tmp_path: Path) -> None:
+    from worker.engine.default_model import build_tokenizer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "foobar", "architectures": ["FoobarForCausalLM"]}')
+    with pytest.raises(ValueError, match="^model: cannot load a checkpoint from .*model type `foobar`") as refused:
+        Engine(model=str(tmp_path), num_blocks=8)
+    assert "pip install" not in str(refused.value)  # the first paragraph, not transformers' advice
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
 def test_cuda_on_a_machine_without_one_is_refused(tiny_model: Callable[..., str]) -> None:
     with pytest.raises(ValueError, match="device: cuda asked for, but torch sees no CUDA GPU here"):
