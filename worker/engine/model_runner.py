@@ -20,7 +20,7 @@ import os
 from typing import Any, TypeVar
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from kernels import get_backend
 from kernels.cpu_build import compiler_of, kernels_cache_dir
@@ -31,6 +31,7 @@ from kernels.paged_attention_torch import plan_decode_groups
 from kernels.split_kv import MAX_SPLITS, num_multiprocessors, plan_kv_splits
 from kernels.workspace import Workspace
 from worker.engine.attention import PagedAttentionMetadata
+from worker.engine.checkpoint_config import check_causal, eos_token_ids, kv_block_bytes, max_model_len, model_dtype
 from worker.engine.config import ModelImpl
 from worker.engine.graph_runner import (
     HOST_BRANCHING_ROPE,
@@ -59,25 +60,6 @@ CUDA_KV_CACHE_FRACTION = 0.7
 # Without an explicit size, never allocate more than this many full-length sequences' worth.
 MAX_DEFAULT_SEQS_CPU = 16
 MAX_DEFAULT_SEQS_CUDA = 512
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
-
-def kv_block_bytes(config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV-cache block of a model of `config` takes across all layers, keys and values."""
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * num_kv_heads * head_dim * element_size
-
 
 class ModelRunner:
     def __init__(
@@ -136,10 +118,10 @@ class ModelRunner:
         except (OSError, ValueError) as e:  # ValueError: a model type this transformers does not know, say
             first_paragraph = str(e).strip().split("\n\n")[0]
             raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {first_paragraph}") from e
-        _check_causal(config)
-        self.dtype: torch.dtype = _model_dtype(config, dtype)
+        check_causal(config)
+        self.dtype: torch.dtype = model_dtype(config, dtype)
         self.vocab_size: int = config.vocab_size
-        self.max_model_len, self.context_limit = _max_model_len(config)
+        self.max_model_len, self.context_limit = max_model_len(config)
         """The model's context, and what sets it (its position embeddings, its sliding window, ...)."""
         self.model_choice = choose_model_impl(config, model_impl)
         weights = self.quantization.value if self.quantization else str(self.dtype).removeprefix("torch.")
@@ -156,7 +138,7 @@ class ModelRunner:
         except OSError as e:
             raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
         self.config = config
-        self.eos_token_ids: set[int] = _eos_token_ids(model_path, config)
+        self.eos_token_ids: set[int] = eos_token_ids(model_path, config)
         if self.backend.name == "triton" and self.device.type == "cuda":
             failure = check_paged_attention(self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim,
                                             block_size)
@@ -461,57 +443,3 @@ def _accepted(loaded: CpuLibrary | str, failure: str | None, wanted: bool | None
     assert not isinstance(loaded, str)
     log.info("%s (%s)", serving, loaded.library)
     return loaded
-
-
-def _model_dtype(config: PretrainedConfig, dtype: str | None) -> torch.dtype:
-    """The dtype asked for, or the checkpoint's (`auto` or None), as transformers reads it; fp32 when unset."""
-    if dtype is None or dtype == "auto":
-        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        if isinstance(stored, torch.dtype):
-            return stored
-        return _DTYPES.get(str(stored).removeprefix("torch."), torch.float32) if stored else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype: unknown dtype {dtype!r}, expected one of {sorted(_DTYPES)} or 'auto'")
-    return _DTYPES[dtype]
-
-
-NOT_GENERATIVE_HEADS = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
-                        "ForMultipleChoice", "ForNextSentencePrediction", "ForPreTraining")
-"""Heads a checkpoint may be saved with that do not predict the next token: transformers would load such a
-checkpoint's encoder under a causal head it was never trained with, and generate noise without a word."""
-
-
-def _check_causal(config: PretrainedConfig) -> None:
-    for arch in getattr(config, "architectures", None) or []:
-        if arch.endswith(NOT_GENERATIVE_HEADS) or getattr(config, "is_encoder_decoder", False):
-            raise ValueError(f"model: {arch} is not a causal language model; carpool generates with checkpoints "
-                             "saved for next-token prediction (a ...ForCausalLM or ...LMHeadModel)")
-
-
-def _max_model_len(config: PretrainedConfig) -> tuple[int, str]:
-    """The model's context length, and what sets it, for messages."""
-    max_len, why = int(config.max_position_embeddings), "its max_position_embeddings"
-    if rope_type(config) == "dynamic":
-        # Dynamic NTK scaling exists to stretch the trained context by its factor.
-        params = getattr(config, "rope_parameters", None) or {}
-        max_len, why = int(max_len * float(params.get("factor", 1.0))), "its max_position_embeddings by its RoPE factor"
-    window = getattr(config, "sliding_window", None)
-    # The kernels attend to the whole context; within the window that equals sliding-window attention.
-    if window and getattr(config, "use_sliding_window", True) and int(window) < max_len:
-        max_len, why = int(window), "its sliding window: the context is served up to the window"
-    return max_len, why
-
-
-def _eos_token_ids(model_path: str, config: PretrainedConfig) -> set[int]:
-    ids: set[int] = set()
-    try:
-        generation_config: GenerationConfig | None = GenerationConfig.from_pretrained(model_path, local_files_only=True)
-    except OSError:
-        generation_config = None
-    for source in (generation_config, config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif value is not None:
-            ids.update(int(v) for v in value)
-    return ids
