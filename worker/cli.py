@@ -32,11 +32,13 @@ from worker.engine.wire import EngineRunner
 log = logging.getLogger("worker")
 
 
-def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+def build_parser(env: Mapping[str, str], verb: str | None = None) -> argparse.ArgumentParser:
+    """Both verbs' parsers; with ``verb``, only that verb reads its defaults from ``env``, so a malformed variable
+    is reported by the verb being run (``carpool generate`` reads the worker's engine variables too)."""
     parser = argparse.ArgumentParser(prog="carpool", description="carpool worker verbs")
     verbs = parser.add_subparsers(dest="verb", required=True)
     worker = verbs.add_parser("worker", help="run a worker: consume the lanes, run the engine, commit results")
-    add_config_flags(worker, WorkerConfig, env)
+    add_config_flags(worker, WorkerConfig, env if verb in (None, "worker") else {})
     gen = verbs.add_parser("generate", help="run the offline engine once on a prompt and print the text")
     gen.add_argument("prompt", help="prompt text")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -44,7 +46,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                      help="0 is greedy (default, as for carpool submit; a job's own default is 1.0)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    add_config_flags(gen, WorkerConfig, env, exclude=_service_fields())
+    add_config_flags(gen, WorkerConfig, env if verb in (None, "generate") else {}, exclude=_service_fields())
     return parser
 
 
@@ -56,7 +58,8 @@ def _service_fields() -> list[str]:
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     os.environ.update(OFFLINE_ENV)  # before anything imports transformers; the engine process inherits it
     environ = os.environ if env is None else env
-    args = build_parser(environ).parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(environ, verb=argv[0] if argv else "").parse_args(argv)
     if args.verb == "generate":
         try:
             config = config_from_args(WorkerConfig, args, exclude=_service_fields())

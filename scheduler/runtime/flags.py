@@ -106,22 +106,6 @@ def _converter(tp: Any) -> Callable[[str], Any]:
     return maybe
 
 
-def _naming_variable(conv: Callable[[str], Any], env_var: str, env_text: str) -> Callable[[str], Any]:
-    """`conv`, whose failure on the environment's text names the variable (on a flag's own text it fails as
-    before: argparse names the flag)."""
-
-    def convert(text: str) -> Any:
-        try:
-            return conv(text)
-        except (ValueError, TypeError) as e:
-            if text is env_text:
-                raise argparse.ArgumentTypeError(f"{env_var}={env_text!r}: {e}") from e
-            raise
-
-    convert.__name__ = getattr(conv, "__name__", "value")  # argparse's "invalid int value" names it
-    return convert
-
-
 def _default(f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
@@ -173,22 +157,18 @@ def add_config_flags(
 
     A value found in `env` becomes the flag's default, so the flag still wins.
     `overrides` replaces dataclass defaults (e.g. `carpool up` picks free ports).
-    A malformed env value is reported as a usage error naming the variable, by the parser of the verb being run
-    only: argparse converts a text default when it parses (a switch's value is read here).
+    A malformed env value is reported as a usage error naming the variable.
     """
     group = parser.add_argument_group(f"{cls.__name__} settings (each also read from its CARPOOL_<FLAG> variable)")
     for f, tp in _flag_fields(cls, exclude):
         conv = _converter(tp)
         default = (overrides or {}).get(f.name, _default(f))
         env_var = env_name(f.name)
-        if env_var in env and _strip_optional(tp)[0] is bool:
+        if env_var in env:
             try:
                 default = conv(env[env_var])
             except (ValueError, TypeError) as e:
                 parser.error(f"{env_var}={env[env_var]!r}: {e}")
-        elif env_var in env:
-            text = env[env_var]  # one object: os.environ makes a new string at every read
-            default, conv = text, _naming_variable(conv, env_var, text)
         help_text = f.metadata.get("help", "")
         shown = ",".join(map(str, default)) if isinstance(default, list) else default
         if isinstance(default, dict):

@@ -64,11 +64,10 @@ def test_up_flags_and_defaults(tmp_path: Path) -> None:
 
 
 def test_bad_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    parser = build_parser({"CARPOOL_PORT": "eighty"})  # read by the verb being run, when it is parsed
     with pytest.raises(SystemExit) as exit_info:
-        parser.parse_args(["gateway"])
+        build_parser({"CARPOOL_PORT": "eighty"})
     assert exit_info.value.code == 2
-    assert "carpool gateway: error: argument --port: CARPOOL_PORT='eighty'" in capsys.readouterr().err
+    assert "CARPOOL_PORT='eighty'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["gateway", "--max-lane-depth", "express=3"], env={})
     assert "max_lane_depth: unknown lane 'express'" in capsys.readouterr().err
