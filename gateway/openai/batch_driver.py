@@ -55,6 +55,9 @@ MAX_LISTED_ERRORS = 100
 PARAM_OF_CODE = {"missing_custom_id": "custom_id", "duplicate_custom_id": "custom_id", "invalid_method": "method",
                  "invalid_url": "url", "invalid_request": "body", "model_not_found": "body.model",
                  CONTEXT_LENGTH_EXCEEDED: "body"}
+"""The request field each line error's code is about, for the ``param`` of a failed batch's ``errors``."""
+
+
 class BatchDriver:
     def __init__(self, app: web.Application) -> None:
         self._app = app
