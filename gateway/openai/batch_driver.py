@@ -216,9 +216,11 @@ class BatchDriver:
                 try:
                     _, body = parse_line(line, endpoint)
                     results = self._keys.batch_results(batch_id)
-                    await admission.submit({**body, "id": f"{batch_id}-{number}", "deadline": float(b["expires_at"]),
-                                            "reply_to": results},
-                                           None, caller=Caller(tenant_of(b.get("tenant"))), batch_results=results)
+                    admitted = await admission.submit(
+                        {**body, "id": f"{batch_id}-{number}", "deadline": float(b["expires_at"]), "reply_to": results},
+                        None, caller=Caller(tenant_of(b.get("tenant"))), batch_results=results)
+                    if admitted.is_new:  # a round repeated after a crash finds the line's job already there
+                        self._app[appkeys.METRICS].job_submitted(admitted.lane)
                 except LaneFull:
                     await self._redis.hset(self._keys.batch(batch_id), "enqueued", number)
                     return  # the batch lane is full: try again next round

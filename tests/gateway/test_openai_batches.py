@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 import signal
 import time
 
+import aiohttp
 import openai
 
 from gateway.webhooks import generate_secret
@@ -142,6 +144,12 @@ async def test_a_batch_with_bad_lines_runs_the_rest_like_the_offline_engine(redi
             [8 + n * 19 for n in range(10)]
         assert "tools" in errors[8]["error"]["message"] and "temperature" in errors[7]["error"]["message"]
         assert errors[4]["custom_id"] == "req-3"
+        # The batch's jobs count as the batch lane's submissions, as any job enqueued does.
+        async with aiohttp.ClientSession() as http, http.get(f"{svc.url}/metrics") as resp:
+            exposition = await resp.text()
+        [submitted] = re.findall(r'^carpool_jobs_submitted_total\{[^}]*carpool_lane="batch"[^}]*\} (\S+)$', exposition,
+                                 re.MULTILINE)
+        assert float(submitted) == 190
 
         await receiver.stop()
         listed = await svc.client.batches.list(limit=5)
