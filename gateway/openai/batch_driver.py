@@ -30,7 +30,7 @@ from gateway.admission import InvalidJob, LaneFull
 from gateway.api_keys import Caller
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.openai.batch_counts import RECORDS_PER_ROUND_TRIP, BatchCounts
-from gateway.openai.batch_lines import LineError, custom_id_of, error_line, parse_line, result_line
+from gateway.openai.batch_lines import LineError, custom_id_of, error_line, load_line, parse_line, result_line
 from gateway.openai.batches import COUNTERS, BatchStatus, batch_store
 from gateway.openai.choices import served_models
 from gateway.openai.files import PAGE_LINES, file_store, is_blank
@@ -306,6 +306,6 @@ class BatchDriver:
 def _loose_custom_id(line: str) -> str | None:
     """The custom_id of a line refused for another reason, when it has one (for the error file)."""
     try:
-        return custom_id_of(json.loads(line))
+        return custom_id_of(load_line(line))
     except (ValueError, RecursionError):
         return None

@@ -23,10 +23,16 @@ class LineError(Exception):
         self.message = message
 
 
+def load_line(line: str) -> Any:
+    """One input line's JSON; raises ValueError. A byte-order mark, which some editors write at the start of a
+    UTF-8 file (so before its first line), is not part of it."""
+    return json.loads(line.removeprefix("\ufeff"))
+
+
 def parse_line(line: str, endpoint: Endpoint) -> tuple[str, dict[str, Any]]:
     """(custom_id, job body without id) of one input line; raises LineError."""
     try:
-        data = json.loads(line)
+        data = load_line(line)
     except (ValueError, RecursionError) as e:
         raise LineError("invalid_json", f"the line is not valid JSON: {e}") from e
     if not isinstance(data, dict):

@@ -147,8 +147,9 @@ def split_lines(text: str) -> list[str]:
 
 
 def is_blank(line: str) -> bool:
-    """Whether a line holds only JSON whitespace: not a request, skipped, but still counted in line numbers."""
-    return not line.strip(" \t\r\n")
+    """Whether a line holds only JSON whitespace (after a first line's byte-order mark): not a request, skipped,
+    but still counted in line numbers."""
+    return not line.removeprefix("\ufeff").strip(" \t\r\n")
 
 
 def expiry_seconds(param: str, policy: object, max_ttl_s: int) -> int:

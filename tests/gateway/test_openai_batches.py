@@ -323,3 +323,13 @@ async def test_error_file_lines_count_blank_lines_and_take_the_online_codes(redi
         assert errors[0]["error"]["message"].startswith("line 4: messages: ")
         assert errors[1]["error"]["message"].startswith("line 6: ")
         assert (await svc.client.files.content(upload_id)).content == data
+
+        # A byte-order mark before the first line, as some editors save UTF-8: kept in the file, not in the JSON.
+        for first in ("", json.dumps(chat_line(0))):
+            marked = ("\ufeff" + "\n".join([first, json.dumps(chat_line(1))]) + "\n").encode()
+            upload_id = (await svc.client.files.create(file=("m.jsonl", io.BytesIO(marked)), purpose="batch")).id
+            batch = await svc.client.batches.create(input_file_id=upload_id, endpoint=CHAT, completion_window="24h")
+            batch = await wait_batch(svc.client, batch.id, {"completed", "failed", "expired", "cancelled"})
+            assert (batch.status, batch.request_counts.failed, batch.error_file_id) == ("completed", 0, None)
+            assert batch.request_counts.completed == (2 if first else 1)
+            assert (await svc.client.files.content(upload_id)).content == marked
