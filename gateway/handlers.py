@@ -67,14 +67,15 @@ async def post_job(request: web.Request) -> web.Response:
     except InvalidJob as e:
         metrics.job_rejected("invalid")
         return error_response(400, "invalid_request", e.message, field=e.field)
+    # A tenant's limits refuse a job already validated: its lane is known.
     except TooManyTokens as e:
-        metrics.job_rejected("rate_limited")
+        metrics.job_rejected("rate_limited", spec.lane.value)
         return error_response(400, "invalid_request", str(e), field="params.max_tokens")
     except RateLimited as e:
-        metrics.job_rejected("rate_limited")
+        metrics.job_rejected("rate_limited", spec.lane.value)
         return error_response(429, "rate_limited", e.message, **e.headers)
     except QuotaExceeded as e:
-        metrics.job_rejected("quota")
+        metrics.job_rejected("quota", spec.lane.value)
         retry_after = str(app[appkeys.CONFIG].retry_after_s)
         return error_response(429, "quota_exceeded", str(e), **{"Retry-After": retry_after})
     except LaneFull as e:

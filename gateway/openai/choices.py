@@ -58,8 +58,9 @@ async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: 
     x-ratelimit-* headers the request earned (none for a caller without rate limits)."""
     admission, metrics, limiter = app[appkeys.ADMISSION], app[appkeys.METRICS], app[appkeys.LIMITER]
     num_choices, max_queued = len(request.jobs), caller.limits.max_queued
+    lane = str(request.jobs[0]["lane"])  # every choice's: the request's
     if max_queued is not None and num_choices > max_queued:
-        metrics.job_rejected("quota")
+        metrics.job_rejected("quota", lane)
         raise OpenAIError(400, f"n={num_choices} needs {num_choices} jobs queued at once, more than this key's "
                                f"max_queued of {max_queued}; ask for at most n={max_queued}",
                           param="n", code="queued_jobs_limit")
@@ -67,10 +68,10 @@ async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: 
     try:
         reserved, headers = await limiter.reserve(caller, [job_tokens(body, max_model_len) for body in request.jobs])
     except TooManyTokens as e:
-        metrics.job_rejected("rate_limited")
+        metrics.job_rejected("rate_limited", lane)
         raise OpenAIError(400, str(e), param="max_tokens", code="rate_limit_exceeded") from e
     except RateLimited as e:
-        metrics.job_rejected("rate_limited")
+        metrics.job_rejected("rate_limited", lane)
         raise OpenAIError(429, e.message, code="rate_limit_exceeded", headers=e.headers) from e
     done: list[str] = []
     try:
@@ -82,15 +83,15 @@ async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: 
     except (InvalidJob, QuotaExceeded, LaneFull, IdempotencyInFlight) as e:
         await cancel_jobs(app, done)
         await limiter.release(caller, reserved, reserved.jobs[len(done):])
-        raise _refusal(app, e) from e
+        raise _refusal(app, e, lane) from e
     except BaseException:
         await asyncio.shield(cancel_jobs(app, done))
         raise
     return headers
 
 
-def _refusal(app: web.Application, e: Exception) -> OpenAIError:
-    """A refused choice as the request's error, counted in the metrics."""
+def _refusal(app: web.Application, e: Exception, lane: str) -> OpenAIError:
+    """A refused choice (of `lane`) as the request's error, counted in the metrics."""
     metrics, retry_after_s = app[appkeys.METRICS], app[appkeys.CONFIG].retry_after_s
     if isinstance(e, InvalidJob):
         metrics.job_rejected("invalid")
@@ -98,7 +99,7 @@ def _refusal(app: web.Application, e: Exception) -> OpenAIError:
         code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_value"
         return OpenAIError(400, f"{param}: {e.message}", param=param, code=code)
     if isinstance(e, QuotaExceeded):
-        metrics.job_rejected("quota")
+        metrics.job_rejected("quota", lane)
         return OpenAIError(429, f"{e}; retry later", code="queued_jobs_limit", retry_after_s=retry_after_s)
     if isinstance(e, LaneFull):
         metrics.job_rejected("lane_full", e.lane.value)

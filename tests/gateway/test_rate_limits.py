@@ -18,6 +18,7 @@ from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.rate_limits import reset_text
 from scheduler.protocol.tenants import TenantLimits
+from tests.harness.telemetry_support import value
 from tests.harness.worker_harness import KEYS, running_worker, wait_terminal, wait_until
 
 RESET = re.compile(r"^(\d+ms|\d+(\.\d+)?s|\d+m\d+(\.\d+)?s)$")
@@ -103,6 +104,10 @@ async def test_a_tenant_at_its_queued_maximum_gets_429_until_a_job_ends(gateway)
         async with http.post(f"{url}/v1/jobs", headers=headers, json={"prompt": "fourth"}) as resp:
             assert resp.status == 429 and (await resp.json())["error"]["type"] == "quota_exceeded"
             assert "Retry-After" in resp.headers
+        async with http.get(f"{url}/metrics") as resp:  # counted against the refused job's own lane
+            exposition = await resp.text()
+        assert value(exposition, "carpool_jobs_rejected_total", carpool_reject_reason="quota",
+                     carpool_lane="standard") == 1
 
 
 async def test_tokens_per_minute_reserve_prompt_plus_max_tokens_and_settle_to_real_use(gateway, redis_url,
