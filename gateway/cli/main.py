@@ -182,7 +182,8 @@ def run_gateway(config: GatewayConfig, log_level: str, telemetry_config: Telemet
     try:
         web.run_app(
             init_app(config, telemetry), host=config.host, port=config.port, shutdown_timeout=config.shutdown_grace_s,
-            print=lambda line: print(f"carpool gateway: {line}", flush=True),
+            # On stderr with the logs: stdout is the console exporters' (one JSON object a line) when they are on.
+            print=lambda line: print(f"carpool gateway: {line}", file=sys.stderr, flush=True),
         )
     except OSError as e:
         if e.errno not in LISTEN_ERRNOS:
