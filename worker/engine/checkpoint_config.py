@@ -48,8 +48,9 @@ checkpoint's encoder under a causal head it was never trained with, and generate
 
 def check_causal(config: PretrainedConfig) -> None:
     """Refuse a checkpoint saved with a head that does not predict the next token, naming it."""
+    is_encoder_decoder = getattr(config, "is_encoder_decoder", False)
     for arch in getattr(config, "architectures", None) or []:
-        if arch.endswith(NOT_GENERATIVE_HEADS) or getattr(config, "is_encoder_decoder", False):
+        if is_encoder_decoder or arch.endswith(NOT_GENERATIVE_HEADS):
             raise ValueError(f"model: {arch} is not a causal language model; carpool generates with checkpoints "
                              "saved for next-token prediction (a ...ForCausalLM or ...LMHeadModel)")
 

@@ -130,8 +130,9 @@ class Engine:
             )
         # One sequence of max_model_len must always fit alone, or preemption could never make room.
         cache_tokens = self.runner.num_blocks * self.runner.block_size
-        self.max_model_len = min(max_model_len or self.runner.max_model_len, cache_tokens)
-        if cache_tokens < (max_model_len or self.runner.max_model_len):
+        asked = max_model_len or self.runner.max_model_len
+        self.max_model_len = min(asked, cache_tokens)
+        if cache_tokens < asked:
             self.context_limit = f"the KV cache's {self.runner.num_blocks} blocks of {self.runner.block_size} tokens"
         elif max_model_len is not None:
             self.context_limit = "--max-model-len"
