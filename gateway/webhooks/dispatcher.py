@@ -36,7 +36,7 @@ from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_client import is_out_of_memory
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 from scheduler.protocol.webhooks import AttemptOutcome, AttemptRecord, decide, parse_retry_after
-from scheduler.runtime.outage_log import OutageLog
+from scheduler.runtime.outage_log import OutageLog, describe
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ def is_redis_unavailable(error: BaseException) -> bool:
 
 
 def _unavailable_reason(error: BaseException) -> str:
-    return "at its maxmemory, refusing writes" if is_out_of_memory(error) else str(error) or type(error).__name__
+    return "at its maxmemory, refusing writes" if is_out_of_memory(error) else describe(error)
 
 
 def _describe_attempt(span: Span, c: Claimed, status_code: int | None, error: str | None,
