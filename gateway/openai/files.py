@@ -252,7 +252,7 @@ async def list_files(request: web.Request) -> web.Response:
 
     async def may_name_file(file_id: str) -> bool:
         meta, owner = await read(file_id)
-        return bool(meta) and may_see(request, owner)
+        return not meta or may_see(request, owner)  # one gone by its own expiry is still a place in the list
 
     async def load(file_id: str) -> dict[str, Any] | None:
         meta, owner = await read(file_id)

@@ -30,7 +30,8 @@ async def cursor_page(request: web.Request, redis: aioredis.Redis, index_key: st
     """One page of the list: ``{"object": "list", "data", "first_id", "last_id", "has_more"}``.
 
     `load` gives an id's object, or None to leave it out; `may_name` says whether ``after`` may name an id of the
-    index; `deleted_key`: the deleted ids' sorted set, if the list has one."""
+    index (one whose object expired before the index dropped it is a place any caller may page on from);
+    `deleted_key`: the deleted ids' sorted set, if the list has one."""
     query = request.query
     try:
         limit = int(query.get("limit", str(default_limit)))

@@ -47,6 +47,11 @@ async def test_every_answer_carries_an_x_request_id_the_client_reads(redis_url, 
 
 
 async def test_batches_are_listed_newest_first_also_within_one_second(redis_url) -> None:
+    import redis.asyncio as aioredis
+
+    from scheduler.protocol.keys import Keys
+
+    keys, redis = Keys(), aioredis.Redis.from_url(redis_url)
     async with openai_service(redis_url, None, batch_poll_interval_s=60) as svc:
         file_id = await upload(svc.client, "one.jsonl")
         created = [(await svc.client.batches.create(input_file_id=file_id, endpoint="/v1/completions",
@@ -56,9 +61,18 @@ async def test_batches_are_listed_newest_first_also_within_one_second(redis_url)
         assert [b.id async for b in svc.client.batches.list(limit=3)] == created[::-1]
         newest = await svc.client.batches.list(limit=1)
         assert newest.data[0].id == created[-1]
+        # A batch record gone by expiry before the index dropped it: paging on from it still works.
+        await redis.delete(keys.batch(first.data[-1].id))
+        rest = await svc.client.batches.list(after=first.data[-1].id, limit=100)
+        assert [b.id for b in rest.data] == created[::-1][3:]
 
 
 async def test_files_are_listed_newest_first_in_pages_by_purpose_and_order(redis_url) -> None:
+    import redis.asyncio as aioredis
+
+    from scheduler.protocol.keys import Keys
+
+    keys, redis = Keys(), aioredis.Redis.from_url(redis_url)
     async with openai_service(redis_url, None) as svc:
         created = [await upload(svc.client, f"f{i}.jsonl") for i in range(5)]
         page = await svc.client.files.list(limit=2)
@@ -77,6 +91,11 @@ async def test_files_are_listed_newest_first_in_pages_by_purpose_and_order(redis
         rest = await svc.client.files.list(after=page.data[-1].id, limit=10, order="asc")
         assert [f.id for f in rest.data] == [created[4]] and not rest.has_more
         assert [f.id async for f in svc.client.files.list(limit=2)] == [created[4], *created[2::-1]]
+        # A file gone by its own (shorter) expiry still holds its place: a page that ended on it goes on.
+        page = await svc.client.files.list(limit=2)
+        await redis.delete(keys.file(page.data[-1].id), keys.file_lines(page.data[-1].id))
+        rest = await svc.client.files.list(after=page.data[-1].id, limit=10)
+        assert [f.id for f in rest.data] == created[1::-1] and not rest.has_more
         try:
             await svc.client.files.list(limit=0)
             raise AssertionError("limit 0 accepted")
