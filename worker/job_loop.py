@@ -222,7 +222,7 @@ class JobLoop:
             if job is not None:
                 self.slot_freed.set()
                 job.num_prompt_tokens = rejection.num_prompt_tokens
-                self.commits.spawn(outcome_of(job, JobStatus.FAILED, error=rejection.error))
+                self.commits.spawn(outcome_of(job, JobStatus.FAILED, error=rejection.error, is_refused=True))
         now, mono = time.time(), time.monotonic()
         writes = StepWrites()
         checkpointed: list[tuple[int, RunningJob, int]] = []

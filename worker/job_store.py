@@ -128,6 +128,9 @@ class Outcome:
     lane: str | None = None
     created_at: float | None = None
     """The lane and enqueue time of a job whose record this outcome makes (`is_new_record_only`)."""
+    is_refused: bool = False
+    """The engine refused the job before it ran: its tenant's usage and tokens/min window count none of its
+    tokens (the record's ``usage`` still gives the prompt's length)."""
 
 
 class JobStore:
@@ -228,7 +231,8 @@ class JobStore:
             log.warning("job %s: reply_to %r is a %s, not a stream: no reply was added", outcome.job_id,
                         outcome.reply_to, _s(reply_type))
         if won:
-            await self.settle(outcome.job_id, tenant_of_record(merged), outcome.status, outcome.usage)
+            await self.settle(outcome.job_id, tenant_of_record(merged), outcome.status,
+                              None if outcome.is_refused else outcome.usage)
         return bool(won)
 
     async def settle(self, job_id: str, tenant: str, status: JobStatus | str, usage: dict[str, Any] | None) -> None:

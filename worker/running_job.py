@@ -61,10 +61,10 @@ def output_of(job: RunningJob, finish_reason: str) -> dict[str, Any]:
 
 
 def outcome_of(job: RunningJob, status: JobStatus, *, output: dict[str, Any] | None = None,
-               error: dict[str, str] | None = None) -> Outcome:
+               error: dict[str, str] | None = None, is_refused: bool = False) -> Outcome:
     usage = {"prompt_tokens": job.num_prompt_tokens, "completion_tokens": len(job.token_ids),
              "cached_tokens": job.num_cached_tokens}
     return Outcome(job_id=job.spec.id, status=status, entry=job.entry, reply_to=job.spec.reply_to,
                    webhook=job.spec.webhook, output=output, usage=usage, error=error,
                    first_token_at=job.first_token_at, resumed_from=job.resumed_from, trace=job.trace,
-                   traceparent=job.spec.traceparent)
+                   traceparent=job.spec.traceparent, is_refused=is_refused)

@@ -299,3 +299,30 @@ async def test_n_over_max_queued_is_a_400_and_n_choices_need_room_for_all(gatewa
     await oai.close()
     assert usage["queued"] == 1 and usage["window"]["requests"] == 1  # neither refusal counted
     assert [k async for k in redis.scan_iter(match=KEYS.job("chatcmpl-*"))] == []  # nothing enqueued, nothing to charge
+
+
+async def test_a_job_the_worker_refuses_counts_as_failed_with_none_of_its_tokens(gateway, redis_url,
+                                                                                   tiny_model) -> None:
+    """A prompt past the model's context reaches the worker when the gateway has not yet learned the context:
+    the worker refuses it, and the tenant's usage and tokens/min window count the job but none of its tokens
+    (the record still says how long the prompt was)."""
+    from worker.engine.engine import Engine
+
+    url, store = gateway
+    key, _ = await store.create("refused", TenantLimits(tokens_per_minute=1000))
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"prompt_token_ids": list(range(1, 41)), "params": {"max_tokens": 8}}
+    async with ClientSession() as http:
+        async with http.post(f"{url}/v1/jobs", headers=headers, json=body) as resp:
+            assert resp.status == 202, await resp.text()
+            job_id = (await resp.json())["id"]
+        assert (await _usage(url, http, headers))["window"]["tokens"] == 48  # reserved: prompt + max_tokens
+        client = aioredis.Redis.from_url(redis_url)
+        async with running_worker(redis_url, Engine(model=tiny_model(), max_num_seqs=2, max_model_len=32)):
+            view = (await wait_terminal(client, [job_id]))[job_id]
+        await client.aclose()
+        assert view["status"] == "failed" and view["error"]["code"] == "context_length_exceeded", view
+        assert view["usage"]["prompt_tokens"] == 40
+        usage = await _usage(url, http, headers)
+        assert usage["jobs_by_status"] == {"failed": 1}
+        assert usage["prompt_tokens"] == usage["completion_tokens"] == usage["window"]["tokens"] == 0
