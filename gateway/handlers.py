@@ -24,6 +24,7 @@ from gateway.worker_heartbeats import live_workers
 from scheduler.protocol.job_record import job_view, json_default, tenant_of_record
 from scheduler.protocol.lanes import LANES
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE, read_hash
+from scheduler.telemetry.stream_stats import read_stream_counts
 
 log = logging.getLogger(__name__)
 
@@ -184,10 +185,10 @@ async def healthz(request: web.Request) -> web.Response:
 @routes.get("/readyz")
 async def readyz(request: web.Request) -> web.Response:
     app = request.app
-    redis, keys, admission = app[appkeys.REDIS], app[appkeys.KEYS], app[appkeys.ADMISSION]
+    redis, keys = app[appkeys.REDIS], app[appkeys.KEYS]
     try:
         await redis.ping()
-        lanes = {lane.value: await admission.lane_depth(lane) for lane in LANES}
+        counts = await read_stream_counts(redis, keys)
         workers = await live_workers(redis, keys.workers, max_age_s=app[appkeys.CONFIG].model_heartbeat_max_age_s,
                                      now=time.time())
     except (RedisError, OSError) as e:
@@ -197,7 +198,10 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({
         "status": "ready",
         "time": time.time(),
-        "lanes": {lane: {"depth": depth, "max_depth": max_depth[lane]} for lane, depth in lanes.items()},
+        # What an autoscaler reads: `waiting` for a worker (the backlog), `running` (delivered, not yet done).
+        "lanes": {lane.value: {"depth": counts.depth[lane], "max_depth": max_depth[lane.value],
+                               "waiting": max(counts.depth[lane] - counts.pending[lane], 0),
+                               "running": counts.pending[lane]} for lane in LANES},
         "workers": workers,
     })
 

@@ -47,32 +47,9 @@ class StreamStats:
         self._task: asyncio.Task[None] | None = None
 
     async def refresh(self) -> StreamSnapshot:
-        """Read every count (a lane's: its stream's and its active tenants' streams') in two round trips
-        and swap the snapshot in."""
-        pipe = self._redis.pipeline(transaction=False)
-        for lane in LANES:
-            pipe.smembers(self._keys.lane_tenants(lane))
-        members = await pipe.execute(raise_on_error=False)
-        streams: list[tuple[Lane, str]] = []
-        for lane, names in zip(LANES, members):
-            tenants = sorted(n.decode() for n in names) if isinstance(names, set) else []
-            streams.append((lane, self._keys.lane(lane)))
-            streams += [(lane, self._keys.tenant_lane(lane, t)) for t in tenants
-                        if t != DEFAULT_TENANT and is_tenant_name(t)]
-        pipe = self._redis.pipeline(transaction=False)
-        for _, stream in streams:
-            pipe.xlen(stream)
-            # XPENDING's summary form; fails with NOGROUP before any worker created the group.
-            pipe.xpending(stream, CONSUMER_GROUP)
-        pipe.xlen(self._keys.dead)
-        results = await pipe.execute(raise_on_error=False)
-        snapshot = StreamSnapshot(dead=_as_count(results[-1]))
-        for i, (lane, _) in enumerate(streams):
-            snapshot.depth[lane] += _as_count(results[2 * i])
-            pending = results[2 * i + 1]
-            snapshot.pending[lane] += _as_count(pending.get("pending", 0) if isinstance(pending, dict) else pending)
-        self.snapshot = snapshot
-        return snapshot
+        """Read every count (`read_stream_counts`) and swap the snapshot in."""
+        self.snapshot = await read_stream_counts(self._redis, self._keys)
+        return self.snapshot
 
     def start(self) -> None:
         assert self._task is None, "StreamStats already started"
@@ -107,6 +84,37 @@ class StreamStats:
 
     def observe_dead(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(self.snapshot.dead)]
+
+
+
+async def read_stream_counts(redis: Any, keys: Keys) -> StreamSnapshot:
+    """Each lane's entries (XLEN) and delivered-but-unacknowledged ones (XPENDING), over its stream and its
+    active tenants' streams, and the dead-letter stream's length, in two round trips.
+
+    Workers and the tenant routing delete the entries they acknowledge or move, so a lane's depth less its
+    pending entries is what waits for a worker."""
+    pipe = redis.pipeline(transaction=False)
+    for lane in LANES:
+        pipe.smembers(keys.lane_tenants(lane))
+    members = await pipe.execute(raise_on_error=False)
+    streams: list[tuple[Lane, str]] = []
+    for lane, names in zip(LANES, members):
+        tenants = sorted(n.decode() for n in names) if isinstance(names, set) else []
+        streams.append((lane, keys.lane(lane)))
+        streams += [(lane, keys.tenant_lane(lane, t)) for t in tenants if t != DEFAULT_TENANT and is_tenant_name(t)]
+    pipe = redis.pipeline(transaction=False)
+    for _, stream in streams:
+        pipe.xlen(stream)
+        # XPENDING's summary form; fails with NOGROUP before any worker created the group.
+        pipe.xpending(stream, CONSUMER_GROUP)
+    pipe.xlen(keys.dead)
+    results = await pipe.execute(raise_on_error=False)
+    snapshot = StreamSnapshot(dead=_as_count(results[-1]))
+    for i, (lane, _) in enumerate(streams):
+        snapshot.depth[lane] += _as_count(results[2 * i])
+        pending = results[2 * i + 1]
+        snapshot.pending[lane] += _as_count(pending.get("pending", 0) if isinstance(pending, dict) else pending)
+    return snapshot
 
 
 def _as_count(value: object) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.protocol.keys import CONSUMER_GROUP, Keys
 from scheduler.protocol.lanes import LANES
 from tests.harness.deploy_files import K8S, REPO, k8s_documents, k8s_objects, parse_verb, verb_env_names
 
@@ -91,6 +90,9 @@ def test_references_between_objects_resolve() -> None:
         port_names = {p["name"] for p in container(target)["ports"]}
         for port in service["spec"]["ports"]:
             assert port["targetPort"] in port_names, name
+    # A StatefulSet's governing Service is headless (its pods get their own DNS names).
+    governing = services[workloads["carpool-redis"]["spec"]["serviceName"]]
+    assert governing["spec"]["clusterIP"] == "None"
 
 
 def test_carpool_variables_are_flags_of_the_verb_and_parse() -> None:
@@ -119,7 +121,9 @@ def test_probes_and_ports_match_the_flags() -> None:
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         annotations = deployments[name]["spec"]["template"]["metadata"]["annotations"]
         assert int(annotations["prometheus.io/port"]) == port
-        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        # A gateway stays ready while Redis is down, to answer 503 with Retry-After; a worker is ready
+        # once its model is loaded and it reads the lanes.
+        assert c["readinessProbe"]["httpGet"]["path"] == ("/healthz" if name == "carpool-gateway" else "/readyz")
         assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
         assert ports[c["readinessProbe"]["httpGet"]["port"]] == port, name
     webhooks_args = parse_verb("webhooks", container_env(deployments["carpool-webhooks"], secrets))
@@ -154,30 +158,48 @@ def test_pods_run_as_non_root() -> None:
             assert c["resources"]["limits"]["memory"], name
 
 
-def test_keda_scales_workers_on_every_lane_of_the_consumer_group() -> None:
+def keda_triggers() -> list[dict[str, Any]]:
     (scaled,) = k8s_objects("ScaledObject").values()
-    auths = k8s_objects("TriggerAuthentication")
+    return list(scaled["spec"]["triggers"])
+
+
+def test_keda_scales_workers_on_every_lanes_backlog_and_running_jobs_from_the_gateway() -> None:
+    (scaled,) = k8s_objects("ScaledObject").values()
     assert scaled["spec"]["scaleTargetRef"]["name"] == "carpool-worker" in k8s_objects("Deployment")
-    redis_port = k8s_objects("Service")["carpool-redis"]["spec"]["ports"][0]["port"]
-    by_stream: dict[str, set[str]] = {}
-    for trigger in scaled["spec"]["triggers"]:
+    (gateway_port,) = k8s_objects("Service")["carpool-gateway"]["spec"]["ports"]
+    host = f"carpool-gateway.{NAMESPACE}.svc.cluster.local"
+    url = f"http://{host}/readyz" if gateway_port["port"] == 80 else f"http://{host}:{gateway_port['port']}/readyz"
+    locations = set()
+    for trigger in keda_triggers():
         meta = trigger["metadata"]
-        assert trigger["type"] == "redis-streams"
-        assert meta["consumerGroup"] == CONSUMER_GROUP
-        assert meta["address"] == f"carpool-redis.{NAMESPACE}.svc.cluster.local:{redis_port}"
-        assert trigger["authenticationRef"]["name"] in auths
-        # KEDA reads lagCount ahead of pendingEntriesCount: one count field per trigger.
-        counts = {"pendingEntriesCount", "lagCount", "streamLength"} & set(meta)
-        assert len(counts) == 1, trigger["name"]
-        (count,) = counts
-        assert int(meta[count]) >= 1 and all(isinstance(v, str) for v in meta.values())
-        if count == "lagCount":
-            assert meta["activationLagCount"] == "0"
-        by_stream.setdefault(meta["stream"], set()).add(count)
-    assert by_stream == {Keys().lane(lane): {"pendingEntriesCount", "lagCount"} for lane in LANES}
-    (secret_ref,) = next(iter(auths.values()))["spec"]["secretTargetRef"]
-    assert secret_ref["parameter"] == "password" and secret_ref["key"] in example_secret()
+        assert trigger["type"] == "metrics-api" and meta["url"] == url, trigger["name"]
+        assert float(meta["targetValue"]) >= 1 and all(isinstance(v, str) for v in meta.values())
+        if meta["valueLocation"].endswith(".waiting"):
+            assert meta["activationTargetValue"] == "0"  # one waiting job wakes a pool scaled to zero
+        locations.add(meta["valueLocation"])
+    assert locations == {f"lanes.{lane.value}.{count}" for lane in LANES for count in ("waiting", "running")}
     assert 1 <= scaled["spec"]["minReplicaCount"] < scaled["spec"]["maxReplicaCount"]
+
+
+async def test_every_keda_value_location_finds_a_count_in_the_gateways_readyz(redis_url: str) -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from gateway.app import init_app
+    from gateway.config import GatewayConfig
+
+    async with TestClient(TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)))) as client:
+        assert (await client.post("/v1/jobs", json={"prompt": "x", "lane": "batch"})).status == 202
+        resp = await client.get("/readyz")
+        assert resp.status == 200
+        ready = await resp.json()
+    found = {}
+    for trigger in keda_triggers():
+        value: Any = ready
+        for part in trigger["metadata"]["valueLocation"].split("."):
+            value = value[part]
+        assert isinstance(value, int) and not isinstance(value, bool), trigger["name"]
+        found[trigger["metadata"]["valueLocation"]] = value
+    assert found["lanes.batch.waiting"] == 1 and found["lanes.batch.running"] == 0
 
 
 def test_images_in_manifests_are_built_here() -> None:

@@ -249,3 +249,24 @@ async def test_keys_cli_creates_lists_and_revokes_and_redis_keeps_only_a_hash(re
     assert json.loads(_carpool(redis_url, "list", "--json").stdout) == []
     assert await KeyStore(client, KEYS).lookup(key) is None
     await client.aclose()
+
+
+async def test_readyz_counts_each_lanes_waiting_and_running_jobs_over_the_tenants_streams(keyed) -> None:
+    """With keys on, jobs wait in their tenants' streams: /readyz's lane counts (what an autoscaler reads)
+    take them in, `waiting` until a worker receives one and `running` from then on."""
+    url, key_a, key_b, client = keyed
+    async with ClientSession() as http:
+        for key in (key_a, key_a, key_b):
+            async with http.post(f"{url}/v1/jobs", json={"prompt": "x"},
+                                 headers={"Authorization": f"Bearer {key}"}) as resp:
+                assert resp.status == 202, await resp.text()
+        async with http.get(f"{url}/readyz") as resp:
+            standard = (await resp.json())["lanes"]["standard"]
+        assert standard == {"depth": 3, "max_depth": standard["max_depth"], "waiting": 3, "running": 0}
+        # A worker receives tenant a's first job (as workers read: XREADGROUP on the tenant's stream).
+        received = await client.xreadgroup("carpool-workers", "w1", {KEYS.tenant_lane("standard", "tenant-a"): ">"},
+                                           count=1)
+        assert len(received[0][1]) == 1
+        async with http.get(f"{url}/readyz") as resp:
+            standard = (await resp.json())["lanes"]["standard"]
+        assert (standard["depth"], standard["waiting"], standard["running"]) == (3, 2, 1)
