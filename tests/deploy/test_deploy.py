@@ -73,12 +73,23 @@ def test_compose_services_and_what_they_reference_exist() -> None:
         assert services[name]["healthcheck"]["test"][0] == "CMD"
 
 
-def test_compose_workers_are_scalable_gpu_consumers() -> None:
+def test_compose_runs_a_worker_per_gpu_and_its_note_adds_one_for_the_next() -> None:
     worker = load_compose()["services"]["worker"]
-    assert "ports" not in worker and "container_name" not in worker, "--scale needs no fixed host port or name"
+    assert "ports" not in worker and "container_name" not in worker
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
-    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and device["count"] == 1
+    # device_ids, not count: compose would give every replica of a `count: 1` service the same GPU.
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and "count" not in device
+    assert device["device_ids"] == ["${WORKER_GPU:-0}"]
     assert worker["stop_grace_period"] == "60s"
+    # The commented service for a second GPU, as an operator would paste it under `services:`.
+    text = COMPOSE_FILE.read_text()
+    note = text[text.index("  #   worker-1:\n"):text.index("  worker:\n")]
+    pasted = "".join(line.replace("  #   ", "  ", 1) + "\n" for line in note.splitlines())
+    services = yaml.safe_load(text.replace("services:\n", "services:\n" + pasted, 1))["services"]
+    second = services["worker-1"]
+    assert {k: v for k, v in second.items() if k != "deploy"} == {k: v for k, v in worker.items() if k != "deploy"}
+    (device,) = second["deploy"]["resources"]["reservations"]["devices"]
+    assert device["device_ids"] == ["1"] and device["capabilities"] == ["gpu"]
 
 
 def test_compose_holds_no_secrets() -> None:
