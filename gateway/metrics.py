@@ -53,7 +53,8 @@ class GatewayMetrics(ProcessMetrics):
         # Zero series for every known label set, so dashboards and rate() see them before the first event.
         for lane in LANES:
             self._submitted.add(0, {metric_schema.A_LANE: lane.value})
-            self._rejected.add(0, {metric_schema.A_LANE: lane.value, metric_schema.A_REJECT_REASON: "lane_full"})
+            for reason in ("lane_full", "rate_limited", "quota"):
+                self._rejected.add(0, {metric_schema.A_LANE: lane.value, metric_schema.A_REJECT_REASON: reason})
         self._rejected.add(0, {metric_schema.A_LANE: UNKNOWN_LANE, metric_schema.A_REJECT_REASON: "invalid"})
         self._deduplicated.add(0)
         self._open_waiters.add(0)

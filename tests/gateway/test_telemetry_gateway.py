@@ -64,6 +64,8 @@ async def test_scrape_counts_submissions_and_rejections(
     assert value(text, "carpool_jobs_submitted_total", carpool_lane="batch") == 2
     assert value(text, "carpool_jobs_rejected_total", carpool_reject_reason="lane_full", carpool_lane="batch") == 1
     assert value(text, "carpool_jobs_rejected_total", carpool_reject_reason="invalid") == 1
+    for reason in ("rate_limited", "quota"):  # at 0 from start-up, as every lane's lane_full is
+        assert value(text, "carpool_jobs_rejected_total", carpool_reject_reason=reason, carpool_lane="interactive") == 0
     assert value(text, "carpool_jobs_deduplicated_total") == 1
     assert value(text, "carpool_queue_depth", carpool_lane="standard") == 4
     assert value(text, "carpool_queue_depth", carpool_lane="batch") == 2
