@@ -13,6 +13,7 @@ same attempt.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -21,6 +22,8 @@ from redis.exceptions import ResponseError
 from scheduler.protocol import state_machine
 from scheduler.protocol.keys import DEFAULT_DEAD_MAXLEN, WEBHOOK_GROUP, Keys
 from scheduler.protocol.webhooks import AttemptOutcome, AttemptRecord, Decision
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,13 +74,16 @@ class DeliveryStore:
         rows = await self._claim(
             keys=[k.webhooks_retry], args=[repr(now), repr(lease_until), limit, k.webhook_delivery(""), token]
         )
-        return [
-            Claimed(
-                delivery_id=row[0].decode(), attempt=int(row[1]), job_id=row[2].decode(), event=row[3].decode(),
-                url=row[4].decode(), payload=bytes(row[5]), token=token, traceparent=row[6].decode() or None,
-            )
-            for row in rows
-        ]
+        claimed = []
+        for row in rows:
+            try:
+                claimed.append(Claimed(
+                    delivery_id=row[0].decode(), attempt=int(row[1]), job_id=row[2].decode(), event=row[3].decode(),
+                    url=row[4].decode(), payload=bytes(row[5]), token=token, traceparent=row[6].decode() or None,
+                ))
+            except UnicodeDecodeError as e:  # stored before ingest refused such fields: it must not cost the rest
+                log.error("webhook delivery %r holds a field that is not UTF-8 (%s); left undelivered", row[0], e)
+        return claimed
 
     async def settle(self, claimed: Claimed, decision: Decision, record: AttemptRecord, *, now: float) -> bool:
         """Record the attempt and act on its outcome; False when this dispatcher's claim had lapsed."""

@@ -388,7 +388,33 @@ fail the script half-way."""
 
 # ---- webhook deliveries: dispatchers --------------------------------------------------------------
 
-WEBHOOK_INGEST = _job_script("""
+_IS_UTF8 = """
+local function is_utf8(s)
+  local i, n = 1, #s
+  while i <= n do
+    local c, len = string.byte(s, i), 0
+    if c < 0x80 then len = 1
+    elseif c >= 0xC2 and c <= 0xDF then len = 2
+    elseif c >= 0xE0 and c <= 0xEF then len = 3
+    elseif c >= 0xF0 and c <= 0xF4 then len = 4
+    else return false end
+    if i + len - 1 > n then return false end
+    for j = i + 1, i + len - 1 do
+      local b = string.byte(s, j)
+      if b < 0x80 or b > 0xBF then return false end
+    end
+    local b2 = string.byte(s, i + 1)
+    -- overlong three- and four-byte forms, UTF-16 surrogates, past U+10FFFF
+    if (c == 0xE0 and b2 < 0xA0) or (c == 0xED and b2 > 0x9F) or (c == 0xF0 and b2 < 0x90)
+        or (c == 0xF4 and b2 > 0x8F) then return false end
+    i = i + len
+  end
+  return true
+end
+"""
+"""Lua: whether a string is UTF-8 text as Python's strict decoder takes it."""
+
+WEBHOOK_INGEST = _job_script(_IS_UTF8 + """
 local entries = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', KEYS[1], '>')
 if not entries then return 0 end
 local n = 0
@@ -399,9 +425,18 @@ for _, entry in ipairs(entries[1][2]) do
   for _, name in ipairs({'id', 'job_id', 'event', 'url', 'payload'}) do
     if not f[name] or f[name] == '' then missing = name break end
   end
+  local garbled = nil
+  if not missing then
+    for _, name in ipairs({'id', 'job_id', 'event', 'url', 'traceparent'}) do
+      if f[name] and not is_utf8(f[name]) then garbled = name break end
+    end
+  end
   if missing then
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[9], '*', 'entry', eid, 'at', ARGV[4],
       'reason', 'invalid webhook delivery entry: missing field ' .. missing)
+  elseif garbled then
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[9], '*', 'entry', eid, 'at', ARGV[4],
+      'reason', 'invalid webhook delivery entry: field ' .. garbled .. ' is not UTF-8 text')
   else
     local dkey = ARGV[6] .. f['id']
     -- A delivery id seen before is the same delivery (a producer retrying its XADD).
@@ -428,6 +463,8 @@ return n
 """)
 """Dispatcher: move new webhook stream entries into delivery hashes (``pending``) on their job's chain;
 only a chain's head is scheduled, so a receiver sees ``started``, then the ``output``s, then ``completed``.
+An entry missing a field, or whose id, job id, event, URL or trace context is not UTF-8 text, goes to the
+dead stream with the reason instead.
 KEYS: webhook stream, retry zset, webhook dead stream. ARGV: group, consumer, count, now, ttl_s, delivery
 key prefix, chain key prefix, job key prefix, dead maxlen. Returns how many were new."""
 

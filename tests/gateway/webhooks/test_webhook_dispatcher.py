@@ -245,6 +245,29 @@ async def test_bad_stream_entry_is_dead_lettered_and_others_still_go(redis_clien
     assert receiver.accepted_count() == 1
 
 
+async def test_entries_with_fields_that_are_not_utf8_are_dead_lettered_and_the_rest_go(
+        redis_client, receiver_factory, secret) -> None:
+    """A delivery due in the same round as a garbled one still goes: the garbled ones never reach a round."""
+    receiver = await receiver_factory(then=Answer(200))
+    fields = [delivery_fields(f"bad{i}", "completed", receiver.url, {"id": f"bad{i}"}, now=time.time())
+              for i in range(5)]
+    fields[0]["url"] = receiver.url.encode() + b"/\xff\xfe"
+    fields[1]["id"] = b"msg_\xff"
+    fields[2]["job_id"] = b"\xed\xa0\x80"  # a UTF-16 surrogate, which Python's decoder refuses
+    fields[3]["event"] = b"\xc0\xaf"  # an overlong form
+    fields[4]["traceparent"] = b"00-\xff"
+    for f in fields:
+        await redis_client.xadd(KEYS.webhooks, f)  # type: ignore[arg-type]
+    good = [await enqueue(redis_client, f"job{i}", "completed", receiver.url, text="caf\u00e9 \U0001f600")
+            for i in range(3)]
+    async with WebhookDispatcher(redis_client, KEYS, fast_config(secret)):
+        await wait_for(lambda: states_are(redis_client, good, b"delivered"))
+    reasons = sorted(dead[b"reason"].decode() for _, dead in await redis_client.xrange(KEYS.webhooks_dead))
+    assert reasons == sorted(f"invalid webhook delivery entry: field {name} is not UTF-8 text"
+                             for name in ("url", "id", "job_id", "event", "traceparent"))
+    assert sorted(r.headers["webhook-id"] for r in receiver.received) == sorted(good)
+
+
 async def test_without_secret_nothing_is_taken_off_the_queue(redis_client, receiver_factory, secret) -> None:
     receiver = await receiver_factory(then=Answer(200))
     async with WebhookDispatcher(redis_client, KEYS, fast_config(None)) as dispatcher:  # type: ignore[arg-type]
