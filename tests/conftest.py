@@ -10,11 +10,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from aiohttp.test_utils import TestServer
-
 from gateway.app import init_app
 from gateway.cli.embedded_redis import EmbeddedRedis
 from gateway.config import GatewayConfig
+from tests.harness.gateway_server import GatewayTestServer
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -32,7 +31,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
 @pytest.fixture
 async def gateway_url(redis_url: str) -> AsyncIterator[str]:
     """Base URL of a real gateway (no webhook dispatcher) on a free 127.0.0.1 port, over the session's Redis."""
-    server = TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1")
+    server = GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1")
     await server.start_server()
     yield str(server.make_url("")).rstrip("/")
     await server.close()

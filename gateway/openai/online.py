@@ -99,10 +99,11 @@ async def _wait_all(request: web.Request, watch: ChoiceWatch) -> list[dict[str, 
     views: dict[int, dict[str, Any]] = {}
     last_check = time.monotonic()
     while len(views) < len(watch.job_ids):
+        # Checked at every event too: a running job sends one each step, so its waiter is never idle.
+        if client_gone(request):
+            raise OpenAIError(499, "the client closed the connection", code="client_closed")
         got = await watch.next(CLIENT_CHECK_S)
         if got is None:
-            if client_gone(request):
-                raise OpenAIError(499, "the client closed the connection", code="client_closed")
             if time.monotonic() - last_check >= heartbeat_s:
                 last_check = time.monotonic()
                 views.update(await watch.terminal_views([i for i in range(len(watch.job_ids)) if i not in views]))

@@ -182,12 +182,13 @@ def test_keda_scales_workers_on_every_lanes_backlog_and_running_jobs_from_the_ga
 
 
 async def test_every_keda_value_location_finds_a_count_in_the_gateways_readyz(redis_url: str) -> None:
-    from aiohttp.test_utils import TestClient, TestServer
+    from aiohttp.test_utils import TestClient
+    from tests.harness.gateway_server import GatewayTestServer
 
     from gateway.app import init_app
     from gateway.config import GatewayConfig
 
-    async with TestClient(TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)))) as client:
+    async with TestClient(GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)))) as client:
         assert (await client.post("/v1/jobs", json={"prompt": "x", "lane": "batch"})).status == 202
         resp = await client.get("/readyz")
         assert resp.status == 200

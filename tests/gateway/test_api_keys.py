@@ -16,20 +16,20 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import ClientSession, FormData
-from aiohttp.test_utils import TestServer
 
 from gateway.api_keys import KeyStore
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from scheduler.protocol.tenants import TenantLimits
 from tests.harness.child_env import child_pythonpath
+from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.worker_harness import KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-async def _gateway(redis_url: str) -> TestServer:
-    server = TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True, api_keys=True)),
+async def _gateway(redis_url: str) -> GatewayTestServer:
+    server = GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True, api_keys=True)),
                         host="127.0.0.1")
     await server.start_server()
     return server

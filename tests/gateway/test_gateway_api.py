@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 import yarl
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from gateway import model_limits
 from gateway.app import init_app
@@ -21,6 +21,7 @@ from gateway.webhooks.config import WebhookConfig
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.tenants import DEFAULT_TENANT
+from tests.harness.gateway_server import GatewayTestServer
 
 KEYS = Keys()
 SECRET = generate_secret()
@@ -35,7 +36,7 @@ async def make_client(redis_url: str) -> AsyncIterator[MakeClient]:
     async def make(**overrides: Any) -> TestClient:
         webhooks = WebhookConfig(webhook_secret=SECRET)
         config = GatewayConfig(redis_url=redis_url, no_webhooks=True, webhooks=webhooks, **overrides)
-        client = TestClient(TestServer(init_app(config)))
+        client = TestClient(GatewayTestServer(init_app(config)))
         await client.start_server()
         clients.append(client)
         return client
@@ -98,7 +99,7 @@ async def test_a_chat_messages_null_name_is_no_name(make_client: MakeClient) -> 
 
 async def test_webhooks_are_refused_without_a_signing_secret(redis_url: str) -> None:
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True)
-    async with TestClient(TestServer(init_app(config))) as client:
+    async with TestClient(GatewayTestServer(init_app(config))) as client:
         status, reply = await submit(client, {"prompt": "hi", "webhook": {"url": "https://example.com/hook"}})
         assert status == 400
         assert reply["error"]["field"] == "webhook.url" and "secret" in reply["error"]["message"]
@@ -208,7 +209,7 @@ async def test_readyz_is_503_without_redis() -> None:
     from gateway.cli.embedded_redis import free_port
 
     config = GatewayConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0", no_webhooks=True)
-    async with TestClient(TestServer(init_app(config))) as client:
+    async with TestClient(GatewayTestServer(init_app(config))) as client:
         resp = await client.get("/readyz")
         assert resp.status == 503
         assert (await resp.json())["status"] == "unavailable"

@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from gateway.app import init_app
 from gateway.cli.embedded_redis import EmbeddedRedis
 from gateway.config import GatewayConfig
 from scheduler.protocol.keys import Keys
 from tests.harness.gateway_process import gateway_process
+from tests.harness.gateway_server import GatewayTestServer
 
 KEYS = Keys()
 
@@ -26,7 +27,7 @@ KEYS = Keys()
 @pytest.fixture
 async def client(redis_url: str) -> AsyncIterator[TestClient]:
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True, max_body_bytes=64 * 1024)
-    async with TestClient(TestServer(init_app(config))) as client:
+    async with TestClient(GatewayTestServer(init_app(config))) as client:
         yield client
 
 

@@ -139,7 +139,8 @@ async def test_hundreds_of_concurrent_posts_long_polls_and_streams_get_no_5xx(
 
 
 async def test_no_free_redis_connection_is_a_json_503_with_retry_after(redis_url: str, redis: aioredis.Redis) -> None:
-    from aiohttp.test_utils import TestClient, TestServer
+    from aiohttp.test_utils import TestClient
+    from tests.harness.gateway_server import GatewayTestServer
 
     from gateway import appkeys
     from gateway.app import init_app
@@ -147,7 +148,7 @@ async def test_no_free_redis_connection_is_a_json_503_with_retry_after(redis_url
 
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True, redis_max_connections=1,
                            redis_pool_timeout_s=0.2, retry_after_s=3)
-    async with TestClient(TestServer(init_app(config))) as client:
+    async with TestClient(GatewayTestServer(init_app(config))) as client:
         assert (await client.post("/v1/jobs", json={"prompt": "before"})).status == 202
         pool = client.app[appkeys.REDIS].connection_pool
         held = await pool.get_connection()  # every pooled connection is busy

@@ -11,7 +11,7 @@ from typing import Any
 import msgpack
 import pytest
 import redis.asyncio as aioredis
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from gateway import appkeys
 from gateway.app import init_app
@@ -20,6 +20,7 @@ from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
 from scheduler.protocol.job_record import job_view
 from scheduler.protocol.keys import Keys
+from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.worker_harness import WAIT_S, wait_until
 
 KEYS = Keys()
@@ -29,7 +30,7 @@ KEYS = Keys()
 async def client(redis_url: str) -> AsyncIterator[TestClient]:
     webhooks = WebhookConfig(webhook_secret=generate_secret(), webhook_allow=["hooks.test"])
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True, sse_heartbeat_s=0.5, webhooks=webhooks)
-    async with TestClient(TestServer(init_app(config))) as client:
+    async with TestClient(GatewayTestServer(init_app(config))) as client:
         yield client
 
 
@@ -200,7 +201,7 @@ async def test_cancel_a_running_job_asks_its_worker(client: TestClient, redis: a
 async def configured_client(redis_url: str) -> AsyncIterator[TestClient]:
     webhooks = WebhookConfig(webhook_secret=generate_secret(), webhook_allow=["hooks.test"])
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True, result_ttl_s=7200, reply_maxlen=1, webhooks=webhooks)
-    async with TestClient(TestServer(init_app(config))) as client:
+    async with TestClient(GatewayTestServer(init_app(config))) as client:
         yield client
 
 

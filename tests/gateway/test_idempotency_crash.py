@@ -6,12 +6,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.tenants import DEFAULT_TENANT
+from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.redis_proxy import RedisProxy
 
 KEYS = Keys()
@@ -29,7 +30,7 @@ async def test_redis_lost_right_after_the_key_is_written_leaves_the_key_usable(
 ) -> None:
     config = GatewayConfig(redis_url=proxy.url, no_webhooks=True, redis_pool_timeout_s=1)
     headers = {"Idempotency-Key": "order-42"}
-    async with TestClient(TestServer(init_app(config))) as client:
+    async with TestClient(GatewayTestServer(init_app(config))) as client:
         proxy.trip(b"idem:order-42")  # the first command naming the key reaches Redis; then Redis is gone
         resp = await client.post("/v1/jobs", json={"prompt": "hello"}, headers=headers)
         assert proxy.num_tripped == 1
@@ -51,7 +52,7 @@ async def test_redis_lost_right_after_the_key_is_written_leaves_the_key_usable(
 async def test_a_key_naming_a_job_that_no_longer_exists_is_taken_over(redis_url: str, redis: aioredis.Redis) -> None:
     await redis.set(KEYS.idempotency(DEFAULT_TENANT, "order-7"), "job_that_never_was", ex=86400)
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True)
-    async with TestClient(TestServer(init_app(config))) as client:
+    async with TestClient(GatewayTestServer(init_app(config))) as client:
         resp = await client.post("/v1/jobs", json={"prompt": "hello"}, headers={"Idempotency-Key": "order-7"})
         reply = await resp.json()
         assert resp.status == 202, reply

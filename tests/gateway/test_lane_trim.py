@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import redis.asyncio as aioredis
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from scheduler.protocol.keys import Keys
+from tests.harness.gateway_server import GatewayTestServer
 
 KEYS = Keys()
 NUM_BACKLOG = 100_500
@@ -19,7 +20,7 @@ NUM_BACKLOG = 100_500
 async def test_a_lane_deeper_than_100k_keeps_every_accepted_job(redis_url: str, redis: aioredis.Redis) -> None:
     lane = KEYS.lane("batch")
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True, max_lane_depth={"batch": 200_000})
-    async with TestClient(TestServer(init_app(config))) as client:
+    async with TestClient(GatewayTestServer(init_app(config))) as client:
 
         async def post(i: int) -> str:
             resp = await client.post("/v1/jobs", json={"prompt": f"kept {i}", "lane": "batch"})

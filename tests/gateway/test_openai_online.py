@@ -12,8 +12,6 @@ import msgpack
 
 from scheduler.params import SamplingParams
 from scheduler.protocol.keys import Keys
-from scheduler.protocol.keys import Keys
-from tests.harness.openai_support import MODEL_NAME, openai_service
 from tests.harness.openai_support import MODEL_NAME, openai_service
 from tests.harness.worker_harness import WAIT_S, HeldReplies, wait_until
 
@@ -146,6 +144,31 @@ async def test_a_disconnected_stream_cancels_its_job(redis_url, engine, redis) -
             await asyncio.sleep(0.1)
         assert await redis.hget(job, "status") == b"cancelled"
         # No orphan compute: the engine dropped the sequence and freed its KV blocks.
+        await wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_kv_blocks_used == 0,
+                         "the cancelled job's sequence and blocks are released")
+
+
+async def test_a_client_hanging_up_on_a_running_non_streaming_request_cancels_its_job(redis_url, engine,
+                                                                                      redis) -> None:
+    """The job sends a token event every step, so its waiter is never idle: the hang-up is still seen."""
+    async with openai_service(redis_url, engine) as svc:
+        call = asyncio.create_task(svc.client.with_options(max_retries=0).chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=1900, **GREEDY))
+        job = None
+
+        async def generating() -> bool:
+            nonlocal job
+            job = next(iter([k async for k in redis.scan_iter(match=KEYS.job("chatcmpl-*"))]), None)
+            return job is not None and await redis.hget(job, "status") == b"running"
+
+        await wait_until(generating, "the request's job runs")
+        call.cancel()  # the client hangs up (the openai client closes its connection)
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        deadline = time.monotonic() + 20
+        while (await redis.hget(job, "status")) not in (b"cancelled", b"succeeded") and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert await redis.hget(job, "status") == b"cancelled"
         await wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_kv_blocks_used == 0,
                          "the cancelled job's sequence and blocks are released")
 

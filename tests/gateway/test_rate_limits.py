@@ -11,13 +11,13 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import ClientSession
-from aiohttp.test_utils import TestServer
 
 from gateway.api_keys import KeyStore
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from gateway.rate_limits import reset_text
 from scheduler.protocol.tenants import TenantLimits
+from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.telemetry_support import value
 from tests.harness.worker_harness import KEYS, running_worker, wait_terminal, wait_until
 
@@ -39,7 +39,7 @@ async def gateway_64(redis_url: str) -> AsyncIterator[tuple[str, KeyStore]]:
 
 @asynccontextmanager
 async def _gateway(redis_url: str, **config: Any) -> AsyncIterator[tuple[str, KeyStore]]:
-    server = TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True, api_keys=True, **config)),
+    server = GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True, api_keys=True, **config)),
                         host="127.0.0.1")
     await server.start_server()
     client = aioredis.Redis.from_url(redis_url)

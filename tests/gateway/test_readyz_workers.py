@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator
 import msgpack
 import pytest
 import redis.asyncio as aioredis
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from scheduler.protocol.keys import Keys
+from tests.harness.gateway_server import GatewayTestServer
 
 KEYS = Keys()
 
@@ -23,7 +24,7 @@ KEYS = Keys()
 @pytest.fixture
 async def client(redis_url: str) -> AsyncIterator[TestClient]:
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True, model_heartbeat_max_age_s=5.0)
-    async with TestClient(TestServer(init_app(config))) as client:
+    async with TestClient(GatewayTestServer(init_app(config))) as client:
         yield client
 
 

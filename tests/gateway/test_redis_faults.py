@@ -16,13 +16,14 @@ from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from gateway.app import init_app
 from gateway.cli.embedded_redis import EmbeddedRedis
 from gateway.config import GatewayConfig
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.lanes import Lane
+from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.worker_harness import wait_until
 
 KEYS = Keys("carpool")
@@ -36,7 +37,7 @@ ENDS_WITHIN_S = 4 * REDIS_TIMEOUT_S
 async def gateway_client(redis_url: str, **settings: Any) -> AsyncIterator[TestClient]:
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True, retry_after_s=3, redis_timeout_s=REDIS_TIMEOUT_S,
                            **settings)
-    async with TestClient(TestServer(init_app(config), host="127.0.0.1")) as client:
+    async with TestClient(GatewayTestServer(init_app(config), host="127.0.0.1")) as client:
         yield client
 
 
@@ -200,7 +201,7 @@ async def test_an_outage_is_logged_once_in_a_while_by_each_of_the_gateways_loops
     config = GatewayConfig(redis_url=proxy.url, no_webhooks=False, webhooks=webhooks, batch_poll_interval_s=0.05,
                            redis_timeout_s=REDIS_TIMEOUT_S)
     try:
-        async with TestClient(TestServer(init_app(config), host="127.0.0.1")) as client:
+        async with TestClient(GatewayTestServer(init_app(config), host="127.0.0.1")) as client:
             job_id = (await (await client.post("/v1/jobs", json={"prompt": "waits"})).json())["id"]
             events = await client.get(f"/v1/jobs/{job_id}/events")  # the hub reads while anyone waits
             with caplog.at_level(logging.INFO):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import redis.asyncio as aioredis
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
@@ -14,6 +14,7 @@ from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobSpec, WebhookSpec
 from scheduler.protocol.keys import CONSUMER_GROUP
 from scheduler.protocol.lanes import Lane
+from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.worker_harness import KEYS, running_worker, wait_terminal, xadd_job
 
 OWN_KEYS = ["carpool:workers", "carpool:lane:standard", "carpool:webhooks", "carpool:dead", "carpool"]
@@ -30,7 +31,7 @@ def engine(tiny_model):
 async def test_the_gateway_refuses_reply_streams_inside_the_key_prefix(
     redis_url: str, redis: aioredis.Redis, reply_to: str
 ) -> None:
-    async with TestClient(TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)))) as client:
+    async with TestClient(GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)))) as client:
         resp = await client.post("/v1/jobs", json={"prompt": "x", "reply_to": reply_to})
         reply = await resp.json()
         assert resp.status == 400, reply
@@ -42,7 +43,7 @@ async def test_the_gateway_refuses_reply_streams_inside_the_key_prefix(
 
 async def test_only_a_batchs_own_jobs_reply_to_its_results_stream(redis_url: str, redis: aioredis.Redis) -> None:
     # Knowing a batch's id, a job of the form {batch_id}-{n} replying there could add a result to the batch.
-    async with TestClient(TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)))) as client:
+    async with TestClient(GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)))) as client:
         resp = await client.post("/v1/jobs", json={"id": "batch_0123456789abcdef01234567-0", "prompt": "x",
                                                    "reply_to": KEYS.batch_results("batch_0123456789abcdef01234567")})
         reply = await resp.json()
@@ -87,7 +88,7 @@ async def test_cancelling_a_queued_job_whose_reply_key_has_another_type(redis_ur
     await redis.set("replies:a-string", "not a stream")
     webhooks = WebhookConfig(webhook_secret=generate_secret(), webhook_allow=["hooks.test"])
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True, webhooks=webhooks)
-    async with TestClient(TestServer(init_app(config))) as client:
+    async with TestClient(GatewayTestServer(init_app(config))) as client:
         resp = await client.post("/v1/jobs", json={"prompt": "x", "reply_to": "replies:a-string",
                                                    "webhook": {"url": "http://hooks.test/done"}})
         job_id = (await resp.json())["id"]

@@ -15,12 +15,13 @@ from typing import Any
 import msgpack
 import pytest
 import redis.asyncio as aioredis
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.lanes import LANES
+from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.worker_harness import running_worker, wait_terminal, xadd_job
 
 NUM_PER_SOURCE = 40
@@ -47,7 +48,7 @@ BODIES = [job_body(source, i) for source in ("http", "direct") for i in range(NU
 @pytest.fixture
 async def gateway(redis_url: str) -> AsyncIterator[TestClient]:
     """The gateway's aiohttp app on a free 127.0.0.1 port, spoken to over real HTTP."""
-    client = TestClient(TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1"))
+    client = TestClient(GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1"))
     await client.start_server()
     yield client
     await client.close()

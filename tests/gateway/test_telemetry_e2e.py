@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import redis.asyncio as aioredis
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from gateway import appkeys
 from gateway.app import init_app
@@ -21,6 +21,7 @@ from gateway.webhooks import generate_secret
 from gateway.webhooks.config import WebhookConfig
 from scheduler.telemetry.metric_schema import GATEWAY_METRICS, WORKER_METRICS
 from tests.deploy.test_telemetry_dashboard import load_dashboard, queries, series_in
+from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.telemetry_support import in_memory_telemetry, is_connected, sample_names, spans_by_trace, value
 from tests.harness.webhook_receiver import Receiver
 from tests.harness.worker_harness import WAIT_S, wait_until
@@ -63,8 +64,8 @@ async def test_metrics_and_traces_from_gateway_to_worker(redis_url: str, tiny_mo
     secret = generate_secret()
     receiver = await Receiver(secret).start()
     webhooks = WebhookConfig(webhook_secret=secret, webhook_allow=["127.0.0.1"], webhook_poll_s=0.02)
-    gateway = TestClient(TestServer(init_app(GatewayConfig(redis_url=redis_url, webhooks=webhooks), gw_telemetry)))
-    worker_http = TestClient(TestServer(worker.http_app()))
+    gateway = TestClient(GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, webhooks=webhooks), gw_telemetry)))
+    worker_http = TestClient(GatewayTestServer(worker.http_app()))
     await gateway.start_server()
     await worker_http.start_server()
     try:

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway import appkeys
@@ -16,6 +16,7 @@ from scheduler.protocol.job import JobSpec
 from scheduler.protocol.keys import Keys
 from scheduler.telemetry.metric_schema import GATEWAY_METRICS
 from scheduler.telemetry.otel import Telemetry
+from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.telemetry_support import in_memory_telemetry, sample_names, value
 
 KEYS = Keys()
@@ -27,7 +28,7 @@ PRODUCER_SPAN_ID = "00f067aa0ba902b7"
 async def gateway(redis_url: str) -> AsyncIterator[tuple[TestClient, Telemetry, InMemorySpanExporter]]:
     telemetry, spans = in_memory_telemetry("carpool-gateway")
     config = GatewayConfig(redis_url=redis_url, no_webhooks=True, max_lane_depth={"batch": 2})
-    async with TestClient(TestServer(init_app(config, telemetry))) as client:
+    async with TestClient(GatewayTestServer(init_app(config, telemetry))) as client:
         yield client, telemetry, spans
     telemetry.shutdown()
 

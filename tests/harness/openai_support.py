@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from aiohttp.test_utils import TestServer
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from tests.harness.child_env import child_pythonpath
+from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.worker_harness import running_worker
 
 MODEL_NAME = "tiny"
@@ -33,7 +33,7 @@ class Service:
 async def gateway_server(redis_url: str, **settings: Any) -> AsyncIterator[str]:
     """The gateway's app on a free 127.0.0.1 port; yields its base URL."""
     config = GatewayConfig(redis_url=redis_url, **{"no_webhooks": True, **settings})
-    server = TestServer(init_app(config), host="127.0.0.1")
+    server = GatewayTestServer(init_app(config), host="127.0.0.1")
     await server.start_server()
     try:
         yield str(server.make_url("")).rstrip("/")

@@ -17,13 +17,13 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import ClientSession
-from aiohttp.test_utils import TestServer
 
 from gateway.api_keys import KeyStore
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from scheduler.protocol.lanes import Lane
 from scheduler.protocol.tenants import TenantLimits
+from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.worker_harness import KEYS, kill_holding, start_worker_process, wait_terminal, wait_until
 
 NUM_A = 60
@@ -34,7 +34,7 @@ SLOTS = 2
 @pytest.fixture
 async def stack(redis_url: str) -> AsyncIterator[tuple[str, dict[str, str], dict[str, str]]]:
     """(gateway URL, A's auth header, B's auth header): keys on, a worker-free gateway over the session's Redis."""
-    server = TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True, api_keys=True)),
+    server = GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True, api_keys=True)),
                         host="127.0.0.1")
     await server.start_server()
     client = aioredis.Redis.from_url(redis_url)

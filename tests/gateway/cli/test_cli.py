@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from aiohttp.test_utils import TestServer
 
 from gateway.app import init_app
 from gateway.cli.embedded_redis import free_port, is_port_free
@@ -28,6 +27,7 @@ from scheduler.protocol.keys import Keys
 from scheduler.runtime.flags import config_from_args, env_names
 from scheduler.runtime.terminal import printable
 from tests.harness.child_env import child_pythonpath
+from tests.harness.gateway_server import GatewayTestServer
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -75,7 +75,7 @@ def test_bad_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None
 
 @pytest.fixture
 async def gateway_url(redis_url: str) -> AsyncIterator[str]:
-    server = TestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1")
+    server = GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1")
     await server.start_server()
     yield str(server.make_url("")).rstrip("/")
     await server.close()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from gateway.app import init_app
 from gateway.config import GatewayConfig
@@ -18,6 +18,7 @@ from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.safety import is_public
 from scheduler.protocol.job_record import job_view
 from scheduler.protocol.keys import Keys
+from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.webhook_receiver import Answer, Receiver
 from tests.harness.worker_harness import running_worker, wait_until
 
@@ -29,7 +30,7 @@ async def start_gateway(redis_url: str, allow: list[str]) -> TestClient:
         webhook_secret=SECRET, webhook_allow=allow, webhook_retry_schedule_s=[0.1, 0.2, 0.3],
         webhook_jitter=0.0, webhook_poll_s=0.02, webhook_timeout_s=30.0,
     )
-    client = TestClient(TestServer(init_app(GatewayConfig(redis_url=redis_url, webhooks=webhooks))))
+    client = TestClient(GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, webhooks=webhooks))))
     await client.start_server()
     return client
 
