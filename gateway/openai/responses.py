@@ -105,13 +105,17 @@ def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def completion_logprobs(entries: list[dict[str, Any]], text: str) -> dict[str, Any]:
-    """The legacy shape; ``text_offset`` is each token's first character in the text (a token that ends inside a
-    character starts where that character does)."""
-    offsets, num_chars = [], 0
+    """The legacy shape; ``text_offset`` is each token's first character in the text (a token that starts inside
+    a character starts where that character does)."""
+    tokens = [bytes(_named(e)[1] or b"") for e in entries]
+    stream = b"".join(tokens)
+    offsets, num_chars, start = [], 0, 0
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    for e in entries:
-        offsets.append(min(len(text), num_chars))
-        num_chars += len(decoder.decode(bytes(_named(e)[1] or b"")))
+    for data in tokens:
+        held = decoder.getstate()[0]
+        offsets.append(min(len(text), num_chars + _replaced_before(held, stream[start:start + 3])))
+        num_chars += len(decoder.decode(data))
+        start += len(data)
     return {
         "tokens": [_named(e)[0] for e in entries],
         "token_logprobs": [_logprob(e.get("logprob")) for e in entries],
@@ -119,6 +123,25 @@ def completion_logprobs(entries: list[dict[str, Any]], text: str) -> dict[str, A
                          for e in entries],
         "text_offset": offsets,
     }
+
+
+NO_RETRY = {"x-should-retry": "false"}
+"""The header OpenAI's clients read before their own retry rules."""
+
+
+def _replaced_before(held: bytes, following: bytes) -> int:
+    """Characters that the bytes a UTF-8 decoder holds back (the start of a character) turn into before the
+    next token's bytes: none when those bytes complete the character (the next token starts inside it), one
+    U+FFFD when they cannot."""
+    if not held:
+        return 0
+    lead = held[0]
+    size = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+    character = held + following[:size - len(held)]
+    try:
+        return 0 if len(character) == size and character.decode("utf-8") else 1
+    except UnicodeDecodeError:
+        return 1
 
 
 def job_error(view: dict[str, Any]) -> OpenAIError:
@@ -129,8 +152,10 @@ def job_error(view: dict[str, Any]) -> OpenAIError:
         field = error.get("field")
         param = None if field is None else PARAM_OF_FIELD.get(str(field), str(field).removeprefix("params."))
         return OpenAIError(400, message, param=param, code=str(error.get("code") or kind))
+    # The openai client retries 408 and 409 by default, which would enqueue the request again: a job
+    # cancelled by someone, or past its deadline, is an answer, and `x-should-retry: false` tells it so.
     if view.get("status") == "cancelled":
-        return OpenAIError(409, f"the request's job was cancelled: {message}", code="cancelled")
+        return OpenAIError(409, f"the request's job was cancelled: {message}", code="cancelled", headers=NO_RETRY)
     if view.get("status") == "expired":
-        return OpenAIError(408, message, code="expired")
+        return OpenAIError(408, message, code="expired", headers=NO_RETRY)
     return OpenAIError(500, f"generation failed: {message}", code=kind)

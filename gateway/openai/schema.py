@@ -140,8 +140,9 @@ def _sampling(endpoint: Endpoint, given: dict[str, Any]) -> tuple[dict[str, Any]
     if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
         raise invalid("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stop)}")
     temperature = given.get("temperature")
-    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > MAX_TEMPERATURE:
-        raise invalid("temperature", f"must be at most {MAX_TEMPERATURE}, got {temperature}")
+    if (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+            and not 0 <= temperature <= MAX_TEMPERATURE):
+        raise invalid("temperature", f"must be in [0, {MAX_TEMPERATURE}], got {temperature}")
     limit_name = "max_completion_tokens" if "max_completion_tokens" in given else "max_tokens"
     if limit_name in given:
         params["max_tokens"] = given[limit_name]
@@ -225,6 +226,9 @@ def _messages(value: object) -> list[dict[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise invalid(where, "must be an object with role and content")
+        # A key set to null is left out, as at the top level: a message the client returned, sent back as its
+        # model_dump(), holds refusal, audio, tool_calls... at null.
+        message = {k: v for k, v in message.items() if v is not None}
         for key in message:
             if key not in ("role", "content", "name"):
                 raise unsupported(f"{where}.{key}")
@@ -233,7 +237,8 @@ def _messages(value: object) -> list[dict[str, str]]:
             raise invalid(f"{where}.role", f"must be one of {sorted(_ROLES)}")
         if message.get("name") is not None and not isinstance(message["name"], str):
             raise invalid(f"{where}.name", "must be a string")
-        out.append({"role": _ROLES[role], "content": _content(message.get("content"), f"{where}.content")})
+        content = message.get("content", "" if _ROLES[role] == "assistant" else None)  # an assistant's may be null
+        out.append({"role": _ROLES[role], "content": _content(content, f"{where}.content")})
     return out
 
 

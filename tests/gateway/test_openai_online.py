@@ -122,7 +122,7 @@ async def test_n_choices_logprobs_lanes_and_refusals(redis_url, model, engine, r
         assert refused.value.param == "temperature"
         with pytest.raises(openai.BadRequestError) as refused:
             await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=2.5)
-        assert refused.value.param == "temperature" and "at most 2" in refused.value.message
+        assert refused.value.param == "temperature" and "must be in [0, 2]" in refused.value.message
         with pytest.raises(openai.NotFoundError) as missing:
             await svc.client.completions.create(model="no-such-model", prompt="x")
         assert missing.value.code == "model_not_found"
@@ -171,6 +171,35 @@ async def test_a_client_hanging_up_on_a_running_non_streaming_request_cancels_it
         assert await redis.hget(job, "status") == b"cancelled"
         await wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_kv_blocks_used == 0,
                          "the cancelled job's sequence and blocks are released")
+
+
+async def test_a_job_cancelled_by_someone_else_is_a_409_the_client_does_not_retry(redis_url, engine, redis) -> None:
+    """The openai client retries a 409 by default: without `x-should-retry: false` it would enqueue the request
+    again after each cancel."""
+    import aiohttp
+
+    async with openai_service(redis_url, engine) as svc:
+        client = svc.client.with_options(max_retries=2)
+        call = asyncio.create_task(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES,
+                                                                  max_tokens=1900, **GREEDY))
+
+        async def jobs() -> list[bytes]:
+            return [k async for k in redis.scan_iter(match=KEYS.job("chatcmpl-*"))]
+
+        async def running() -> bool:
+            found = await jobs()
+            return bool(found) and await redis.hget(found[0], "status") == b"running"
+
+        await wait_until(running, "the request's job runs")
+        (job,) = await jobs()
+        async with aiohttp.ClientSession() as http:
+            async with http.delete(f"{svc.url}/v1/jobs/{job.decode().removeprefix(KEYS.job(''))}") as resp:
+                assert resp.status == 202
+        with pytest.raises(openai.ConflictError) as cancelled:
+            await call
+        assert cancelled.value.code == "cancelled"
+        assert cancelled.value.response.headers["x-should-retry"] == "false"
+        assert await jobs() == [job]  # not enqueued again
 
 
 async def test_a_full_lane_is_a_429_with_retry_after_and_a_hung_up_request_cancels(redis_url, redis) -> None:

@@ -28,3 +28,42 @@ def test_a_seed_past_64_bits_is_refused() -> None:
 
 def test_top_p_zero_is_taken() -> None:
     assert _params(top_p=0)["top_p"] == 0
+
+
+def test_a_message_sent_back_as_the_client_dumped_it_is_taken() -> None:
+    """`model_dump()` of a returned message holds refusal, audio, tool_calls... at null; an assistant's content
+    may be null. Null keys are left out, as at the top level; a key with a value stays refused."""
+    dumped = {"role": "assistant", "content": "red, green", "refusal": None, "annotations": None, "audio": None,
+              "function_call": None, "tool_calls": None}
+    messages = [{"role": "user", "content": "colours?"}, dumped, {"role": "assistant", "content": None},
+                {"role": "user", "content": "more"}]
+    request = parse_request(Endpoint.CHAT, {"model": "m", "messages": messages}, default_lane=Lane.INTERACTIVE)
+    assert [m["content"] for m in request.jobs[0]["messages"]] == ["colours?", "red, green", "", "more"]
+    with pytest.raises(OpenAIError, match="refusal"):
+        parse_request(Endpoint.CHAT, {"model": "m", "messages": [{**dumped, "refusal": "no"}]},
+                      default_lane=Lane.INTERACTIVE)
+    with pytest.raises(OpenAIError, match="content"):
+        parse_request(Endpoint.CHAT, {"model": "m", "messages": [{"role": "user", "content": None}]},
+                      default_lane=Lane.INTERACTIVE)
+
+
+@pytest.mark.parametrize(("parts", "offsets"), [
+    ([b"w", b"\xef\xbf\xbd", b"p", b"\xf4", b"("], [0, 1, 2, 3, 4]),  # a lead byte nothing completes: its own U+FFFD
+    ([b"S", b"A", b"\xf4", b"@"], [0, 1, 2, 3]),
+    ([b"a", b"\xe8", b"\xbc\x96", b"b"], [0, 1, 1, 2]),  # one character over two tokens: both start where it does
+    ([b"a", b"\xef\xbf", b"\xbd", b"c"], [0, 1, 1, 2]),  # a real U+FFFD split the same way
+    ([b"a", b"\xf4\x8f", b"x"], [0, 1, 2]),
+])
+def test_text_offsets_follow_the_text_also_around_bytes_that_are_not_utf8(parts: list[bytes],
+                                                                           offsets: list[int]) -> None:
+    from gateway.openai.responses import completion_logprobs
+
+    text = b"".join(parts).decode("utf-8", "replace")
+    entries = [{"token": f"bytes:{p!r}", "bytes": list(p), "logprob": -1.0} for p in parts]
+    assert completion_logprobs(entries, text)["text_offset"] == offsets, text
+
+
+@pytest.mark.parametrize("temperature", [-1, -0.001, 2.5])
+def test_a_temperature_outside_openais_range_names_that_range(temperature: float) -> None:
+    with pytest.raises(OpenAIError, match=r"temperature: must be in \[0, 2\]"):
+        _params(temperature=temperature)
