@@ -9,6 +9,7 @@ a clear error on the job that names the field at fault.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -110,7 +111,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so small that the sampler's float32 rows hold it as 0 (1e-300, say)."""
+        return struct.unpack("f", struct.pack("f", self.temperature))[0] == 0.0
 
     @property
     def has_penalties(self) -> bool:

@@ -259,3 +259,16 @@ def test_steps_with_seeds_filters_or_logprobs_draw_as_without_the_race_kernel() 
     for requests in steps:
         raced = Sampler(300, race_kernel=True).sample(logits, requests)
         assert raced == Sampler(300, race_kernel=False).sample(logits, requests)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324])
+def test_a_temperature_float32_holds_as_zero_is_greedy(temperature: float) -> None:
+    """Positive, but 0 in the sampler's float32 rows: the request is greedy, as temperature 0 is (not drawn
+    at temperature 1 behind a divisor of 0 swapped for 1)."""
+    assert SamplingParams(temperature=temperature).is_greedy and not SamplingParams(temperature=1e-40).is_greedy
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(8)) * 4
+    drawn = [Sampler(300, seed=s).sample(logits, [_request(f"t{i}", position=i, temperature=t, logprobs=2)
+                                                 for i in range(6)])
+             for s, t in ((3, temperature), (4, 0.0))]
+    assert [t.token_id for t in drawn[0]] == [t.token_id for t in drawn[1]] == logits.argmax(dim=-1).tolist()
+    assert [t.logprob for t in drawn[0]] == [t.logprob for t in drawn[1]]
