@@ -111,7 +111,7 @@ async def _is_visible(request: web.Request, job_id: str) -> bool:
     return bool(record) and may_see(request, tenant_of_record(record))
 
 
-@routes.get("/v1/jobs/{id}")
+@routes.get("/v1/jobs/{id:[^/]+}")
 async def get_job(request: web.Request) -> web.Response:
     app = request.app
     job_id = request.match_info["id"]
@@ -137,7 +137,7 @@ async def get_job(request: web.Request) -> web.Response:
     return web.json_response(job_view(record), dumps=_dumps)
 
 
-@routes.get("/v1/jobs/{id}/events")
+@routes.get("/v1/jobs/{id:[^/]+}/events")
 async def job_events(request: web.Request) -> web.StreamResponse:
     app = request.app
     redis, keys = app[appkeys.REDIS], app[appkeys.KEYS]
@@ -162,7 +162,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     return response
 
 
-@routes.delete("/v1/jobs/{id}")
+@routes.delete("/v1/jobs/{id:[^/]+}")
 async def delete_job(request: web.Request) -> web.Response:
     job_id = request.match_info["id"]
     if not await _is_visible(request, job_id):

@@ -107,13 +107,18 @@ async def test_webhooks_are_refused_without_a_signing_secret(redis_url: str) -> 
 
 
 async def test_the_location_of_a_job_whose_id_holds_url_characters_leads_to_it(client: TestClient) -> None:
-    for job_id in ("x/y?z#w", "jöb%2F"):
+    for job_id in ("x/y?z#w", "jöb%2F", "{tag}", "a{b}c"):
         resp = await client.post("/v1/jobs", json={"id": job_id, "prompt": "hello"})
         assert resp.status == 202
         location = resp.headers["Location"]
         assert location.isascii() and location.startswith("/v1/jobs/") and "?" not in location
         followed = await client.get(yarl.URL(location, encoded=True))
         assert followed.status == 200 and (await followed.json())["id"] == job_id
+        events = await client.get(yarl.URL(location + "/events", encoded=True), headers={"Accept": "text/event-stream"})
+        assert events.status == 200
+        events.close()
+        cancelled = await client.delete(yarl.URL(location, encoded=True))
+        assert cancelled.status == 202 and (await cancelled.json())["status"] == "cancelled", job_id
 
 
 async def test_body_that_is_not_json_names_the_body(client: TestClient) -> None:
