@@ -204,8 +204,19 @@ class EntryIntake:
                      spec.id, ref, entry.deliveries, extra={"entry": str(ref), "lane": lane, "delivery": entry.deliveries})
         if entry.deliveries > self.config.max_deliveries:
             # Only deliveries whose worker died or gave up count: a clean hand-back is no sign of poison.
-            raw_checkpoint, raw_handbacks = await self.client.hmget(
-                self.keys.job(spec.id), [job_record.F_CHECKPOINT, job_record.F_HANDBACKS])
+            raw_checkpoint, raw_handbacks, raw_owner = await self.client.hmget(
+                self.keys.job(spec.id), [job_record.F_CHECKPOINT, job_record.F_HANDBACKS, job_record.F_STREAM_ENTRY])
+            owner = as_optional_bytes(raw_owner)
+            if owner is not None and owner.decode(errors="replace") != str(ref):
+                # Another entry carries the job (a producer's second XADD of its id): this copy's deliveries say
+                # nothing of the job, which goes on from its own entry; only this copy is dead-lettered.
+                reason = (f"a second entry of job {spec.id!r}, delivered {entry.deliveries} times; the job is left "
+                          f"to its entry {owner.decode(errors='replace')}")
+                log.warning("%s: %s", ref, reason, extra={"entry": str(ref), "lane": lane,
+                                                           "dead_letter": "duplicate_entry"})
+                self.metrics.dead_lettered(lane, "duplicate_entry")
+                await self.store.dead_letter_entry(ref, reason, entry.fields or {})
+                return
             handbacks = int(raw_handbacks or 0)
             if entry.deliveries - handbacks > self.config.max_deliveries:
                 await self._fail_too_many(spec, entry, raw, created_at, handbacks, as_optional_bytes(raw_checkpoint))
@@ -220,9 +231,16 @@ class EntryIntake:
                 # Decided elsewhere (cancelled while queued): its tokens reservation is given back, once.
                 await self.store.settle(spec.id, spec.tenant, start.previous_status, None)
         elif start.verdict is StartVerdict.CANCEL:
+            output, usage, message = None, None, "cancelled before it started"
+            if start.previous_status == JobStatus.RUNNING.value:
+                # Cancelled while its worker was gone: what it had checkpointed stays its output, as a cancel of a
+                # job running here keeps what it produced.
+                raw_checkpoint = await self.client.hget(self.keys.job(spec.id), job_record.F_CHECKPOINT)
+                output, usage = _recovered_output(as_optional_bytes(raw_checkpoint), "abort")
+                message = "cancelled while running (its worker had stopped)"
             await self.store.commit(Outcome(spec.id, JobStatus.CANCELLED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
-                                            traceparent=spec.traceparent,
-                                            error={"type": "cancelled", "message": "cancelled before it started"}))
+                                            traceparent=spec.traceparent, output=output, usage=usage,
+                                            error={"type": "cancelled", "message": message}))
             self.metrics.job_finished_unrun(spec.lane.value, JobStatus.CANCELLED, created_at, tenant=spec.tenant)
         elif start.verdict is StartVerdict.EXPIRE:
             await self.store.commit(Outcome(spec.id, JobStatus.EXPIRED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
@@ -248,9 +266,7 @@ class EntryIntake:
         log.warning("job %s: %s; dead-lettered and failed", spec.id, reason,
                     extra={"entry": str(entry.ref), "lane": spec.lane.value, "dead_letter": "too_many_deliveries"})
         self.metrics.dead_lettered(spec.lane.value, "too_many_deliveries")
-        output = checkpoint_output(raw_checkpoint)
-        usage = None if output is None else {"prompt_tokens": 0, "completion_tokens": len(output["token_ids"]),
-                                             "cached_tokens": 0}
+        output, usage = _recovered_output(raw_checkpoint, None)
         if await self.store.commit(Outcome(spec.id, JobStatus.FAILED, entry.ref, reply_to=spec.reply_to,
                                            webhook=spec.webhook, traceparent=spec.traceparent, dead_reason=reason,
                                            dead_payload=raw, output=output, usage=usage,
@@ -272,6 +288,17 @@ class EntryIntake:
             pipe.xadd(self.keys.webhooks, delivery_fields(spec.id, WebhookEvent.STARTED, spec.webhook.url, view,
                                                           traceparent=spec.traceparent))
         await pipe.execute()
+
+
+def _recovered_output(raw_checkpoint: bytes | None,
+                      finish_reason: str | None) -> tuple[dict[str, Any] | None, dict[str, int] | None]:
+    """The output and usage of a job decided from its record alone: its checkpointed tokens and text (its
+    prompt's length is not on the record: ``prompt_tokens`` 0)."""
+    output = checkpoint_output(raw_checkpoint)
+    if output is None:
+        return None, None
+    output["finish_reason"] = finish_reason
+    return output, {"prompt_tokens": 0, "completion_tokens": len(output["token_ids"]), "cached_tokens": 0}
 
 
 def _loose_map(raw: bytes) -> dict[Any, Any] | None:

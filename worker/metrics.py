@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from worker.job_store import Outcome
 
 A_JOB_ID = "carpool.job.id"
-DEAD_LETTER_REASONS = ("no_job_field", "invalid_job", "too_many_deliveries", "unadmittable")
+DEAD_LETTER_REASONS = ("no_job_field", "invalid_job", "too_many_deliveries", "duplicate_entry", "unadmittable")
 """Every `carpool.dead_letter.reason` the worker records; each is exported at 0 from start-up."""
 
 

@@ -150,3 +150,72 @@ async def test_a_job_failed_for_too_many_deliveries_keeps_its_checkpointed_outpu
     assert view["status"] == "failed" and view["error"]["type"] == "too_many_deliveries"
     assert view["output"]["token_ids"] == checkpoint and len(checkpoint) > 8
     assert view["output"]["text"]
+
+
+async def test_a_second_entry_of_a_running_job_delivered_too_often_leaves_the_job_running(
+    redis_url: str, make_engine: Callable[..., Any]
+) -> None:
+    """A producer XADDed a job's id twice and the second copy's consumer died, often: that copy's deliveries
+    say nothing of the job, which finishes from its own entry, with its own reply stream."""
+    from scheduler.protocol.job import JobSpec
+    from scheduler.protocol.keys import CONSUMER_GROUP
+    from tests.harness.worker_harness import HeldReplies, has_status, wait_until, xadd_job
+
+    client = aioredis.Redis.from_url(redis_url)
+    spec = JobSpec(id="twice", prompt="a story", reply_to="replies:twice",
+                   params=SamplingParams(max_tokens=200, ignore_eos=True, temperature=0))
+    lane = KEYS.lane(spec.lane)
+    engine = HeldReplies(make_engine())
+
+    async def dead_lettered() -> bool:
+        return await client.xlen(KEYS.dead) > 0
+
+    try:
+        await client.xgroup_create(lane, CONSUMER_GROUP, id="0", mkstream=True)
+        second = await xadd_job(client, JobSpec(id="twice", prompt="a story"))
+        await client.xreadgroup(CONSUMER_GROUP, "died", {lane: ">"}, count=1)  # the second copy only
+        await xadd_job(client, spec)
+        async with running_worker(redis_url, engine, max_deliveries=2, lease_s=2.0, checkpoint_tokens=4):
+            await wait_until(lambda: has_status(client, "twice", "running"), "the job runs from its entry")
+            await engine.hold()  # the job cannot finish while the second copy is reclaimed
+            await client.xclaim(lane, CONSUMER_GROUP, "died", 0, [second], idle=10**9, retrycount=10)
+            await wait_until(dead_lettered, "the second copy is dead-lettered")
+            assert await has_status(client, "twice", "running")
+            await engine.release()
+            views = await wait_terminal(client, ["twice"], timeout_s=60)
+            dead = await client.xrange(KEYS.dead)
+        replies = await client.xrange("replies:twice")
+    finally:
+        await client.aclose()
+    assert views["twice"]["status"] == "succeeded", views["twice"]
+    assert len(views["twice"]["output"]["token_ids"]) == 200 and len(replies) == 1
+    ((_, letter),) = dead
+    assert letter[b"entry_id"].decode() == second and b"second entry" in letter[b"reason"]
+
+
+async def test_cancelling_a_job_whose_worker_stopped_keeps_its_checkpointed_output(
+    gateway_url: str, redis_url: str, make_engine: Callable[..., Any]
+) -> None:
+    """The job ran, its worker went away (here: handed it back), and it was cancelled before another took it:
+    the next worker commits it cancelled with the tokens it had checkpointed, as a cancel while running does."""
+    from worker.job_store import unpack_checkpoint
+
+    engine = make_engine()
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        async with ClientSession() as http:
+            async with http.post(f"{gateway_url}/v1/jobs", json={"id": "orphan", **LONG}) as resp:
+                assert resp.status == 202
+            async with running_worker(redis_url, engine, **RESTARTS):
+                await _progress(client, "orphan", 8)
+            checkpoint, _ = unpack_checkpoint(await client.hget(KEYS.job("orphan"), "checkpoint"))
+            async with http.delete(f"{gateway_url}/v1/jobs/orphan") as resp:
+                assert resp.status == 202 and (await resp.json())["status"] == "running"
+            async with running_worker(redis_url, engine, **RESTARTS):
+                views = await wait_terminal(client, ["orphan"], timeout_s=30)
+    finally:
+        await client.aclose()
+    view = views["orphan"]
+    assert view["status"] == "cancelled" and view["error"]["message"].startswith("cancelled while running"), view
+    assert view["output"]["finish_reason"] == "abort" and view["output"]["token_ids"] == checkpoint
+    assert len(checkpoint) > 8 and view["usage"]["completion_tokens"] == len(checkpoint)
