@@ -120,6 +120,23 @@ def test_linear_matches_the_dequantized_weight(quantization: Quantization, dtype
         torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=_name)
+def test_rows_of_small_weights_keep_the_whole_int8_range_in_every_dtype(dtype: torch.dtype) -> None:
+    """fp16 holds scales below its smallest normal number (6e-5) as subnormals: a row whose largest weight
+    is 3e-4 gets its own scale, not one far too large, and stays within half a step; no weight is clipped."""
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(5, 4096, generator=generator)
+    weight = weight / weight.abs().amax(dim=1, keepdim=True) * torch.tensor([0.1, 0.01, 2e-3, 3e-4, 0.0])[:, None]
+    quantized = quantize_weight(weight, Quantization.INT8, dtype)
+    maxima = weight.abs().amax(dim=1)[:4]
+    scales = quantized.scales.float()[:4]
+    assert (scales >= maxima / 127).all() and (scales <= maxima / 127 * 1.05).all(), scales * 127 / maxima
+    assert (quantized.data[:4].abs().amax(dim=1) >= 120).all()  # each row spans (nearly) the whole range
+    error = (quantized.dequantize() - weight).abs().amax(dim=1)[:4]
+    assert (error <= scales / 2 * (1 + 1e-6)).all() and (error / maxima <= 0.0041).all(), error / maxima
+    assert not quantized.dequantize()[4].any()
+
+
 @pytest.mark.parametrize("quantization", list(Quantization), ids=_name)
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_quantized_weights_take_a_fraction_of_the_bytes(tiny_model: Callable[..., str], quantization: Quantization,

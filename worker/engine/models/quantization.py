@@ -109,8 +109,13 @@ def quantize_weight(weight: torch.Tensor, quantization: Quantization, dtype: tor
     assert weight.dim() == 2, f"a linear weight is 2-D, got {tuple(weight.shape)}"
     storage, qmax = _STORAGE[quantization]
     rows = weight.to(torch.float32)
-    # A scale never rounds to zero in `dtype`: an all-zero row quantizes to zeros rather than NaN.
-    scales = (rows.abs().amax(dim=1) / qmax).clamp(min=torch.finfo(dtype).tiny).to(dtype)
+    # Each scale is max|row| / qmax rounded up in `dtype` (one step up, then to nearest), so that the row's
+    # largest weight is not clipped; the smallest step is `dtype`'s smallest subnormal, which also keeps an
+    # all-zero row's scale from zero (zeros, not NaN). fp16's smallest normal number (6e-5) as the floor would
+    # give rows of small weights a scale far too large, and them only a few of the 255 levels.
+    info = torch.finfo(dtype)
+    smallest = info.tiny * info.eps
+    scales = (rows.abs().amax(dim=1) / qmax * (1 + info.eps) + smallest).to(dtype)
     scaled = (rows / scales.to(torch.float32)[:, None]).clamp(-qmax, qmax)
     data = scaled.round().to(storage) if storage == torch.int8 else scaled.to(storage)
     return QuantizedWeight(data.contiguous(), scales.contiguous())
