@@ -47,6 +47,9 @@ QUANTIZATIONS = tuple(q.value for q in Quantization)
 SPECULATIVE_METHODS = ("ngram", "draft")
 """Speculative decoding's proposers (``worker.engine.speculation.Proposer``)."""
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+MAX_NUM_SPECULATIVE_TOKENS = 32
+"""More proposed tokens than this per step buy nothing (acceptance falls with each one) and cost memory:
+step buffers, and on CUDA the verify graphs, hold ``1 + k`` rows per sequence."""
 
 DTYPES = ("float32", "fp32", "float16", "fp16", "half", "bfloat16", "bf16", "auto")
 """What ``dtype`` may name (``auto``: the checkpoint's, as unset)."""
@@ -115,7 +118,8 @@ class EngineConfig:
         "in the same step as everything else, so outputs are the same tokens; a job opts out with "
         "params.speculative false; default: off"))
     num_speculative_tokens: int = field(default=DEFAULT_NUM_SPECULATIVE_TOKENS, metadata=help_text(
-        "most tokens proposed per sequence and step; each sequence's own count adapts to what it gets accepted"))
+        f"most tokens proposed per sequence and step (1 to {MAX_NUM_SPECULATIVE_TOKENS}, with --speculative); each "
+        "sequence's own count adapts to what it gets accepted"))
     draft_model: str | None = field(default=None, metadata=help_text(
         "the draft model's local checkpoint directory (same tokenizer as --model), for --speculative draft"))
     prefill_alone_priority: int | None = field(default=None, metadata={"flag": False})
@@ -134,7 +138,8 @@ class EngineConfig:
         object.__setattr__(self, "model_impl", ModelImpl(self.model_impl))
         if self.quantization is not None:
             if self.quantization not in QUANTIZATIONS:
-                raise ValueError(f"quantization: must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}")
+                raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)} or unset, "
+                                 f"got {self.quantization!r}")
             object.__setattr__(self, "quantization", Quantization(self.quantization))
         # From Python, a float or a string here would fail deep in tensor code, and a string flag would be truthy.
         for name in _INT_FIELDS:
@@ -165,8 +170,12 @@ class EngineConfig:
         if self.speculative not in (None, *SPECULATIVE_METHODS):
             raise ValueError(f"speculative: must be one of {', '.join(SPECULATIVE_METHODS)} or unset, "
                              f"got {self.speculative!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.num_speculative_tokens <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens: must be within [1, {MAX_NUM_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if self.speculative is None and self.num_speculative_tokens != DEFAULT_NUM_SPECULATIVE_TOKENS:
+            raise ValueError("num_speculative_tokens: only with speculative decoding on (speculative ngram or "
+                             "draft); without it nothing is proposed")
         if (self.speculative == "draft") != (self.draft_model is not None):
             raise ValueError("draft_model: give a draft model exactly when speculative is draft")
         # Not NaN (which no comparison refuses), nor infinite: a dynamic batch would wait for ever.

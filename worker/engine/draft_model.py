@@ -12,7 +12,9 @@ the remembered tokens and the known ones part, and their blocks are freed.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -21,6 +23,8 @@ from scheduler.params import SamplingParams
 from scheduler.sequence import Sequence
 from worker.engine.model_runner import ModelRunner
 from worker.engine.step_inputs import StepSeq
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +46,14 @@ class DraftModel:
         if self.runner.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise ValueError(f"draft_model: {path} has another tokenizer than the model; a draft model must share it")
         self.max_model_len = min(max_model_len, self.runner.max_model_len)
+        if self.max_model_len < max_model_len:
+            log.warning("draft model %s serves %d tokens of context, the model %d: sequences longer than %d get "
+                        "no proposals", path, self.max_model_len, max_model_len, self.max_model_len)
+        draft_bytes, model_bytes = _weight_bytes(path), _weight_bytes(target.model_path)
+        if model_bytes and draft_bytes >= model_bytes:
+            log.warning("draft model %s holds as many weight bytes as the model or more (%s against %s): each "
+                        "proposed token then costs a step of the model or more, and speculation slows decoding",
+                        path, f"{draft_bytes:,}", f"{model_bytes:,}")
         self.target_vocab_size = target.vocab_size
         self.vocab_size = self.runner.vocab_size
         """Ids from here on (a model's embedding may be larger than its draft's) are the draft's to skip."""
@@ -142,3 +154,9 @@ def _within(tokens: list[int], vocab_size: int) -> list[int]:
         if token >= vocab_size:
             return tokens[:i]
     return tokens
+
+
+def _weight_bytes(path: str) -> int:
+    """The bytes of a checkpoint directory's weight files (safetensors or torch's .bin)."""
+    folder = Path(path)
+    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern))

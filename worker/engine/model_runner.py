@@ -138,6 +138,7 @@ class ModelRunner:
         except OSError as e:
             raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
         self.config = config
+        self.model_path = model_path
         self.eos_token_ids: set[int] = eos_token_ids(model_path, config)
         if self.backend.name == "triton" and self.device.type == "cuda":
             failure = check_paged_attention(self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim,

@@ -8,6 +8,7 @@ transformers greedy reference is computed on the same checkpoint.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -246,8 +247,13 @@ def test_bad_settings_are_refused(tiny_model: Callable[..., str], tmp_path: Path
         Engine(model=path, num_blocks=8, speculative="medusa")
     with pytest.raises(ValueError, match="draft_model: give a draft model exactly when"):
         Engine(model=path, num_blocks=8, speculative="draft")
-    with pytest.raises(ValueError, match="num_speculative_tokens: must be >= 1"):
-        Engine(model=path, num_blocks=8, speculative="ngram", num_speculative_tokens=0)
+    for k in (0, 33, 10**7):  # a huge k would size step buffers (and CUDA verify graphs) for nothing
+        with pytest.raises(ValueError, match=r"num_speculative_tokens: must be within \[1, 32\]"):
+            Engine(model=path, num_blocks=8, speculative="ngram", num_speculative_tokens=k)
+    with pytest.raises(ValueError, match="num_speculative_tokens: only with speculative decoding on"):
+        Engine(model=path, num_blocks=8, num_speculative_tokens=5)
+    with pytest.raises(ValueError, match="quantization: must be one of int8, fp8 or unset, got 'int4'"):
+        Engine(model=path, num_blocks=8, quantization="int4")
 
 
 @pytest.fixture(scope="module")
@@ -312,3 +318,24 @@ def test_a_draft_with_a_smaller_embedding_skips_the_tokens_it_lacks(tiny_model: 
     assert engine.speculator is not None and engine.speculator.draft is not None
     draft = engine.speculator.draft
     assert draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
+
+
+def test_a_draft_that_cannot_help_is_named_at_start_up(tiny_model: Callable[..., str],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A draft with a shorter context than the model's proposes nothing past it; one as large as the model
+    costs a model step per proposed token. Both run, correctly, and the start-up log says why they will not help."""
+    target = tiny_model("llama")
+    short = tiny_model("mistral", sliding_window=8, num_hidden_layers=1)
+    larger = tiny_model("llama", num_hidden_layers=4)
+    with caplog.at_level(logging.WARNING, logger="worker.engine.draft_model"):
+        Engine(model=target, num_blocks=16, speculative="draft", draft_model=short)
+        Engine(model=target, num_blocks=16, speculative="draft", draft_model=larger)
+    lines = [r.getMessage() for r in caplog.records]
+    short_line, large_line = lines[0], lines[-1]
+    assert len(lines) == 2, lines
+    assert "serves 8 tokens of context" in short_line and "get no proposals" in short_line
+    assert "as many weight bytes as the model or more" in large_line and larger in large_line
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="worker.engine.draft_model"):
+        Engine(model=target, num_blocks=16, speculative="draft", draft_model=tiny_model("llama", num_hidden_layers=1))
+    assert caplog.records == []
