@@ -26,6 +26,7 @@ from scheduler.protocol.job import (
     WebhookEvent,
     WebhookSpec,
     is_stream_name,
+    looks_like_json,
     parse_webhook,
 )
 from scheduler.protocol.job_record import job_view
@@ -304,7 +305,7 @@ def _recovered_output(raw_checkpoint: bytes | None,
 def _loose_map(raw: bytes) -> dict[Any, Any] | None:
     """An invalid ``job`` field read as loosely as possible: JSON (redis-cli producers) or msgpack."""
     try:
-        data = json.loads(raw) if raw[:1] == b"{" else msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        data = json.loads(raw) if looks_like_json(raw) else msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception:
         return None
     return data if isinstance(data, dict) else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 from dataclasses import dataclass, field
 from enum import Enum
@@ -191,9 +192,9 @@ class JobSpec:
 
         JSON is accepted so producers without a msgpack library (``redis-cli``)
         can XADD jobs; the two cannot be confused, since a msgpack map never
-        starts with ``{``.
+        starts with ``{``, JSON's whitespace or a UTF-8 byte order mark.
         """
-        if raw[:1] == b"{":
+        if looks_like_json(raw):
             try:
                 data = json.loads(raw)
             except ValueError as e:
@@ -204,10 +205,19 @@ class JobSpec:
         try:
             data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
         except Exception as e:  # msgpack raises several unrelated types for garbage
-            raise JobValidationError("job", f"{_NOT_A_MAP}; it is neither (msgpack: {e})") from e
+            raise JobValidationError("job", f"{_NOT_A_MAP}; it is neither (msgpack: {str(e) or type(e).__name__})") from e
         if not isinstance(data, dict):
             raise JobValidationError("job", f"{_NOT_A_MAP}; it is a msgpack {type(data).__name__}")
         return cls.from_wire(data)
+
+
+_JSON_OBJECT_START = re.compile(rb"\A(?:\xef\xbb\xbf)?[ \t\r\n]*\{")
+
+
+def looks_like_json(raw: bytes) -> bool:
+    """Whether a ``job`` field is meant as a JSON object: ``{`` after JSON's whitespace and a UTF-8 byte order
+    mark, if any (bytes no msgpack map starts with)."""
+    return _JSON_OBJECT_START.match(raw) is not None
 
 
 def is_stream_name(value: object) -> bool:

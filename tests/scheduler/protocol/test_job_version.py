@@ -23,3 +23,19 @@ def test_only_the_integer_1_is_version_1(v: object) -> None:
 def test_version_1_and_a_message_without_one_are_read() -> None:
     for body in ({"v": 1, "id": "j1", "prompt": "x"}, {"id": "j1", "prompt": "x"}):
         assert JobSpec.unpack(msgpack.packb(body)).v == 1
+
+
+@pytest.mark.parametrize("lead", [b" ", b"\n", b"\r\n\t ", b"\xef\xbb\xbf", b"\xef\xbb\xbf\n"])
+def test_a_json_job_after_whitespace_or_a_byte_order_mark_is_read_as_json(lead: bytes) -> None:
+    """What an editor or `echo` leaves before the object: no msgpack map starts with those bytes."""
+    spec = JobSpec.unpack(lead + json.dumps({"id": "j1", "prompt": "x"}).encode())
+    assert (spec.id, spec.prompt) == ("j1", "x")
+    with pytest.raises(JobValidationError, match="starts with '{' but is not valid JSON"):
+        JobSpec.unpack(lead + b'{"id": "j1", ')
+
+
+def test_a_message_neither_json_nor_msgpack_says_why_also_when_msgpack_gives_no_message() -> None:
+    nested = b"\x91" * 200_000 + b"\x90"  # an array in an array ... past any parser's depth
+    with pytest.raises(JobValidationError) as caught:
+        JobSpec.unpack(nested)
+    assert caught.value.message.rstrip(")").split("(msgpack: ")[1].strip()
