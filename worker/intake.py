@@ -271,6 +271,7 @@ class EntryIntake:
         if await self.store.commit(Outcome(spec.id, JobStatus.FAILED, entry.ref, reply_to=spec.reply_to,
                                            webhook=spec.webhook, traceparent=spec.traceparent, dead_reason=reason,
                                            dead_payload=raw, output=output, usage=usage,
+                                           lane=spec.lane.value, created_at=created_at,
                                            error={"type": "too_many_deliveries", "message": reason})):
             self.metrics.job_finished_unrun(spec.lane.value, JobStatus.FAILED, created_at, tenant=spec.tenant)
 

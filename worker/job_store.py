@@ -127,7 +127,7 @@ class Outcome:
     """Write the outcome only if no record exists for the id (an invalid message must not decide a real job)."""
     lane: str | None = None
     created_at: float | None = None
-    """The lane and enqueue time of a job whose record this outcome makes (`is_new_record_only`)."""
+    """The lane and enqueue time of a job whose record this outcome makes (no record held its id)."""
     is_refused: bool = False
     """The engine refused the job before it ran: its tenant's usage and tokens/min window count none of its
     tokens (the record's ``usage`` still gives the prompt's length)."""

@@ -59,6 +59,8 @@ async def test_dead_lettered_jobs_count_as_failed_jobs(redis_url: str, engine) -
     assert {job_id: v["status"] for job_id, v in views.items()} == {
         "redelivered": "failed", "poison": "failed", "good": "succeeded"}
     assert views["redelivered"]["error"]["type"] == "too_many_deliveries"
+    # It never had a record: the failed one still says where and since when it waited.
+    assert views["redelivered"]["lane"] == "standard" and views["redelivered"]["created_at"] > 0
     assert value(text, "carpool_jobs_dead_lettered_total", carpool_dead_letter_reason="too_many_deliveries",
                  carpool_lane="standard") == 1
     assert value(text, "carpool_jobs_dead_lettered_total", carpool_dead_letter_reason="invalid_job",
