@@ -28,7 +28,7 @@ class GatewayConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address the HTTP API listens on"})
     port: int = field(default=8000, metadata={"help": "port the HTTP API listens on"})
     key_prefix: str = field(default=DEFAULT_PREFIX, metadata={"help": "prefix of every Redis key (several deployments can share one server)"})
-    result_ttl_s: int = field(default=DEFAULT_RESULT_TTL_S, metadata={"help": "seconds a job record and its idempotency key live"})
+    result_ttl_s: int = field(default=DEFAULT_RESULT_TTL_S, metadata={"help": "seconds a job record and its idempotency key live after the job ends (while it waits or runs they do not expire)"})
     reply_maxlen: int = field(default=DEFAULT_REPLY_MAXLEN, metadata={"help": "approximate MAXLEN of reply_to streams, for the results of jobs cancelled while queued"})
     max_lane_depth: dict[str, int] = field(
         default_factory=lambda: dict(DEFAULT_MAX_LANE_DEPTH),

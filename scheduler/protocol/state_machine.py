@@ -83,7 +83,12 @@ _COMMIT_TERMINAL = """
 local function commit_terminal(job, status, record, ttl_s, channel, final, reply, reply_result, reply_maxlen,
                                webhooks, webhook)
   redis.call('HSET', job, '@status@', status, unpack(record))
-  if tonumber(ttl_s) > 0 then redis.call('EXPIRE', job, ttl_s) end
+  if tonumber(ttl_s) > 0 then
+    -- The result's time to live starts now; the idempotency key that names the job lives as long.
+    redis.call('EXPIRE', job, ttl_s)
+    local idem = redis.call('HGET', job, '@idempotency_key@')
+    if idem and redis.call('GET', idem) == redis.call('HGET', job, '@id@') then redis.call('EXPIRE', idem, ttl_s) end
+  end
   redis.call('PUBLISH', channel, final)
   if reply_result ~= '' then redis.call('XADD', reply, 'MAXLEN', '~', reply_maxlen, '*', 'result', reply_result) end
   if #webhook > 0 then redis.call('XADD', webhooks, '*', unpack(webhook)) end
@@ -124,7 +129,7 @@ end
 
 # ---- job record: gateway ---------------------------------------------------------------------------
 
-ENQUEUE = _job_script(_NAMED_TENANT + """
+ENQUEUE = _job_script(_TERMINAL + _NAMED_TENANT + """
 local has_key = ARGV[3] == '1'
 if has_key then
   local owner = redis.call('GET', KEYS[3])
@@ -134,7 +139,14 @@ local tenant = ARGV[6]
 local status = redis.call('HGET', KEYS[1], '@status@')
 if status then
   if named_tenant(redis.call('HGET', KEYS[1], '@spec@')) ~= tenant then return {'taken'} end
-  if has_key then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1]) end
+  if has_key then
+    if not terminal(status) and not redis.call('HGET', KEYS[1], '@idempotency_key@') then
+      redis.call('HSET', KEYS[1], '@idempotency_key@', KEYS[3])  -- expires with the record, once it ends
+      redis.call('SET', KEYS[3], ARGV[4])
+    else
+      redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1])
+    end
+  end
   return {'exists', status}
 end
 if ARGV[2] == '1' then return {'full'} end
@@ -155,9 +167,13 @@ local fields = {}
 for i = 11, #ARGV do fields[#fields + 1] = ARGV[i] end
 fields[#fields + 1] = '@stream_entry@'
 fields[#fields + 1] = KEYS[2] .. ' ' .. entry
+if has_key then
+  fields[#fields + 1] = '@idempotency_key@'
+  fields[#fields + 1] = KEYS[3]
+end
+-- No expiry while the job waits or runs, however long: the record and its key get ARGV[1] when it ends.
 redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-if has_key then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1]) end
+if has_key then redis.call('SET', KEYS[3], ARGV[4]) end
 return {'enqueued', entry}
 """)
 """Gateway: a new job enters its lane ``queued``, with its idempotency key, or is refused.
@@ -173,7 +189,7 @@ returned nor named by the key, and its status is not told.
 
 KEYS: job record, lane stream (the tenant's), idempotency key (the tenant's; the job record again when the
 request has none), the lane's active-tenant set, wake stream, then the tenant's stream in every lane.
-ARGV: ttl_s, '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id, packed spec, tenant
+ARGV: ttl_s (the key's, when it names a job that exists), '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id, packed spec, tenant
 ('' for the default tenant, whose stream is the lane stream), max queued jobs|'', group, wake maxlen, jobs
 the quota must have room for (this one and the request's next ones), then the record's field/value pairs.
 Returns {'claimed', id} when the idempotency key already names a job, {'exists', status} when a record of
@@ -195,7 +211,7 @@ if status == '@queued@' then
   local reply_type = redis.call('TYPE', KEYS[3])['ok']
   local reply_result = ''
   if reply_type == 'none' or reply_type == 'stream' then reply_result = ARGV[8] end
-  commit_terminal(KEYS[1], '@cancelled@', {'@finished_at@', ARGV[1], '@error@', ARGV[2]}, 0, ARGV[6], ARGV[7],
+  commit_terminal(KEYS[1], '@cancelled@', {'@finished_at@', ARGV[1], '@error@', ARGV[2]}, ARGV[3], ARGV[6], ARGV[7],
                   KEYS[3], reply_result, ARGV[9], KEYS[4], {unpack(ARGV, 10)})
   redis.call('SET', KEYS[2], '1', 'EX', ARGV[3])
   return '+cancelled'
@@ -210,7 +226,7 @@ return status
 """Gateway: cancel a ``queued`` job on the spot (a terminal commit), or flag a ``running`` one for its worker.
 
 KEYS: job record, cancel flag, reply stream, webhook stream.
-ARGV: now, packed error, flag ttl_s, control channel, packed control message, events channel, packed
+ARGV: now, packed error, ttl_s (the cancelled record's and the flag's), control channel, packed control message, events channel, packed
 final event, packed reply result|'', reply maxlen, then the webhook delivery's field pairs.
 Returns '+cancelled' or '+cancelling' when it acted, 'missing', or the status it found otherwise. A reply
 key of another type than stream gets no reply; its type is checked before any write."""
