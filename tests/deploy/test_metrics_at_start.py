@@ -7,7 +7,7 @@ from scheduler.protocol.lanes import LANES
 from tests.harness.telemetry_support import samples
 
 # Every reason a worker dead-letters a lane entry for (docs/observability.md, the `dead_letter` log field).
-DEAD_LETTER_REASONS = ("no_job_field", "invalid_job", "too_many_deliveries", "unadmittable")
+DEAD_LETTER_REASONS = ("no_job_field", "invalid_job", "too_many_deliveries", "duplicate_entry", "unadmittable")
 
 
 def test_worker_exports_every_dead_letter_reason_at_zero() -> None:
