@@ -112,7 +112,8 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         """Temperature 0, or one so small that the sampler's float32 rows hold it as 0 (1e-300, say)."""
-        return struct.unpack("f", struct.pack("f", self.temperature))[0] == 0.0
+        as_float32: float = struct.unpack("f", struct.pack("f", self.temperature))[0]
+        return as_float32 == 0.0
 
     @property
     def has_penalties(self) -> bool:
