@@ -222,7 +222,12 @@ class JobLoop:
             if job is not None:
                 self.slot_freed.set()
                 job.num_prompt_tokens = rejection.num_prompt_tokens
-                self.commits.spawn(outcome_of(job, JobStatus.FAILED, error=rejection.error, is_refused=True))
+                error = rejection.error
+                if error.get("field") == "prompt" and job.spec.prompt_token_ids is not None:
+                    # The engine's `prompt` is the job message's `prompt_token_ids` here: name the field it sent.
+                    error = {**error, "field": "prompt_token_ids",
+                             "message": "prompt_token_ids" + error["message"].removeprefix("prompt")}
+                self.commits.spawn(outcome_of(job, JobStatus.FAILED, error=error, is_refused=True))
         now, mono = time.time(), time.monotonic()
         writes = StepWrites()
         checkpointed: list[tuple[int, RunningJob, int]] = []

@@ -52,6 +52,19 @@ async def test_invalid_json_job_with_an_id_is_marked_failed(redis_url, engine):
     await client.aclose()
 
 
+async def test_token_ids_past_the_vocabulary_fail_naming_the_field_the_producer_sent(redis_url, engine):
+    """A direct producer's `prompt_token_ids` reach the engine unchecked (no gateway knew the vocabulary): the
+    failed job names `prompt_token_ids`, not the engine's own name for it."""
+    client = aioredis.Redis.from_url(redis_url)
+    async with running_worker(redis_url, engine):
+        await xadd_job(client, JobSpec(id="oov", prompt_token_ids=[1, engine.vocab_size + 5]))
+        views = await wait_terminal(client, ["oov"])
+    await client.aclose()
+    error = views["oov"]["error"]
+    assert views["oov"]["status"] == "failed" and error["field"] == "prompt_token_ids", error
+    assert error["message"].startswith(f"prompt_token_ids: token id {engine.vocab_size + 5} is outside"), error
+
+
 async def test_stop_tokens_past_the_vocabulary_are_harmless_under_min_tokens(redis_url, engine):
     """min_tokens masks the stop tokens in the logits until it is met: an id past the vocabulary (one list of
     stop ids for models of several vocabularies) can never be drawn, so it is left out of the mask rather than
