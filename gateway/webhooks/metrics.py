@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
+from yarl import URL
 
 from scheduler.protocol.job import WebhookEvent
 from scheduler.protocol.webhooks import AttemptOutcome
@@ -45,10 +46,27 @@ class WebhookMetrics:
             "carpool.webhook.deliver",
             context=context_from_traceparent(traceparent),
             kind=SpanKind.CLIENT,
-            attributes={metric_schema.A_WEBHOOK_EVENT: event, "url.full": url},
+            attributes={metric_schema.A_WEBHOOK_EVENT: event, "url.full": redacted_url(url)},
         ) as span:
             yield span
 
+
+
+REDACTED = "REDACTED"
+
+
+def redacted_url(url: str) -> str:
+    """`url` as a span may carry it: user and password, and every query value, replaced by ``REDACTED`` (a
+    receiver's token often rides in the query); scheme, host, port, path and query names kept."""
+    try:
+        parsed = URL(url)
+    except (ValueError, TypeError):
+        return REDACTED
+    if parsed.user is not None or parsed.password is not None:
+        parsed = parsed.with_user(REDACTED).with_password(REDACTED)
+    if parsed.query_string:
+        parsed = parsed.with_query([(name, REDACTED) for name in parsed.query])
+    return str(parsed.with_fragment(None))
 
 
 def dispatcher_http_app(metrics: WebhookMetrics, is_healthy: Callable[[], bool]) -> web.Application:

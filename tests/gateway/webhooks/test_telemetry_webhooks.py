@@ -35,13 +35,15 @@ async def test_attempt_outcomes_are_counted(redis_url: str) -> None:
         webhook_secret=secret, webhook_allow=["127.0.0.1"], webhook_timeout_s=30.0,
         webhook_retry_schedule_s=[0.1, 0.2], webhook_jitter=0.0, webhook_poll_s=0.02, webhook_drain_s=1.0,
     )
-    telemetry, _ = in_memory_telemetry("carpool-gateway")
+    telemetry, spans = in_memory_telemetry("carpool-gateway")
     metrics = GatewayMetrics(telemetry)
     receiver = await Receiver(secret, [Answer(500)], then=Answer(200)).start()
     client = aioredis.Redis.from_url(redis_url)
+    # A receiver's credentials and token in its URL never reach a span.
+    url = receiver.url.replace("http://", "http://hook-user:pa55word@", 1) + "?token=SECRETTOKEN&v=2"
     try:
         await client.hset(KEYS.job("j1"), mapping={"id": "j1", "status": "running"})
-        fields = delivery_fields("j1", "completed", receiver.url, {"id": "j1", "status": "succeeded"}, now=time.time())
+        fields = delivery_fields("j1", "completed", url, {"id": "j1", "status": "succeeded"}, now=time.time())
         await client.xadd(KEYS.webhooks, fields)  # type: ignore[arg-type]
         async with WebhookDispatcher(client, KEYS, config, observer=metrics):
             await asyncio.wait_for(receiver.accepted.wait(), WAIT_S)
@@ -56,6 +58,13 @@ async def test_attempt_outcomes_are_counted(redis_url: str) -> None:
     assert value(text, "carpool_webhook_deliveries_total", carpool_webhook_outcome="delivered", **labels) == 1
     assert value(text, "carpool_webhook_deliveries_total", carpool_webhook_outcome="dead") == 0
     assert value(text, "carpool_webhook_delivery_duration_seconds_count") == 2
+    delivered = [span for span in spans.get_finished_spans() if span.name == "carpool.webhook.deliver"]
+    assert len(delivered) == 2
+    for span in delivered:
+        assert span.attributes["url.full"] == (receiver.url.replace("http://", "http://REDACTED:REDACTED@", 1)
+                                               + "?token=REDACTED&v=REDACTED")
+        assert not any(secret_text in str(v) for v in span.attributes.values()
+                       for secret_text in ("pa55word", "SECRETTOKEN", "hook-user"))
     telemetry.shutdown()
 
 
