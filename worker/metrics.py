@@ -145,14 +145,16 @@ class WorkerMetrics(ProcessMetrics):
         self._tenant_wait.record(now_s - created_s, {metric_schema.A_TENANT: tenant, metric_schema.A_LANE: lane})
         parent = context_from_traceparent(spec.traceparent)
         attributes = {A_JOB_ID: spec.id, metric_schema.A_LANE: lane}
-        self.tracer.start_span(
-            "carpool.queue_wait", context=parent, kind=SpanKind.INTERNAL, attributes=attributes,
-            start_time=s_to_ns(created_s),
-        ).end(end_time=s_to_ns(now_s))
         span = self.tracer.start_span(
             "carpool.job", context=parent, kind=SpanKind.CONSUMER,
             attributes={**attributes, "carpool.job.resumed_from": resumed_from}, start_time=s_to_ns(now_s),
         )
+        # Beside the job's span under the producer's context; a job that came with none starts its trace here,
+        # and its wait joins that trace under the job's span rather than being a trace of its own.
+        self.tracer.start_span(
+            "carpool.queue_wait", context=parent if parent is not None else trace.set_span_in_context(span),
+            kind=SpanKind.INTERNAL, attributes=attributes, start_time=s_to_ns(created_s),
+        ).end(end_time=s_to_ns(now_s))
         return JobTrace(spec.id, lane, tenant, created_s, now_s, span, resumed_from=resumed_from, attributes=attributes)
 
     @contextmanager

@@ -124,3 +124,26 @@ async def test_log_lines_about_a_job_carry_its_id_and_trace(redis_url: str, engi
     # the one line not about a job names none
     (ready,) = [r for r in records if "ready" in r["message"]]
     assert "job_id" not in ready and "trace_id" not in ready
+
+
+@pytest.mark.parametrize("traceparent", [None, "garbage", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"])
+def test_a_jobs_wait_and_run_share_one_trace_with_or_without_a_producers_context(traceparent: str | None) -> None:
+    """A job XADDed without a (valid) traceparent starts its trace at the worker: its queue wait joins it under
+    the job's span, rather than starting a second trace. With one, both are children of the producer's span."""
+    from tests.harness.telemetry_support import in_memory_telemetry
+    from worker.metrics import WorkerMetrics
+
+    telemetry, spans = in_memory_telemetry("carpool-worker")
+    metrics = WorkerMetrics(telemetry)
+    job = metrics.job_started(JobSpec(id="t1", prompt="x", traceparent=traceparent), created_s=100.0, now_s=101.0)
+    job.span.end()
+    by_name = {span.name: span for span in spans.get_finished_spans()}
+    wait, run = by_name["carpool.queue_wait"], by_name["carpool.job"]
+    assert wait.context.trace_id == run.context.trace_id
+    if traceparent is None or traceparent == "garbage":
+        assert run.parent is None and wait.parent.span_id == run.context.span_id
+    else:
+        assert f"{run.context.trace_id:032x}" == traceparent.split("-")[1]
+        assert wait.parent.span_id == run.parent.span_id == int(traceparent.split("-")[2], 16)
+    metrics.close()
+    telemetry.shutdown()
