@@ -251,7 +251,10 @@ class StartVerdict(StrEnum):
 
 START = _job_script(_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], '@status@')
-if terminal(st) then return {'terminal', st} end
+if terminal(st) then
+  return {'terminal', st, redis.call('HGET', KEYS[1], '@stream_entry@') or '',
+          redis.call('HGET', KEYS[1], '@finished_at@') or ''}
+end
 if not st then
   redis.call('HSET', KEYS[1], '@id@', ARGV[8], '@status@', '@queued@', '@lane@', ARGV[4], '@priority@', ARGV[5],
              '@spec@', ARGV[3], '@created_at@', ARGV[6], '@stream_entry@', ARGV[7])
@@ -285,7 +288,8 @@ return started(st, redis.call('HINCRBY', KEYS[1], '@attempts@', 1))
 
 KEYS: job record, cancel flag. ARGV: worker, now, packed spec, lane, priority, created_at, stream entry,
 job id, deadline|'', start token (new for each admission of an entry). Returns {verdict, status found, ...}:
-'terminal', 'duplicate' (running from another entry), 'cancel', 'expire', or 'run' with whether this is its
+'terminal' with the record's stream entry and finished_at (this entry's own job, decided while it waited:
+cancelled by the gateway), 'duplicate' (running from another entry), 'cancel', 'expire', or 'run' with whether this is its
 first start, its attempts, its checkpoint and the record (without the checkpoint). The same admission sent
 again (its start token: the first reply was lost) gets the answer it got then: the job is not started twice."""
 

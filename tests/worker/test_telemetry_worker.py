@@ -147,3 +147,26 @@ def test_a_jobs_wait_and_run_share_one_trace_with_or_without_a_producers_context
         assert wait.parent.span_id == run.parent.span_id == int(traceparent.split("-")[2], 16)
     metrics.close()
     telemetry.shutdown()
+
+
+async def test_a_job_cancelled_while_queued_counts_once_as_finished(gateway_url: str, redis_url: str, engine) -> None:
+    """The gateway decides it; the worker that later meets its entry counts it among the finished jobs (and a
+    second entry of the same id, a producer's repeat, is not counted again)."""
+    from aiohttp import ClientSession
+
+    client = aioredis.Redis.from_url(redis_url)
+    async with ClientSession() as http:
+        async with http.post(f"{gateway_url}/v1/jobs", json={"id": "never-ran", "prompt": "x"}) as resp:
+            assert resp.status == 202
+        async with http.delete(f"{gateway_url}/v1/jobs/never-ran") as resp:
+            assert resp.status == 202
+    await xadd_job(client, JobSpec(id="never-ran", prompt="x"))  # a repeat of the id, after the cancel
+
+    async def lane_empty() -> bool:
+        return await client.xlen(KEYS.lane(Lane.STANDARD)) == 0
+
+    async with running_worker(redis_url, engine) as worker:
+        await wait_until(lane_empty, "both entries acknowledged")
+        text = worker.metrics.render().decode()
+    await client.aclose()
+    assert value(text, "carpool_jobs_finished_total", carpool_job_status="cancelled", carpool_lane="standard") == 1
