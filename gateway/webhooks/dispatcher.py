@@ -37,6 +37,7 @@ from scheduler.protocol.redis_client import is_out_of_memory
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 from scheduler.protocol.webhooks import AttemptOutcome, AttemptRecord, decide, parse_retry_after
 from scheduler.runtime.outage_log import OutageLog, describe
+from scheduler.telemetry.log_format import job_context
 
 log = logging.getLogger(__name__)
 
@@ -217,11 +218,16 @@ class WebhookDispatcher:
         )
         if self._observer is not None:
             self._observer.webhook_attempt(c.event, decision.outcome.value, time.monotonic() - started)
-        if not await self._store.settle(c, decision, record, now=now):
-            log.warning("webhook %s attempt %d: claim lapsed before it finished; left to its new holder", c.delivery_id, c.attempt)
-        elif decision.outcome is not AttemptOutcome.DELIVERED:
-            log.info("webhook %s (%s of job %s) attempt %d: %s -> %s", c.delivery_id, c.event, c.job_id,
-                     c.attempt, decision.reason, decision.outcome.value)
+        # The lines name the job and carry the attempt's trace, as every line about a job does.
+        with job_context(c.job_id, span):
+            if not await self._store.settle(c, decision, record, now=now):
+                log.warning("webhook %s attempt %d: claim lapsed before it finished; left to its new holder",
+                            c.delivery_id, c.attempt)
+            elif decision.outcome is not AttemptOutcome.DELIVERED:
+                # A retry is routine; giving a delivery up (dead-lettered) or a receiver's 410 is not.
+                level = logging.INFO if decision.outcome is AttemptOutcome.RETRYING else logging.WARNING
+                log.log(level, "webhook %s (%s of job %s) attempt %d: %s -> %s", c.delivery_id, c.event, c.job_id,
+                        c.attempt, decision.reason, decision.outcome.value)
 
     async def _send(self, session: aiohttp.ClientSession, c: Claimed) -> Sent:
         """One POST and what it came to."""
