@@ -142,6 +142,8 @@ class EntryIntake:
         created_at = _enqueued_at(entry.fields.get(b"routed_from"), ref.entry_id)
         raw = entry.fields.get(b"job")
         if raw is None:
+            log.warning("%s: entry has no 'job' field; dead-lettered", ref,
+                        extra={"entry": str(ref), "lane": entry.lane.value, "dead_letter": "no_job_field"})
             await self.store.dead_letter_entry(ref, "entry has no 'job' field", entry.fields)
             self.metrics.dead_lettered(entry.lane.value, "no_job_field")
             return
@@ -156,7 +158,8 @@ class EntryIntake:
             lane = entry.lane.value
             self.metrics.dead_lettered(lane, "invalid_job")
             if job_id is None:
-                log.warning("%s: %s; dead-lettered", ref, reason, extra={"entry": str(ref), "dead_letter": "invalid_job"})
+                log.warning("%s: %s; dead-lettered", ref, reason,
+                            extra={"entry": str(ref), "lane": lane, "dead_letter": "invalid_job"})
                 await self.store.dead_letter_entry(ref, reason, entry.fields)
                 return
             reply_to, webhook = self._recover_destinations(raw)

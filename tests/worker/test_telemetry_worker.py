@@ -170,3 +170,17 @@ async def test_a_job_cancelled_while_queued_counts_once_as_finished(gateway_url:
         text = worker.metrics.render().decode()
     await client.aclose()
     assert value(text, "carpool_jobs_finished_total", carpool_job_status="cancelled", carpool_lane="standard") == 1
+
+
+async def test_entries_dead_lettered_before_any_job_is_read_each_get_a_line(redis_url: str, engine) -> None:
+    """No `job` field, or one that names no readable id: a warning each, naming the entry and its lane."""
+    client = aioredis.Redis.from_url(redis_url)
+    with worker_json_logs() as stream:
+        async with running_worker(redis_url, engine):
+            await client.xadd(KEYS.lane(Lane.BATCH), {"foo": "bar"})
+            await client.xadd(KEYS.lane(Lane.BATCH), {"job": b"\xc1 not msgpack"})
+            await wait_until(lambda: num_dead_at_least(client, 2), "2 dead-lettered entries")
+    await client.aclose()
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    dead = sorted((r["dead_letter"], r["lane"], r["level"]) for r in lines if "dead_letter" in r)
+    assert dead == [("invalid_job", "batch", "warning"), ("no_job_field", "batch", "warning")], lines
