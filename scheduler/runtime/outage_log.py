@@ -21,10 +21,6 @@ def describe(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
-OUTAGE_LOG_EVERY_S = 30.0
-"""While an outage lasts, each place that meets it says so at most once in this many seconds."""
-
-
 class OutageLog:
     """Warnings of Redis being unavailable, at most one every `every_s` seconds for each place that meets it (a
     loop, commits, admissions), with how many were left out; `retry_s`: how often those places retry."""

@@ -20,6 +20,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from scheduler.protocol.keys import CONSUMER_GROUP, Keys
 from scheduler.protocol.lanes import LANES, Lane
 from scheduler.protocol.tenants import DEFAULT_TENANT, is_tenant_name
+from scheduler.runtime.outage_log import OutageLog
 from scheduler.runtime.tasks import cancel_and_reap, raise_if_cancelled
 from scheduler.telemetry.metric_schema import A_LANE
 
@@ -45,6 +46,7 @@ class StreamStats:
         self._interval_s = interval_s
         self.snapshot = StreamSnapshot()
         self._task: asyncio.Task[None] | None = None
+        self._outages = OutageLog(log, retry_s=interval_s)
 
     async def refresh(self) -> StreamSnapshot:
         """Read every count (`read_stream_counts`) and swap the snapshot in."""
@@ -65,13 +67,14 @@ class StreamStats:
         while True:
             try:
                 await self.refresh()
+                self._outages.recovered()
             except (ConnectionError, OSError, TimeoutError) as e:
                 # A Redis outage must not end monitoring; the gauges keep their last values.
-                log.warning("stream stats refresh failed: %s", e)
+                self._outages.warn("lane gauges' refresh", e)
             except Exception as e:  # redis-py's own error types, which this module does not import
                 if type(e).__module__.split(".")[0] != "redis":
                     raise
-                log.warning("stream stats refresh failed: %s", e)
+                self._outages.warn("lane gauges' refresh", e)
             raise_if_cancelled()
             await asyncio.sleep(self._interval_s)
 
