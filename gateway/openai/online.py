@@ -69,8 +69,13 @@ async def read_json(request: web.Request) -> Any:
 
 async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     app = request.app
-    req = parse_request(endpoint, await read_json(request), default_lane=DEFAULT_LANES[endpoint])
-    await check_model(app, req.model)
+    try:
+        req = parse_request(endpoint, await read_json(request), default_lane=DEFAULT_LANES[endpoint])
+        await check_model(app, req.model)
+    except OpenAIError as e:
+        if e.status in (400, 404):  # a body no job can be made of, or a model no worker serves
+            app[appkeys.METRICS].job_rejected("invalid")
+        raise
     request_id = ID_PREFIXES[endpoint] + secrets.token_hex(12)
     job_ids = [f"{request_id}-{i}" for i in range(len(req.jobs))]
     created = int(time.time())

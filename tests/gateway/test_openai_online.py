@@ -366,3 +366,23 @@ async def test_wrong_types_and_openai_limits_are_400s_naming_the_parameter(redis
             stop=["a", "b", "c", "d"], metadata={"k" * 64: "v" * 512, **{str(i): "v" for i in range(15)}}))
         await wait_until(lambda: redis.xlen(KEYS.lane("interactive")), "the request's job is queued")
         ok.cancel()
+
+
+async def test_refused_openai_requests_count_as_rejected_submissions(redis_url, engine) -> None:
+    import aiohttp
+
+    from tests.harness.telemetry_support import value
+
+    async with openai_service(redis_url, engine) as svc:
+        assert await wait_models(svc.client) == [MODEL_NAME]  # a model no worker serves is then a 404
+        for call in (svc.client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "bogus", "content": "x"}]),
+                     svc.client.completions.create(model="no-such-model", prompt="x")):
+            with pytest.raises(openai.APIStatusError):
+                await call
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{svc.url}/v1/chat/completions", data=b"{nope",
+                                 headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 400
+            async with http.get(f"{svc.url}/metrics") as resp:
+                text = await resp.text()
+    assert value(text, "carpool_jobs_rejected_total", carpool_reject_reason="invalid") == 3
