@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,9 +218,11 @@ def is_terminal(record: dict[bytes, bytes]) -> bool:
 
 
 async def wait_for_terminal(
-    redis: aioredis.Redis, hub: EventHub, keys: Keys, job_id: str, timeout_s: float
+    redis: aioredis.Redis, hub: EventHub, keys: Keys, job_id: str, timeout_s: float,
+    is_abandoned: Callable[[], bool] = lambda: False, check_s: float = 1.0,
 ) -> dict[bytes, bytes]:
-    """The job record once it is terminal, or as it stands after `timeout_s` (empty if unknown)."""
+    """The job record once it is terminal, or as it stands after `timeout_s` (empty if unknown); waiting ends
+    early once `is_abandoned()` (looked at every `check_s`: the client hung up)."""
     record = await read_hash(redis, keys.job(job_id))
     if not record or is_terminal(record) or timeout_s <= 0:
         return record
@@ -233,9 +235,11 @@ async def wait_for_terminal(
             if remaining <= 0:
                 break
             try:
-                event = await asyncio.wait_for(sub.queue.get(), remaining)
+                event = await asyncio.wait_for(sub.queue.get(), min(remaining, check_s))
             except TimeoutError:
-                break
+                if is_abandoned():
+                    break
+                continue
             if event["type"] == "closed":
                 break
             if event["type"] == EventType.FINAL:

@@ -19,7 +19,7 @@ from gateway.errors import error_response
 from gateway.event_hub import wait_for_terminal
 from gateway.metrics import CONTENT_TYPE
 from gateway.rate_limits import RateLimited, TooManyTokens, job_tokens
-from gateway.sse import stream_events
+from gateway.sse import CLIENT_CHECK_S, client_gone, stream_events
 from gateway.worker_heartbeats import live_workers
 from scheduler.protocol.job_record import job_view, json_default, tenant_of_record
 from scheduler.protocol.lanes import LANES
@@ -129,7 +129,8 @@ async def get_job(request: web.Request) -> web.Response:
     metrics = app[appkeys.METRICS]
     metrics.waiter_opened()
     try:
-        record = await wait_for_terminal(app[appkeys.REDIS], app[appkeys.HUB], app[appkeys.KEYS], job_id, wait_s)
+        record = await wait_for_terminal(app[appkeys.REDIS], app[appkeys.HUB], app[appkeys.KEYS], job_id, wait_s,
+                                         is_abandoned=lambda: client_gone(request), check_s=CLIENT_CHECK_S)
     finally:
         metrics.waiter_closed()
     if not record:

@@ -134,6 +134,15 @@ async def logged_events(redis: aioredis.Redis, keys: Keys, job_id: str, cursor: 
     return coalesce(new)
 
 
+CLIENT_CHECK_S = 1.0
+"""How often a request waiting with nothing to send looks whether its client is still there."""
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the client closed its connection (the server does not cancel a handler when it does)."""
+    return request.transport is None or request.transport.is_closing()
+
+
 async def stream_events(request: web.Request, response: web.StreamResponse, redis: aioredis.Redis, keys: Keys,
                         hub: EventHub, job_id: str, heartbeat_s: float) -> None:
     """Write the job's events to ``response`` (prepared here) until ``final``."""
@@ -158,10 +167,17 @@ async def stream_events(request: web.Request, response: web.StreamResponse, redi
             await send(from_view(job_view(record), cursor))
             return
         await send(await logged_events(redis, keys, job_id, cursor))
+        loop = asyncio.get_running_loop()
+        last_write = loop.time()
         while True:
             try:
-                event = await asyncio.wait_for(sub.queue.get(), heartbeat_s)
+                event = await asyncio.wait_for(sub.queue.get(), min(heartbeat_s, CLIENT_CHECK_S))
             except TimeoutError:
+                if client_gone(request):
+                    return  # gone while the job waits: no keep-alive needed to find out
+                if loop.time() - last_write < heartbeat_s:
+                    continue
+                last_write = loop.time()
                 await response.write(b": keep-alive\n\n")
                 # A final event lost to a dropped connection must not leave the stream open forever.
                 record = await read_hash(redis, keys.job(job_id))
@@ -180,3 +196,4 @@ async def stream_events(request: web.Request, response: web.StreamResponse, redi
             taken = cursor.take(event)
             if taken is not None:
                 await send([taken])
+                last_write = loop.time()

@@ -162,7 +162,3 @@ class ChoiceWatch:
             if record and is_terminal(record):
                 out[index] = job_view(record)
         return out
-
-
-def client_gone(request: web.Request) -> bool:
-    return request.transport is None or request.transport.is_closing()

@@ -21,9 +21,10 @@ from gateway import appkeys
 from gateway.auth import RATE_HEADERS, caller_of
 from gateway.errors import OpenAIError, invalid
 from gateway.openai import responses
-from gateway.openai.choices import ChoiceWatch, cancel_jobs, check_model, client_gone, served_models, submit_choices
+from gateway.openai.choices import ChoiceWatch, cancel_jobs, check_model, served_models, submit_choices
 from gateway.openai.schema import Endpoint, parse_request
-from gateway.openai.streaming import CLIENT_CHECK_S, stream_choices
+from gateway.openai.streaming import stream_choices
+from gateway.sse import CLIENT_CHECK_S, client_gone
 from scheduler.protocol.lanes import Lane
 
 routes = web.RouteTableDef()

@@ -28,14 +28,12 @@ from gateway.auth import RATE_HEADERS
 from gateway.errors import REDIS_UNAVAILABLE
 from gateway.errors import OpenAIError
 from gateway.openai import responses
-from gateway.openai.choices import ChoiceWatch, cancel_jobs, client_gone
+from gateway.openai.choices import ChoiceWatch, cancel_jobs
 from gateway.openai.schema import Endpoint, OpenAIRequest
-from gateway.sse import Cursor, from_view, logged_events
+from gateway.sse import CLIENT_CHECK_S, Cursor, client_gone, from_view, logged_events
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 
 log = logging.getLogger(__name__)
-
-CLIENT_CHECK_S = 1.0
 
 
 class ClientGone(Exception):

@@ -329,3 +329,38 @@ async def test_a_pub_sub_connection_that_goes_silent_is_replaced(redis_url: str,
         await hub.stop()
         await client.aclose()
         await proxy.aclose()
+
+
+async def test_a_long_poll_or_event_stream_whose_client_hung_up_stops_waiting(redis_url: str) -> None:
+    """The server does not cancel a handler when its client leaves: a waiter on a queued job looks every second
+    and stops, rather than waiting out its ?wait= or its job (the heartbeat here is far longer than the test)."""
+    import aiohttp
+
+    from tests.harness.telemetry_support import value
+
+    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, sse_heartbeat_s=300, max_wait_s=300)
+    async with TestClient(GatewayTestServer(init_app(config))) as client:
+        job_id = await new_job(client)
+        base = str(client.make_url("")).rstrip("/")
+
+        async def open_waiters() -> float:
+            return value(await (await client.get("/metrics")).text(), "carpool_gateway_open_waiters")
+
+        async with aiohttp.ClientSession() as http:
+            # A long-poll: no answer until the job ends; the client gives up before.
+            poll = asyncio.create_task(http.get(f"{base}/v1/jobs/{job_id}?wait=300"))
+            await wait_until(lambda: open_waiters_is(open_waiters, 1), "the long-poll waits")
+            poll.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await poll
+            await wait_until(lambda: open_waiters_is(open_waiters, 0), "the long-poll stops waiting", timeout_s=10)
+            # An event stream: its headers came at once, its events will not; the client closes it.
+            stream = await http.get(f"{base}/v1/jobs/{job_id}/events")
+            assert stream.status == 200
+            await wait_until(lambda: open_waiters_is(open_waiters, 1), "the event stream waits")
+            stream.close()
+            await wait_until(lambda: open_waiters_is(open_waiters, 0), "the event stream stops waiting", timeout_s=10)
+
+
+async def open_waiters_is(open_waiters: Any, count: int) -> bool:
+    return await open_waiters() == count
