@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -182,8 +183,10 @@ def run_gateway(config: GatewayConfig, log_level: str, telemetry_config: Telemet
     try:
         web.run_app(
             init_app(config, telemetry), host=config.host, port=config.port, shutdown_timeout=config.shutdown_grace_s,
-            # On stderr with the logs: stdout is the console exporters' (one JSON object a line) when they are on.
-            print=lambda line: print(f"carpool gateway: {line}", file=sys.stderr, flush=True),
+            # A log line like every other (one JSON object a line on stderr): aiohttp's "==== Running on ... ====
+            # (Press CTRL+C to quit)" banner would be the one line a log shipper cannot parse.
+            print=lambda banner: logging.getLogger("gateway").info("carpool gateway: %s",
+                                                                    " ".join(banner.replace("=", " ").split())),
         )
     except OSError as e:
         if e.errno not in LISTEN_ERRNOS:

@@ -51,6 +51,8 @@ def test_console_traces_print_the_jobs_spans(redis_url: str, tmp_path: Path) -> 
         gateway.send_signal(signal.SIGTERM)
         assert gateway.wait(timeout=30) == 0, err_path.read_text()
     spans = [json.loads(line) for line in out_path.read_text().splitlines()]  # stdout holds the spans alone
+    logs = [json.loads(line) for line in err_path.read_text().splitlines()]  # stderr the log lines alone
+    assert any("Running on http://" in r["message"] and f":{port}" in r["message"] for r in logs), logs
     by_name = {span["name"]: span for span in spans}
     assert {"POST /v1/jobs", "carpool.enqueue"} <= set(by_name), out_path.read_text()
     enqueue = by_name["carpool.enqueue"]
