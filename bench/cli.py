@@ -90,7 +90,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return config
 
 
-OPTIONAL_MODULES = ("matplotlib", "tqdm")
+OPTIONAL_MODULES = ("matplotlib", "tqdm", "openai")
 """What the benchmark needs beyond carpool's own dependencies: the `bench` extra (`pip install -e '.[bench]'`)."""
 
 QUICK_NOTE = ("a --quick run is a smoke test on a tiny workload: its claims are not expected to be met "
@@ -107,20 +107,28 @@ def missing_modules(names: Sequence[str]) -> list[str]:
     return missing
 
 
+def _say_missing_modules() -> bool:
+    """Whether a module of the bench extra is missing; if so, says which and how to install them."""
+    missing = missing_modules(OPTIONAL_MODULES)
+    if missing:
+        print(f"carpool bench: needs {', '.join(missing)}, from the bench extra: pip install -e '.[bench]' "
+              "(or pip install 'carpool[bench]')", file=sys.stderr)
+    return bool(missing)
+
+
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     environ = os.environ if env is None else env
     if argv is None:
         argv = sys.argv[1:]
     if list(argv[:1]) == ["batch-api"]:
+        if _say_missing_modules():  # its module imports them: even its --help needs them
+            return 2
         from bench.batch_api import main as batch_api_main
 
         return batch_api_main(argv[1:], environ)
     parser = build_parser(environ)
     args = parser.parse_args(argv)
-    missing = missing_modules(OPTIONAL_MODULES)
-    if missing:
-        print(f"carpool bench: needs {', '.join(missing)}, from the bench extra: pip install -e '.[bench]' "
-              "(or pip install 'carpool[bench]')", file=sys.stderr)
+    if _say_missing_modules():
         return 2
     try:
         config = config_from_args(args)

@@ -23,3 +23,17 @@ def test_bench_without_matplotlib_names_the_extra_before_working(tmp_path: Path)
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "matplotlib" in done.stderr and "pip install -e '.[bench]'" in done.stderr
     assert not out.exists()  # no work was started
+
+
+def test_bench_batch_api_without_openai_names_the_extra(tmp_path: Path) -> None:
+    """The Batch API workload drives the gateway with the `openai` client, part of the bench extra too."""
+    shadow = tmp_path / "shadow" / "openai"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'openai'\")\n")
+    env = carpool_env()
+    env["PYTHONPATH"] = f"{tmp_path / 'shadow'}:{env['PYTHONPATH']}"
+    for args in (["batch-api", "--help"], ["--workload", "batch-api", "--quick", "--output", str(tmp_path / "o")]):
+        done = subprocess.run([sys.executable, "-m", "gateway.cli", "bench", *args],
+                              env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr and "openai" in done.stderr and "'.[bench]'" in done.stderr, done.stderr
