@@ -196,14 +196,14 @@ def _fair_share(args: argparse.Namespace, config: BenchConfig, model: str, outpu
 
 
 def _default_model(quick: bool, output: Path) -> str:
-    from worker.engine.default_model import create_tiny_model, default_model_path
+    from worker.engine.default_model import create_tiny_model, default_model_path, models_cache_dir
 
     if quick:
         path = output / "tiny-model"
         if not (path / "config.json").exists():
             create_tiny_model(path)
         return str(path)
-    return str(default_model_path())
+    return str(default_model_path(models_cache_dir(os.environ)))
 
 
 if __name__ == "__main__":

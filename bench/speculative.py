@@ -9,6 +9,7 @@ should cost next to nothing), each as back-to-back pairs on fresh engines.
 from __future__ import annotations
 
 import gc
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -102,7 +103,7 @@ def main() -> None:
 
     from bench.plan import build_workloads, describe_machine
     from bench.records import BenchReport
-    from worker.engine.default_model import default_model_path
+    from worker.engine.default_model import default_model_path, models_cache_dir
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint directory; default: the built-in model")
@@ -112,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     config = BenchConfig(speculative_pairs=args.pairs)
     torch.set_num_threads(config.threads)
-    model = args.model or str(default_model_path())
+    model = args.model or str(default_model_path(models_cache_dir(os.environ)))
     w = build_workloads(config)
     if args.interleaved:
         print(describe_machine())

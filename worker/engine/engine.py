@@ -102,9 +102,9 @@ class Engine:
         elif settings:
             raise TypeError("Engine: give an EngineConfig or keyword settings, not both")
         if config.model is None:
-            from worker.engine.default_model import default_model_path
+            from worker.engine.default_model import default_model_path, models_cache_dir
 
-            config = dataclasses.replace(config, model=str(default_model_path()))
+            config = dataclasses.replace(config, model=str(default_model_path(models_cache_dir(os.environ))))
         assert config.model is not None
         _check_device_available(config.device)
         self.config = config

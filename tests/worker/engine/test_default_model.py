@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,16 @@ def test_default_model_is_built_once_into_the_cache(tmp_path: Path) -> None:
 def test_models_cache_dir_follows_xdg(tmp_path: Path) -> None:
     assert models_cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "carpool" / "models"
     assert models_cache_dir({}) == Path.home() / ".cache" / "carpool" / "models"
+
+
+def test_an_engine_without_a_model_takes_the_default_from_xdg_cache_home(
+        tmp_path: Path, tiny_model: Callable[..., str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the README says the default model lives: $XDG_CACHE_HOME/carpool/models when that is set. (A tiny
+    checkpoint stands in for the built one there, so the test does not build the default model.)"""
+    from worker import Engine
+
+    models = tmp_path / "carpool" / "models"
+    models.mkdir(parents=True)
+    (models / DEFAULT_MODEL_NAME).symlink_to(tiny_model())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert Engine(num_blocks=8).config.model == str(models / DEFAULT_MODEL_NAME)
