@@ -522,8 +522,7 @@ def main() -> None:
     if not (Path(args.model) / "config.json").exists():
         from bench.gpu.make_1b_model import main as make_model
 
-        sys.argv = ["make_1b_model", args.model]
-        make_model()
+        make_model([args.model])
     output.mkdir(parents=True, exist_ok=True)
     report = Report(output / "gpu_check.md",
                     [f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; model {args.model}, {args.dtype}"],
