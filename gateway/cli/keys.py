@@ -33,6 +33,9 @@ def add_keys_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> N
     for action in actions.choices.values():
         action.add_argument("--redis-url", default=env.get("CARPOOL_REDIS_URL"),
                             help="Redis of the deployment (default: carpool up's) [env CARPOOL_REDIS_URL]")
+        action.add_argument("--data-dir", default=env.get("CARPOOL_DATA_DIR"),
+                            help="the data directory of the `carpool up` whose Redis to use, when it was started "
+                                 "with --data-dir (default ~/.local/share/carpool) [env CARPOOL_DATA_DIR]")
         action.add_argument("--key-prefix", default=env.get("CARPOOL_KEY_PREFIX", DEFAULT_PREFIX),
                             help=f"prefix of every Redis key (default: {DEFAULT_PREFIX}) [env CARPOOL_KEY_PREFIX]")
         action.add_argument("--json", action="store_true", help="print JSON")

@@ -212,3 +212,16 @@ def test_up_then_submit_wait_prints_a_completion(tiny_model: Callable[..., str],
     # the gateway logs JSON lines like `carpool gateway` (the worker child's own say carpool-worker)
     services = {json.loads(line)["service"] for line in out.splitlines() if line.startswith("{")}
     assert {"carpool-gateway", "carpool-worker"} <= services, out
+
+
+def test_keys_finds_the_redis_of_a_carpool_up_started_with_a_data_dir(redis_url: str, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`carpool up --data-dir D` writes its Redis URL into D; `carpool keys --data-dir D` reads it there, as
+    `carpool redis-cli --data-dir D` does, and CARPOOL_DATA_DIR does the same."""
+    from gateway.cli.redis_cli import REDIS_URL_FILE
+
+    (tmp_path / REDIS_URL_FILE).write_text(redis_url)
+    assert main(["keys", "create", "--tenant", "acme", "--data-dir", str(tmp_path), "--json"], env={}) == 0
+    created = json.loads(capsys.readouterr().out)
+    assert main(["keys", "list", "--json"], env={"CARPOOL_DATA_DIR": str(tmp_path)}) == 0
+    assert [k["id"] for k in json.loads(capsys.readouterr().out)] == [created["id"]]
