@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
-from bench.config import MODEL_DTYPES, SWEPT_MODES, BenchConfig
+from bench.config import MODEL_DTYPES, QUICK_NOTE, SWEPT_MODES, BenchConfig
 from scheduler.runtime.model_path import check_local_checkpoint
 
 
@@ -92,9 +92,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 OPTIONAL_MODULES = ("matplotlib", "tqdm", "openai")
 """What the benchmark needs beyond carpool's own dependencies: the `bench` extra (`pip install -e '.[bench]'`)."""
-
-QUICK_NOTE = ("a --quick run is a smoke test on a tiny workload: its claims are not expected to be met "
-              "(the full run, without --quick, measures them)")
 
 
 def missing_modules(names: Sequence[str]) -> list[str]:
@@ -190,7 +187,7 @@ def _fair_share(args: argparse.Namespace, config: BenchConfig, model: str, outpu
         return 2
     fair = FairShareConfig(num_a=num_a, num_b=num_b, max_num_seqs=config.max_num_seqs, device=config.device,
                            dtype=config.dtype)
-    document = run_fair_share(model, fair, {**environ, "OMP_NUM_THREADS": str(config.threads)}, output)
+    run_fair_share(model, fair, {**environ, "OMP_NUM_THREADS": str(config.threads)}, output, quick=args.quick)
     print((output / "fair-share.md").read_text())
     return 0
 

@@ -10,6 +10,8 @@ from scheduler.scheduler_config import BatchingMode
 SWEPT_MODES: tuple[str, ...] = tuple(m.value for m in (BatchingMode.STATIC, BatchingMode.DYNAMIC, BatchingMode.CONTINUOUS))
 """Every batching mode, in the order the benchmark runs and reports them: the padded ones first."""
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
+QUICK_NOTE = ("a --quick run is a smoke test on a tiny workload: its claims are not expected to be met "
+              "(the full run, without --quick, measures them)")
 
 
 @dataclass(frozen=True)

@@ -159,5 +159,8 @@ def test_fair_share_workload_writes_both_runs(tmp_path: Path, tiny_model: Callab
     assert fair["fair_share"] and not fifo["fair_share"]
     for run in (fair, fifo):
         assert (run["jobs_a"], run["jobs_b"], run["failed"]) == (30, 4, 0)
-    assert document["check"]["name"].startswith("fair share") and "fair share (two tenants)" in (
-        output / "fair-share.md").read_text()
+    markdown = (output / "fair-share.md").read_text()
+    assert document["check"]["name"].startswith("fair share") and "fair share (two tenants)" in markdown
+    # A --quick run says so, and a missed target is marked as what a quick run is expected to do.
+    assert document["quick"] and "A --quick run is a smoke test" in markdown
+    assert document["check"]["passed"] or "NOT met, as expected of --quick" in markdown
