@@ -222,7 +222,7 @@ async def wait_for_terminal(
     is_abandoned: Callable[[], bool] = lambda: False, check_s: float = 1.0,
 ) -> dict[bytes, bytes]:
     """The job record once it is terminal, or as it stands after `timeout_s` (empty if unknown); waiting ends
-    early once `is_abandoned()` (looked at every `check_s`: the client hung up)."""
+    early once `is_abandoned()` (looked at with every event, and every `check_s` without one: the client hung up)."""
     record = await read_hash(redis, keys.job(job_id))
     if not record or is_terminal(record) or timeout_s <= 0:
         return record
@@ -232,13 +232,12 @@ async def wait_for_terminal(
         record = await read_hash(redis, keys.job(job_id))
         while record and not is_terminal(record):
             remaining = deadline - loop.time()
-            if remaining <= 0:
+            # Looked at every event too: a running job sends one a step, so its waiter is never idle for long.
+            if remaining <= 0 or is_abandoned():
                 break
             try:
                 event = await asyncio.wait_for(sub.queue.get(), min(remaining, check_s))
             except TimeoutError:
-                if is_abandoned():
-                    break
                 continue
             if event["type"] == "closed":
                 break

@@ -332,34 +332,58 @@ async def test_a_pub_sub_connection_that_goes_silent_is_replaced(redis_url: str,
 
 
 async def test_a_long_poll_or_event_stream_whose_client_hung_up_stops_waiting(redis_url: str) -> None:
-    """The server does not cancel a handler when its client leaves: a waiter on a queued job looks every second
-    and stops, rather than waiting out its ?wait= or its job (the heartbeat here is far longer than the test)."""
+    """The server does not cancel a handler when its client leaves: a waiter looks whether its client is still
+    there with every event and every second without one, and stops, rather than waiting out its ?wait= or its
+    job (the heartbeat here is far longer than the test). Both a job that waits (no events) and one that runs
+    (a token event every 50 ms, as a worker publishes them) are checked."""
+    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, sse_heartbeat_s=300, max_wait_s=300)
+    async with TestClient(GatewayTestServer(init_app(config))) as client:
+        base = str(client.make_url("")).rstrip("/")
+        for is_running in (False, True):
+            job_id = await new_job(client)
+            publisher = asyncio.create_task(publish_tokens(redis_url, job_id)) if is_running else None
+            try:
+                await hang_up_on_a_long_poll_and_a_stream(client, base, job_id)
+            finally:
+                if publisher is not None:
+                    publisher.cancel()
+                    await asyncio.gather(publisher, return_exceptions=True)
+
+
+async def publish_tokens(redis_url: str, job_id: str) -> None:
+    """A token event on the job's channel every 50 ms, as a worker running it publishes them."""
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        for index in range(100_000):
+            await redis.publish(KEYS.events(job_id), msgpack.packb(
+                {"type": "token", "id": job_id, "index": index, "token_ids": [1], "text": "x", "text_index": index}))
+            await asyncio.sleep(0.05)
+    finally:
+        await redis.aclose()
+
+
+async def hang_up_on_a_long_poll_and_a_stream(client: TestClient, base: str, job_id: str) -> None:
     import aiohttp
 
     from tests.harness.telemetry_support import value
 
-    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, sse_heartbeat_s=300, max_wait_s=300)
-    async with TestClient(GatewayTestServer(init_app(config))) as client:
-        job_id = await new_job(client)
-        base = str(client.make_url("")).rstrip("/")
+    async def open_waiters() -> float:
+        return value(await (await client.get("/metrics")).text(), "carpool_gateway_open_waiters")
 
-        async def open_waiters() -> float:
-            return value(await (await client.get("/metrics")).text(), "carpool_gateway_open_waiters")
-
-        async with aiohttp.ClientSession() as http:
-            # A long-poll: no answer until the job ends; the client gives up before.
-            poll = asyncio.create_task(http.get(f"{base}/v1/jobs/{job_id}?wait=300"))
-            await wait_until(lambda: open_waiters_is(open_waiters, 1), "the long-poll waits")
-            poll.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await poll
-            await wait_until(lambda: open_waiters_is(open_waiters, 0), "the long-poll stops waiting", timeout_s=10)
-            # An event stream: its headers came at once, its events will not; the client closes it.
-            stream = await http.get(f"{base}/v1/jobs/{job_id}/events")
-            assert stream.status == 200
-            await wait_until(lambda: open_waiters_is(open_waiters, 1), "the event stream waits")
-            stream.close()
-            await wait_until(lambda: open_waiters_is(open_waiters, 0), "the event stream stops waiting", timeout_s=10)
+    async with aiohttp.ClientSession() as http:
+        # A long-poll: no answer until the job ends; the client gives up before.
+        poll = asyncio.create_task(http.get(f"{base}/v1/jobs/{job_id}?wait=300"))
+        await wait_until(lambda: open_waiters_is(open_waiters, 1), "the long-poll waits")
+        poll.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await poll
+        await wait_until(lambda: open_waiters_is(open_waiters, 0), "the long-poll stops waiting", timeout_s=10)
+        # An event stream: its headers came at once; the client closes it.
+        stream = await http.get(f"{base}/v1/jobs/{job_id}/events")
+        assert stream.status == 200
+        await wait_until(lambda: open_waiters_is(open_waiters, 1), "the event stream waits")
+        stream.close()
+        await wait_until(lambda: open_waiters_is(open_waiters, 0), "the event stream stops waiting", timeout_s=10)
 
 
 async def open_waiters_is(open_waiters: Any, count: int) -> bool:
