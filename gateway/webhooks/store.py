@@ -81,9 +81,26 @@ class DeliveryStore:
                     delivery_id=row[0].decode(), attempt=int(row[1]), job_id=row[2].decode(), event=row[3].decode(),
                     url=row[4].decode(), payload=bytes(row[5]), token=token, traceparent=row[6].decode() or None,
                 ))
-            except UnicodeDecodeError as e:  # stored before ingest refused such fields: it must not cost the rest
-                log.error("webhook delivery %r holds a field that is not UTF-8 (%s); left undelivered", row[0], e)
+            except UnicodeDecodeError:  # stored before ingest refused such fields: it must not cost the rest
+                await self._drop_unreadable(row, token, now)
         return claimed
+
+    async def _drop_unreadable(self, row: list[bytes], token: str, now: float) -> None:
+        """Dead-letter a claimed delivery whose id, job id, event, URL or trace context is not UTF-8 text: it could
+        never be sent, and as its job's chain head it would hold back the job's later deliveries. Its keys are
+        built from the stored bytes, so the one settle script ends it and moves the chain on."""
+        k, (raw_id, raw_job) = self._keys, (bytes(row[0]), bytes(row[2]))
+        reason = "invalid webhook delivery: a field is not UTF-8 text"
+        log.error("webhook delivery %r of job %r: %s; dead-lettered", raw_id, raw_job, reason)
+        record = AttemptRecord(delivery_id=raw_id.decode(errors="replace"), event=bytes(row[3]).decode(errors="replace"),
+                               attempt=int(row[1]), at=now, status_code=None, error=reason, next_at=None,
+                               outcome=AttemptOutcome.DEAD.value)
+        await self._settle(
+            keys=[k.webhook_delivery("").encode() + raw_id, k.webhooks_retry, k.job("").encode() + raw_job,
+                  k.webhook_chain("").encode() + raw_job, k.webhooks_dead],
+            args=[raw_id, token, AttemptOutcome.DEAD.value, repr(0.0), record.pack(), repr(now), self._ttl_s,
+                  self._dead_maxlen, reason, k.webhook_delivery("")],
+        )
 
     async def settle(self, claimed: Claimed, decision: Decision, record: AttemptRecord, *, now: float) -> bool:
         """Record the attempt and act on its outcome; False when this dispatcher's claim had lapsed."""

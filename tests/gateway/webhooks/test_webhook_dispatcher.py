@@ -294,3 +294,25 @@ async def test_without_secret_nothing_is_taken_off_the_queue(redis_client, recei
         await enqueue(redis_client, "job1", "completed", receiver.url)
         await wait_for(lambda: dispatcher.task is not None and dispatcher.task.done())
     assert receiver.received == [] and await redis_client.xlen(KEYS.webhooks) == 1
+
+
+async def test_a_stored_delivery_with_a_field_that_is_not_utf8_is_dead_lettered_and_its_chain_goes_on(
+        redis_client, receiver_factory, secret) -> None:
+    """A delivery stored before ingest refused such fields (an older version): it cannot be sent; it ends dead
+    and the job's next delivery, queued behind it on the job's chain, still goes."""
+    receiver = await receiver_factory(then=Answer(200))
+    job = b"job-1"
+    bad, good = b"msg_bad", b"msg_good"
+    url = receiver.url.encode()
+    for delivery_id, event, target in ((bad, b"started", url + b"/\xfe"), (good, b"completed", url)):
+        await redis_client.hset(KEYS.webhook_delivery("").encode() + delivery_id, mapping={
+            "id": delivery_id, "job_id": job, "event": event, "url": target, "payload": b'{"type": "x"}',
+            "created_at": time.time(), "attempts": 0, "state": "pending", "traceparent": ""})
+        await redis_client.rpush(KEYS.webhook_chain("").encode() + job, delivery_id)
+    await redis_client.zadd(KEYS.webhooks_retry, {bad: time.time()})
+    async with WebhookDispatcher(redis_client, KEYS, fast_config(secret)):
+        await asyncio.wait_for(receiver.accepted.wait(), WAIT_S)
+    assert [r.headers["webhook-id"] for r in receiver.received] == ["msg_good"]
+    ((_, dead),) = await redis_client.xrange(KEYS.webhooks_dead)
+    assert dead[b"id"] == bad and b"not UTF-8" in dead[b"reason"]
+    assert await redis_client.hget(KEYS.webhook_delivery("").encode() + bad, "state") == b"dead"
