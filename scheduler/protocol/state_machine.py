@@ -117,7 +117,12 @@ local function named_tenant(raw)
   local tenant = nil
   if raw then
     local ok, job
-    if string.sub(raw, 1, 1) == '{' then ok, job = pcall(cjson.decode, raw) else ok, job = pcall(cmsgpack.unpack, raw) end
+    -- JSON as the worker takes it (scheduler.protocol.job.looks_like_json): after a UTF-8 byte order mark and
+    -- JSON's whitespace, if any; anything else is msgpack.
+    local text = raw
+    if string.sub(text, 1, 3) == '\\239\\187\\191' then text = string.sub(text, 4) end
+    if string.match(text, '^[ \\t\\r\\n]*{') then ok, job = pcall(cjson.decode, text)
+    else ok, job = pcall(cmsgpack.unpack, raw) end
     if ok and type(job) == 'table' and type(job['tenant']) == 'string' then tenant = job['tenant'] end
   end
   if tenant and tenant ~= '@default@' and #tenant <= @maxlen@ and string.match(tenant, '^[%w][%w%._%-]*$') then

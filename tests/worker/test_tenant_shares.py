@@ -175,3 +175,16 @@ async def test_lane_depth_gauges_count_the_tenants_streams(redis_url: str) -> No
     snapshot = await StreamStats(client, KEYS).refresh()
     assert snapshot.depth[Lane.BATCH] == 6 and snapshot.pending[Lane.BATCH] == 2
     await client.aclose()
+
+
+@pytest.mark.parametrize("lead", [b"\n", b"  \t", b"\xef\xbb\xbf", b"\xef\xbb\xbf\r\n"])
+async def test_a_json_job_after_whitespace_or_a_byte_order_mark_is_routed_to_its_tenant(redis_url: str,
+                                                                                          lead: bytes) -> None:
+    """The routing script reads such a job as the worker does (JSON), so its tenant's share applies."""
+    client = aioredis.Redis.from_url(redis_url)
+    consumer = LaneConsumer(client, KEYS, "reader", BATCH_ONLY, lease_ms=60_000, read_block_ms=10, max_deliveries=5)
+    await consumer.ensure_groups()
+    await client.xadd(KEYS.lane(Lane.BATCH), {"job": lead + b'{"id": "j", "tenant": "polite", "prompt": "x"}'})
+    (entry,) = await consumer.read(4)
+    assert entry.ref.stream == KEYS.tenant_lane(Lane.BATCH, "polite")
+    await client.aclose()
