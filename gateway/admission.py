@@ -292,7 +292,7 @@ class Admission:
             named = spec.tenant != DEFAULT_TENANT
             max_queued = caller.limits.max_queued
             args: list[str | bytes | int] = [
-                self._config.result_ttl_s, "1" if depth >= max_depth else "",
+                self._config.queued_ttl_s, "1" if depth >= max_depth else "",
                 "1" if idem is not None else "", spec.id, packed, spec.tenant if named else "",
                 "" if max_queued is None or not named else max_queued, CONSUMER_GROUP, WAKE_MAXLEN, 1 + num_following,
                 F_SPEC, packed,

@@ -8,6 +8,7 @@ from gateway.webhooks.config import WebhookConfig
 from scheduler.protocol.keys import (
     DEFAULT_FILE_TTL_S,
     DEFAULT_PREFIX,
+    DEFAULT_QUEUED_TTL_S,
     DEFAULT_REPLY_MAXLEN,
     DEFAULT_RESULT_TTL_S,
     check_key_prefix,
@@ -28,7 +29,8 @@ class GatewayConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address the HTTP API listens on"})
     port: int = field(default=8000, metadata={"help": "port the HTTP API listens on"})
     key_prefix: str = field(default=DEFAULT_PREFIX, metadata={"help": "prefix of every Redis key (several deployments can share one server)"})
-    result_ttl_s: int = field(default=DEFAULT_RESULT_TTL_S, metadata={"help": "seconds a job record and its idempotency key live after the job ends (while it waits or runs they do not expire)"})
+    result_ttl_s: int = field(default=DEFAULT_RESULT_TTL_S, metadata={"help": "seconds the record and idempotency key of a job this gateway ends (a cancel while queued) live after; workers apply their own --result-ttl-s to the jobs they end: keep the two equal"})
+    queued_ttl_s: int = field(default=DEFAULT_QUEUED_TTL_S, metadata={"help": "seconds a job's record and idempotency key may live from submission while it waits or runs (a backstop for a job that never ends); when it ends they get --result-ttl-s"})
     reply_maxlen: int = field(default=DEFAULT_REPLY_MAXLEN, metadata={"help": "approximate MAXLEN of reply_to streams, for the results of jobs cancelled while queued"})
     max_lane_depth: dict[str, int] = field(
         default_factory=lambda: dict(DEFAULT_MAX_LANE_DEPTH),
@@ -75,7 +77,7 @@ class GatewayConfig:
         self.max_lane_depth = depths
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
-        for name in ("result_ttl_s", "reply_maxlen", "retry_after_s", "max_body_bytes", "redis_max_connections",
+        for name in ("result_ttl_s", "queued_ttl_s", "reply_maxlen", "retry_after_s", "max_body_bytes", "redis_max_connections",
                      "max_batch_requests", "max_batch_file_bytes", "file_ttl_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")

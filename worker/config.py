@@ -100,7 +100,9 @@ class WorkerConfig:
         "counts as unavailable and the worker retries"))
     heartbeat_interval_s: float = field(default=2.0, metadata=help_text("how often the worker announces itself in the workers hash"))
     shutdown_grace_s: float = field(default=30.0, metadata=help_text("on SIGTERM, how long in-flight jobs may run before they are handed back"))
-    result_ttl_s: int = field(default=DEFAULT_RESULT_TTL_S, metadata=help_text("lifetime of a finished job record"))
+    result_ttl_s: int = field(default=DEFAULT_RESULT_TTL_S, metadata=help_text(
+        "seconds the record and idempotency key of a job this worker ends live after (keep it equal to the "
+        "gateways' --result-ttl-s)"))
     reply_maxlen: int = field(default=DEFAULT_REPLY_MAXLEN, metadata=help_text("approximate MAXLEN of reply_to streams"))
     dead_maxlen: int = field(default=DEFAULT_DEAD_MAXLEN, metadata=help_text("approximate MAXLEN of the dead-letter stream"))
     webhook_output_interval_s: float = field(default=0.5, metadata=help_text("least time between two `output` webhook deliveries of one job"))
@@ -116,7 +118,7 @@ class WorkerConfig:
         check_log_level(self.log_level)
         if self.max_tenant_labels < 0:
             raise ValueError(f"max_tenant_labels: must be >= 0, got {self.max_tenant_labels}")
-        for name in ("max_deliveries", "checkpoint_tokens"):
+        for name in ("max_deliveries", "checkpoint_tokens", "result_ttl_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.torch_threads < 0:

@@ -18,6 +18,9 @@ CONSUMER_GROUP = "carpool-workers"
 """Consumer group every worker joins on every lane stream."""
 
 DEFAULT_RESULT_TTL_S = 24 * 3600
+DEFAULT_QUEUED_TTL_S = 7 * 24 * 3600
+"""How long a job's record and idempotency key may live from its submission while it waits or runs: a backstop
+for a job that never ends (its entry deleted by hand, say); when it ends they get the result's time to live."""
 """How long a finished job record (and its idempotency key) lives."""
 
 DEFAULT_DEAD_MAXLEN = 10_000

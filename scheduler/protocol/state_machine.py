@@ -134,7 +134,7 @@ end
 
 # ---- job record: gateway ---------------------------------------------------------------------------
 
-ENQUEUE = _job_script(_TERMINAL + _NAMED_TENANT + """
+ENQUEUE = _job_script(_NAMED_TENANT + """
 local has_key = ARGV[3] == '1'
 if has_key then
   local owner = redis.call('GET', KEYS[3])
@@ -144,14 +144,7 @@ local tenant = ARGV[6]
 local status = redis.call('HGET', KEYS[1], '@status@')
 if status then
   if named_tenant(redis.call('HGET', KEYS[1], '@spec@')) ~= tenant then return {'taken'} end
-  if has_key then
-    if not terminal(status) and not redis.call('HGET', KEYS[1], '@idempotency_key@') then
-      redis.call('HSET', KEYS[1], '@idempotency_key@', KEYS[3])  -- expires with the record, once it ends
-      redis.call('SET', KEYS[3], ARGV[4])
-    else
-      redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1])
-    end
-  end
+  if has_key then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1]) end
   return {'exists', status}
 end
 if ARGV[2] == '1' then return {'full'} end
@@ -176,9 +169,11 @@ if has_key then
   fields[#fields + 1] = '@idempotency_key@'
   fields[#fields + 1] = KEYS[3]
 end
--- No expiry while the job waits or runs, however long: the record and its key get ARGV[1] when it ends.
+-- ARGV[1], the queued time to live, is long (a backstop for a job that never ends): when the job ends, its
+-- record and the key it names get the result's time to live (commit_terminal).
 redis.call('HSET', KEYS[1], unpack(fields))
-if has_key then redis.call('SET', KEYS[3], ARGV[4]) end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+if has_key then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1]) end
 return {'enqueued', entry}
 """)
 """Gateway: a new job enters its lane ``queued``, with its idempotency key, or is refused.
@@ -194,7 +189,7 @@ returned nor named by the key, and its status is not told.
 
 KEYS: job record, lane stream (the tenant's), idempotency key (the tenant's; the job record again when the
 request has none), the lane's active-tenant set, wake stream, then the tenant's stream in every lane.
-ARGV: ttl_s (the key's, when it names a job that exists), '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id, packed spec, tenant
+ARGV: queued ttl_s (the record's and the key's until the job ends), '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id, packed spec, tenant
 ('' for the default tenant, whose stream is the lane stream), max queued jobs|'', group, wake maxlen, jobs
 the quota must have room for (this one and the request's next ones), then the record's field/value pairs.
 Returns {'claimed', id} when the idempotency key already names a job, {'exists', status} when a record of
