@@ -9,13 +9,19 @@ from pathlib import Path
 from tests.harness.up_stack import REPO, carpool_env
 
 
-def test_bench_without_matplotlib_names_the_extra_before_working(tmp_path: Path) -> None:
-    # A `matplotlib` earlier on the path that cannot be imported stands in for one never installed.
-    shadow = tmp_path / "shadow" / "matplotlib"
+def env_without(module: str, tmp_path: Path) -> dict[str, str]:
+    """carpool's environment with `module` gone: a package of that name earlier on the path that cannot be
+    imported stands in for one never installed."""
+    shadow = tmp_path / "shadow" / module
     shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'matplotlib'\")\n")
+    (shadow / "__init__.py").write_text(f"raise ModuleNotFoundError(\"No module named '{module}'\")\n")
     env = carpool_env()
     env["PYTHONPATH"] = f"{tmp_path / 'shadow'}:{env['PYTHONPATH']}"
+    return env
+
+
+def test_bench_without_matplotlib_names_the_extra_before_working(tmp_path: Path) -> None:
+    env = env_without("matplotlib", tmp_path)
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "gateway.cli", "bench", "--quick", "--output", str(out)],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -27,11 +33,7 @@ def test_bench_without_matplotlib_names_the_extra_before_working(tmp_path: Path)
 
 def test_bench_batch_api_without_openai_names_the_extra(tmp_path: Path) -> None:
     """The Batch API workload drives the gateway with the `openai` client, part of the bench extra too."""
-    shadow = tmp_path / "shadow" / "openai"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'openai'\")\n")
-    env = carpool_env()
-    env["PYTHONPATH"] = f"{tmp_path / 'shadow'}:{env['PYTHONPATH']}"
+    env = env_without("openai", tmp_path)
     for args in (["batch-api", "--help"], ["--workload", "batch-api", "--quick", "--output", str(tmp_path / "o")]):
         done = subprocess.run([sys.executable, "-m", "gateway.cli", "bench", *args],
                               env=env, cwd=REPO, capture_output=True, text=True, timeout=300)

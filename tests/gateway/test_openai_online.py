@@ -138,14 +138,17 @@ async def test_a_disconnected_stream_cancels_its_job(redis_url, engine, redis) -
             if chunks == 3:
                 break
         await stream.close()
-        job = KEYS.job(f"{chunk.id}-0")
-        deadline = time.monotonic() + 20
-        while (await redis.hget(job, "status")) not in (b"cancelled", b"succeeded") and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert await redis.hget(job, "status") == b"cancelled"
-        # No orphan compute: the engine dropped the sequence and freed its KV blocks.
-        await wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_kv_blocks_used == 0,
-                         "the cancelled job's sequence and blocks are released")
+        await assert_cancelled_and_released(redis, engine, KEYS.job(f"{chunk.id}-0"))
+
+
+async def assert_cancelled_and_released(redis, engine, job: str | bytes) -> None:
+    """The job ends cancelled, and no compute is orphaned: the engine dropped its sequence and freed its blocks."""
+    deadline = time.monotonic() + 20
+    while (await redis.hget(job, "status")) not in (b"cancelled", b"succeeded") and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert await redis.hget(job, "status") == b"cancelled"
+    await wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_kv_blocks_used == 0,
+                     "the cancelled job's sequence and blocks are released")
 
 
 async def test_a_client_hanging_up_on_a_running_non_streaming_request_cancels_its_job(redis_url, engine,
@@ -165,12 +168,8 @@ async def test_a_client_hanging_up_on_a_running_non_streaming_request_cancels_it
         call.cancel()  # the client hangs up (the openai client closes its connection)
         with pytest.raises(asyncio.CancelledError):
             await call
-        deadline = time.monotonic() + 20
-        while (await redis.hget(job, "status")) not in (b"cancelled", b"succeeded") and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert await redis.hget(job, "status") == b"cancelled"
-        await wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_kv_blocks_used == 0,
-                         "the cancelled job's sequence and blocks are released")
+        assert job is not None
+        await assert_cancelled_and_released(redis, engine, job)
 
 
 async def test_a_job_cancelled_by_someone_else_is_a_409_the_client_does_not_retry(redis_url, engine, redis) -> None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import io
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
+from scheduler.telemetry.log_format import JsonFormatter
 from scheduler.telemetry.otel import Telemetry, TelemetryConfig
 
 
@@ -52,3 +56,20 @@ def is_connected(spans: Sequence[ReadableSpan], remote_parent_span_id: int | Non
     if remote_parent_span_id is not None:
         return all(s.parent is not None and s.parent.span_id == remote_parent_span_id for s in roots)
     return len(roots) == 1 and roots[0].parent is None
+
+
+@contextmanager
+def json_logs(logger_name: str, service: str) -> Iterator[io.StringIO]:
+    """The JSON lines (at info and above) that `logger_name`'s loggers write while the block runs."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter(service=service))
+    logger = logging.getLogger(logger_name)
+    saved_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield stream
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)

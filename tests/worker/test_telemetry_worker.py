@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,8 +17,7 @@ from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.keys import CONSUMER_GROUP
 from scheduler.protocol.lanes import LANES, Lane
-from scheduler.telemetry.log_format import JsonFormatter
-from tests.harness.telemetry_support import value
+from tests.harness.telemetry_support import json_logs, value
 from tests.harness.worker_harness import KEYS, running_worker, wait_terminal, wait_until, xadd_job
 
 
@@ -76,18 +74,8 @@ async def test_dead_lettered_jobs_count_as_failed_jobs(redis_url: str, engine) -
 @contextmanager
 def worker_json_logs() -> Iterator[io.StringIO]:
     """The JSON lines the worker's loggers write while the block runs."""
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter(service="carpool-worker"))
-    logger = logging.getLogger("worker")
-    saved_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with json_logs("worker", "carpool-worker") as stream:
         yield stream
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved_level)
 
 
 GOOD_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -139,11 +127,11 @@ def test_a_jobs_wait_and_run_share_one_trace_with_or_without_a_producers_context
     job.span.end()
     by_name = {span.name: span for span in spans.get_finished_spans()}
     wait, run = by_name["carpool.queue_wait"], by_name["carpool.job"]
-    assert wait.context.trace_id == run.context.trace_id
+    assert wait.context.trace_id == run.context.trace_id and wait.parent is not None
     if traceparent is None or traceparent == "garbage":
         assert run.parent is None and wait.parent.span_id == run.context.span_id
     else:
-        assert f"{run.context.trace_id:032x}" == traceparent.split("-")[1]
+        assert run.parent is not None and f"{run.context.trace_id:032x}" == traceparent.split("-")[1]
         assert wait.parent.span_id == run.parent.span_id == int(traceparent.split("-")[2], 16)
     metrics.close()
     telemetry.shutdown()

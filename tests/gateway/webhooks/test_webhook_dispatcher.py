@@ -121,28 +121,16 @@ async def test_gone_stops_this_and_later_deliveries(redis_client, receiver_facto
 
 
 async def test_silent_receiver_ends_in_dead_letter(redis_client, receiver_factory, secret) -> None:
-    import io
     import json
-    import logging
 
-    from scheduler.telemetry.log_format import JsonFormatter
+    from tests.harness.telemetry_support import json_logs
 
     receiver = await receiver_factory(then=Answer(None))
     config = fast_config(secret, webhook_timeout_s=0.3)
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter(service="carpool-webhooks"))
-    logger = logging.getLogger("gateway.webhooks")
-    saved_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with json_logs("gateway.webhooks", "carpool-webhooks") as stream:
         async with WebhookDispatcher(redis_client, KEYS, config):
             delivery_id = await enqueue(redis_client, "job1", "completed", receiver.url)
             await wait_for(lambda: redis_client.xlen(KEYS.webhooks_dead))
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved_level)
     # Each attempt's line names the job; the retries are routine (info), giving the delivery up is not.
     lines = [json.loads(line) for line in stream.getvalue().splitlines() if delivery_id in line]
     assert [(r["level"], r["job_id"]) for r in lines] == [("info", "job1")] * 3 + [("warning", "job1")], lines
