@@ -34,7 +34,7 @@ from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.model_runner import ModelRunner, StepSeq, TokenFeed
 from worker.engine.prompt_input import check_token_ids, max_prompt_chars, prompt_token_ids
 from worker.engine.records import EngineStats
-from worker.engine.request_state import Completion, RequestOutput, RequestState
+from worker.engine.request_state import Completion, RequestOutput, RequestState, StopDecision
 from worker.engine.sampler import DrawnTokens, SampledToken, SampleRequest, Sampler
 from worker.engine.sampling_rows import to_device
 from worker.engine.speculation import Proposer, Speculator, parse_speculative
@@ -208,21 +208,42 @@ class Engine:
                 f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds max_model_len {self.max_model_len} (set by {self.context_limit})"
             )
+        # Resumed tokens that already end the request (its worker crashed after the last one, before writing the
+        # result): done already, as the steps that drew them would have found, cut where they stopped.
+        stop = self._stop_among(request_id, prompt_ids, params, resumed) if resumed else None
+        if stop is not None:
+            resumed = resumed[:stop[0]]
         seq = Sequence(request_id, prompt_ids, params, priority=priority, output_token_ids=resumed)
         state = RequestState(seq, IncrementalDetokenizer(self.tokenizer, prompt_ids, decoder=self.text_decoder),
                              self.runner.eos_token_ids, self.token_strings)
         if resumed:
             state.detokenizer.push(resumed)
-        if len(resumed) >= params.max_tokens:
-            # Crashed after its last token but before its result was written: done already.
-            seq.finish_reason = FinishReason.LENGTH
+        if stop is not None:
+            _, decision, final_text = stop
+            seq.finish_reason, seq.stop_reason = decision.reason, decision.stop_reason
             seq.status = SequenceStatus.FINISHED
+            state.final_text = final_text
             state.detokenizer.flush()
             self._pending.append(state.take_output())
             return len(prompt_ids)
         self.scheduler.add(seq)
         self._requests[request_id] = state
         return len(prompt_ids)
+
+    def _stop_among(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    tokens: list[int]) -> tuple[int, StopDecision, str] | None:
+        """Where `tokens`, as the request's output, already end it (EOS, a stop token or string, max_tokens), by
+        the checks a step makes on each new token: how many it keeps, the stop, and the text a stop string cut."""
+        scratch = RequestState(Sequence(request_id, prompt_ids, params),
+                               IncrementalDetokenizer(self.tokenizer, prompt_ids, decoder=self.text_decoder),
+                               self.runner.eos_token_ids)
+        for i, token in enumerate(tokens):
+            decision = scratch.on_token(SampledToken(token, None, None), i + 1)
+            if decision is not None:
+                # The text as that step left it: a stop token's own text is not in it, a stop string cut it.
+                text = scratch.final_text if scratch.final_text is not None else scratch.detokenizer.text
+                return i + 1, decision, text
+        return None
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request; its final output (finish_reason "abort") comes with the next step."""

@@ -146,6 +146,30 @@ def test_resume_continues_with_the_same_tokens(engine: Engine, full_run: tuple[l
     assert drain(engine)["r2"][-1].token_ids == sampled
 
 
+def test_resumed_tokens_that_already_end_the_request_finish_it_as_the_steps_would_have(
+    engine: Engine, full_run: tuple[list[int], str]
+) -> None:
+    """A checkpoint taken after the stopping token (its worker died before writing the result): the request
+    ends at once, with the output an uninterrupted run gives, not generating past its stop."""
+    tokens, text = full_run
+    stop_text = pick_stop_string(text)
+    cases = [
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[tokens[3]]),
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop_text]),
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+    ]
+    for i, params in enumerate(cases):
+        (alone,) = engine.generate([PROMPT], params)
+        # Resumed from the whole output, and from it and a few tokens the next step drew before the crash.
+        for extra in (0, 2):
+            resumed = alone.token_ids + tokens[len(alone.token_ids):len(alone.token_ids) + extra]
+            engine.add_request(f"r{i}-{extra}", PROMPT, params, resume_token_ids=resumed)
+            (final,) = [o for o in drain(engine)[f"r{i}-{extra}"] if o.finished]
+            assert (final.token_ids, final.text, final.finish_reason, final.stop_reason) == (
+                alone.token_ids, alone.text, alone.finish_reason, alone.stop_reason), params
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_priority_policy_runs_urgent_requests_first(model_path: str) -> None:
     engine = Engine(model=model_path, block_size=8, num_blocks=64, max_num_seqs=1, policy="priority")
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
