@@ -33,6 +33,7 @@ from scheduler.protocol.job_record import job_view
 from scheduler.protocol.keys import EVENTS_LOG_TTL_S, Keys
 from scheduler.protocol.redis_replies import as_optional_bytes
 from scheduler.protocol.state_machine import StartVerdict
+from scheduler.protocol.tenants import DEFAULT_TENANT, tenant_of
 from scheduler.protocol.webhooks import delivery_fields
 from scheduler.runtime.outage_log import describe
 from scheduler.telemetry.log_format import job_context
@@ -163,18 +164,20 @@ class EntryIntake:
                 await self.store.dead_letter_entry(ref, reason, entry.fields)
                 return
             reply_to, webhook = self._recover_destinations(raw)
+            tenant = tenant_of((_loose_map(raw) or {}).get("tenant"))  # the record is its tenant's, if it names one
             with job_context(job_id, span_of_traceparent(traceparent)):
                 # Only an id nobody used yet gets a failed record: a real job with this id is left as it is. Its
                 # producer learns of it where it waits: the reply stream and webhook it asked for, when readable.
                 won = await self.store.commit(Outcome(job_id, JobStatus.FAILED, ref, reply_to=reply_to, webhook=webhook,
                                                       dead_reason=reason, dead_payload=raw, traceparent=traceparent,
                                                       is_new_record_only=True, lane=lane, created_at=created_at,
+                                                      tenant=None if tenant == DEFAULT_TENANT else tenant,
                                                       error={"type": "invalid_job", "field": e.field, "message": str(e)}))
                 log.warning("job %s: %s; dead-lettered%s", job_id, reason,
                             " and failed" if won else " (the id names an existing job, which is left alone)",
                             extra={"entry": str(ref), "lane": lane, "dead_letter": "invalid_job"})
                 if won:
-                    self.metrics.job_finished_unrun(lane, JobStatus.FAILED, created_at)
+                    self.metrics.job_finished_unrun(lane, JobStatus.FAILED, created_at, tenant=tenant)
             return
         if spec.lane != entry.lane:
             # The stream it waited in is its lane: a direct producer may leave `lane` out (standard by default).

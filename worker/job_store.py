@@ -132,6 +132,8 @@ class Outcome:
     lane: str | None = None
     created_at: float | None = None
     """The lane and enqueue time of a job whose record this outcome makes (no record held its id)."""
+    tenant: str | None = None
+    """The named tenant of a job whose record this outcome makes, so that the record is that tenant's."""
     is_refused: bool = False
     """The engine refused the job before it ran: its tenant's usage and tokens/min window count none of its
     tokens (the record's ``usage`` still gives the prompt's length)."""
@@ -203,6 +205,8 @@ class JobStore:
                 fields[job_record.F_LANE] = outcome.lane
             if outcome.created_at is not None:
                 fields[job_record.F_CREATED_AT] = repr(outcome.created_at)
+            if outcome.tenant is not None and job_record.F_SPEC.encode() not in record:
+                fields[job_record.F_SPEC] = pack({"id": outcome.job_id, "tenant": outcome.tenant})
         merged = dict(record)
         merged.update({k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()})
         merged[job_record.F_STATUS.encode()] = outcome.status.value.encode()

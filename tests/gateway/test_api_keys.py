@@ -270,3 +270,23 @@ async def test_readyz_counts_each_lanes_waiting_and_running_jobs_over_the_tenant
         async with http.get(f"{url}/readyz") as resp:
             standard = (await resp.json())["lanes"]["standard"]
         assert (standard["depth"], standard["waiting"], standard["running"]) == (3, 2, 1)
+
+
+async def test_an_invalid_job_a_producer_xadded_for_a_tenant_fails_as_that_tenants(keyed, redis_url, tiny_model) -> None:
+    """Its failed record is the tenant's: its key reads it (another tenant's gets a 404), as with a valid job."""
+    import msgpack
+
+    from tests.harness.worker_harness import running_worker, wait_terminal
+    from worker.engine.engine import Engine
+
+    url, key_a, key_b, client = keyed
+    bad = {"v": 1, "id": "bad-for-a", "tenant": "tenant-a", "prompt": "x", "params": {"temperature": -1}}
+    await client.xadd(KEYS.lane("standard"), {"job": msgpack.packb(bad)})
+    async with running_worker(redis_url, Engine(model=tiny_model(), max_num_seqs=2)):
+        views = await wait_terminal(client, ["bad-for-a"])
+    assert views["bad-for-a"]["status"] == "failed" and views["bad-for-a"]["tenant"] == "tenant-a"
+    async with ClientSession() as http:
+        async with http.get(f"{url}/v1/jobs/bad-for-a", headers={"Authorization": f"Bearer {key_a}"}) as resp:
+            assert resp.status == 200 and (await resp.json())["error"]["field"] == "params.temperature"
+        async with http.get(f"{url}/v1/jobs/bad-for-a", headers={"Authorization": f"Bearer {key_b}"}) as resp:
+            assert resp.status == 404
