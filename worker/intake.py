@@ -115,7 +115,7 @@ class EntryIntake:
         lane = entry.lane.value
         self.metrics.dead_lettered(lane, "unadmittable")
         raw = (entry.fields or {}).get(b"job")
-        job_id = None if raw is None else _recover_id(raw)
+        job_id = None if raw is None else _recover_id(_loose_map(raw))
         try:
             if job_id is not None:
                 try:
@@ -154,7 +154,9 @@ class EntryIntake:
             if reply_problem is not None:
                 raise JobValidationError("reply_to", reply_problem)
         except JobValidationError as e:
-            job_id, traceparent = _recover_id(raw), _recover_traceparent(raw)
+            # Read once, as loosely as possible: what of the message can still be used.
+            loose = _loose_map(raw)
+            job_id, traceparent = _recover_id(loose), _recover_traceparent(loose)
             reason = f"invalid job: {e}"
             lane = entry.lane.value
             self.metrics.dead_lettered(lane, "invalid_job")
@@ -163,8 +165,8 @@ class EntryIntake:
                             extra={"entry": str(ref), "lane": lane, "dead_letter": "invalid_job"})
                 await self.store.dead_letter_entry(ref, reason, entry.fields)
                 return
-            reply_to, webhook = self._recover_destinations(raw)
-            tenant = tenant_of((_loose_map(raw) or {}).get("tenant"))  # the record is its tenant's, if it names one
+            reply_to, webhook = self._recover_destinations(loose)
+            tenant = tenant_of(loose.get("tenant"))  # the record is its tenant's, if it names one
             with job_context(job_id, span_of_traceparent(traceparent)):
                 # Only an id nobody used yet gets a failed record: a real job with this id is left as it is. Its
                 # producer learns of it where it waits: the reply stream and webhook it asked for, when readable.
@@ -186,9 +188,9 @@ class EntryIntake:
         with job_context(spec.id, span_of_traceparent(spec.traceparent)):
             await self._take_spec(spec, entry, raw, created_at, start_token)
 
-    def _recover_destinations(self, raw: bytes) -> tuple[str | None, WebhookSpec | None]:
-        """The reply stream and webhook an invalid message asked for, each where it is valid on its own."""
-        data = _loose_map(raw) or {}
+    def _recover_destinations(self, data: dict[Any, Any]) -> tuple[str | None, WebhookSpec | None]:
+        """The reply stream and webhook an invalid message (`_loose_map`) asked for, each where it is valid on its
+        own."""
         reply_to = data.get("reply_to")
         if not is_stream_name(reply_to) or self.keys.check_reply_to(reply_to) is not None:
             reply_to = None
@@ -314,24 +316,26 @@ def _recovered_output(raw_checkpoint: bytes | None,
     return output, {"prompt_tokens": 0, "completion_tokens": len(output["token_ids"]), "cached_tokens": 0}
 
 
-def _loose_map(raw: bytes) -> dict[Any, Any] | None:
-    """An invalid ``job`` field read as loosely as possible: JSON (redis-cli producers) or msgpack."""
+def _loose_map(raw: bytes) -> dict[Any, Any]:
+    """An invalid ``job`` field read as loosely as possible: JSON (redis-cli producers) or msgpack; empty when
+    it holds no map at all."""
     try:
         data = json.loads(raw) if looks_like_json(raw) else msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception:
-        return None
-    return data if isinstance(data, dict) else None
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
-def _recover_traceparent(raw: bytes) -> str | None:
-    """The ``traceparent`` of an invalid message, when one can be read, so its lines join the producer's trace."""
-    traceparent = (_loose_map(raw) or {}).get("traceparent")
+def _recover_traceparent(data: dict[Any, Any]) -> str | None:
+    """The ``traceparent`` of an invalid message (`_loose_map`), when it has one, so its lines join the
+    producer's trace."""
+    traceparent = data.get("traceparent")
     return traceparent if isinstance(traceparent, str) else None
 
 
-def _recover_id(raw: bytes) -> str | None:
-    """The job id of an invalid message, when one can be read, so its record can be marked failed."""
-    job_id = (_loose_map(raw) or {}).get("id")
+def _recover_id(data: dict[Any, Any]) -> str | None:
+    """The job id of an invalid message (`_loose_map`), when it has one, so its record can be marked failed."""
+    job_id = data.get("id")
     if isinstance(job_id, str) and job_id and len(job_id) <= 128 and job_id.isprintable() and " " not in job_id:
         return job_id
     return None
