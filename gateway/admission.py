@@ -35,7 +35,7 @@ from scheduler.protocol.job_record import (
 from scheduler.protocol.keys import CONSUMER_GROUP, WAKE_MAXLEN, Keys
 from scheduler.protocol.lanes import LANES, Lane
 from scheduler.protocol.redis_replies import as_bytes, as_optional_bytes
-from scheduler.protocol.tenants import DEFAULT_TENANT, tenant_of
+from scheduler.protocol.tenants import DEFAULT_TENANT, named_tenants
 
 MAX_IDEMPOTENCY_KEY_LEN = 255
 
@@ -254,13 +254,13 @@ class Admission:
         the stream length is the depth because workers delete entries they acknowledge.
         """
         stream = self._keys.lane(lane)
-        tenants = sorted(as_bytes(t).decode() for t in await self._redis.smembers(self._keys.lane_tenants(lane)))
+        tenants = named_tenants(await self._redis.smembers(self._keys.lane_tenants(lane)))
         in_tenants = 0
         if tenants:
             pipe = self._redis.pipeline(transaction=False)
             for tenant in tenants:
-                pipe.xlen(self._keys.tenant_lane(lane, tenant_of(tenant)))
-            in_tenants = sum(int(n) for n, t in zip(await pipe.execute(), tenants) if tenant_of(t) == t)
+                pipe.xlen(self._keys.tenant_lane(lane, tenant))
+            in_tenants = sum(int(n) for n in await pipe.execute())
         try:
             groups = await self._redis.xinfo_groups(stream)
         except aioredis.ResponseError:  # no stream yet

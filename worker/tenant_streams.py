@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from scheduler.protocol import state_machine
 from scheduler.protocol.keys import CONSUMER_GROUP, ROUTE_SCAN_COUNT, WAKE_MAXLEN, Keys
 from scheduler.protocol.lanes import LANES, Lane
-from scheduler.protocol.tenants import DEFAULT_TENANT, DEFAULT_WEIGHT, MAX_WEIGHT, TenantShares, is_tenant_name
+from scheduler.protocol.tenants import DEFAULT_TENANT, DEFAULT_WEIGHT, MAX_WEIGHT, TenantShares, named_tenants
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,8 @@ class TenantStreams:
         self._weights = _weights(replies[-1])
         out: dict[Lane, list[Source]] = {}
         for lane, members in zip(LANES, replies[:-1]):
-            names = sorted(m.decode() if isinstance(m, bytes) else m for m in members)
             streams = [Source(lane, DEFAULT_TENANT, self.keys.lane(lane))]
-            streams += [Source(lane, t, self.keys.tenant_lane(lane, t))
-                        for t in names if t != DEFAULT_TENANT and is_tenant_name(t)]
+            streams += [Source(lane, t, self.keys.tenant_lane(lane, t)) for t in named_tenants(members)]
             for source in streams:
                 self._lane_of[source.stream] = lane
             self._shares[lane].keep({s.tenant for s in streams})

@@ -51,7 +51,6 @@ class WebhookMetrics:
             yield span
 
 
-
 REDACTED = "REDACTED"
 
 

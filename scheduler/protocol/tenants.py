@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,13 @@ def is_tenant_name(value: object) -> bool:
 def tenant_of(value: object) -> str:
     """The tenant a message field names: itself when it is a valid name, else the default tenant."""
     return value if isinstance(value, str) and is_tenant_name(value) else DEFAULT_TENANT
+
+
+def named_tenants(members: Iterable[bytes | str]) -> list[str]:
+    """A lane's active-tenant set (``Keys.lane_tenants``) as the tenants with streams of their own, sorted: the
+    default tenant, whose stream is the lane stream, and names no tenant can have are left out."""
+    names = (m.decode(errors="replace") if isinstance(m, bytes) else m for m in members)
+    return sorted(t for t in names if t != DEFAULT_TENANT and is_tenant_name(t))
 
 
 @dataclass(frozen=True)

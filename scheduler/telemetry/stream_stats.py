@@ -19,7 +19,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from scheduler.protocol.keys import CONSUMER_GROUP, Keys
 from scheduler.protocol.lanes import LANES, Lane
-from scheduler.protocol.tenants import DEFAULT_TENANT, is_tenant_name
+from scheduler.protocol.tenants import named_tenants
 from scheduler.runtime.outage_log import OutageLog
 from scheduler.runtime.tasks import cancel_and_reap, raise_if_cancelled
 from scheduler.telemetry.metric_schema import A_LANE
@@ -89,7 +89,6 @@ class StreamStats:
         return [Observation(self.snapshot.dead)]
 
 
-
 async def read_stream_counts(redis: Any, keys: Keys) -> StreamSnapshot:
     """Each lane's entries (XLEN) and delivered-but-unacknowledged ones (XPENDING), over its stream and its
     active tenants' streams, and the dead-letter stream's length, in two round trips.
@@ -102,9 +101,8 @@ async def read_stream_counts(redis: Any, keys: Keys) -> StreamSnapshot:
     members = await pipe.execute(raise_on_error=False)
     streams: list[tuple[Lane, str]] = []
     for lane, names in zip(LANES, members):
-        tenants = sorted(n.decode() for n in names) if isinstance(names, set) else []
         streams.append((lane, keys.lane(lane)))
-        streams += [(lane, keys.tenant_lane(lane, t)) for t in tenants if t != DEFAULT_TENANT and is_tenant_name(t)]
+        streams += [(lane, keys.tenant_lane(lane, t)) for t in named_tenants(names if isinstance(names, set) else ())]
     pipe = redis.pipeline(transaction=False)
     for _, stream in streams:
         pipe.xlen(stream)
