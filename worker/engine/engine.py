@@ -208,16 +208,14 @@ class Engine:
                 f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds max_model_len {self.max_model_len} (set by {self.context_limit})"
             )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, decoder=self.text_decoder)
         # Resumed tokens that already end the request (its worker crashed after the last one, before writing the
         # result): done already, as the steps that drew them would have found, cut where they stopped.
-        stop = self._stop_among(request_id, prompt_ids, params, resumed) if resumed else None
+        stop = self._replay(request_id, prompt_ids, params, resumed, detokenizer) if resumed else None
         if stop is not None:
             resumed = resumed[:stop[0]]
         seq = Sequence(request_id, prompt_ids, params, priority=priority, output_token_ids=resumed)
-        state = RequestState(seq, IncrementalDetokenizer(self.tokenizer, prompt_ids, decoder=self.text_decoder),
-                             self.runner.eos_token_ids, self.token_strings)
-        if resumed:
-            state.detokenizer.push(resumed)
+        state = RequestState(seq, detokenizer, self.runner.eos_token_ids, self.token_strings)
         if stop is not None:
             _, decision, final_text = stop
             seq.finish_reason, seq.stop_reason = decision.reason, decision.stop_reason
@@ -230,19 +228,16 @@ class Engine:
         self._requests[request_id] = state
         return len(prompt_ids)
 
-    def _stop_among(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    tokens: list[int]) -> tuple[int, StopDecision, str] | None:
-        """Where `tokens`, as the request's output, already end it (EOS, a stop token or string, max_tokens), by
-        the checks a step makes on each new token: how many it keeps, the stop, and the text a stop string cut."""
-        scratch = RequestState(Sequence(request_id, prompt_ids, params),
-                               IncrementalDetokenizer(self.tokenizer, prompt_ids, decoder=self.text_decoder),
-                               self.runner.eos_token_ids)
+    def _replay(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokens: list[int],
+                detokenizer: IncrementalDetokenizer) -> tuple[int, StopDecision, str | None] | None:
+        """Feed `tokens`, a resumed output, to `detokenizer` with the checks a step makes on each new token, up to
+        the first that ends the request (EOS, a stop token or string, max_tokens): how many tokens it keeps, the
+        stop and the text a stop string cut (None for the others); None when they do not end it."""
+        replay = RequestState(Sequence(request_id, prompt_ids, params), detokenizer, self.runner.eos_token_ids)
         for i, token in enumerate(tokens):
-            decision = scratch.on_token(SampledToken(token, None, None), i + 1)
+            decision = replay.on_token(SampledToken(token, None, None), i + 1)
             if decision is not None:
-                # The text as that step left it: a stop token's own text is not in it, a stop string cut it.
-                text = scratch.final_text if scratch.final_text is not None else scratch.detokenizer.text
-                return i + 1, decision, text
+                return i + 1, decision, replay.final_text
         return None
 
     def abort_request(self, request_id: str) -> bool:
