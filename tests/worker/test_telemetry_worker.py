@@ -37,6 +37,10 @@ async def crashed_worker_holds(client: aioredis.Redis, spec: JobSpec) -> None:
     assert len(read[0][1]) == 1
 
 
+def finished_count(worker: Any) -> float:
+    return value(worker.metrics.render().decode(), "carpool_jobs_finished_total")
+
+
 async def num_dead_at_least(client: aioredis.Redis, count: int) -> bool:
     return await client.xlen(KEYS.dead) >= count
 
@@ -52,6 +56,8 @@ async def test_dead_lettered_jobs_count_as_failed_jobs(redis_url: str, engine) -
         await xadd_job(client, JobSpec(id="good", prompt="fine", params=params))
         views = await wait_terminal(client, ["redelivered", "poison", "good"])
         await wait_until(lambda: num_dead_at_least(client, 2), "2 dead-lettered entries")
+        # A job is counted just after its record ends: wait for the three counts, not for the records alone.
+        await wait_until(lambda: finished_count(worker) >= 3, "3 finished jobs counted")
         text = worker.metrics.render().decode()
     await client.aclose()
     assert {job_id: v["status"] for job_id, v in views.items()} == {
@@ -150,11 +156,13 @@ async def test_a_job_cancelled_while_queued_counts_once_as_finished(gateway_url:
             assert resp.status == 202
     await xadd_job(client, JobSpec(id="never-ran", prompt="x"))  # a repeat of the id, after the cancel
 
-    async def lane_empty() -> bool:
-        return await client.xlen(KEYS.lane(Lane.STANDARD)) == 0
+    async def both_taken() -> bool:
+        # An entry is acknowledged before its job is counted, and counted before the worker lets go of it.
+        return (await client.xlen(KEYS.lane(Lane.STANDARD)) == 0 and not worker.intake.admitting
+                and finished_count(worker) >= 1)
 
     async with running_worker(redis_url, engine) as worker:
-        await wait_until(lane_empty, "both entries acknowledged")
+        await wait_until(both_taken, "both entries taken and the job counted")
         text = worker.metrics.render().decode()
     await client.aclose()
     assert value(text, "carpool_jobs_finished_total", carpool_job_status="cancelled", carpool_lane="standard") == 1
