@@ -41,7 +41,7 @@ from scheduler.telemetry.otel import span_of_traceparent
 from worker.config import WorkerConfig
 from worker.consumer import Entry
 from worker.job_loop import JobLoop
-from worker.job_store import EntryRef, JobStart, JobStore, Outcome, checkpoint_output, pack
+from worker.job_store import EntryRef, JobStart, JobStore, Outcome, checkpoint_outcome, pack
 from worker.metrics import WorkerMetrics
 from worker.redis_errors import REDIS_RETRY_S, is_redis_down, outage_log
 
@@ -250,7 +250,7 @@ class EntryIntake:
                 # Cancelled while its worker was gone: what it had checkpointed stays its output, as a cancel of a
                 # job running here keeps what it produced.
                 raw_checkpoint = await self.client.hget(self.keys.job(spec.id), job_record.F_CHECKPOINT)
-                output, usage = _recovered_output(as_optional_bytes(raw_checkpoint), "abort")
+                output, usage = checkpoint_outcome(as_optional_bytes(raw_checkpoint), "abort")
                 message = "cancelled while running (its worker had stopped)"
             await self.store.commit(Outcome(spec.id, JobStatus.CANCELLED, ref, reply_to=spec.reply_to, webhook=spec.webhook,
                                             traceparent=spec.traceparent, output=output, usage=usage,
@@ -280,7 +280,7 @@ class EntryIntake:
         log.warning("job %s: %s; dead-lettered and failed", spec.id, reason,
                     extra={"entry": str(entry.ref), "lane": spec.lane.value, "dead_letter": "too_many_deliveries"})
         self.metrics.dead_lettered(spec.lane.value, "too_many_deliveries")
-        output, usage = _recovered_output(raw_checkpoint, None)
+        output, usage = checkpoint_outcome(raw_checkpoint, None)
         if await self.store.commit(Outcome(spec.id, JobStatus.FAILED, entry.ref, reply_to=spec.reply_to,
                                            webhook=spec.webhook, traceparent=spec.traceparent, dead_reason=reason,
                                            dead_payload=raw, output=output, usage=usage,
@@ -303,17 +303,6 @@ class EntryIntake:
             pipe.xadd(self.keys.webhooks, delivery_fields(spec.id, WebhookEvent.STARTED, spec.webhook.url, view,
                                                           traceparent=spec.traceparent))
         await pipe.execute()
-
-
-def _recovered_output(raw_checkpoint: bytes | None,
-                      finish_reason: str | None) -> tuple[dict[str, Any] | None, dict[str, int] | None]:
-    """The output and usage of a job decided from its record alone: its checkpointed tokens and text (its
-    prompt's length is not on the record: ``prompt_tokens`` 0)."""
-    output = checkpoint_output(raw_checkpoint)
-    if output is None:
-        return None, None
-    output["finish_reason"] = finish_reason
-    return output, {"prompt_tokens": 0, "completion_tokens": len(output["token_ids"]), "cached_tokens": 0}
 
 
 def _loose_map(raw: bytes) -> dict[Any, Any]:

@@ -270,7 +270,7 @@ class JobLoop:
                 finished.append((job, out))
             elif self._checkpoint_due(job, mono):
                 checkpointed.append((writes.checkpoint(job.spec.id, job.token_ids, job.first_token_at, job.logprobs,
-                                                       job.text),
+                                                       job.text, job.num_prompt_tokens),
                                      job, len(job.token_ids)))
         replies: list[int] = []
         try:
@@ -318,7 +318,8 @@ class JobLoop:
         writes = StepWrites()
         refs: dict[EntryRef, str] = {}
         for job in list(self.jobs.values()):
-            writes.checkpoint(job.spec.id, job.token_ids, job.first_token_at, job.logprobs, job.text)
+            writes.checkpoint(job.spec.id, job.token_ids, job.first_token_at, job.logprobs, job.text,
+                              job.num_prompt_tokens)
             refs[job.entry] = job.spec.id
             self._abort(job.spec.id)
         await self.step_writer.write(writes)

@@ -41,16 +41,19 @@ def pack(value: Any) -> bytes:
     return msgpack.packb(value, use_bin_type=True)
 
 
-def pack_checkpoint(token_ids: list[int], logprobs: list[dict[str, Any]] | None, text: str | None = None) -> bytes:
-    """The output tokens so far, with their text (kept on the record should the job fail before it ends);
-    a job that asked for logprobs keeps theirs beside them, for its resume."""
-    if logprobs is None and text is None:
+def pack_checkpoint(token_ids: list[int], logprobs: list[dict[str, Any]] | None, text: str | None = None,
+                    prompt_tokens: int | None = None) -> bytes:
+    """The output tokens so far, with their text and the prompt's length (kept on the record should the job
+    fail before it ends); a job that asked for logprobs keeps theirs beside them, for its resume."""
+    if logprobs is None and text is None and prompt_tokens is None:
         return pack(token_ids)
     data: dict[str, Any] = {"token_ids": token_ids}
     if logprobs is not None:
         data["logprobs"] = logprobs
     if text is not None:
         data["text"] = text
+    if prompt_tokens is not None:
+        data["prompt_tokens"] = prompt_tokens
     return pack(data)
 
 
@@ -64,17 +67,21 @@ def unpack_checkpoint(raw: bytes) -> tuple[list[int], list[dict[str, Any]] | Non
     return list(data), None
 
 
-def checkpoint_output(raw: bytes | None) -> dict[str, Any] | None:
-    """A checkpoint as a record's ``output`` (``finish_reason`` None: the job never finished), or None."""
+def checkpoint_outcome(raw: bytes | None,
+                       finish_reason: str | None) -> tuple[dict[str, Any] | None, dict[str, int] | None]:
+    """The output and usage of a job decided from its record alone: its checkpointed tokens, text and prompt
+    length (``prompt_tokens`` 0 only for a checkpoint written before it was kept), or None for both."""
     if not raw:
-        return None
+        return None, None
     token_ids, logprobs = unpack_checkpoint(raw)
     data = msgpack.unpackb(raw)
-    output: dict[str, Any] = {"text": data.get("text") if isinstance(data, dict) else None,
-                              "token_ids": token_ids, "finish_reason": None}
+    fields = data if isinstance(data, dict) else {}
+    output: dict[str, Any] = {"text": fields.get("text"), "token_ids": token_ids, "finish_reason": finish_reason}
     if logprobs is not None:
         output["logprobs"] = logprobs
-    return output
+    usage = {"prompt_tokens": int(fields.get("prompt_tokens") or 0), "completion_tokens": len(token_ids),
+             "cached_tokens": 0}
+    return output, usage
 
 
 @dataclass(frozen=True)

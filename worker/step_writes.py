@@ -50,9 +50,10 @@ class StepWrites:
         self.deliveries.append(fields)
 
     def checkpoint(self, job_id: str, token_ids: list[int], first_token_at: float | None,
-                   logprobs: list[dict[str, Any]] | None = None, text: str | None = None) -> int:
+                   logprobs: list[dict[str, Any]] | None = None, text: str | None = None,
+                   prompt_tokens: int | None = None) -> int:
         """Queue a checkpoint; returns its index in the replies of ``StepWriter.write``."""
-        self.checkpoints.append((job_id, pack_checkpoint(token_ids, logprobs, text),
+        self.checkpoints.append((job_id, pack_checkpoint(token_ids, logprobs, text, prompt_tokens),
                                  "" if first_token_at is None else repr(first_token_at)))
         return len(self.checkpoints) - 1
 

@@ -150,6 +150,9 @@ async def test_a_job_failed_for_too_many_deliveries_keeps_its_checkpointed_outpu
     assert view["status"] == "failed" and view["error"]["type"] == "too_many_deliveries"
     assert view["output"]["token_ids"] == checkpoint and len(checkpoint) > 8
     assert view["output"]["text"]
+    prompt_ids = engine.generate([spec.prompt], SamplingParams(max_tokens=1))[0].prompt_token_ids
+    assert view["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(checkpoint),
+                             "cached_tokens": 0} and prompt_ids
 
 
 async def test_a_second_entry_of_a_running_job_delivered_too_often_leaves_the_job_running(
@@ -219,3 +222,6 @@ async def test_cancelling_a_job_whose_worker_stopped_keeps_its_checkpointed_outp
     assert view["status"] == "cancelled" and view["error"]["message"].startswith("cancelled while running"), view
     assert view["output"]["finish_reason"] == "abort" and view["output"]["token_ids"] == checkpoint
     assert len(checkpoint) > 8 and view["usage"]["completion_tokens"] == len(checkpoint)
+    # The checkpoint keeps the prompt's length too: a cancelled job's usage counts its prompt.
+    prompt_ids = engine.generate([LONG["prompt"]], SamplingParams(max_tokens=1))[0].prompt_token_ids
+    assert view["usage"]["prompt_tokens"] == len(prompt_ids) > 0
