@@ -153,6 +153,10 @@ def is_openai_path(path: str) -> bool:
     return len(parts) >= 2 and parts[1] == "v1" and (len(parts) == 2 or parts[2] not in CARPOOL_V1_ROUTES)
 
 
+NO_RETRY = {"x-should-retry": "false"}
+"""The header OpenAI's clients read before their own retry rules (they retry 408 and 409 by default)."""
+
+
 class OpenAIError(Exception):
     """A request the OpenAI routes refuse; `param` names the request field at fault."""
 

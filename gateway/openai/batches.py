@@ -31,7 +31,7 @@ from redis.typing import EncodableT, FieldT
 from gateway import appkeys
 from gateway.admission import InvalidJob
 from gateway.auth import caller_of, may_see
-from gateway.errors import OpenAIError, invalid, unsupported
+from gateway.errors import NO_RETRY, OpenAIError, invalid, unsupported
 from gateway.openai.files import expiry_seconds, file_store
 from gateway.openai.listing import cursor_page
 from gateway.openai.online import read_json
@@ -246,7 +246,7 @@ async def cancel_batch(request: web.Request) -> web.Response:
         return web.json_response(store.view_of(b))
     why = ("is writing its results" if status is BatchStatus.FINALIZING else "has already ended")
     raise OpenAIError(409, f"Batch {view['id']} cannot be cancelled: it {why} (status {status.value}).",
-                      param="batch_id", code="batch_not_cancellable")
+                      param="batch_id", code="batch_not_cancellable", headers=NO_RETRY)
 
 
 async def _existing(request: web.Request) -> dict[str, Any]:

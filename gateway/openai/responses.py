@@ -11,7 +11,7 @@ import codecs
 import math
 from typing import Any
 
-from gateway.errors import OpenAIError
+from gateway.errors import NO_RETRY, OpenAIError
 from gateway.openai.schema import Endpoint
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -123,10 +123,6 @@ def completion_logprobs(entries: list[dict[str, Any]], text: str) -> dict[str, A
                          for e in entries],
         "text_offset": offsets,
     }
-
-
-NO_RETRY = {"x-should-retry": "false"}
-"""The header OpenAI's clients read before their own retry rules."""
 
 
 def _replaced_before(held: bytes, following: bytes) -> int:

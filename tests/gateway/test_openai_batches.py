@@ -286,6 +286,7 @@ async def test_only_a_batch_that_has_not_ended_can_be_cancelled(redis_url) -> No
         except openai.ConflictError as e:
             assert (e.status_code, e.code, e.param) == (409, "batch_not_cancellable", "batch_id")
             assert "has already ended (status cancelled)" in e.body["message"]
+            assert e.response.headers["x-should-retry"] == "false"  # the client's retries could not change it
 
         # A batch whose file is deleted before the driver reads it fails.
         failed = await svc.client.batches.create(input_file_id=await upload(svc.client, lines), endpoint=CHAT,
