@@ -104,8 +104,9 @@ class JobIdTaken(InvalidJob):
 
 
 class LaneFull(Exception):
-    def __init__(self, lane: Lane, depth: int, max_depth: int) -> None:
-        super().__init__(f"lane {lane.value} is full ({depth} jobs, at most {max_depth})")
+    def __init__(self, lane: Lane, depth: int, max_depth: int, num_needed: int = 1) -> None:
+        room = f"lane {lane.value} is full" if num_needed == 1 else f"lane {lane.value} has no room for {num_needed} jobs"
+        super().__init__(f"{room} ({depth} jobs, at most {max_depth})")
         self.lane = lane
 
 
@@ -211,7 +212,8 @@ class Admission:
     async def enqueue(self, spec: JobSpec, idempotency_key: str | None, *, caller: Caller = OPEN_CALLER,
                       reservation: Reservation | None = None, num_following: int = 0) -> Admitted:
         """Enqueue a validated job; `reservation`: the tokens/min this job holds, settled when it ends;
-        `num_following`: jobs of the same request enqueued next, which the tenant's quota must have room for too.
+        `num_following`: jobs of the same request enqueued next, which the lane and the tenant's quota must
+        have room for too.
         Raises LaneFull, QuotaExceeded, IdempotencyInFlight, JobIdTaken, or InvalidJob for a bad Idempotency-Key."""
         idem = self._idempotency(spec, idempotency_key)
         for _ in range(MAX_CLAIM_TRIES):
@@ -292,7 +294,8 @@ class Admission:
             named = spec.tenant != DEFAULT_TENANT
             max_queued = caller.limits.max_queued
             args: list[str | bytes | int] = [
-                self._config.queued_ttl_s, "1" if depth >= max_depth else "",
+                # A request's choices are all admitted or none: the first needs room for those that follow it.
+                self._config.queued_ttl_s, "1" if depth + num_following >= max_depth else "",
                 "1" if idem is not None else "", spec.id, packed, spec.tenant if named else "",
                 "" if max_queued is None or not named else max_queued, CONSUMER_GROUP, WAKE_MAXLEN, 1 + num_following,
                 F_SPEC, packed,
@@ -305,7 +308,7 @@ class Admission:
                 self._keys.lane_tenants(spec.lane), self._keys.wake, *tenant_streams], args=args)
         verdict = as_bytes(reply[0]).decode()
         if verdict == "full":
-            raise LaneFull(spec.lane, depth, max_depth)
+            raise LaneFull(spec.lane, depth, max_depth, 1 + num_following)
         if verdict == "quota":
             assert max_queued is not None
             raise QuotaExceeded(spec.tenant, int(as_bytes(reply[1])), max_queued, 1 + num_following)

@@ -64,6 +64,12 @@ async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: 
         raise OpenAIError(400, f"n={num_choices} needs {num_choices} jobs queued at once, more than this key's "
                                f"max_queued of {max_queued}; ask for at most n={max_queued}",
                           param="n", code="queued_jobs_limit")
+    max_depth = app[appkeys.CONFIG].max_lane_depth[lane]
+    if num_choices > max_depth:
+        metrics.job_rejected("lane_full", lane)
+        raise OpenAIError(400, f"n={num_choices} needs {num_choices} jobs queued at once, more than the {lane} "
+                               f"lane holds ({max_depth}); ask for at most n={max_depth}",
+                          param="n", code="lane_depth_limit")
     max_model_len = await admission.context_length()
     try:
         reserved, headers = await limiter.reserve(caller, [job_tokens(body, max_model_len) for body in request.jobs])

@@ -221,6 +221,25 @@ async def test_a_full_lane_is_a_429_with_retry_after_and_a_hung_up_request_cance
         assert await redis.hget(ids[0], "status") == b"cancelled"
 
 
+async def test_choices_are_admitted_to_a_lane_all_or_none(redis_url, redis) -> None:
+    """More choices than the lane ever holds is a 400 naming `n`; more than it holds now, a 429 that enqueued
+    none of them (no choice left behind as a cancelled job)."""
+    async with openai_service(redis_url, None, max_lane_depth={"standard": 2}) as svc:
+        with pytest.raises(openai.BadRequestError) as too_many:
+            await svc.client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3, n=3)
+        assert (too_many.value.code, too_many.value.param) == ("lane_depth_limit", "n")
+        assert "at most n=2" in too_many.value.message
+        first = asyncio.create_task(svc.client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3))
+        deadline = time.monotonic() + 10
+        while not await redis.xlen(KEYS.lane("standard")) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with pytest.raises(openai.RateLimitError) as full:
+            await svc.client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3, n=2)
+        assert full.value.code == "lane_full" and "no room for 2 jobs (1 jobs, at most 2)" in full.value.message
+        first.cancel()
+        assert len([k async for k in redis.scan_iter(match=KEYS.job("cmpl-*"))]) == 1  # the first request's only
+
+
 async def test_logprobs_name_tokens_as_openai_does(redis_url, model, engine) -> None:
     async with openai_service(redis_url, engine) as svc:
         raw = await svc.client.chat.completions.with_raw_response.create(
