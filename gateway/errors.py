@@ -107,8 +107,10 @@ def _redis_unavailable(request: web.Request, error: Exception, retry_after_s: in
     else:
         log.warning("%s %s: Redis unavailable: %s", request.method, request.path, reason)
     if isinstance(error, RedisTimeoutError) and request.method not in ("GET", "HEAD"):
-        # The command may have run before Redis went silent: only a repeat that names the same job is safe.
-        reason += "; it may have been carried out: repeat it with the same Idempotency-Key or id"
+        # The command may have run before Redis went silent: only a repeat that names the same job is safe,
+        # which the OpenAI routes (fresh ids, no Idempotency-Key) cannot do.
+        reason += "; it may have been carried out" + (
+            "" if is_openai else ": repeat it with the same Idempotency-Key or id")
     if is_openai:
         return openai_error_response(503, f"the job store is unavailable ({reason}); retry later",
                                      headers={"Retry-After": str(retry_after_s)})
