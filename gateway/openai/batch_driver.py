@@ -34,7 +34,7 @@ from gateway.openai.batch_lines import LineError, custom_id_of, error_line, load
 from gateway.openai.batches import COUNTERS, BatchStatus, batch_store
 from gateway.openai.choices import served_models
 from gateway.openai.files import PAGE_LINES, file_store, is_blank
-from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, PARAM_OF_FIELD
+from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, openai_param
 from gateway.openai.schema import Endpoint
 from scheduler.protocol import state_machine
 from scheduler.protocol.job_record import job_view
@@ -227,7 +227,7 @@ class BatchDriver:
                 except LineError as e:
                     await self._counts.mark_errors(batch_id, [number], e.code, e.message)
                 except InvalidJob as e:
-                    param = PARAM_OF_FIELD.get(e.field, e.field.removeprefix("params."))
+                    param = openai_param(e.field)
                     code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_request"
                     await self._counts.mark_errors(batch_id, [number], code, f"body: {param}: {e.message}")
             cursor += len(page)

@@ -18,7 +18,7 @@ from gateway.api_keys import OPEN_CALLER, Caller
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.errors import OpenAIError
 from gateway.event_hub import EventHub, Subscription, is_terminal
-from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, PARAM_OF_FIELD
+from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, openai_param
 from gateway.openai.schema import OpenAIRequest
 from gateway.rate_limits import RateLimited, TooManyTokens, job_tokens
 from gateway.worker_heartbeats import recent_heartbeats
@@ -89,19 +89,19 @@ async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: 
     except (InvalidJob, QuotaExceeded, LaneFull, IdempotencyInFlight) as e:
         await cancel_jobs(app, done)
         await limiter.release(caller, reserved, reserved.jobs[len(done):])
-        raise _refusal(app, e, lane) from e
+        raise _refusal(app, e, lane, request.renames) from e
     except BaseException:
         await asyncio.shield(cancel_jobs(app, done))
         raise
     return headers
 
 
-def _refusal(app: web.Application, e: Exception, lane: str) -> OpenAIError:
+def _refusal(app: web.Application, e: Exception, lane: str, renames: dict[str, str]) -> OpenAIError:
     """A refused choice (of `lane`) as the request's error, counted in the metrics."""
     metrics, retry_after_s = app[appkeys.METRICS], app[appkeys.CONFIG].retry_after_s
     if isinstance(e, InvalidJob):
         metrics.job_rejected("invalid")
-        param = PARAM_OF_FIELD.get(e.field, e.field.removeprefix("params."))
+        param = openai_param(e.field, renames)
         code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_value"
         return OpenAIError(400, f"{param}: {e.message}", param=param, code=code)
     if isinstance(e, QuotaExceeded):

@@ -95,7 +95,7 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         metrics.waiter_closed()
     for view in views:
         if view.get("status") != "succeeded":
-            raise responses.job_error(view)
+            raise responses.job_error(view, req.renames)
     return web.json_response(responses.completion_object(endpoint, request_id, created, req.model, views))
 
 

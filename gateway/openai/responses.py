@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from gateway.errors import NO_RETRY, OpenAIError
@@ -18,6 +19,13 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 """OpenAI's error code for a prompt (or prompt + max_tokens) longer than the model's context."""
 PARAM_OF_FIELD = {"params.max_tokens": "max_tokens", "prompt_token_ids": "prompt"}
 """A job field -> the OpenAI parameter it came from (where the names differ)."""
+
+
+def openai_param(field: str, renames: Mapping[str, str] | None = None) -> str:
+    """The OpenAI parameter a job field came from; `renames` (``OpenAIRequest.renames``) names the ones a
+    request spelt its own way (``max_completion_tokens`` for ``max_tokens``)."""
+    param = PARAM_OF_FIELD.get(field, field.removeprefix("params."))
+    return (renames or {}).get(param, param)
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
 _INVALID_ERRORS = {"invalid_job", "invalid_request", "unadmittable"}
 
@@ -140,13 +148,13 @@ def _replaced_before(held: bytes, following: bytes) -> int:
         return 1
 
 
-def job_error(view: dict[str, Any]) -> OpenAIError:
-    """Why a choice's job did not succeed, as the HTTP error its request gets."""
+def job_error(view: dict[str, Any], renames: Mapping[str, str] | None = None) -> OpenAIError:
+    """Why a choice's job did not succeed, as the HTTP error its request gets (`renames`: see `openai_param`)."""
     error = view.get("error") or {}
     kind, message = str(error.get("type", view.get("status"))), str(error.get("message", view.get("status")))
     if kind in _INVALID_ERRORS:
         field = error.get("field")
-        param = None if field is None else PARAM_OF_FIELD.get(str(field), str(field).removeprefix("params."))
+        param = None if field is None else openai_param(str(field), renames)
         return OpenAIError(400, message, param=param, code=str(error.get("code") or kind))
     # The openai client retries 408 and 409 by default, which would enqueue the request again: a job
     # cancelled by someone, or past its deadline, is an answer, and `x-should-retry: false` tells it so.

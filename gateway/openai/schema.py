@@ -11,7 +11,7 @@ else is refused with a 400 naming the parameter, never silently ignored.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -67,6 +67,8 @@ class OpenAIRequest:
     include_usage: bool
     jobs: list[dict[str, Any]]
     """Job message bodies without ids, one per choice, in choice order."""
+    renames: dict[str, str] = field(default_factory=dict)
+    """carpool param -> the OpenAI parameter this request gave it as, where they differ (errors name the latter)."""
 
 
 def parse_request(endpoint: Endpoint, body: object, *, default_lane: Lane, is_batch: bool = False) -> OpenAIRequest:
@@ -121,7 +123,7 @@ def parse_request(endpoint: Endpoint, body: object, *, default_lane: Lane, is_ba
         if params.get("seed") is not None:
             choice_params["seed"] = derive_seed(params["seed"], i)
         jobs.append({**job, "params": choice_params})
-    return OpenAIRequest(endpoint, model, is_stream, include_usage, jobs)
+    return OpenAIRequest(endpoint, model, is_stream, include_usage, jobs, renames)
 
 
 def derive_seed(seed: int, choice: int) -> int:

@@ -99,7 +99,7 @@ async def stream_choices(request: web.Request, req: OpenAIRequest, watch: Choice
         """Send a choice's last text and finish chunk; False (after an error chunk) when its job failed."""
         views[index] = view
         if view.get("status") != "succeeded":
-            error = responses.job_error(view)
+            error = responses.job_error(view, req.renames)
             if not out.is_open:
                 raise error
             await out.send({"error": {"message": error.message, "type": "server_error" if error.status >= 500

@@ -309,6 +309,12 @@ async def test_chat_without_max_tokens_gets_the_rest_of_the_context_and_too_long
         with pytest.raises(openai.BadRequestError) as refused:
             await svc.client.completions.create(model=MODEL_NAME, prompt=list(range(3, 3 + context)))
         assert (refused.value.param, refused.value.code) == ("prompt", "context_length_exceeded")
+        # The limit is named as the request gave it, whether the worker (streamed or not) or the gateway judges it.
+        for limit, stream in ((21, False), (21, True), (context, False)):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, stream=stream,
+                                                         max_completion_tokens=limit)
+            assert (refused.value.param, refused.value.code) == ("max_completion_tokens", "context_length_exceeded")
 
 
 async def test_a_chat_stream_starts_with_its_first_token_even_when_that_token_has_no_text_yet(redis_url, model) -> None:
