@@ -23,7 +23,7 @@ KEYS = Keys()
 
 @pytest.fixture
 async def client(redis_url: str) -> AsyncIterator[TestClient]:
-    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, model_heartbeat_max_age_s=5.0)
+    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, model_heartbeat_max_age_s=60.0)
     async with TestClient(GatewayTestServer(init_app(config))) as client:
         yield client
 
@@ -32,7 +32,7 @@ async def test_a_killed_workers_old_heartbeat_is_not_shown_and_is_pruned(client:
     now = time.time()
     await redis.hset(KEYS.workers, "alive", msgpack.packb({"time": now, "running": 1, "capacity": 8}))
     await redis.hset(KEYS.workers, "killed", msgpack.packb({"time": now - 15 * 60, "running": 3, "capacity": 8}))
-    await redis.hset(KEYS.workers, "just-in-time", msgpack.packb({"time": now - 4.0, "running": 0, "capacity": 4}))
+    await redis.hset(KEYS.workers, "just-in-time", msgpack.packb({"time": now - 30.0, "running": 0, "capacity": 4}))
     resp = await client.get("/readyz")
     assert resp.status == 200
     ready = await resp.json()
@@ -43,7 +43,7 @@ async def test_a_killed_workers_old_heartbeat_is_not_shown_and_is_pruned(client:
 
 
 async def test_a_worker_heard_from_again_is_shown_again(client: TestClient, redis: aioredis.Redis) -> None:
-    await redis.hset(KEYS.workers, "w1", msgpack.packb({"time": time.time() - 60, "running": 0, "capacity": 8}))
+    await redis.hset(KEYS.workers, "w1", msgpack.packb({"time": time.time() - 120, "running": 0, "capacity": 8}))
     assert (await (await client.get("/readyz")).json())["workers"] == {}
     await redis.hset(KEYS.workers, "w1", msgpack.packb({"time": time.time(), "running": 2, "capacity": 8}))
     assert (await (await client.get("/readyz")).json())["workers"]["w1"]["running"] == 2
@@ -75,10 +75,10 @@ async def test_created_is_the_first_workers_start_and_stays_across_heartbeats(cl
 
 async def test_one_age_decides_the_models_listed_and_the_limits_admitted_against(client: TestClient,
                                                                                  redis: aioredis.Redis) -> None:
-    """A worker that died 10 s ago (past the 5 s max age) neither names its model nor bounds the prompts: only the
+    """A worker that died 2 minutes ago (past the 60 s max age) neither names its model nor bounds the prompts: only the
     live worker's context length applies. A heartbeat that cannot be read, or has no time, says nothing."""
     now = time.time()
-    await redis.hset(KEYS.workers, "dead", msgpack.packb({"time": now - 10, "model": "old", "max_model_len": 16,
+    await redis.hset(KEYS.workers, "dead", msgpack.packb({"time": now - 120, "model": "old", "max_model_len": 16,
                                                           "vocab_size": 50}))
     await redis.hset(KEYS.workers, "timeless", msgpack.packb({"model": "odd", "max_model_len": 8}))
     await redis.hset(KEYS.workers, "future", b"\xc1 not msgpack")
