@@ -306,13 +306,17 @@ class WorkerService:
                     log.info("job %s: cancelled while running", body["id"])
 
     async def _beat(self) -> None:
-        await self.client.hset(self.keys.workers, self.config.worker_name, pack({
-            "time": time.time(), "started": self.started_s, "running": len(self.job_loop.jobs),
+        now = time.time()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(self.keys.workers, self.config.worker_name, pack({
+            "time": now, "started": self.started_s, "running": len(self.job_loop.jobs),
             "capacity": self.config.capacity,
             "max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
             "builtin_model": self.config.engine.model is None,
             "model": self.config.model_name,
             "draining": self.is_draining}))
+        pipe.hset(self.keys.models, self.config.model_name, repr(now))
+        await pipe.execute()
 
     async def _heartbeat(self) -> None:
         """A heartbeat every interval after the first (`start` writes that one)."""

@@ -32,7 +32,7 @@ from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.openai.batch_counts import RECORDS_PER_ROUND_TRIP, BatchCounts
 from gateway.openai.batch_lines import LineError, custom_id_of, error_line, load_line, parse_line, result_line
 from gateway.openai.batches import COUNTERS, BatchStatus, batch_store
-from gateway.openai.choices import served_models
+from gateway.openai.choices import model_choice
 from gateway.openai.files import PAGE_LINES, file_store, is_blank
 from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, openai_param
 from gateway.openai.schema import Endpoint
@@ -142,7 +142,7 @@ class BatchDriver:
         counters: dict[FieldT, EncodableT] = {name: 0 for name in COUNTERS}
         await self._redis.hset(keys.batch(batch_id), mapping={**counters, "total": total})
         seen: set[str] = set()
-        models = await served_models(self._app)
+        models = await model_choice(self._app)
         model: str | None = None
         start = num_blank = 0
         listed: list[dict[str, object]] = []
@@ -162,9 +162,9 @@ class BatchDriver:
                     if custom_id in seen:
                         raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appears on an earlier line")
                     line_model = job["metadata"]["model"]
-                    if models and line_model not in models:  # with no live worker, requests wait as any job does
-                        raise LineError("model_not_found", f"body: model {line_model!r} is not served here "
-                                                           f"(GET /v1/models lists {sorted(models)})")
+                    refusal = models.refusal(line_model)
+                    if refusal is not None:
+                        raise LineError("model_not_found", f"body: {refusal}")
                     model = model or line_model
                     seen.add(custom_id)
                     custom_ids.append(custom_id)

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -43,12 +44,51 @@ async def served_models(app: web.Application) -> dict[str, float]:
     return models
 
 
+@dataclass(frozen=True)
+class ModelChoice:
+    """The model names a request may ask for now (any, when `names` is empty: a deployment whose workers have
+    never been heard from), and the words that say where they come from."""
+
+    names: frozenset[str]
+    source: str
+
+    def refusal(self, model: str) -> str | None:
+        """Why `model` is refused, or None when its jobs may be enqueued."""
+        if not self.names or model in self.names:
+            return None
+        return f"The model '{model}' does not exist; {self.source} {sorted(self.names)}"
+
+
+async def model_choice(app: web.Application) -> ModelChoice:
+    """The models live workers serve; with none live, those the deployment's workers served within the queued
+    TTL (a request for one of them waits in its lane for a worker, as any job does; one for another name is
+    refused, rather than run by whichever model comes)."""
+    live = await served_models(app)
+    if live:
+        return ModelChoice(frozenset(live), "this server serves")
+    redis, key = app[appkeys.REDIS], app[appkeys.KEYS].models
+    since = time.time() - app[appkeys.CONFIG].queued_ttl_s
+    recent: set[str] = set()
+    stale: list[bytes] = []
+    for name, seen in (await read_hash(redis, key)).items():
+        try:
+            is_recent = float(seen) >= since
+        except ValueError:
+            is_recent = False
+        if is_recent:
+            recent.add(name.decode(errors="replace"))
+        else:
+            stale.append(name)
+    if stale:
+        await redis.hdel(key, *stale)
+    return ModelChoice(frozenset(recent), "no worker is running now; this server's workers serve")
+
+
 async def check_model(app: web.Application, model: str) -> None:
-    """Refuse a model no live worker serves; with no live worker, jobs wait in their lane as any job does."""
-    models = await served_models(app)
-    if models and model not in models:
-        raise OpenAIError(404, f"The model '{model}' does not exist; this server serves {sorted(models)}",
-                          param="model", code="model_not_found")
+    """Refuse a model that no live worker serves, or with none live, that none of the deployment's served lately."""
+    reason = (await model_choice(app)).refusal(model)
+    if reason is not None:
+        raise OpenAIError(404, reason, param="model", code="model_not_found")
 
 
 async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: Sequence[str],

@@ -196,6 +196,12 @@ class Keys:
         """Hash of live workers: name -> msgpack heartbeat (time, running, capacity)."""
         return f"{self.prefix}:workers"
 
+    @property
+    def models(self) -> str:
+        """Hash of the models workers have served: name -> unix time of the last heartbeat naming it (kept after
+        the workers stop, so requests for them wait while none is live and others are refused)."""
+        return f"{self.prefix}:models"
+
     # --- OpenAI Batch API: files and batches. Large content is a list of lines, never one value. ---
 
     def file(self, file_id: str) -> str:

@@ -128,6 +128,32 @@ async def test_n_choices_logprobs_lanes_and_refusals(redis_url, model, engine, r
         assert missing.value.code == "model_not_found"
 
 
+async def test_with_no_worker_running_a_request_waits_only_for_a_model_the_workers_served(redis_url, engine,
+                                                                                          redis) -> None:
+    """Between workers (a restart, a scale-to-zero) a request for the deployment's model waits in its lane; one for
+    another name is a 404 rather than a job some other model would answer under that name."""
+    async with openai_service(redis_url, engine) as svc:
+        await svc.client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1)
+    async with openai_service(redis_url, None) as svc:
+        with pytest.raises(openai.NotFoundError) as missing:
+            await svc.client.completions.create(model="typo", prompt="x", max_tokens=1)
+        assert missing.value.code == "model_not_found" and missing.value.param == "model"
+        assert "no worker is running now" in missing.value.message and MODEL_NAME in missing.value.message
+        waiting = asyncio.create_task(svc.client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1))
+        await wait_until(lambda: redis.xlen(KEYS.lane("standard")), "the request waiting in its lane")
+        waiting.cancel()
+        # A model last heard of longer ago than a queued job may wait is forgotten: with no name left, any waits.
+        await redis.hset(KEYS.models, MODEL_NAME, repr(time.time() - 8 * 24 * 3600))
+        waiting = asyncio.create_task(svc.client.completions.create(model="typo", prompt="x", max_tokens=1))
+
+        async def both_in_lane() -> bool:
+            return await redis.xlen(KEYS.lane("standard")) == 2
+
+        await wait_until(both_in_lane, "the second request waiting in its lane too")
+        waiting.cancel()
+        assert not await redis.hexists(KEYS.models, MODEL_NAME)
+
+
 async def test_a_disconnected_stream_cancels_its_job(redis_url, engine, redis) -> None:
     async with openai_service(redis_url, engine) as svc:
         stream = await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1500,
