@@ -90,6 +90,7 @@ class WorkerService:
         self._spawn("engine", self.job_loop.run())
         self._spawn("control", self._control())
         self._spawn("leases", self._leases())
+        await self._warn_of_other_models()
         # The first heartbeat is in Redis before the worker says it is ready: a gateway asked right after
         # (GET /v1/models, /readyz) then knows this worker and its model.
         await self._beat()
@@ -317,6 +318,25 @@ class WorkerService:
             "draining": self.is_draining}))
         pipe.hset(self.keys.models, self.config.model_name, repr(now))
         await pipe.execute()
+
+    async def _warn_of_other_models(self) -> None:
+        """Say so when live workers under this key prefix serve another model: the lanes are shared, so each
+        would answer the other's requests (and the OpenAI routes would name the model asked for)."""
+        now, others = time.time(), set()
+        for name, raw in (await self.client.hgetall(self.keys.workers)).items():
+            try:
+                beat = msgpack.unpackb(raw)
+                is_live = now - float(beat["time"]) <= 3 * self.config.heartbeat_interval_s + 1
+                model = beat.get("model")
+            except Exception:
+                continue  # a heartbeat this worker cannot read says nothing of its model
+            if is_live and isinstance(model, str) and model != self.config.model_name:
+                others.add(model)
+        if others:
+            log.warning("worker %s serves %r, but live workers under the key prefix %r serve %s: they share its "
+                        "lanes, so jobs meant for one model are run by another; give each model its own "
+                        "--key-prefix", self.config.worker_name, self.config.model_name, self.keys.prefix,
+                        sorted(others))
 
     async def _heartbeat(self) -> None:
         """A heartbeat every interval after the first (`start` writes that one)."""

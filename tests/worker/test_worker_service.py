@@ -42,7 +42,22 @@ async def test_a_ready_worker_has_its_heartbeat_in_redis(redis_url, engine_facto
         assert beat["capacity"] == service.config.capacity and beat["max_model_len"] > 0
         assert beat["vocab_size"] == service.engine.vocab_size > 0 and beat["started"] <= beat["time"]
     assert not await client.hexists(KEYS.workers, "w-ready")  # a clean stop removes it
+    # The model it served stays known after it stops (requests for it may wait for the next worker).
+    assert float(await client.hget(KEYS.models, service.config.model_name)) == beat["time"]
     await client.aclose()
+
+
+async def test_a_worker_joining_workers_of_another_model_says_so(redis_url, engine_factory, caplog):
+    """They would share the lanes, each running the other's jobs: the operator is told to split the prefixes."""
+    client = aioredis.Redis.from_url(redis_url)
+    await client.hset(KEYS.workers, "w-other", msgpack.packb({"time": time.time(), "model": "other-model"}))
+    await client.hset(KEYS.workers, "w-gone", msgpack.packb({"time": time.time() - 3600, "model": "gone-model"}))
+    with caplog.at_level("WARNING", logger="worker.service"):
+        async with running_worker(redis_url, engine_factory(), worker_name="w-new", served_model_name="mine"):
+            pass
+    await client.aclose()
+    (warning,) = [r.getMessage() for r in caplog.records if "share its lanes" in r.getMessage()]
+    assert "'mine'" in warning and "['other-model']" in warning and "--key-prefix" in warning
 
 
 async def test_jobs_over_three_lanes_match_offline_engine(redis_url, engine_factory):
