@@ -188,8 +188,14 @@ def unsupported(param: str, why: str = "is not supported by this server") -> Ope
     return OpenAIError(400, f"Unsupported parameter: '{param}' {why}.", param=param, code="unsupported_parameter")
 
 
+def openai_error_body(status: int, message: str, *, param: str | None = None,
+                      code: str | None = None) -> dict[str, Any]:
+    """The body of an OpenAI-shaped error answer with this status."""
+    kind = _OPENAI_TYPE_OF_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def openai_error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
                           headers: dict[str, str] | None = None) -> web.Response:
-    kind = _OPENAI_TYPE_OF_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return web.json_response(body, status=status, headers=headers)
+    return web.json_response(openai_error_body(status, message, param=param, code=code), status=status,
+                             headers=headers)

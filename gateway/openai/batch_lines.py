@@ -6,7 +6,7 @@ import json
 import secrets
 from typing import Any
 
-from gateway.errors import OpenAIError
+from gateway.errors import OpenAIError, openai_error_body
 from gateway.openai import responses
 from gateway.openai.schema import Endpoint, parse_request
 from scheduler.protocol.lanes import Lane
@@ -60,9 +60,23 @@ def _line_id() -> str:
     return "batch_req_" + secrets.token_hex(12)
 
 
-def error_line(custom_id: str | None, code: str, message: str) -> str:
-    return json.dumps({"id": _line_id(), "custom_id": custom_id, "response": None,
-                       "error": {"code": code, "message": message}})
+REQUEST_ERROR_STATUS = {"invalid_request": 400, "context_length_exceeded": 400, "model_not_found": 404}
+"""Codes of lines that are requests the online route would answer with an HTTP error (this status)."""
+
+
+def error_line(custom_id: str | None, code: str, message: str, *, status: int | None = None,
+               param: str | None = None, request_id: str | None = None) -> str:
+    """An error-file line. A request refused or failed as the online route would answer it (`status`, else
+    the one of its `code`) has that answer as its ``response``, as OpenAI writes it; a line that is no request
+    (not JSON, no ``custom_id``, another method or URL, a repeated ``custom_id``) or a request that never ran
+    (``batch_expired``, ``batch_cancelled``) has an ``error`` instead."""
+    status = status or REQUEST_ERROR_STATUS.get(code)
+    if status is None:
+        return json.dumps({"id": _line_id(), "custom_id": custom_id, "response": None,
+                           "error": {"code": code, "message": message}})
+    return json.dumps({"id": _line_id(), "custom_id": custom_id, "error": None, "response": {
+        "status_code": status, "request_id": request_id,
+        "body": openai_error_body(status, message, param=param, code=code)}})
 
 
 def result_line(endpoint: Endpoint, number: int, custom_id: str, view: dict[str, Any]) -> tuple[str, bool]:
@@ -81,6 +95,9 @@ def result_line(endpoint: Endpoint, number: int, custom_id: str, view: dict[str,
                            "response": {"status_code": 200, "request_id": job_id, "body": body},
                            "error": None}), True
     error = view.get("error") or {}
-    code = ({"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(str(status))
-            or responses.job_error(view).code)
-    return error_line(custom_id, str(code), f"line {number + 1}: {error.get('message', status)}"), False
+    never_ran = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(str(status))
+    if never_ran is not None:
+        return error_line(custom_id, never_ran, f"line {number + 1}: {error.get('message', status)}"), False
+    refused = responses.job_error(view)
+    return error_line(custom_id, str(refused.code), f"line {number + 1}: {error.get('message', status)}",
+                      status=refused.status, param=refused.param, request_id=str(view.get("id"))), False

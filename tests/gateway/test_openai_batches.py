@@ -70,6 +70,15 @@ async def wait_batch(client: openai.AsyncOpenAI, batch_id: str, statuses: set[st
         await asyncio.sleep(0.2)
 
 
+def line_error(line: dict) -> dict:
+    """An error-file line's error: a request's HTTP answer (its ``response.body.error``, as OpenAI writes a
+    request that failed) or the line's own ``error`` (a line that is no request, or a request that never ran)."""
+    if line["response"] is not None:
+        assert line["error"] is None and line["response"]["status_code"] >= 400, line
+        return line["response"]["body"]["error"]
+    return line["error"]
+
+
 async def read_lines(client: openai.AsyncOpenAI, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
@@ -139,10 +148,10 @@ async def test_a_batch_with_bad_lines_runs_the_rest_like_the_offline_engine(redi
         assert {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in outputs} == expected
         assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in outputs)
         errors = await read_lines(svc.client, batch.error_file_id)
-        assert [e["error"]["code"] for e in errors] == EXPECTED_CODES
-        assert [int(e["error"]["message"].split(":")[0].removeprefix("line ")) for e in errors] == \
+        assert [line_error(e)["code"] for e in errors] == EXPECTED_CODES
+        assert [int(line_error(e)["message"].split(":")[0].removeprefix("line ")) for e in errors] == \
             [8 + n * 19 for n in range(10)]
-        assert "tools" in errors[8]["error"]["message"] and "temperature" in errors[7]["error"]["message"]
+        assert "tools" in line_error(errors[8])["message"] and "temperature" in line_error(errors[7])["message"]
         assert errors[4]["custom_id"] == "req-3"
         # The batch's jobs count as the batch lane's submissions, as any job enqueued does.
         async with aiohttp.ClientSession() as http, http.get(f"{svc.url}/metrics") as resp:
@@ -263,7 +272,7 @@ async def test_a_batch_with_no_line_that_can_run_fails_and_lists_why(redis_url) 
         assert [e.param for e in batch.errors.data][:3] == [None, "custom_id", "custom_id"]
         assert batch.errors.data[5].message.startswith("line 6: ") and "temperature" in batch.errors.data[5].message
         assert batch.output_file_id is None
-        assert [e["error"]["code"] for e in await read_lines(svc.client, batch.error_file_id)] == codes
+        assert [line_error(e)["code"] for e in await read_lines(svc.client, batch.error_file_id)] == codes
         payload = await the_callback(receiver, batch.id, "batch.failed")
         assert payload["data"]["status"] == "failed" and len(payload["data"]["errors"]["data"]) == 8
         await receiver.stop()
@@ -319,10 +328,15 @@ async def test_error_file_lines_count_blank_lines_and_take_the_online_codes(redi
         assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (4, 2, 2)
         assert [o["custom_id"] for o in await read_lines(svc.client, batch.output_file_id)] == ["req-0", "req-1"]
         errors = await read_lines(svc.client, batch.error_file_id)
-        assert [(e["custom_id"], e["error"]["code"]) for e in errors] == \
+        assert [(e["custom_id"], line_error(e)["code"]) for e in errors] == \
             [("req-2", "context_length_exceeded"), (None, "invalid_json")]
-        assert errors[0]["error"]["message"].startswith("line 4: messages: ")
-        assert errors[1]["error"]["message"].startswith("line 6: ")
+        assert line_error(errors[0])["message"].startswith("line 4: messages: ")
+        assert line_error(errors[1])["message"].startswith("line 6: ")
+        # The request that ran and failed has the answer the online route gives it; the line that is no request
+        # has an error of its own.
+        assert errors[0]["response"]["status_code"] == 400 and errors[0]["response"]["request_id"] == f"{batch.id}-3"
+        assert errors[0]["response"]["body"]["error"]["type"] == "invalid_request_error"
+        assert errors[0]["response"]["body"]["error"]["param"] == "messages" and errors[1]["response"] is None
         assert (await svc.client.files.content(upload_id)).content == data
 
         # A byte-order mark before the first line, as some editors save UTF-8: kept in the file, not in the JSON.
