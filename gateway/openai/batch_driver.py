@@ -104,6 +104,8 @@ class BatchDriver:
         status = BatchStatus(b["status"]) if b else None
         if status is None or status in (BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED,
                                         BatchStatus.CANCELLED):
+            if b:
+                await self._files.release(b["input_file_id"], batch_id)
             await self._redis.srem(self._keys.batches_active, batch_id)
         elif status is BatchStatus.VALIDATING:
             await self._validate(batch_id, b)
@@ -120,6 +122,8 @@ class BatchDriver:
                 self._scanned_at[batch_id] = time.monotonic()
                 await self._counts.scan(batch_id, await self._batches.read(batch_id), is_cancelling)
             b = await self._batches.read(batch_id)
+            if int(b["enqueued"]) >= int(b["total"]):
+                await self._files.release(b["input_file_id"], batch_id)  # every line read
             if int(b["settled"]) >= int(b["total"]):
                 outcome = (BatchStatus.CANCELLED if status is BatchStatus.CANCELLING
                            else BatchStatus.EXPIRED if int(b["expired"]) else BatchStatus.COMPLETED)
@@ -136,6 +140,7 @@ class BatchDriver:
             errors = {"object": "list", "data": [{"code": "invalid_file", "param": "input_file_id", "line": None,
                                                   "message": "the input file is empty, deleted or expired"}]}
             await self._batches.move(batch_id, (BatchStatus.VALIDATING,), BatchStatus.FAILED, errors=json.dumps(errors))
+            await self._files.release(b["input_file_id"], batch_id)
             return
         await self._redis.delete(keys.batch_custom_ids(batch_id), keys.batch_errors(batch_id),
                                  keys.batch_settled(batch_id))
@@ -191,6 +196,7 @@ class BatchDriver:
             await self._batches.move(batch_id, (BatchStatus.VALIDATING,), BatchStatus.FINALIZING,
                                      outcome=BatchStatus.FAILED.value,
                                      errors=json.dumps({"object": "list", "data": listed}))
+            await self._files.release(b["input_file_id"], batch_id)
             return
         await self._batches.move(batch_id, (BatchStatus.VALIDATING,), BatchStatus.IN_PROGRESS, model=model)
 

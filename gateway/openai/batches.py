@@ -72,6 +72,11 @@ END_EVENTS = {BatchStatus.COMPLETED: BatchEvent.COMPLETED, BatchStatus.FAILED: B
               BatchStatus.EXPIRED: BatchEvent.EXPIRED, BatchStatus.CANCELLED: BatchEvent.CANCELLED}
 
 
+HELD_AFTER_WINDOW_S = 3600
+"""How long past its completion window a batch's input file lines are kept for it at the latest (it reads none
+after the window; they are dropped as soon as it has read them all)."""
+
+
 class BatchStore:
     def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: int) -> None:
         self._redis, self._keys, self.ttl_s = redis, keys, ttl_s
@@ -194,6 +199,8 @@ async def create_batch(request: web.Request) -> web.Response:
     webhook_url = await _webhook_url(request, body.get("webhook"))
     view = await batch_store(request.app).create(file_id, endpoint, COMPLETION_WINDOWS_S[window], window, metadata,
                                                  caller_of(request).tenant, webhook_url, output_ttl_s)
+    # Deleting the input file (upload, create, delete) or its expiry leaves the batch its lines.
+    await files.hold(file_id, view["id"], int(view["expires_at"]) + HELD_AFTER_WINDOW_S)
     return web.json_response(view)
 
 

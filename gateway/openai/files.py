@@ -27,6 +27,7 @@ from gateway import appkeys
 from gateway.auth import caller_of, may_see
 from gateway.errors import OpenAIError, invalid
 from gateway.openai.listing import cursor_page
+from scheduler.protocol import state_machine
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import as_bytes, read_hash
 from scheduler.protocol.tenants import DEFAULT_TENANT, tenant_of
@@ -45,6 +46,8 @@ EXPIRES_AFTER_S = (3600, 30 * 24 * 3600)
 class FileStore:
     def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: int) -> None:
         self._redis, self._keys, self._ttl_s = redis, keys, ttl_s
+        self._delete = redis.register_script(state_machine.FILE_DELETE)
+        self._release = redis.register_script(state_machine.FILE_RELEASE)
 
     async def write(self, file_id: str, filename: str, purpose: str, lines: Sequence[str],
                     tenant: str = DEFAULT_TENANT, ttl_s: int | None = None) -> dict[str, Any]:
@@ -116,12 +119,36 @@ class FileStore:
             yield page
             start += len(page)
 
+    async def hold(self, file_id: str, batch_id: str, until_s: int) -> None:
+        """Keep the file's lines for `batch_id` until it `release`s them, or until `until_s` (unix seconds) at
+        the latest: a delete or expiry of the file meanwhile removes it from the caller's view only."""
+        lines_key, readers_key = self._keys.file_lines(file_id), self._keys.file_readers(file_id)
+        held_s = max(1, until_s - int(time.time()))
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.ttl(lines_key)
+            pipe.ttl(readers_key)
+            lines_ttl_s, readers_ttl_s = (int(t) for t in await pipe.execute())
+        if lines_ttl_s == -2:
+            return  # gone already: the batch finds it empty and fails, as OpenAI's validation does
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.sadd(readers_key, batch_id)
+            pipe.expire(readers_key, max(held_s, readers_ttl_s))
+            if 0 <= lines_ttl_s < held_s:  # lines without an expiry keep none
+                pipe.expire(lines_key, held_s)
+            await pipe.execute()
+
+    async def release(self, file_id: str, batch_id: str) -> None:
+        """`batch_id` reads the file no more (see `hold`)."""
+        await self._release(keys=[self._keys.file(file_id), self._keys.file_lines(file_id),
+                                  self._keys.file_readers(file_id)], args=[batch_id])
+
     async def delete(self, file_id: str) -> bool:
         # The id leaves the list's index for the deleted ones' with its score, so a client paging with
         # ``after=`` that id, the last of the page it just read, still gets the next page.
         score = await self._redis.zscore(self._keys.files, file_id)
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._keys.file(file_id), self._keys.file_lines(file_id))
+            await self._delete(keys=[self._keys.file(file_id), self._keys.file_lines(file_id),
+                                     self._keys.file_readers(file_id)], client=pipe)
             pipe.zrem(self._keys.files, file_id)
             if score is not None:
                 pipe.zadd(self._keys.files_deleted, {file_id: score})

@@ -212,6 +212,11 @@ class Keys:
         """List of the file's lines in order, one element per line with its line ending (joined: the file's bytes)."""
         return f"{self.prefix}:file:{file_id}:lines"
 
+    def file_readers(self, file_id: str) -> str:
+        """Set of the batches still to read the file's lines: a delete or expiry of the file leaves its lines to
+        them, and the last one to finish reading drops them."""
+        return f"{self.prefix}:file:{file_id}:readers"
+
     @property
     def files(self) -> str:
         """Sorted set of file ids, scored by creation unix time."""

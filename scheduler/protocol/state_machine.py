@@ -565,6 +565,24 @@ KEYS: delivery, retry zset. ARGV: id, claim token, now. Returns 0 when the claim
 
 # ---- batches: the gateway's batch routes and driver -----------------------------------------------
 
+FILE_DELETE = """
+local existed = redis.call('DEL', KEYS[1])
+if redis.call('SCARD', KEYS[3]) == 0 then redis.call('DEL', KEYS[2]) end
+return existed
+"""
+"""Delete a file: its listing at once, its lines unless a batch still reads them. KEYS: file hash, lines,
+readers. Returns 1 when the file existed."""
+
+FILE_RELEASE = """
+redis.call('SREM', KEYS[3], ARGV[1])
+if redis.call('SCARD', KEYS[3]) == 0 and redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[2])
+end
+return 0
+"""
+"""A batch done reading a file: the file's lines go when it was the last reader of a file deleted or expired
+meanwhile. KEYS: file hash, lines, readers. ARGV: batch id."""
+
 BATCH_MOVE = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end

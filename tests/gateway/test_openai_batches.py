@@ -297,10 +297,9 @@ async def test_only_a_batch_that_has_not_ended_can_be_cancelled(redis_url) -> No
             assert "has already ended (status cancelled)" in e.body["message"]
             assert e.response.headers["x-should-retry"] == "false"  # the client's retries could not change it
 
-        # A batch whose file is deleted before the driver reads it fails.
-        failed = await svc.client.batches.create(input_file_id=await upload(svc.client, lines), endpoint=CHAT,
+        # A batch with no line that can run fails.
+        failed = await svc.client.batches.create(input_file_id=await upload(svc.client, ["not json"]), endpoint=CHAT,
                                                  completion_window="24h")
-        await svc.client.files.delete(failed.input_file_id)
         failed = await wait_batch(svc.client, failed.id, {"failed", "cancelled", "completed"})
         assert failed.status == "failed"
         try:
@@ -308,6 +307,36 @@ async def test_only_a_batch_that_has_not_ended_can_be_cancelled(redis_url) -> No
             raise AssertionError("a failed batch was cancelled")
         except openai.ConflictError as e:
             assert e.code == "batch_not_cancellable" and "status failed" in e.body["message"]
+
+
+async def test_a_batch_reads_its_input_file_even_when_it_is_deleted_at_once(redis_url, redis, tiny_model) -> None:
+    """Upload, create, delete: the file is gone for its owner at once, but the batch keeps its lines until it has
+    read them all, then they go too."""
+    from scheduler.protocol.keys import Keys
+    from worker.engine.engine import Engine
+
+    keys = Keys()
+    async with openai_service(redis_url, Engine(model=tiny_model(), max_num_seqs=4),
+                              batch_poll_interval_s=0.1) as svc:
+        file_id = await upload(svc.client, [json.dumps(chat_line(i)) for i in range(6)])
+        batch = await svc.client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+        assert (await svc.client.files.delete(file_id)).deleted
+        try:
+            await svc.client.files.retrieve(file_id)
+            raise AssertionError("a deleted file was still there")
+        except openai.NotFoundError:
+            pass
+        batch = await wait_batch(svc.client, batch.id, {"completed", "failed", "expired", "cancelled"})
+        assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 6, 0)
+        assert sorted(o["custom_id"] for o in await read_lines(svc.client, batch.output_file_id)) == \
+            [f"req-{i}" for i in range(6)]
+        assert not await redis.exists(keys.file_lines(file_id), keys.file_readers(file_id))
+
+        # A file not deleted keeps its lines after its batches, and its readers' set goes once they have read it.
+        kept = await upload(svc.client, [json.dumps(chat_line(0))])
+        batch = await svc.client.batches.create(input_file_id=kept, endpoint=CHAT, completion_window="24h")
+        await wait_batch(svc.client, batch.id, {"completed"})
+        assert await redis.llen(keys.file_lines(kept)) == 1 and not await redis.scard(keys.file_readers(kept))
 
 
 async def test_error_file_lines_count_blank_lines_and_take_the_online_codes(redis_url, tiny_model) -> None:
