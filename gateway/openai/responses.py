@@ -52,7 +52,8 @@ def completion_object(endpoint: Endpoint, request_id: str, created: int, model: 
         output = view.get("output") or {}
         logprobs = output.get("logprobs")
         if endpoint is Endpoint.CHAT:
-            choices.append({"index": index, "message": {"role": "assistant", "content": output.get("text", "")},
+            choices.append({"index": index, "message": {"role": "assistant", "content": output.get("text", ""),
+                                                        "refusal": None},
                             "logprobs": None if logprobs is None else chat_logprobs(logprobs),
                             "finish_reason": finish_reason(view)})
         else:
@@ -66,16 +67,23 @@ def completion_object(endpoint: Endpoint, request_id: str, created: int, model: 
 
 
 def chunk(endpoint: Endpoint, request_id: str, created: int, model: str, index: int, *, text: str = "",
-          role: str | None = None, finish: str | None = None) -> dict[str, Any]:
+          role: str | None = None, finish: str | None = None, include_usage: bool = False) -> dict[str, Any]:
+    """One choice's chunk; with ``stream_options.include_usage``, ``usage: null`` on it as on every chunk
+    before the last, as OpenAI sends them."""
     if endpoint is Endpoint.CHAT:
         delta: dict[str, Any] = {} if role is None and not text and finish else {"content": text}
         if role is not None:
             delta["role"] = role
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [choice]}
-    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+        out = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [choice]}
+    else:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        out = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+               "choices": [choice]}
+    if include_usage:
+        out["usage"] = None
+    return out
 
 
 def usage_chunk(endpoint: Endpoint, request_id: str, created: int, model: str,

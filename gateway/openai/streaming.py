@@ -67,7 +67,7 @@ class _Chunks:
     def chunk(self, index: int, *, text: str = "", role: str | None = None,
               finish: str | None = None) -> dict[str, Any]:
         return responses.chunk(self._req.endpoint, self._request_id, self._created, self._req.model, index,
-                               text=text, role=role, finish=finish)
+                               text=text, role=role, finish=finish, include_usage=self._req.include_usage)
 
     async def send(self, data: dict[str, Any] | str) -> None:
         await self.open()

@@ -85,10 +85,15 @@ async def test_models_completions_and_chat_match_the_offline_engine(redis_url, m
         assert text == expected_chat.text
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+        # With include_usage, every chunk before the last says `usage: null`, as OpenAI's do.
+        assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
+        assert chat.choices[0].message.refusal is None and "refusal" in chat.choices[0].message.model_fields_set
 
         stream = await svc.client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=8,
                                                      stream=True, **GREEDY)
-        assert "".join([c.choices[0].text async for c in stream]) == expected_text.text
+        chunks = [c async for c in stream]
+        assert "".join(c.choices[0].text for c in chunks) == expected_text.text
+        assert not any("usage" in c.model_fields_set for c in chunks)  # usage was not asked for
 
 
 async def test_n_choices_logprobs_lanes_and_refusals(redis_url, model, engine, redis) -> None:
