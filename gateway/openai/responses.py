@@ -135,10 +135,17 @@ def completion_logprobs(entries: list[dict[str, Any]], text: str) -> dict[str, A
     return {
         "tokens": [_named(e)[0] for e in entries],
         "token_logprobs": [_logprob(e.get("logprob")) for e in entries],
-        "top_logprobs": [{_named(t)[0]: _logprob(t.get("logprob")) for t in e.get("top_logprobs") or []}
-                         for e in entries],
+        "top_logprobs": [_legacy_top(e) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _legacy_top(entry: dict[str, Any]) -> dict[str, float]:
+    """A token's most likely alternatives and, as OpenAI's legacy completions always add it, the sampled token
+    itself when it is not among them (so up to ``logprobs`` + 1 entries; ``logprobs: 0`` gives it alone)."""
+    top = {_named(t)[0]: _logprob(t.get("logprob")) for t in entry.get("top_logprobs") or []}
+    top.setdefault(_named(entry)[0], _logprob(entry.get("logprob")))
+    return top
 
 
 def _replaced_before(held: bytes, following: bytes) -> int:

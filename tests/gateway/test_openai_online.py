@@ -300,6 +300,16 @@ async def test_logprobs_name_tokens_as_openai_does(redis_url, model, engine) -> 
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
         assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
         assert all(len(top) <= 2 and lp.tokens[i] in top for i, top in enumerate(lp.top_logprobs))
+        # The sampled token is always among them (up to logprobs + 1 entries), as in OpenAI's legacy completions.
+        sampled = await svc.client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=12,
+                                                      logprobs=1, temperature=1.0, seed=3)
+        lp = sampled.choices[0].logprobs
+        assert all(top[token] == logprob and 1 <= len(top) <= 2
+                   for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+        assert any(len(top) == 2 for top in lp.top_logprobs)  # some sampled token was not the most likely
+        only = await svc.client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3, logprobs=0, **GREEDY)
+        assert [list(top) for top in only.choices[0].logprobs.top_logprobs] == \
+            [[token] for token in only.choices[0].logprobs.tokens]
 
 
 def _is_utf8(data: bytes) -> bool:
