@@ -33,21 +33,27 @@ def parse_line(line: str, endpoint: Endpoint) -> tuple[str, dict[str, Any]]:
     """(custom_id, job body without id) of one input line; raises LineError."""
     try:
         data = load_line(line)
+    except json.JSONDecodeError as e:
+        # The line alone, so no line number of json's own (a line's ending is part of it).
+        raise LineError("invalid_json", f"the line is not valid JSON: {e.msg} at character {e.pos + 1}") from e
     except (ValueError, RecursionError) as e:
         raise LineError("invalid_json", f"the line is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise LineError("invalid_json", "the line must be a JSON object")
     custom_id = custom_id_of(data)
     if custom_id is None:
-        raise LineError("missing_custom_id", "custom_id is required (a non-empty string)")
+        given = "" if "custom_id" not in data else f", got {json.dumps(data['custom_id'])[:100]}"
+        raise LineError("missing_custom_id", f"custom_id is required (a non-empty string){given}")
     if data.get("method", "POST") != "POST":
-        raise LineError("invalid_method", f"method must be POST, got {data.get('method')!r}")
+        raise LineError("invalid_method", f"method must be POST, got {json.dumps(data.get('method'))[:100]}")
     if data.get("url") != endpoint.value:
-        raise LineError("invalid_url", f"url must be the batch's endpoint {endpoint.value}, got {data.get('url')!r}")
+        given = "it is missing" if "url" not in data else f"got {json.dumps(data['url'])[:100]}"
+        raise LineError("invalid_url", f"url must be the batch's endpoint {endpoint.value}; {given}")
     try:
         request = parse_request(endpoint, data.get("body"), default_lane=Lane.BATCH, is_batch=True)
     except OpenAIError as e:
-        raise LineError("invalid_request", f"body: {e.message}") from e
+        # A message about the whole body names it already ("body: must be a JSON object").
+        raise LineError("invalid_request", e.message if e.param == "body" else f"body: {e.message}") from e
     return custom_id, request.jobs[0]
 
 

@@ -110,7 +110,7 @@ def parse_request(endpoint: Endpoint, body: object, *, default_lane: Lane, is_ba
     if endpoint is Endpoint.CHAT:
         job["messages"] = _messages(given.get("messages"))
     else:
-        job.update(_prompt(given.get("prompt")))
+        job.update(_prompt(given.get("prompt"), is_batch))
     meta: dict[str, Any] = {"model": model}
     if "user" in given:
         meta["user"] = _user(given["user"])
@@ -257,7 +257,7 @@ def _content(value: object, where: str) -> str:
     raise invalid(where, "must be a string or a list of text parts")
 
 
-def _prompt(value: object) -> dict[str, Any]:
+def _prompt(value: object, is_batch: bool) -> dict[str, Any]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]  # one prompt in a list
     if isinstance(value, str) and value:
@@ -266,7 +266,8 @@ def _prompt(value: object) -> dict[str, Any]:
                                                  for t in value):
         return {"prompt_token_ids": value}
     if isinstance(value, list) and len(value) > 1:
-        raise unsupported("prompt", "(one prompt per request; send several requests or a batch)")
+        raise unsupported("prompt", "(one prompt per request; put each prompt on a line of its own)" if is_batch
+                          else "(one prompt per request; send several requests or a batch)")
     raise invalid("prompt", "must be a non-empty string or a list of token ids")
 
 

@@ -1,0 +1,49 @@
+"""What a Batch API input line that cannot run is told: one clear reason, naming what it got."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.openai.batch_lines import LineError, parse_line
+from gateway.openai.schema import Endpoint
+
+CHAT = Endpoint.CHAT
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def refusal(line: str, endpoint: Endpoint = CHAT) -> tuple[str, str]:
+    with pytest.raises(LineError) as refused:
+        parse_line(line, endpoint)
+    return refused.value.code, refused.value.message
+
+
+def line(**fields: object) -> str:
+    return json.dumps({"custom_id": "a", "method": "POST", "url": CHAT.value, "body": BODY, **fields})
+
+
+@pytest.mark.parametrize(("text", "code", "message"), [
+    # The line's own ending is part of it: json's "line 2" would point nowhere in the user's file.
+    ('{"custom_id": "a",\r\n', "invalid_json", "the line is not valid JSON: Expecting property name enclosed in "
+                                               "double quotes at character 21"),
+    ("[1, 2]\n", "invalid_json", "the line must be a JSON object"),
+    (line(custom_id=123), "missing_custom_id", "custom_id is required (a non-empty string), got 123"),
+    (line(custom_id=""), "missing_custom_id", 'custom_id is required (a non-empty string), got ""'),
+    (json.dumps({"url": CHAT.value, "body": BODY}), "missing_custom_id", "custom_id is required (a non-empty string)"),
+    (line(method="GET"), "invalid_method", 'method must be POST, got "GET"'),
+    (json.dumps({"custom_id": "a", "body": BODY}), "invalid_url",
+     "url must be the batch's endpoint /v1/chat/completions; it is missing"),
+    (line(url="/v1/embeddings"), "invalid_url",
+     'url must be the batch\'s endpoint /v1/chat/completions; got "/v1/embeddings"'),
+    (line(body=[1]), "invalid_request", "body: must be a JSON object"),
+    (line(body={**BODY, "temperature": -1}), "invalid_request", "body: temperature: must be in [0, 2], got -1"),
+])
+def test_a_line_that_cannot_run_says_why_once(text: str, code: str, message: str) -> None:
+    assert refusal(text) == (code, message)
+
+
+def test_a_batch_line_with_several_prompts_is_told_to_split_them_into_lines() -> None:
+    text = json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {"model": "m", "prompt": ["a", "b"]}})
+    code, message = refusal(text, Endpoint.COMPLETIONS)
+    assert code == "invalid_request" and "put each prompt on a line of its own" in message and "batch" not in message
