@@ -248,10 +248,14 @@ def _content(value: object, where: str) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
+        if not value:
+            raise invalid(where, "must be a string or a non-empty list of text parts")
         texts = []
         for j, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if not isinstance(part, dict) or part.get("type") != "text":
                 raise unsupported(f"{where}[{j}]", "(only text parts are supported)")
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"{where}[{j}].text", "required: a text part's text, a string")
             texts.append(part["text"])
         return "".join(texts)
     raise invalid(where, "must be a string or a list of text parts")

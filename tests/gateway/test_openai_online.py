@@ -411,6 +411,8 @@ async def test_wrong_types_and_openai_limits_are_400s_naming_the_parameter(redis
         ({"metadata": {"k": 5}}, "metadata.k", "must be a string"),
         ({"user": 5}, "user", "must be a string"),
         ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "messages[0].name", "must be a string"),
+        ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "a non-empty list of text parts"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text", "required"),
     ]
     async with openai_service(redis_url, None) as svc:
         for args, param, words in cases:
@@ -425,6 +427,11 @@ async def test_wrong_types_and_openai_limits_are_400s_naming_the_parameter(redis
         with pytest.raises(openai.BadRequestError) as refused:
             await svc.client.completions.create(model=MODEL_NAME, prompt="x", stop=5)
         assert refused.value.param == "stop"
+        image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+        with pytest.raises(openai.BadRequestError) as refused:
+            await svc.client.chat.completions.create(model=MODEL_NAME, messages=[
+                {"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}])
+        assert (refused.value.param, refused.value.code) == ("messages[0].content[1]", "unsupported_parameter")
         # The limits themselves are accepted (and reach the queue).
         ok = asyncio.create_task(svc.client.chat.completions.create(
             model=MODEL_NAME, messages=[{"role": "user", "content": "hi", "name": "ann"}], user="u-1", max_tokens=2,
