@@ -233,6 +233,7 @@ async def test_an_idempotent_retry_gets_its_job_back_even_with_no_requests_left(
 
 async def test_a_job_without_max_tokens_reserves_the_rest_of_the_context_then_settles(
         gateway_64, redis_url, tiny_model) -> None:
+    from worker.engine.config import DEFAULT_MODEL_NAME
     from worker.engine.engine import Engine
 
     url, store = gateway_64
@@ -263,7 +264,8 @@ async def test_a_job_without_max_tokens_reserves_the_rest_of_the_context_then_se
             assert "64 tokens" in error["message"] and "50 tokens per minute" in error["message"]
         oai = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=small, max_retries=0)
         with pytest.raises(openai.BadRequestError) as refused:
-            await oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            # The model the worker above served: with no worker running, a request waits only for such a one.
+            await oai.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "hi"}])
         assert refused.value.code == "rate_limit_exceeded" and "64 tokens" in refused.value.message
         await oai.close()
         assert (await _usage(url, http, small_headers))["window"]["requests"] == 0
