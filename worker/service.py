@@ -205,13 +205,34 @@ class WorkerService:
     # --- intake ----------------------------------------------------------------------------
 
     async def _intake(self) -> None:
+        """Read entries as slots free up and admit each in a task of its own, so that one waiting on Redis (a
+        START refused at maxmemory, say) holds its slot only, not the reads of every lane; on the way out the
+        admissions under way end first (those waiting on Redis give up when the worker drains)."""
+        admissions: set[asyncio.Task[None]] = set()
+        try:
+            await self._read_entries(admissions)
+        except asyncio.CancelledError:
+            for task in admissions:
+                task.cancel()
+            raise
+        finally:
+            await asyncio.gather(*admissions, return_exceptions=True)
+
+    def _admit(self, entries: list[Entry], admissions: set[asyncio.Task[None]]) -> None:
+        self.job_loop.reserve(len(entries))
+        for entry in entries:
+            task = asyncio.create_task(self.intake.take(entry), name=f"admit {entry.ref}")
+            admissions.add(task)
+            task.add_done_callback(admissions.discard)
+
+    async def _read_entries(self, admissions: set[asyncio.Task[None]]) -> None:
         reclaim_every_s = max(0.05, self.config.lease_s / 4)
         next_reclaim = 0.0
         while not self.is_draining:
             raise_if_cancelled()
             free = self.job_loop.free
             if free == 0 and self.job_loop.interactive_free > 0:
-                await self._intake_reserve()
+                await self._intake_reserve(admissions)
                 continue
             if free == 0:
                 self.job_loop.slot_freed.clear()
@@ -234,10 +255,9 @@ class WorkerService:
             except REDIS_ERRORS as e:
                 await self._redis_down("intake", e)  # entries already taken are still admitted below
             if entries:
-                self.job_loop.reserve(len(entries))
-                await asyncio.gather(*(self.intake.take(entry) for entry in entries))
+                self._admit(entries, admissions)
 
-    async def _intake_reserve(self) -> None:
+    async def _intake_reserve(self, admissions: set[asyncio.Task[None]]) -> None:
         """Every slot is busy: take interactive entries only, for the engine to preempt a lower lane for.
 
         It polls instead of blocking: a worker with a free slot, blocked on the lanes, is served a new
@@ -258,8 +278,7 @@ class WorkerService:
             await self._redis_down("intake", e)
             return
         if entries:
-            self.job_loop.reserve(len(entries))
-            await asyncio.gather(*(self.intake.take(entry) for entry in entries))
+            self._admit(entries, admissions)
 
     # --- leases, cancellation, heartbeat ----------------------------------------------------------
 

@@ -208,3 +208,43 @@ async def test_an_outage_longer_than_the_lease_moves_no_job_between_live_workers
     assert not [m for m in messages if "reclaimed" in m], messages
     assert len([m for m in messages if m.startswith("step writes (") and "Redis unavailable" in m]) == 2, messages
     assert not [m for m in messages if "of this step not written" in m]
+
+
+async def test_an_admission_waiting_out_maxmemory_holds_up_no_other_entry(engine, tmp_path):
+    """A large entry whose start Redis refuses at maxmemory (its record would not fit) waits for memory in its own
+    slot; the worker goes on reading, and a small interactive job that fits is admitted meanwhile."""
+    server = EmbeddedRedis(tmp_path / "redis", is_persistent=False).start()
+    client = aioredis.Redis.from_url(server.url)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    try:
+        used = int((await client.info("memory"))["used_memory"])
+        producer = aioredis.Redis.from_url(server.url)  # closed after: its 2 MB read buffer in Redis goes with it
+        await xadd_job(producer, JobSpec(id="large", prompt="a large job", params=params,
+                                         metadata={"blob": "x" * 2_000_000}))
+        await producer.aclose()
+        # Room for the large entry and small jobs, not for the large job's record beside it.
+        await client.config_set("maxmemory", used + 3_000_000)
+        async with running_worker(server.url, engine) as service:
+            await wait_until(lambda: service.intake.admitting, "the large entry's admission under way")
+
+            async def small_enqueued() -> bool:
+                try:  # refused while a try of the large start holds its 2 MB in Redis
+                    await xadd_job(client, JobSpec(id="small", prompt="a small job", params=params,
+                                                   lane=Lane.INTERACTIVE))
+                except aioredis.OutOfMemoryError:
+                    return False
+                return True
+
+            await wait_until(small_enqueued, "the small job enqueued")
+            # Admitted (its writes may meet the tries of the large start, so it need not end before memory is freed).
+            await wait_until(lambda: client.hget(KEYS.job("small"), "status"), "the small job admitted",
+                             timeout_s=60)
+            assert await client.hget(KEYS.job("large"), "status") is None  # still waiting for memory
+            await client.config_set("maxmemory", 0)
+            views = await wait_terminal(client, ["small", "large"])
+            assert not service.stopped.is_set()
+        assert views["small"]["status"] == views["large"]["status"] == "succeeded"
+        assert views["large"]["metadata"]["blob"] == "x" * 2_000_000
+    finally:
+        await client.aclose()
+        server.stop()
