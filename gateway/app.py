@@ -36,7 +36,7 @@ from gateway.webhooks import check_webhook_url_async
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher
 from scheduler.protocol.keys import Keys
-from scheduler.protocol.redis_client import connection_options
+from scheduler.protocol.redis_client import check_access, connection_options
 from scheduler.runtime.tasks import cancel_and_reap
 from scheduler.telemetry.otel import Telemetry
 
@@ -84,6 +84,11 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
         **connection_options(timeout_s=config.redis_timeout_s),
     )
     client = aioredis.Redis(connection_pool=pool)
+    try:
+        await check_access(client)  # wrong credentials or ACL: refused at start (RedisRefused), not at every request
+    except BaseException:
+        await client.aclose()
+        raise
     app[appkeys.REDIS] = client
     yield
     await client.aclose()

@@ -25,7 +25,7 @@ from aiohttp.typedefs import Middleware
 from aiohttp.web_urldispatcher import MatchInfoError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from scheduler.protocol.redis_client import is_out_of_memory
+from scheduler.protocol.redis_client import is_out_of_memory, is_refusal
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def error_middleware(retry_after_s: int, max_body_bytes: int) -> Middleware:
         except REDIS_UNAVAILABLE as e:
             return _redis_unavailable(request, e, retry_after_s, is_openai)
         except Exception as e:
-            if is_out_of_memory(e):
+            if is_out_of_memory(e) or is_refusal(e):
                 return _redis_unavailable(request, e, retry_after_s, is_openai)
             log.exception("%s %s failed", request.method, request.path)
             if is_openai:
@@ -99,11 +99,16 @@ def _redis_unavailable(request: web.Request, error: Exception, retry_after_s: in
     """The 503 for a Redis that cannot serve the request now; the reason says which way, and what to repeat."""
     if is_out_of_memory(error):
         reason = "Redis is at its maxmemory and refuses writes"
+    elif is_refusal(error):
+        # No wait mends it: the operator must give the gateway's Redis user what it needs.
+        reason = f"Redis refuses this gateway's user a command it needs ({error})"
     else:
         reason = str(error) or type(error).__name__
     if request.transport is None or request.transport.is_closing():
         # The client has gone (an event stream closed mid-write): nobody reads the answer.
         log.debug("%s %s: client gone: %s", request.method, request.path, reason)
+    elif is_refusal(error):
+        log.error("%s %s: %s", request.method, request.path, reason)
     else:
         log.warning("%s %s: Redis unavailable: %s", request.method, request.path, reason)
     if isinstance(error, RedisTimeoutError) and request.method not in ("GET", "HEAD"):

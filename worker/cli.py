@@ -129,10 +129,20 @@ async def start_engine(config: WorkerConfig) -> EngineRunner:
 
 async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None = None) -> int:
     """Run until SIGTERM/SIGINT (or a failed background task), then shut down in two phases."""
+    from scheduler.protocol.redis_client import RedisRefused, check_access, redacted_url
     from scheduler.protocol.redis_client import connect as connect_redis
 
     from worker.service import WorkerService
 
+    # Before the model loads: wrong credentials or an ACL user without scripts are said at once, in one line.
+    probe = connect_redis(config.redis_url, timeout_s=config.redis_timeout_s)
+    try:
+        await check_access(probe)
+    except RedisRefused as e:
+        print(f"carpool worker: Redis at {redacted_url(config.redis_url)} refuses this worker: {e}", file=sys.stderr)
+        return 1
+    finally:
+        await probe.aclose()
     try:
         runner = await start_engine(config)
     except EngineStartError as e:

@@ -31,6 +31,7 @@ from scheduler.protocol.job import (
 )
 from scheduler.protocol.job_record import job_view
 from scheduler.protocol.keys import EVENTS_LOG_TTL_S, Keys
+from scheduler.protocol.redis_client import is_refusal
 from scheduler.protocol.redis_replies import as_optional_bytes
 from scheduler.protocol.state_machine import StartVerdict
 from scheduler.protocol.tenants import DEFAULT_TENANT, tenant_of
@@ -76,6 +77,10 @@ class EntryIntake:
             # One token for every try of this admission: a START whose reply was lost, tried again, is no second start.
             await self._take_while_redis_is_down(entry, secrets.token_hex(8))
         except Exception as e:
+            if is_refusal(e):
+                # The worker's Redis user lacks a command (ACL), which says nothing of the entry: the worker stops
+                # (see ``WorkerService``) rather than spend every entry's deliveries; the entry is redelivered.
+                raise
             if is_redis_down(e) and self.is_draining:
                 # Stopping with Redis away: nothing is wrong with the entry, and nothing can be written now.
                 log.warning("admitting %s: stopped while Redis is unavailable (%s); it is redelivered after the lease",

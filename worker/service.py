@@ -71,6 +71,8 @@ class WorkerService:
         self.has_stranded_jobs = False
         """The shutdown could not hand its running jobs back (Redis unavailable): they wait for the lease."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._refused: BaseException | None = None
+        """What Redis refused this worker's user (an ACL it lacks), found admitting an entry: the worker stops."""
         self._outages = outage_log(log)
         self._redis_down_at = -math.inf
         """When a loop last found Redis unavailable (monotonic): for a lease after it, only handed-back entries
@@ -200,7 +202,8 @@ class WorkerService:
         return self._failed()
 
     def _failed(self) -> bool:
-        return any(t.done() and not t.cancelled() and t.exception() is not None for t in self._tasks.values())
+        return self._refused is not None or any(
+            t.done() and not t.cancelled() and t.exception() is not None for t in self._tasks.values())
 
     # --- intake ----------------------------------------------------------------------------
 
@@ -221,9 +224,21 @@ class WorkerService:
     def _admit(self, entries: list[Entry], admissions: set[asyncio.Task[None]]) -> None:
         self.job_loop.reserve(len(entries))
         for entry in entries:
-            task = asyncio.create_task(self.intake.take(entry), name=f"admit {entry.ref}")
+            task = asyncio.create_task(self.intake.take(entry), name=f"admitting {entry.ref}")
             admissions.add(task)
             task.add_done_callback(admissions.discard)
+            task.add_done_callback(self._admission_ended)
+
+    def _admission_ended(self, task: asyncio.Task[None]) -> None:
+        """An admission raises only when Redis refuses this worker's user a command it needs (ACL): no entry
+        can start here, so the worker stops, exiting non-zero, instead of using up every entry's deliveries."""
+        if task.cancelled() or task.exception() is None:
+            return
+        if self._refused is None:
+            log.error("%s: Redis refuses this worker's user a command it needs (%s); stopping the worker",
+                      task.get_name(), task.exception())
+        self._refused = task.exception()
+        self.stopped.set()
 
     async def _read_entries(self, admissions: set[asyncio.Task[None]]) -> None:
         reclaim_every_s = max(0.05, self.config.lease_s / 4)

@@ -24,6 +24,7 @@ from gateway.cli.up import UpConfig, default_data_dir, run_up
 from gateway.cli.up_worker import WorkerChild
 from gateway.config import GatewayConfig
 from gateway.webhooks.config import WebhookConfig
+from scheduler.protocol.redis_client import RedisRefused, redacted_url
 from scheduler.runtime.flags import add_config_flags, config_from_args
 from scheduler.runtime.listen import LISTEN_ERRNOS
 from scheduler.runtime.model_path import OFFLINE_ENV
@@ -191,6 +192,9 @@ def run_gateway(config: GatewayConfig, log_level: str, telemetry_config: Telemet
         if e.errno not in LISTEN_ERRNOS:
             raise
         print(f"carpool gateway: cannot listen on {config.host}:{config.port}: {os.strerror(e.errno)}", file=sys.stderr)
+        return 1
+    except RedisRefused as e:
+        print(f"carpool gateway: Redis at {redacted_url(config.redis_url)} refuses this gateway: {e}", file=sys.stderr)
         return 1
     finally:
         telemetry.shutdown()

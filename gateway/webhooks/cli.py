@@ -20,7 +20,7 @@ from gateway.webhooks.dispatcher import WebhookDispatcher
 from gateway.webhooks.metrics import WebhookMetrics, dispatcher_http_app
 from gateway.webhooks.signing import generate_secret
 from scheduler.protocol.keys import DEFAULT_PREFIX, Keys, check_key_prefix
-from scheduler.protocol.redis_client import REDIS_TIMEOUT_S, check_redis_url, redacted_url
+from scheduler.protocol.redis_client import REDIS_TIMEOUT_S, RedisRefused, check_access, check_redis_url, redacted_url
 from scheduler.protocol.redis_client import connect as connect_redis
 from scheduler.runtime.tasks import cancel_and_reap
 from scheduler.telemetry.otel import Telemetry
@@ -76,6 +76,7 @@ async def serve(redis_url: str, keys: Keys, config: WebhookConfig, telemetry: Te
     metrics = WebhookMetrics(telemetry) if telemetry is not None else None
     http: web.AppRunner | None = None
     try:
+        await check_access(client)  # raises RedisRefused: wrong credentials or ACL, which no wait mends
         async with WebhookDispatcher(client, keys, config, observer=metrics) as dispatcher:
             assert dispatcher.task is not None
             task = dispatcher.task
@@ -136,6 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                           metrics_port=args.metrics_port, redis_timeout_s=args.redis_timeout_s))
     except ListenError as e:
         print(f"carpool webhooks: {e}", file=sys.stderr)
+        return 1
+    except RedisRefused as e:
+        print(f"carpool webhooks: Redis at {redacted_url(args.redis_url)} refuses this dispatcher: {e}",
+              file=sys.stderr)
         return 1
     finally:
         telemetry.shutdown()

@@ -32,7 +32,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError, OutOfMemoryError, RedisError, ResponseError
 
 HEALTH_CHECK_INTERVAL_S = 10
 """A connection idle this long is PINGed before its next command."""
@@ -65,6 +65,35 @@ def connect(redis_url: str, *, max_block_ms: int = 0, timeout_s: float = REDIS_T
     """A client of `redis_url` whose connections survive a Redis restart and never wait on a silent Redis for
     ever (replies as bytes, never decoded); `max_block_ms` and `timeout_s` as in `connection_options`."""
     return aioredis.Redis.from_url(redis_url, **connection_options(max_block_ms=max_block_ms, timeout_s=timeout_s))
+
+
+class RedisRefused(Exception):
+    """Redis refuses this client for good: credentials it does not take, or an ACL user without a command carpool
+    needs. No wait mends that, unlike an outage."""
+
+
+_SCRIPT_ACL_REPLIES = ("can't run this command", "no permissions to run")
+"""What Redis says of a command a script called and the user may not run (6.2, then 7's wording)."""
+
+
+def is_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is Redis refusing this client's credentials or one of its commands (ACL), also one that a
+    script called."""
+    return isinstance(error, (AuthenticationError, NoPermissionError)) or (
+        isinstance(error, ResponseError) and any(reply in str(error) for reply in _SCRIPT_ACL_REPLIES))
+
+
+async def check_access(client: aioredis.Redis) -> None:
+    """Raise `RedisRefused` when Redis refuses `client` outright: wrong credentials, or a user that may not run
+    scripts (carpool's every change of a job is one). Unreachable, or at maxmemory, passes: that is waited out."""
+    try:
+        await client.ping()
+        await client.script_load("return 1")
+    except RedisError as e:
+        if is_refusal(e):
+            raise RedisRefused(str(e)) from e
+    except OSError:
+        pass
 
 
 def is_out_of_memory(error: BaseException) -> bool:
