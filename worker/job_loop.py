@@ -38,7 +38,8 @@ from worker.job_store import EntryRef, JobStore, pack
 from worker.metrics import WorkerMetrics
 from worker.redis_errors import is_redis_down, outage_log
 from worker.running_job import RunningJob, outcome_of, output_of
-from worker.step_writes import CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NOT_OURS, StepWriter, StepWrites
+from worker.step_writes import (CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NO_RECORD, CHECKPOINT_NOT_OURS, StepWriter,
+                                StepWrites)
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +132,12 @@ class JobLoop:
             "type": "cancelled", "message": "cancelled while running"}))
         return True
 
-    def drop(self, job_id: str) -> None:
-        """Forget a job without committing anything (its entry is someone else's now)."""
+    def drop(self, job_id: str, why: str) -> None:
+        """Forget a job without committing anything (it is not ours to finish any more: `why`)."""
         job = self.jobs.get(job_id)
         if job is not None:
             with job_context(job_id, job.trace.span if job.trace is not None else None):
-                log.warning("job %s: lease lost, another worker owns it now; stopping our copy", job_id)
+                log.warning("job %s: %s; stopping our copy", job_id, why)
             self._abort(job_id)
 
     def _abort(self, job_id: str) -> None:
@@ -290,7 +291,9 @@ class JobLoop:
             if job.spec.id not in self.jobs:
                 continue
             if replies[index] == CHECKPOINT_NOT_OURS:
-                self.drop(job.spec.id)
+                self.drop(job.spec.id, "its record says it is not running here (another worker took it over)")
+            elif replies[index] == CHECKPOINT_NO_RECORD:
+                self.drop(job.spec.id, "its record is gone (deleted, or lost by Redis: a restart without persistence?)")
             elif replies[index] == CHECKPOINT_CANCEL_FLAGGED:
                 self.cancel(job.spec.id)
         for job, out in finished:

@@ -313,7 +313,8 @@ class WorkerService:
                 continue
             for ref in lost:
                 if ref in by_entry:
-                    self.job_loop.drop(by_entry[ref])
+                    self.job_loop.drop(by_entry[ref], "its entry is no longer pending here (another worker reclaimed it "
+                                                      "after a lapsed lease, or Redis lost the lane's group)")
                 self.intake.admitting.discard(ref)
                 self.job_loop.commits.retrying.discard(ref)
 

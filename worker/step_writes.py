@@ -26,7 +26,7 @@ from scheduler.protocol.keys import EVENTS_LOG_TTL_S, Keys
 from worker.job_store import pack_checkpoint
 
 
-CHECKPOINT_STORED, CHECKPOINT_NOT_OURS, CHECKPOINT_CANCEL_FLAGGED = 1, 0, 2
+CHECKPOINT_STORED, CHECKPOINT_NOT_OURS, CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NO_RECORD = 1, 0, 2, 3
 
 
 @dataclass

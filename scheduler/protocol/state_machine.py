@@ -311,7 +311,10 @@ end
 local replies = {}
 for k = 2, #KEYS, 2 do
   local job, cancel = KEYS[k], KEYS[k + 1]
-  if redis.call('HGET', job, '@status@') ~= '@running@' or redis.call('HGET', job, '@worker@') ~= ARGV[1] then
+  local status = redis.call('HGET', job, '@status@')
+  if not status then
+    replies[#replies + 1] = 3
+  elseif status ~= '@running@' or redis.call('HGET', job, '@worker@') ~= ARGV[1] then
     replies[#replies + 1] = 0
   else
     redis.call('HSET', job, '@checkpoint@', ARGV[i])
@@ -327,7 +330,8 @@ return replies
 KEYS: webhook stream, then (job record, cancel flag) per checkpoint.
 ARGV: worker, n events, n webhook deliveries, events log ttl_s, then (channel, events log, message) per
 event, (n fields, field pairs...) per delivery, (checkpoint, first_token_at|'') per checkpoint.
-Returns per checkpoint: 1 stored, 0 not ours (not running, or running elsewhere), 2 cancel flagged."""
+Returns per checkpoint: 1 stored, 0 not ours (not running, or running elsewhere), 2 cancel flagged, 3 no record
+(deleted, or lost by Redis)."""
 
 RENEW_LEASE = """
 local lost = {}

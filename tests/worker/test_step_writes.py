@@ -12,6 +12,7 @@ from scheduler.protocol.redis_replies import read_hash
 from worker.job_store import unpack_checkpoint
 from worker.step_writes import (
     CHECKPOINT_CANCEL_FLAGGED,
+    CHECKPOINT_NO_RECORD,
     CHECKPOINT_NOT_OURS,
     CHECKPOINT_STORED,
     StepWriter,
@@ -43,11 +44,13 @@ async def test_events_deliveries_and_checkpoints_in_one_call(redis: aioredis.Red
     stored = writes.checkpoint("a", [5, 6, 7], 12.5)
     lost = writes.checkpoint("b", [1], None)
     flagged = writes.checkpoint("c", [9, 9], 3.0, [{"token_id": 9, "logprob": -0.5}] * 2)
+    gone = writes.checkpoint("d", [1], None)  # no record: deleted, or lost by Redis
 
     replies = await StepWriter(redis, keys, WORKER).write(writes)
 
-    assert (replies[stored], replies[lost], replies[flagged]) == (
-        CHECKPOINT_STORED, CHECKPOINT_NOT_OURS, CHECKPOINT_CANCEL_FLAGGED)
+    assert (replies[stored], replies[lost], replies[flagged], replies[gone]) == (
+        CHECKPOINT_STORED, CHECKPOINT_NOT_OURS, CHECKPOINT_CANCEL_FLAGGED, CHECKPOINT_NO_RECORD)
+    assert not await redis.exists(keys.job("d"))  # no checkpoint makes a record of its own
     record = await read_hash(redis, keys.job("a"))
     assert unpack_checkpoint(record[b"checkpoint"]) == ([5, 6, 7], None)
     assert record[b"first_token_at"] == b"12.5"

@@ -257,3 +257,20 @@ async def test_a_resumed_job_reports_the_logprobs_of_every_output_token(redis_ur
     assert all(entry["top_logprobs"][0]["token_id"] == entry["token_id"] for entry in logprobs)
     assert all(len(entry["top_logprobs"]) == 2 and entry["logprob"] <= 0 for entry in logprobs)
     await client.aclose()
+
+
+async def test_a_running_job_whose_record_vanishes_is_stopped_saying_so(redis_url, long_engine, caplog):
+    """Its record deleted from outside (or lost by a Redis restart without persistence): the worker's next
+    checkpoint finds no record, and the worker stops its copy saying that, not that another worker took it."""
+    client = aioredis.Redis.from_url(redis_url)
+    params = SamplingParams(max_tokens=16000, temperature=0, ignore_eos=True)
+    with caplog.at_level("WARNING", logger="worker.job_loop"):
+        async with running_worker(redis_url, long_engine, checkpoint_tokens=4) as service:
+            await xadd_job(client, JobSpec(id="vanishing", prompt="x", params=params))
+            await wait_until(lambda: client.hget(KEYS.job("vanishing"), "checkpoint"), "the first checkpoint")
+            await client.delete(KEYS.job("vanishing"))
+            await wait_until(lambda: "vanishing" not in service.job_loop.jobs, "the worker stopping its copy")
+    await client.aclose()
+    (line,) = [r.getMessage() for r in caplog.records if "stopping our copy" in r.getMessage()]
+    assert line == ("job vanishing: its record is gone (deleted, or lost by Redis: a restart without "
+                    "persistence?); stopping our copy")
