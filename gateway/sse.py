@@ -181,9 +181,14 @@ async def stream_events(request: web.Request, response: web.StreamResponse, redi
                 await response.write(b": keep-alive\n\n")
                 # A final event lost to a dropped connection must not leave the stream open forever.
                 record = await read_hash(redis, keys.job(job_id))
-                if not record or is_terminal(record):
-                    if record:
-                        await send(from_view(job_view(record), cursor))
+                if not record:
+                    # Deleted, expired, or lost by Redis (a restart without persistence): said, not a silent end.
+                    await send([{"type": "error", "id": job_id, "error": {
+                        "type": "not_found", "message": "the job's record is gone (deleted, expired, or lost by "
+                                                        "Redis); no more events will come"}}])
+                    return
+                if is_terminal(record):
+                    await send(from_view(job_view(record), cursor))
                     return
                 continue
             if event["type"] == "closed":

@@ -126,3 +126,27 @@ async def test_head_on_an_event_stream_is_headers_only_and_the_connection_stays_
     status, content_type, body, health_status = await asyncio.to_thread(head_then_get)
     assert (status, body, health_status) == (200, b"", 200)
     assert content_type.startswith("text/event-stream")
+
+
+async def test_a_stream_whose_job_record_vanishes_ends_with_an_error_event(redis_url: str) -> None:
+    """Deleted, or lost by a Redis restart without persistence, while the client waits: an `error` event says so,
+    and the stream ends rather than stopping without a word."""
+    from gateway.app import init_app
+    from gateway.config import GatewayConfig
+    from tests.harness.gateway_server import GatewayTestServer
+
+    client = aioredis.Redis.from_url(redis_url)
+    server = GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True, sse_heartbeat_s=0.2)))
+    async with server, aiohttp.ClientSession() as http:
+        await _submit(http, str(server.make_url("")).rstrip("/"), "vanishing", 4)  # no worker: it waits
+
+        async def delete_soon() -> None:
+            await asyncio.sleep(0.5)
+            await client.delete(KEYS.job("vanishing"))
+
+        deleting = asyncio.create_task(delete_soon())
+        events = await asyncio.wait_for(_events(http, str(server.make_url("/v1/jobs/vanishing/events"))), WAIT_S)
+        await deleting
+    await client.aclose()
+    assert [kind for _, kind, _ in events] == ["error"]
+    assert events[0][2]["error"]["type"] == "not_found" and "record is gone" in events[0][2]["error"]["message"]
