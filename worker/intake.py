@@ -336,13 +336,16 @@ def _recover_id(data: dict[Any, Any]) -> str | None:
 
 
 def _enqueued_at(routed_from: bytes | None, entry_id: str) -> float:
-    """Unix seconds of an entry's first XADD: its id's time, or that of the id it was routed from."""
+    """Unix seconds of an entry's first XADD: its id's time, or that of the id it was routed from; never later
+    than now (a producer may XADD with an explicit id from the future, and every ``*`` id after it in the lane
+    follows it there), so no job waits or runs a negative time."""
+    now = time.time()
     for raw in (routed_from, entry_id.encode()):
         try:
-            return int((raw or b"").split(b"-", 1)[0]) / 1000
+            return min(now, int((raw or b"").split(b"-", 1)[0]) / 1000)
         except ValueError:
             continue
-    return time.time()
+    return now
 
 
 def _safe_text(text: str) -> str:

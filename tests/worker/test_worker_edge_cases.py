@@ -274,3 +274,19 @@ async def test_a_running_job_whose_record_vanishes_is_stopped_saying_so(redis_ur
     (line,) = [r.getMessage() for r in caplog.records if "stopping our copy" in r.getMessage()]
     assert line == ("job vanishing: its record is gone (deleted, or lost by Redis: a restart without "
                     "persistence?); stopping our copy")
+
+
+async def test_an_entry_id_from_the_future_gives_no_negative_wait(redis_url, engine):
+    """A producer's explicit id far ahead (and every `*` id after it in that lane) is no time a job waited from:
+    its record says it was created when the worker met it at the latest, and no timing is negative."""
+    client = aioredis.Redis.from_url(redis_url)
+    params = {"max_tokens": 2, "temperature": 0}
+    for job_id, entry_id in (("ahead", "9999999999999-0"), ("after-it", "*")):
+        await client.xadd(KEYS.lane(Lane.INTERACTIVE), {"job": json.dumps(
+            {"v": 1, "id": job_id, "prompt": "x", "params": params})}, id=entry_id)
+    async with running_worker(redis_url, engine):
+        views = await wait_terminal(client, ["ahead", "after-it"])
+    await client.aclose()
+    for view in views.values():
+        assert view["status"] == "succeeded" and view["created_at"] <= view["started_at"], view
+        assert all(value >= 0 for value in view["timings"].values()), view["timings"]
