@@ -24,7 +24,7 @@ from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from scheduler.protocol.job import JobSpec, JobStatus
+from scheduler.protocol.job import TERMINAL_STATUSES, JobSpec, JobStatus
 from scheduler.protocol.lanes import LANES
 from scheduler.protocol.tenants import DEFAULT_MAX_TENANT_LABELS, DEFAULT_TENANT, TenantLabels
 from scheduler.telemetry import metric_schema
@@ -94,6 +94,8 @@ class WorkerMetrics(ProcessMetrics):
             self._reclaimed.add(0, {metric_schema.A_LANE: lane.value})
             for reason in DEAD_LETTER_REASONS:
                 self._dead.add(0, {metric_schema.A_LANE: lane.value, metric_schema.A_DEAD_LETTER_REASON: reason})
+            for status in sorted(TERMINAL_STATUSES):
+                self._finished.add(0, {metric_schema.A_LANE: lane.value, metric_schema.A_JOB_STATUS: status.value})
 
     # --- engine ------------------------------------------------------------------------
 

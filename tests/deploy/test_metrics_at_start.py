@@ -23,3 +23,18 @@ def test_worker_exports_every_dead_letter_reason_at_zero() -> None:
     assert exported == dict.fromkeys(DEAD_LETTER_REASONS, 0.0)
     series = [labels for name, labels in samples(text) if name == "carpool_jobs_dead_lettered_total"]
     assert len(series) == len(LANES) * len(DEAD_LETTER_REASONS)
+
+
+def test_worker_exports_every_lane_and_ending_of_finished_jobs_at_zero() -> None:
+    """So `increase(carpool_jobs_finished_total{carpool_job_status="failed"}[5m])` sees the first failure."""
+    from worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics()
+    try:
+        text = metrics.render().decode()
+    finally:
+        metrics.close()
+    exported = {(dict(labels)["carpool_lane"], dict(labels)["carpool_job_status"]): v
+                for (name, labels), v in samples(text).items() if name == "carpool_jobs_finished_total"}
+    assert exported == {(lane.value, status): 0.0 for lane in LANES
+                        for status in ("succeeded", "failed", "cancelled", "expired")}
