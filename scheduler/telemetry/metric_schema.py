@@ -35,17 +35,24 @@ A_HTTP_STATUS = "http.response.status_code"
 A_HTTP_REQUEST_ID = "http.response.header.x-request-id"
 """The id the gateway names each answer by (its `x-request-id` header): on the request's span (traces only)."""
 
-# Bucket boundaries advised by the semantic conventions where they give some.
-TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+# Bucket boundaries advised by the semantic conventions where they give some, extended past them where a job's
+# times count its wait in the lane: a batch-lane job may wait hours of its 24 h window, and a quantile cannot
+# rise above the last finite boundary.
+_HOURS_S = (1800.0, 3600.0, 7200.0, 21600.0, 43200.0, 86400.0)
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  30.0, 60.0, 300.0, *_HOURS_S)
 # Per-token gaps sit well below per-request latencies; finer at the bottom than the TPOT advice.
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-DURATION_BUCKETS_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
-QUEUE_WAIT_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
+DURATION_BUCKETS_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+                      300.0, 900.0, *_HOURS_S)
+QUEUE_WAIT_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, *_HOURS_S)
 STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TOKEN_USAGE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-HTTP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+# Past the advice's 10 s: long-polls (up to --max-wait-s, 60 s by default) and streamed answers last longer.
+HTTP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0,
+                  300.0, 1800.0)
 
 # The Prometheus exporter's unit words (UCUM annotations in braces are dropped, "1" adds nothing).
 _UNIT_WORDS = {"s": "seconds", "ms": "milliseconds", "By": "bytes", "1": "", "%": "percent"}
@@ -112,7 +119,9 @@ HTTP_SERVER_DURATION = MetricSpec(
 )
 WEBHOOK_DELIVERIES = MetricSpec(
     "carpool.webhook.deliveries", "counter", "{delivery}",
-    "Webhook delivery attempts by outcome: delivered, retrying, gone (receiver answered 410), dead (retries exhausted).",
+    "Webhook delivery attempts by event (a job's started, output, completed; a batch's batch.completed, "
+    "batch.failed, batch.expired, batch.cancelled) and outcome: delivered, retrying, gone (receiver answered 410), "
+    "dead (retries exhausted).",
     (A_WEBHOOK_EVENT, A_WEBHOOK_OUTCOME),
 )
 WEBHOOK_DURATION = MetricSpec(
@@ -165,7 +174,8 @@ REQUEST_DURATION = MetricSpec(
 )
 TOKEN_USAGE = MetricSpec(
     "gen_ai.client.token.usage", "histogram", "{token}",
-    "Prompt (input) and generated (output) tokens per finished job.", (A_LANE, A_TOKEN_TYPE), TOKEN_USAGE_BUCKETS,
+    "Prompt (input) and generated (output) tokens of each job that ran (a job ended before it started has none).",
+    (A_LANE, A_TOKEN_TYPE), TOKEN_USAGE_BUCKETS,
 )
 STEP_DURATION = MetricSpec(
     "carpool.engine.step.duration", "histogram", "s", "Wall time of one engine step (schedule, forward, sample).",
