@@ -24,6 +24,7 @@ from gateway.worker_heartbeats import live_workers
 from scheduler.protocol.job_record import job_view, json_default, tenant_of_record
 from scheduler.protocol.lanes import LANES
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE, read_hash
+from scheduler.telemetry.log_format import job_context
 from scheduler.telemetry.stream_stats import read_stream_counts
 
 log = logging.getLogger(__name__)
@@ -153,11 +154,13 @@ async def job_events(request: web.Request) -> web.StreamResponse:
         await stream_events(request, response, redis, keys, app[appkeys.HUB], job_id, app[appkeys.CONFIG].sse_heartbeat_s)
     except ConnectionResetError:
         # The client went away mid-stream (it may come back with Last-Event-ID): an ordinary end.
-        log.debug("event stream of job %s: client disconnected", job_id)
+        with job_context(job_id):
+            log.debug("event stream of job %s: client disconnected", job_id)
     except REDIS_UNAVAILABLE as e:
         if not response.prepared:
             raise  # answered 503 by the error middleware
-        log.warning("event stream of job %s: ended early, Redis unavailable: %s", job_id, e)
+        with job_context(job_id):
+            log.warning("event stream of job %s: ended early, Redis unavailable: %s", job_id, e)
     finally:
         app[appkeys.METRICS].waiter_closed()
     return response

@@ -126,6 +126,8 @@ class JobLoop:
         job = self.jobs.get(job_id)
         if job is None:
             return False
+        with job_context(job_id, job.trace.span if job.trace is not None else None):
+            log.info("job %s: cancelled while running, after %d output tokens", job_id, len(job.token_ids))
         self._abort(job_id)
         # The text and tokens produced until now stay on the record (the finish_reason of an aborted request).
         self.commits.spawn(outcome_of(job, JobStatus.CANCELLED, output=output_of(job, "abort"), error={

@@ -180,3 +180,22 @@ async def test_entries_dead_lettered_before_any_job_is_read_each_get_a_line(redi
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     dead = sorted((r["dead_letter"], r["lane"], r["level"]) for r in lines if "dead_letter" in r)
     assert dead == [("invalid_job", "batch", "warning"), ("no_job_field", "batch", "warning")], lines
+
+
+async def test_the_line_of_a_cancel_while_running_names_the_job_and_its_trace(redis_url: str, tiny_model) -> None:
+    from worker.engine.engine import Engine
+
+    engine = Engine(model=tiny_model(max_position_embeddings=16384), max_num_seqs=2)
+    client = aioredis.Redis.from_url(redis_url)
+    params = SamplingParams(max_tokens=16000, temperature=0, ignore_eos=True)
+    with worker_json_logs() as stream:
+        async with running_worker(redis_url, engine):
+            await xadd_job(client, JobSpec(id="stopped", prompt="x", params=params,
+                                           traceparent=f"00-{GOOD_TRACE}-b7ad6b7169203331-01"))
+            await wait_until(lambda: client.hget(KEYS.job("stopped"), "first_token_at"), "the first token")
+            await client.set(KEYS.cancel("stopped"), 1)  # as the gateway flags a cancel, seen at a checkpoint
+            await wait_terminal(client, ["stopped"])
+    await client.aclose()
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    (cancelled,) = [r for r in lines if "cancelled while running" in r["message"]]
+    assert cancelled["job_id"] == "stopped" and cancelled["trace_id"] == GOOD_TRACE, cancelled
