@@ -68,6 +68,8 @@ class WorkerService:
         """A worker handed entries back (control message ``handback``): reclaim before reading new entries."""
         self.hand_back_now = asyncio.Event()
         """Set to end the shutdown's grace period at once: running jobs are checkpointed and handed back."""
+        self.is_redis_writable = True
+        """Whether the last heartbeat was written: not while Redis is unreachable or at maxmemory (``/readyz``)."""
         self.has_stranded_jobs = False
         """The shutdown could not hand its running jobs back (Redis unavailable): they wait for the lease."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -379,8 +381,10 @@ class WorkerService:
             try:
                 await self._beat()
             except REDIS_ERRORS as e:
+                self.is_redis_writable = False
                 await self._redis_down("heartbeat", e)  # and the next beat an interval later
             else:
+                self.is_redis_writable = True
                 self._outages.recovered()
             raise_if_cancelled()
 
@@ -412,8 +416,10 @@ async def _healthz(request: web.Request) -> web.Response:
 
 async def _readyz(request: web.Request) -> web.Response:
     service = request.app[SERVICE_KEY]
-    body = {"ready": service.is_ready, "draining": service.is_draining, "running": len(service.job_loop.jobs),
-            "capacity": service.config.capacity}
-    return web.json_response(body, status=200 if service.is_ready else 503)
+    # Ready while it can take jobs: started, not draining, and Redis taking its writes (its last heartbeat).
+    is_ready = service.is_ready and service.is_redis_writable
+    body = {"ready": is_ready, "draining": service.is_draining, "running": len(service.job_loop.jobs),
+            "capacity": service.config.capacity, "redis": "ok" if service.is_redis_writable else "unavailable"}
+    return web.json_response(body, status=200 if is_ready else 503)
 
 

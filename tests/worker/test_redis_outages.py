@@ -119,9 +119,17 @@ async def test_a_worker_waits_out_redis_at_maxmemory_and_its_jobs_end_once(engin
             await xadd_job(client, JobSpec(id="across", prompt="runs across a full Redis", params=params,
                                            reply_to="replies:full"))
             await wait_until(lambda: client.hget(KEYS.job("across"), "checkpoint"), "the job's first checkpoint")
-            await client.config_set("maxmemory", 1)
-            await wait_until(lambda: heartbeat_refused(client), "a heartbeat refused at maxmemory")
-            await client.config_set("maxmemory", 0)
+            from aiohttp.test_utils import TestClient, TestServer
+
+            async with TestClient(TestServer(service.http_app())) as probe:
+                await client.config_set("maxmemory", 1)
+                await wait_until(lambda: heartbeat_refused(client), "a heartbeat refused at maxmemory")
+                await wait_until(lambda: not service.is_redis_writable, "the refused heartbeat seen")
+                ready = await probe.get("/readyz")
+                assert ready.status == 503 and (await ready.json())["redis"] == "unavailable"
+                await client.config_set("maxmemory", 0)
+                await wait_until(lambda: service.is_redis_writable, "a heartbeat written again")
+                assert (await probe.get("/readyz")).status == 200
             freed_at = time.time()
             await xadd_job(client, JobSpec(id="after", prompt="queued once memory is back", params=params,
                                            reply_to="replies:full"))
