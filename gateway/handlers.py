@@ -23,6 +23,7 @@ from gateway.sse import CLIENT_CHECK_S, client_gone, stream_events
 from gateway.worker_heartbeats import live_workers
 from scheduler.protocol.job_record import job_view, json_default, tenant_of_record
 from scheduler.protocol.lanes import LANES
+from scheduler.protocol.redis_client import is_out_of_memory, is_refusal
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE, read_hash
 from scheduler.telemetry.log_format import job_context
 from scheduler.telemetry.stream_stats import read_stream_counts
@@ -196,7 +197,9 @@ async def readyz(request: web.Request) -> web.Response:
         workers = await live_workers(redis, keys.workers, max_age_s=app[appkeys.CONFIG].model_heartbeat_max_age_s,
                                      now=time.time())
     except (RedisError, OSError) as e:
-        return web.json_response({"status": "unavailable", "redis": f"unreachable: {e}"}, status=503,
+        state = ("at maxmemory, refusing writes" if is_out_of_memory(e)
+                 else "refusing this gateway's user" if is_refusal(e) else "unreachable")
+        return web.json_response({"status": "unavailable", "redis": f"{state}: {e}"}, status=503,
                                  headers={"Retry-After": str(app[appkeys.CONFIG].retry_after_s)})
     max_depth = app[appkeys.CONFIG].max_lane_depth
     return web.json_response({

@@ -14,8 +14,9 @@ from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
+from redis.exceptions import RedisError, WatchError
 
+from scheduler.protocol.redis_client import is_out_of_memory
 from scheduler.protocol.redis_replies import read_hash
 
 
@@ -46,7 +47,12 @@ async def live_workers(redis: aioredis.Redis, key: str, *, max_age_s: float, now
         else:
             live[name.decode()] = None if beat is _UNREADABLE else beat
     if stale:
-        await _prune(redis, key, stale)
+        try:
+            await _prune(redis, key, stale)
+        except (RedisError, OSError) as e:
+            if not is_out_of_memory(e):
+                raise
+            # At maxmemory the reading goes on (readiness is about reads): the pruning waits for the next call.
     return live
 
 

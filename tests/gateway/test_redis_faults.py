@@ -9,12 +9,14 @@ import json
 import logging
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgpack
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient
 
@@ -93,6 +95,9 @@ async def test_at_maxmemory_writes_are_503_with_retry_after_reads_go_on_and_it_r
         resp = await client.post("/v1/jobs", json={"prompt": "before"})
         assert resp.status == 202
         before = (await resp.json())["id"]
+        redis = aioredis.Redis.from_url(redis_url)
+        # A heartbeat long stale, which /readyz prunes: at maxmemory the pruning waits, and /readyz still answers.
+        await redis.hset(KEYS.workers, "long-gone", msgpack.packb({"time": time.time() - 3600}))
 
         async with at_maxmemory(redis_url):
             message = await assert_unavailable(await client.post("/v1/jobs", json={"prompt": "while full"}))
@@ -108,6 +113,8 @@ async def test_at_maxmemory_writes_are_503_with_retry_after_reads_go_on_and_it_r
             resp = await client.get(f"/v1/jobs/{before}")
             assert resp.status == 200 and (await resp.json())["status"] == "queued"
             assert (await client.get("/readyz")).status == 200
+        assert (await client.get("/readyz")).status == 200 and not await redis.hexists(KEYS.workers, "long-gone")
+        await redis.aclose()
 
         resp = await client.post("/v1/jobs", json={"prompt": "keyed"}, headers={"Idempotency-Key": "full-1"})
         assert resp.status == 202, await resp.text()
