@@ -225,7 +225,8 @@ SPEC_ACCEPTED = MetricSpec(
 )
 SPEC_MEAN_ACCEPTED_LENGTH = MetricSpec(
     "carpool.engine.spec_decode.mean_accepted_length", "observable_gauge", "{token}",
-    "Tokens a speculating sequence gains per engine step, since start: 1 + accepted / drafts.", (A_SPEC_PROPOSER,),
+    "Tokens a speculating sequence gains per engine step, since start: 1 + accepted / drafts (0 before the "
+    "first draft).", (A_SPEC_PROPOSER,),
 )
 LEASES_RECLAIMED = MetricSpec(
     "carpool.leases.reclaimed", "counter", "{job}", "Jobs this worker took over from a worker whose lease expired.",
