@@ -86,8 +86,12 @@ local function commit_terminal(job, status, record, ttl_s, channel, final, reply
   if tonumber(ttl_s) > 0 then
     -- The result's time to live starts now; the idempotency key that names the job lives as long.
     redis.call('EXPIRE', job, ttl_s)
+    local id = redis.call('HGET', job, '@id@')
     local idem = redis.call('HGET', job, '@idempotency_key@')
-    if idem and redis.call('GET', idem) == redis.call('HGET', job, '@id@') then redis.call('EXPIRE', idem, ttl_s) end
+    if idem and redis.call('GET', idem) == id then redis.call('EXPIRE', idem, ttl_s) end
+    for key in string.gmatch(redis.call('HGET', job, '@idempotency_keys@') or '', '[^\\n]+') do
+      if redis.call('GET', key) == id then redis.call('EXPIRE', key, ttl_s) end
+    end
   end
   redis.call('PUBLISH', channel, final)
   if reply_result ~= '' then redis.call('XADD', reply, 'MAXLEN', '~', reply_maxlen, '*', 'result', reply_result) end
@@ -134,7 +138,7 @@ end
 
 # ---- job record: gateway ---------------------------------------------------------------------------
 
-ENQUEUE = _job_script(_NAMED_TENANT + """
+ENQUEUE = _job_script(_TERMINAL + _NAMED_TENANT + """
 local has_key = ARGV[3] == '1'
 if has_key then
   local owner = redis.call('GET', KEYS[3])
@@ -144,7 +148,17 @@ local tenant = ARGV[6]
 local status = redis.call('HGET', KEYS[1], '@status@')
 if status then
   if named_tenant(redis.call('HGET', KEYS[1], '@spec@')) ~= tenant then return {'taken'} end
-  if has_key then redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[1]) end
+  if has_key then
+    -- The key lives as long as the record: an ended job's for the rest of its result's time to live; a waiting
+    -- or running one's until it ends, when the commit gives it the result's (the record lists it for that).
+    local ttl = redis.call('TTL', KEYS[1])
+    redis.call('SET', KEYS[3], ARGV[4], 'EX', ttl > 0 and ttl or ARGV[1])
+    local keys = redis.call('HGET', KEYS[1], '@idempotency_keys@') or ''
+    if not terminal(status) and redis.call('HGET', KEYS[1], '@idempotency_key@') ~= KEYS[3]
+        and not string.find('\\n' .. keys .. '\\n', '\\n' .. KEYS[3] .. '\\n', 1, true) then
+      redis.call('HSET', KEYS[1], '@idempotency_keys@', keys == '' and KEYS[3] or (keys .. '\\n' .. KEYS[3]))
+    end
+  end
   return {'exists', status}
 end
 if ARGV[2] == '1' then return {'full'} end

@@ -255,3 +255,24 @@ async def test_a_record_and_its_idempotency_key_get_the_results_time_to_live_whe
         assert 0 < await redis.ttl(key) <= config.result_ttl_s
     again = await client.post("/v1/jobs", json={"prompt": "later"}, headers={"Idempotency-Key": "k-1"})
     assert again.status == 200 and (await again.json())["id"] == job_id
+
+
+async def test_every_idempotency_key_naming_a_job_lives_as_long_as_its_record(
+        client: TestClient, redis: aioredis.Redis) -> None:
+    """A second key sent with the same id names the job too: while it waits, until its end gives the record the
+    result's time to live (then the key too); sent after the end, the record's time left."""
+    config = GatewayConfig()
+    body = {"id": "named-twice", "prompt": "later"}
+    assert (await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "first"})).status == 202
+    for key in ("second", "second"):  # a retry of the second adds nothing
+        again = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
+        assert again.status == 200 and (await again.json())["id"] == "named-twice"
+    assert await redis.hget(KEYS.job("named-twice"), "idempotency_keys") == KEYS.idempotency("default", "second").encode()
+    assert (await client.delete("/v1/jobs/named-twice")).status == 202
+    keys = [KEYS.idempotency("default", name) for name in ("first", "second")]
+    for key in (KEYS.job("named-twice"), *keys):
+        assert 0 < await redis.ttl(key) <= config.result_ttl_s, key
+    late = KEYS.idempotency("default", "after-the-end")
+    assert (await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "after-the-end"})).status == 200
+    assert 0 < await redis.ttl(late) <= await redis.ttl(KEYS.job("named-twice"))
+    assert await redis.get(late) == b"named-twice"
