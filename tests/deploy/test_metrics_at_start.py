@@ -10,14 +10,19 @@ from tests.harness.telemetry_support import samples
 DEAD_LETTER_REASONS = ("no_job_field", "invalid_job", "too_many_deliveries", "duplicate_entry", "unadmittable")
 
 
-def test_worker_exports_every_dead_letter_reason_at_zero() -> None:
+def fresh_worker_metrics() -> str:
+    """What a worker that has done nothing yet exports."""
     from worker.metrics import WorkerMetrics
 
     metrics = WorkerMetrics()
     try:
-        text = metrics.render().decode()
+        return metrics.render().decode()
     finally:
         metrics.close()
+
+
+def test_worker_exports_every_dead_letter_reason_at_zero() -> None:
+    text = fresh_worker_metrics()
     exported = {dict(labels)["carpool_dead_letter_reason"]: v for (name, labels), v in samples(text).items()
                 if name == "carpool_jobs_dead_lettered_total" and ("carpool_lane", LANES[0].value) in labels}
     assert exported == dict.fromkeys(DEAD_LETTER_REASONS, 0.0)
@@ -27,13 +32,7 @@ def test_worker_exports_every_dead_letter_reason_at_zero() -> None:
 
 def test_worker_exports_every_lane_and_ending_of_finished_jobs_at_zero() -> None:
     """So `increase(carpool_jobs_finished_total{carpool_job_status="failed"}[5m])` sees the first failure."""
-    from worker.metrics import WorkerMetrics
-
-    metrics = WorkerMetrics()
-    try:
-        text = metrics.render().decode()
-    finally:
-        metrics.close()
+    text = fresh_worker_metrics()
     exported = {(dict(labels)["carpool_lane"], dict(labels)["carpool_job_status"]): v
                 for (name, labels), v in samples(text).items() if name == "carpool_jobs_finished_total"}
     assert exported == {(lane.value, status): 0.0 for lane in LANES
