@@ -13,13 +13,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from gateway.cli.submit import DEFAULT_GATEWAY, add_api_key_flag, auth_header
+from gateway.cli.submit import (
+    DEFAULT_GATEWAY,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_REFUSED,
+    EXIT_TIMEOUT,
+    NotAGateway,
+    add_api_key_flag,
+    auth_header,
+    path_part,
+    read_json,
+    wait_seconds,
+)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 FINAL = ("completed", "failed", "expired", "cancelled")
-EXIT_FAILED = 1
-EXIT_REFUSED = 2
-EXIT_TIMEOUT = 3
 BAR_WIDTH = 30
 
 
@@ -32,7 +41,8 @@ def add_batch_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
     submit.add_argument("--wait", action="store_true", help="show progress until the batch ends")
     submit.add_argument("-o", "--output", type=Path, default=None,
                         help="wait, then write the output file's lines here (errors go to OUTPUT.errors.jsonl)")
-    submit.add_argument("--timeout-s", type=float, default=24 * 3600.0, help="give up waiting after this long")
+    submit.add_argument("--timeout-s", type=wait_seconds, default=24 * 3600.0,
+                        help="give up waiting after this many seconds (default 86400; the batch goes on)")
     for name, text in (("status", "print a batch"), ("cancel", "cancel a batch")):
         action = actions.add_parser(name, help=text)
         action.add_argument("batch_id")
@@ -63,7 +73,7 @@ def _call(method: str, url: str, data: bytes | None = None, content_type: str = 
 
 def _json(method: str, url: str, body: dict[str, Any] | None = None, api_key: str | None = None) -> dict[str, Any]:
     data = None if body is None else json.dumps(body).encode()
-    result: dict[str, Any] = json.loads(_call(method, url, data, api_key=api_key))
+    result: dict[str, Any] = read_json(_call(method, url, data, api_key=api_key), url)
     return result
 
 
@@ -75,8 +85,8 @@ def upload(base: str, filename: str, data: bytes, api_key: str | None = None) ->
         "Content-Type: application/jsonl\r\n\r\n".encode(),
         data, f"\r\n--{boundary}--\r\n".encode(),
     ]
-    answer = json.loads(_call("POST", f"{base}/v1/files", b"".join(parts), f"multipart/form-data; boundary={boundary}",
-                              api_key))
+    answer = read_json(_call("POST", f"{base}/v1/files", b"".join(parts), f"multipart/form-data; boundary={boundary}",
+                             api_key), f"{base}/v1/files")
     return str(answer["id"])
 
 
@@ -116,7 +126,7 @@ def _output_tokens(batch: dict[str, Any]) -> int:
 def wait(base: str, batch_id: str, timeout_s: float, out: TextIO, api_key: str | None = None) -> dict[str, Any]:
     """Poll until the batch ends: one line redrawn on a terminal, a line per change elsewhere (a log)."""
     started = time.monotonic()
-    batch = _json("GET", f"{base}/v1/batches/{batch_id}", api_key=api_key)
+    batch = _json("GET", f"{base}/v1/batches/{path_part(batch_id)}", api_key=api_key)
     start_done = batch["request_counts"]["completed"] + batch["request_counts"]["failed"]
     start_tokens = _output_tokens(batch)
     is_tty = out.isatty()
@@ -133,17 +143,20 @@ def wait(base: str, batch_id: str, timeout_s: float, out: TextIO, api_key: str |
         if is_final:
             return batch
         time.sleep(1.0)
-        batch = _json("GET", f"{base}/v1/batches/{batch_id}", api_key=api_key)
+        batch = _json("GET", f"{base}/v1/batches/{path_part(batch_id)}", api_key=api_key)
 
 
 def run_batch(args: argparse.Namespace) -> int:
     base = args.gateway.rstrip("/")
+    batch: dict[str, Any] | None = None
     try:
         if args.action == "status":
-            print(json.dumps(_json("GET", f"{base}/v1/batches/{args.batch_id}", api_key=args.api_key), indent=2))
+            print(json.dumps(_json("GET", f"{base}/v1/batches/{path_part(args.batch_id)}", api_key=args.api_key),
+                             indent=2))
             return 0
         if args.action == "cancel":
-            print(json.dumps(_json("POST", f"{base}/v1/batches/{args.batch_id}/cancel", api_key=args.api_key), indent=2))
+            print(json.dumps(_json("POST", f"{base}/v1/batches/{path_part(args.batch_id)}/cancel",
+                                   api_key=args.api_key), indent=2))
             return 0
         data = _read_input(args.file)
         if args.output is not None and not args.output.parent.is_dir():
@@ -170,10 +183,25 @@ def run_batch(args: argparse.Namespace) -> int:
     except BatchError as e:
         print(f"carpool batch: refused: {e}", file=sys.stderr)
         return EXIT_REFUSED
+    except NotAGateway as e:
+        print(f"carpool batch: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except (urllib.error.URLError, OSError) as e:
         print(f"carpool batch: cannot reach the gateway at {base}: {e}", file=sys.stderr)
         return EXIT_FAILED
+    except ValueError as e:  # a --gateway that is no URL
+        print(f"carpool batch: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        if batch is None:
+            print("carpool batch: interrupted", file=sys.stderr)
+        else:
+            print(f"carpool batch: interrupted; batch {batch['id']} goes on (carpool batch status {batch['id']}; "
+                  f"carpool batch cancel {batch['id']})", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if batch["status"] not in FINAL:
+        print(f"carpool batch: batch {batch['id']} still {batch['status']} after {args.timeout_s:g}s; it goes on "
+              f"(carpool batch status {batch['id']})", file=sys.stderr)
         return EXIT_TIMEOUT
     return 0 if batch["status"] == "completed" else EXIT_FAILED
 

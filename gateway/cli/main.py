@@ -108,6 +108,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             return _main(argv, env)
         finally:
             sys.stdout.flush()
+    except KeyboardInterrupt:
+        # Ctrl-C where a verb has nothing of its own to say about it: no traceback, the shell's exit status.
+        print("carpool: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # Whoever read the output stopped reading (`carpool batch list | head`): stop quietly, as other tools do,
         # with stdout sent nowhere so that the interpreter's last flush at exit cannot fail again.

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +24,8 @@ POLL_CHUNK_S = 30.0
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
 EXIT_TIMEOUT = 3
+EXIT_INTERRUPTED = 130
+"""Ctrl-C, as a shell reports a process ended by SIGINT."""
 
 
 def add_submit_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
@@ -42,8 +45,20 @@ def add_submit_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
         "--gateway", default=env.get("CARPOOL_GATEWAY", DEFAULT_GATEWAY),
         help=f"gateway base URL (default: {DEFAULT_GATEWAY}) [env CARPOOL_GATEWAY]",
     )
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="give up waiting after this many seconds")
+    parser.add_argument("--timeout-s", type=wait_seconds, default=600.0,
+                        help="give up waiting after this many seconds (default 600; the job goes on)")
     add_api_key_flag(parser, env)
+
+
+def wait_seconds(text: str) -> float:
+    """A `--timeout-s` value: seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text!r}")
+    return value
 
 
 def add_api_key_flag(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
@@ -65,6 +80,23 @@ def job_body(args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
+class NotAGateway(Exception):
+    """An answer that is not a carpool gateway's: not JSON."""
+
+
+def read_json(data: bytes, url: str) -> Any:
+    """The JSON of an answer from `url`; raises `NotAGateway` for anything else (an HTML page, a proxy's text)."""
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise NotAGateway(f"the answer from {url} is not JSON: does --gateway name a carpool gateway?") from None
+
+
+def path_part(value: str) -> str:
+    """A job or batch id as one URL path segment (ids may hold `/`, `?`, `#`, `%` or any printable character)."""
+    return urllib.parse.quote(value, safe="")
+
+
 class GatewayError(Exception):
     def __init__(self, status: int, body: dict[str, Any]) -> None:
         error = body.get("error", {}) if isinstance(body, dict) else {}
@@ -78,7 +110,7 @@ def _request(method: str, url: str, body: dict[str, Any] | None, headers: dict[s
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json", **headers})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
+            return read_json(resp.read(), url)  # type: ignore[no-any-return]
     except urllib.error.HTTPError as e:
         try:
             payload = json.loads(e.read())
@@ -92,6 +124,7 @@ def run_submit(args: argparse.Namespace) -> int:
     headers = auth_header(args.api_key)
     if args.idempotency_key:
         headers["Idempotency-Key"] = args.idempotency_key
+    created: dict[str, Any] | None = None
     try:
         created = _request("POST", f"{base}/v1/jobs", job_body(args), headers, timeout_s=30)
         if not args.wait:
@@ -101,9 +134,23 @@ def run_submit(args: argparse.Namespace) -> int:
     except GatewayError as e:
         print(f"carpool submit: refused: {e}", file=sys.stderr)
         return EXIT_REFUSED
+    except NotAGateway as e:
+        print(f"carpool submit: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except (urllib.error.URLError, OSError) as e:
         print(f"carpool submit: cannot reach the gateway at {base}: {e}", file=sys.stderr)
         return EXIT_FAILED
+    except ValueError as e:  # a --gateway that is no URL, a header value HTTP cannot carry
+        print(f"carpool submit: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        if created is None:
+            print("carpool submit: interrupted", file=sys.stderr)
+        else:
+            url = f"{base}/v1/jobs/{path_part(created['id'])}"
+            print(f"carpool submit: interrupted; job {created['id']} goes on (see it: curl {url}; cancel it: "
+                  f"curl -X DELETE {url})", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if args.json:
         print(json.dumps(view, indent=2))
     status = view["status"]
@@ -138,6 +185,7 @@ def _wait(base: str, job_id: str, timeout_s: float, headers: dict[str, str]) -> 
     while True:
         remaining = deadline - time.monotonic()
         chunk = max(0.0, min(POLL_CHUNK_S, remaining))
-        view = _request("GET", f"{base}/v1/jobs/{job_id}?wait={chunk:.1f}", None, headers, timeout_s=chunk + 30)
+        view = _request("GET", f"{base}/v1/jobs/{path_part(job_id)}?wait={chunk:.1f}", None, headers,
+                        timeout_s=chunk + 30)
         if view["status"] not in (JobStatus.QUEUED, JobStatus.RUNNING) or remaining <= 0:
             return view

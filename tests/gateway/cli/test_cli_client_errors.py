@@ -1,0 +1,121 @@
+"""`carpool submit` and `carpool batch` against gateways that misbehave, ids that need quoting, and Ctrl-C:
+one line on stderr and a documented exit status each, never a traceback; a job or batch already made is named."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.app import init_app
+from gateway.cli.main import main
+from gateway.config import GatewayConfig
+from scheduler.protocol.keys import Keys
+from tests.harness.child_env import child_pythonpath
+from tests.harness.gateway_server import GatewayTestServer
+from tests.harness.worker_harness import wait_until
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+async def gateway_url(redis_url: str) -> AsyncIterator[str]:
+    server = GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1")
+    await server.start_server()
+    yield str(server.make_url("")).rstrip("/")
+    await server.close()
+
+
+@pytest.fixture
+def html_server() -> Iterator[str]:
+    """A web server that answers every request 200 with an HTML page, as a proxy or a wrong port may."""
+
+    class Page(BaseHTTPRequestHandler):
+        def _page(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<html><body>Welcome to nginx!</body></html>")
+
+        do_GET = do_POST = _page
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+async def test_submit_wait_reads_back_the_job_it_made_whatever_its_id(gateway_url: str, capsys) -> None:
+    """Ids are any printable characters: each is one path segment when read back (`%42` is not `B`, `a?b` is no
+    query), so the record printed is the job's own."""
+    assert await asyncio.to_thread(main, ["submit", "first", "--id", "B", "--gateway", gateway_url], {}) == 0
+    capsys.readouterr()
+    for job_id in ("%42", "a?b", "z#1", "x/y", "é1"):
+        argv = ["submit", "x", "--id", job_id, "--json", "--wait", "--timeout-s", "0", "--gateway", gateway_url]
+        assert await asyncio.to_thread(main, argv, {}) == 3  # no worker: still queued
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)["id"] == job_id, captured
+        assert f"job {job_id} still queued" in captured.err and "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize("argv", [
+    ["submit", "x"], ["submit", "x", "--wait"], ["batch", "status", "batch_1"], ["batch", "cancel", "batch_1"],
+])
+def test_an_answer_that_is_not_a_gateways_is_one_line(html_server: str, argv: list[str], capsys) -> None:
+    assert main([*argv, "--gateway", html_server], {}) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"the answer from {html_server}/v1/" in err and "does --gateway name a carpool gateway?" in err, err
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["submit", "x", "--gateway", "not a url"], "unknown url type"),
+    (["batch", "status", "b", "--gateway", "not a url"], "unknown url type"),
+    (["submit", "x", "--idempotency-key", "two\nlines", "--gateway", "http://127.0.0.1:9"], "header"),
+])
+def test_a_request_that_cannot_be_sent_is_one_line_and_exit_2(argv: list[str], words: str, capsys) -> None:
+    assert main(argv, {}) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["submit", "x", "--wait", "--timeout-s", "-1"],
+                                  ["batch", "submit", "f.jsonl", "--timeout-s", "nan"]])
+def test_a_negative_or_unknown_wait_is_a_usage_error(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(argv, {})
+    assert done.value.code == 2 and "--timeout-s" in capsys.readouterr().err
+
+
+async def test_ctrl_c_while_waiting_names_the_job_that_goes_on(gateway_url: str, redis_url: str) -> None:
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "submit", "x", "--id", "waits", "--wait",
+                             "--gateway", gateway_url], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await wait_until(lambda: client.exists(Keys().job("waits")), "the job made")
+        await asyncio.sleep(0.5)  # into its long-poll
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.to_thread(proc.communicate, timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await client.aclose()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("carpool submit: interrupted; job waits goes on") and "/v1/jobs/waits" in line, line
