@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from scheduler.params import SamplingParams
 from scheduler.runtime.flags import add_config_flags, config_from_args
@@ -66,6 +69,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             config.check_model()
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                     seed=args.seed)
+            try:
+                args.prompt.encode("utf-8")
+            except UnicodeEncodeError:  # bytes the terminal's encoding could not decode (argv keeps them escaped)
+                raise ValueError("the prompt is not valid UTF-8 text") from None
         except ValueError as e:  # InvalidParam too: it names the setting
             print(f"carpool generate: {e}", file=sys.stderr)
             return 2
@@ -127,6 +134,28 @@ async def start_engine(config: WorkerConfig) -> EngineRunner:
     return EngineThread(engine)
 
 
+async def wait_for_redis(client: Any, stopped: asyncio.Event, redis_url: str) -> bool:
+    """Return True once Redis answers, or False when `stopped` is set first; says so every 30 s meanwhile."""
+    from scheduler.protocol.redis_client import redacted_url
+    from worker.redis_errors import REDIS_ERRORS
+
+    said_at = -math.inf
+    while not stopped.is_set():
+        try:
+            await client.ping()
+            return True
+        except REDIS_ERRORS as e:
+            if time.monotonic() - said_at >= 30:
+                said_at = time.monotonic()
+                log.warning("Redis at %s is unavailable (%s); waiting for it before reading any job",
+                            redacted_url(redis_url), e)
+        try:
+            await asyncio.wait_for(stopped.wait(), timeout=1.0)
+        except TimeoutError:
+            pass
+    return False
+
+
 async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None = None) -> int:
     """Run until SIGTERM/SIGINT (or a failed background task), then shut down in two phases."""
     from scheduler.protocol.redis_client import RedisRefused, check_access, redacted_url
@@ -168,6 +197,9 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
         loop.add_signal_handler(sig, on_signal)
     has_failed = False
     try:
+        # Redis down when the worker starts (a cluster coming up in any order): wait for it, as for any outage.
+        if not await wait_for_redis(client, service.stopped, config.redis_url):
+            return 0  # stopped by a signal while waiting: nothing was taken
         try:
             await service.start()
         except OSError as e:

@@ -66,9 +66,12 @@ class DataDirLock:
 
     @classmethod
     def acquire(cls, data_dir: Path) -> DataDirLock:
-        data_dir.mkdir(parents=True, exist_ok=True)
-        path = data_dir / "up.lock"
-        file = open(path, "a+")
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            path = data_dir / "up.lock"
+            file = open(path, "a+")
+        except OSError as e:
+            raise StackError(f"cannot use {data_dir} as the data directory: {e.strerror or e}") from e
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

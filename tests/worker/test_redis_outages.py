@@ -256,3 +256,48 @@ async def test_an_admission_waiting_out_maxmemory_holds_up_no_other_entry(engine
     finally:
         await client.aclose()
         server.stop()
+
+
+def test_a_worker_started_before_its_redis_waits_for_it_then_serves(tiny_model, tmp_path):
+    """A cluster coming up in any order: the worker says it waits (no traceback), and takes jobs once Redis is up;
+    a signal while it waits ends it at once, cleanly."""
+    from gateway.cli.embedded_redis import free_port
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    early = start_worker_process(url, tiny_model(), "early", tmp_path / "early.log")
+    waiting = start_worker_process(f"redis://127.0.0.1:{free_port()}/0", tiny_model(), "stopped-waiting",
+                                   tmp_path / "stopped.log")
+    server = None
+    try:
+        for log in ("early.log", "stopped.log"):
+            wait_until_text(tmp_path / log, "waiting for it before reading any job")
+        waiting.send_signal(signal.SIGTERM)
+        assert waiting.wait(timeout=60) == 0
+        server = EmbeddedRedis(tmp_path / "redis", port=port, is_persistent=False).start()
+
+        async def run_one() -> dict:
+            client = aioredis.Redis.from_url(url)
+            try:
+                await xadd_job(client, JobSpec(id="after-redis", prompt="x", params=SamplingParams(max_tokens=2)))
+                return (await wait_terminal(client, ["after-redis"]))["after-redis"]
+            finally:
+                await client.aclose()
+
+        assert asyncio.run(run_one())["status"] == "succeeded"
+    finally:
+        for proc in (early, waiting):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        if server is not None:
+            server.stop()
+    for log in ("early.log", "stopped.log"):
+        assert "Traceback" not in (tmp_path / log).read_text()
+
+
+def wait_until_text(path, text: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and text in path.read_text()):
+        assert time.monotonic() < deadline, f"{path.name} never said {text!r}: {path.read_text()[-2000:]}"
+        time.sleep(0.1)

@@ -119,3 +119,23 @@ async def test_ctrl_c_while_waiting_names_the_job_that_goes_on(gateway_url: str,
     assert proc.returncode == 130 and "Traceback" not in err, err
     (line,) = err.strip().splitlines()
     assert line.startswith("carpool submit: interrupted; job waits goes on") and "/v1/jobs/waits" in line, line
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8_before_loading_a_model(tiny_model, capsys) -> None:
+    from worker.cli import main as worker_main
+
+    model = tiny_model()
+    capsys.readouterr()
+    # What Python makes of argv bytes the locale cannot decode: lone surrogates.
+    assert worker_main(["generate", "caf\udce9 \udcff", "--model", model], {}) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not valid UTF-8" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("data_dir", ["/dev/null/sub", "{file}"])
+def test_up_with_a_data_dir_it_cannot_make_is_one_line(data_dir: str, tmp_path: Path, capsys) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    assert main(["up", "--data-dir", data_dir.format(file=a_file)], {}) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("carpool up: cannot use ") and "as the data directory" in err and err.count("\n") == 1, err
