@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import math
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -61,6 +62,17 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _number(text: str) -> float:
+    """A float flag's value: any number, infinity included, but not NaN (no bound would hold it)."""
+    value = float(text)
+    if math.isnan(value):
+        raise ValueError(f"not a number: {text!r}")
+    return value
+
+
+_number.__name__ = "number"
+
+
 def _converter(tp: Any) -> Callable[[str], Any]:
     """A function turning one flag/env string into a value of type `tp`."""
     inner, is_optional = _strip_optional(tp)
@@ -72,6 +84,7 @@ def _converter(tp: Any) -> Callable[[str], Any]:
         def to_list(text: str) -> list[Any]:
             return [item_conv(part.strip()) for part in text.split(",") if part.strip()]
 
+        to_list.__name__ = "comma-separated list"  # argparse's "invalid <name> value" names it so
         base: Callable[[str], Any] = to_list
     elif origin is dict:
         key_tp, value_tp = typing.get_args(inner)
@@ -88,10 +101,13 @@ def _converter(tp: Any) -> Callable[[str], Any]:
                 out[key_conv(key.strip())] = value_conv(value.strip())
             return out
 
+        to_dict.__name__ = "comma-separated key=value list"
         base = to_dict
     elif inner is bool:
         base = parse_bool
-    elif inner in (str, int, float):
+    elif inner is float:
+        base = _number
+    elif inner in (str, int):
         base = inner
     elif isinstance(inner, type) and issubclass(inner, enum.Enum) and issubclass(inner, str):
         base = str  # the config's own __post_init__ names the setting and its choices when the text is wrong
