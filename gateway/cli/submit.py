@@ -106,11 +106,17 @@ class GatewayError(Exception):
 
 
 def _request(method: str, url: str, body: dict[str, Any] | None, headers: dict[str, str], timeout_s: float) -> dict[str, Any]:
+    return _send(method, url, body, headers, timeout_s)[1]
+
+
+def _send(method: str, url: str, body: dict[str, Any] | None, headers: dict[str, str],
+          timeout_s: float) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, JSON answer) of a request that succeeded; raises `GatewayError` for an error answer."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json", **headers})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return read_json(resp.read(), url)  # type: ignore[no-any-return]
+            return resp.status, read_json(resp.read(), url)
     except urllib.error.HTTPError as e:
         try:
             payload = json.loads(e.read())
@@ -126,7 +132,10 @@ def run_submit(args: argparse.Namespace) -> int:
         headers["Idempotency-Key"] = args.idempotency_key
     created: dict[str, Any] | None = None
     try:
-        created = _request("POST", f"{base}/v1/jobs", job_body(args), headers, timeout_s=30)
+        status, created = _send("POST", f"{base}/v1/jobs", job_body(args), headers, timeout_s=30)
+        if status == 200:  # 202 makes a job; 200 answers with the one the id or key already names
+            print(f"carpool submit: job {created['id']} already existed (its id or Idempotency-Key named it): this is "
+                  "that job, not a new one", file=sys.stderr)
         if not args.wait:
             print(json.dumps(created) if args.json else created["id"])
             return 0

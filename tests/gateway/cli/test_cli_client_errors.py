@@ -139,3 +139,11 @@ def test_up_with_a_data_dir_it_cannot_make_is_one_line(data_dir: str, tmp_path: 
     assert main(["up", "--data-dir", data_dir.format(file=a_file)], {}) == 1
     err = capsys.readouterr().err
     assert err.startswith("carpool up: cannot use ") and "as the data directory" in err and err.count("\n") == 1, err
+
+
+async def test_a_submit_answered_with_an_existing_job_says_so(gateway_url: str, capsys) -> None:
+    for text in ("first", "different text, same id"):
+        assert await asyncio.to_thread(main, ["submit", text, "--id", "same", "--gateway", gateway_url], {}) == 0
+    captured = capsys.readouterr()
+    assert captured.out.split() == ["same", "same"]
+    assert captured.err.count("\n") == 1 and "job same already existed" in captured.err, captured.err
