@@ -43,7 +43,7 @@ def add_keys_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> N
 
 def run_keys(args: argparse.Namespace, data_dir: Path) -> int:
     try:
-        redis_url = resolve_redis_url(args.redis_url, data_dir)
+        redis_url = resolve_redis_url(args.redis_url, data_dir, is_named=bool(args.data_dir))
         return asyncio.run(_run(args, redis_url))
     except ValueError as e:
         print(f"carpool keys: {e}", file=sys.stderr)

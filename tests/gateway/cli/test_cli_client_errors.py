@@ -147,3 +147,12 @@ async def test_a_submit_answered_with_an_existing_job_says_so(gateway_url: str, 
     captured = capsys.readouterr()
     assert captured.out.split() == ["same", "same"]
     assert captured.err.count("\n") == 1 and "job same already existed" in captured.err, captured.err
+
+
+@pytest.mark.parametrize("argv", [["keys", "list", "--data-dir", "{dir}"], ["redis-cli", "--data-dir", "{dir}", "PING"]])
+def test_a_named_data_dir_without_carpool_up_redis_is_an_error_not_a_fall_back(argv: list[str], tmp_path: Path,
+                                                                                capsys) -> None:
+    missing = tmp_path / "never-used"
+    assert main([part.format(dir=missing) for part in argv], {}) == 2
+    err = capsys.readouterr().err
+    assert f"no carpool up Redis in {missing}" in err and err.count("\n") == 1, err
