@@ -216,8 +216,9 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
         await service.shutdown()
         await client.aclose()
         telemetry.shutdown()
-    # Jobs left unhanded-back (Redis was unavailable) wait for their lease, as a crashed worker's do.
-    return 1 if has_failed or service.has_stranded_jobs else 0
+    # Jobs left unhanded-back (Redis was unavailable) wait for their lease, as a crashed worker's do; an engine that
+    # died during the drain fails the process as one that died before it.
+    return 1 if has_failed or service.has_failed or service.has_stranded_jobs else 0
 
 
 if __name__ == "__main__":

@@ -100,6 +100,9 @@ class WorkerConfig:
         "counts as unavailable and the worker retries"))
     heartbeat_interval_s: float = field(default=2.0, metadata=help_text("how often the worker announces itself in the workers hash"))
     shutdown_grace_s: float = field(default=30.0, metadata=help_text("on SIGTERM, how long in-flight jobs may run before they are handed back"))
+    engine_stall_s: float = field(default=300.0, metadata=help_text(
+        "an engine that answers no step for this long is taken as hung: the worker stops (exit 1) and its jobs "
+        "go on elsewhere from their checkpoints; above the longest step (a first step's kernel compiles included)"))
     result_ttl_s: int = field(default=DEFAULT_RESULT_TTL_S, metadata=help_text(
         "seconds the record and idempotency key of a job this worker ends live after (keep it equal to the "
         "gateways' --result-ttl-s)"))
@@ -127,11 +130,11 @@ class WorkerConfig:
             raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
         if self.interactive_reserve is not None and self.interactive_reserve < 0:
             raise ValueError(f"interactive_reserve: must be >= 0, got {self.interactive_reserve}")
-        for name in ("lease_s", "checkpoint_interval_s", "heartbeat_interval_s", "redis_timeout_s"):
-            if getattr(self, name) <= 0:
+        for name in ("lease_s", "checkpoint_interval_s", "heartbeat_interval_s", "redis_timeout_s", "engine_stall_s"):
+            if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("shutdown_grace_s", "webhook_output_interval_s"):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.read_block_ms < 1:
             raise ValueError(f"read_block_ms: must be >= 1, got {self.read_block_ms}")

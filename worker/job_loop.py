@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 IDLE_STEP_SLEEP_S = 0.002
 TICKS_IN_FLIGHT = 2
+ENGINE_CHECK_S = 1.0
+"""How often an idle loop looks whether its engine (process) is still there."""
 """Ticks handed to the engine before the oldest one's reply is read (see ``JobLoop.run``)."""
 
 
@@ -177,7 +179,7 @@ class JobLoop:
                         await pending
                         continue
                     self._work.clear()
-                    await self._work.wait()
+                    await self._idle()
                     # Admission window: an idle engine waits briefly so jobs arriving together start together.
                     if self.config.engine.max_wait_ms > 0 and self.free > 0:
                         await asyncio.sleep(self.config.engine.max_wait_ms / 1000)
@@ -188,7 +190,7 @@ class JobLoop:
                     pending, handling = handling, None
                     await pending
                 future, did_step = in_flight[0]
-                tick = await future
+                tick = await self._answer(future)
                 in_flight.popleft()
                 num_unfinished = tick.num_unfinished
                 self.stats = tick.stats
@@ -208,6 +210,25 @@ class JobLoop:
                 [result] = await asyncio.gather(handling, return_exceptions=True)
                 if isinstance(result, Exception):
                     log.error("handling the last engine step failed", exc_info=result)
+
+    async def _idle(self) -> None:
+        """Wait for work; an engine that dies meanwhile (its process killed) fails the loop now, not at the next job."""
+        while not self._work.is_set():
+            if self.engine.failure is not None:
+                raise self.engine.failure
+            try:
+                await asyncio.wait_for(self._work.wait(), timeout=ENGINE_CHECK_S)
+            except TimeoutError:
+                pass
+
+    async def _answer(self, future: asyncio.Future[Tick]) -> Tick:
+        """A tick's answer; an engine that gives none for ``--engine-stall-s`` is hung, and fails the loop."""
+        stall_s = self.config.engine_stall_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout=stall_s)
+        except TimeoutError:
+            raise EngineFailed(f"the engine answered no step for {stall_s:g}s (--engine-stall-s): hung, or its process "
+                               "stopped") from None
 
     def _send_tick(self, do_step: bool = True) -> asyncio.Future[Tick]:
         """Hand the engine the jobs queued since the last tick, the aborts, and one step (unless not ``do_step``)."""

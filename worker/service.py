@@ -74,6 +74,8 @@ class WorkerService:
         """The shutdown could not hand its running jobs back (Redis unavailable): they wait for the lease."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._refused: BaseException | None = None
+        self._crashed = False
+        """A background task (the engine's loop, say) died, also during the drain."""
         """What Redis refused this worker's user (an ACL it lacks), found admitting an entry: the worker stops."""
         self._outages = outage_log(log)
         self._redis_down_at = -math.inf
@@ -196,6 +198,7 @@ class WorkerService:
         exc = task.exception()
         if exc is not None:
             log.error("%s failed; stopping the worker", task.get_name(), exc_info=exc)
+            self._crashed = True  # kept past the shutdown, which forgets its tasks: the process exits 1
             self.stopped.set()
 
     @property
@@ -204,7 +207,7 @@ class WorkerService:
         return self._failed()
 
     def _failed(self) -> bool:
-        return self._refused is not None or any(
+        return self._crashed or self._refused is not None or any(
             t.done() and not t.cancelled() and t.exception() is not None for t in self._tasks.values())
 
     # --- intake ----------------------------------------------------------------------------

@@ -50,7 +50,7 @@ class UpConfig:
         for name in ("port", "redis_port", "worker_metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: must be a TCP port, got {getattr(self, name)}")
-        if self.ready_timeout_s <= 0 or self.worker_grace_s < 0:
+        if not self.ready_timeout_s > 0 or not 0 <= self.worker_grace_s < float("inf"):
             raise ValueError("ready_timeout_s must be positive and worker_grace_s not negative")
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import math
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -62,17 +61,6 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _number(text: str) -> float:
-    """A float flag's value: any number, infinity included, but not NaN (no bound would hold it)."""
-    value = float(text)
-    if math.isnan(value):
-        raise ValueError(f"not a number: {text!r}")
-    return value
-
-
-_number.__name__ = "number"
-
-
 def _converter(tp: Any) -> Callable[[str], Any]:
     """A function turning one flag/env string into a value of type `tp`."""
     inner, is_optional = _strip_optional(tp)
@@ -105,10 +93,8 @@ def _converter(tp: Any) -> Callable[[str], Any]:
         base = to_dict
     elif inner is bool:
         base = parse_bool
-    elif inner is float:
-        base = _number
-    elif inner in (str, int):
-        base = inner
+    elif inner in (str, int, float):
+        base = inner  # NaN and infinity pass: each config's own checks name the setting and its bounds
     elif isinstance(inner, type) and issubclass(inner, enum.Enum) and issubclass(inner, str):
         base = str  # the config's own __post_init__ names the setting and its choices when the text is wrong
     else:
@@ -119,6 +105,7 @@ def _converter(tp: Any) -> Callable[[str], Any]:
     def maybe(text: str) -> Any:
         return None if text.strip().lower() in ("", "none") else base(text)
 
+    maybe.__name__ = base.__name__  # argparse's "invalid <name> value" names the value's kind
     return maybe
 
 

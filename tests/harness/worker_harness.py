@@ -116,6 +116,7 @@ class StepLog:
         self.vocab_size: int = engine.vocab_size
         self.added_at: dict[str, int] = {}
         self.finished_at: dict[str, int] = {}
+        self.failure: BaseException | None = None
         self._thread = EngineThread(engine)
 
     def tick(self, adds: list[Any], aborts: list[str], do_step: bool) -> asyncio.Future[Any]:
@@ -153,6 +154,7 @@ class HeldReplies:
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.vocab_size
         self.sent: list[tuple[list[str], bool, int]] = []
+        self.failure: BaseException | None = None
         self.unanswered = 0
         self._passes: int | None = None
         self._changed = asyncio.Condition()

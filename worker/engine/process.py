@@ -150,6 +150,10 @@ class EngineProcess:
             raise
         return engine
 
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
     def tick(self, adds: list[Add], aborts: list[str], do_step: bool) -> asyncio.Future[Tick]:
         future: asyncio.Future[Tick] = asyncio.get_running_loop().create_future()
         if self._failure is not None:

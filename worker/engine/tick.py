@@ -83,6 +83,10 @@ class EngineThread:
         self.vocab_size: int = engine.vocab_size
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
+    @property
+    def failure(self) -> BaseException | None:
+        return None  # it lives and dies with the worker's process
+
     def tick(self, adds: list[Add], aborts: list[str], do_step: bool) -> asyncio.Future[Tick]:
         return asyncio.get_running_loop().run_in_executor(self._executor, run_tick, self.engine, adds, aborts, do_step)
 

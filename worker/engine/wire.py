@@ -122,6 +122,11 @@ class EngineRunner(Protocol):
     vocab_size: int
     """Token ids a prompt may hold are below this."""
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine can take no more ticks (its process died), found even with none in flight; or None."""
+        ...
+
     def tick(self, adds: list[Add], aborts: list[str], do_step: bool) -> asyncio.Future[Tick]:
         """Hand the tick to the engine at once (not at the caller's next await); the future holds its result.
 
