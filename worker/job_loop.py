@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 IDLE_STEP_SLEEP_S = 0.002
 TICKS_IN_FLIGHT = 2
 ENGINE_CHECK_S = 1.0
+ABORT_WAIT_S = 5.0
+"""How long a shutdown waits for the engine to drop the jobs it hands back."""
 """How often an idle loop looks whether its engine (process) is still there."""
 """Ticks handed to the engine before the oldest one's reply is read (see ``JobLoop.run``)."""
 
@@ -351,7 +353,11 @@ class JobLoop:
         await self.step_writer.write(writes)
         aborts, self._aborts = self._aborts, []
         try:
-            await self.engine.tick([], aborts, False)
+            # Best effort: the checkpoints are written, and a hung engine must not hold up the hand-back.
+            await asyncio.wait_for(asyncio.shield(self.engine.tick([], aborts, False)), timeout=ABORT_WAIT_S)
+        except TimeoutError:
+            log.error("the engine did not answer the aborts of the handed-back jobs in %gs (hung?); they are handed "
+                      "back all the same", ABORT_WAIT_S)
         except EngineFailed as e:
             # A dead engine runs nothing: the checkpoints are written, so the jobs are handed back all the same.
             log.error("aborting the handed-back jobs in the engine failed: %s", e)

@@ -24,17 +24,20 @@ async def test_an_engine_that_answers_no_step_is_taken_as_hung(redis_url: str, e
     runner = HeldReplies(engine)
     client = aioredis.Redis.from_url(redis_url)
     params = SamplingParams(max_tokens=16000, temperature=0, ignore_eos=True)
-    with caplog.at_level("ERROR", logger="worker.service"):
+    with caplog.at_level("INFO"):
         async with running_worker(redis_url, runner, engine_stall_s=0.5, checkpoint_tokens=4) as service:
             await xadd_job(client, JobSpec(id="stalled", prompt="x", params=params))
             await wait_until(lambda: client.hget(KEYS.job("stalled"), "checkpoint"), "the job running")
             await runner.hold()  # the engine answers nothing more: hung
             await wait_until(lambda: service.stopped.is_set(), "the worker stopping")
             assert service.has_failed
-            await runner.release()  # what a killed engine process does for the shutdown: no more waiting on it
+        await runner.release()
     await client.aclose()
+    # Still hung through the shutdown: its aborts unanswered, the job was handed back all the same.
+    assert any(r.getMessage() == "handed back 1 unfinished jobs with their checkpoints" for r in caplog.records)
     failures = [str(r.exc_info[1]) for r in caplog.records if r.exc_info]
     assert any("answered no step for 0.5s (--engine-stall-s)" in failure for failure in failures), failures
+    assert any("did not answer the aborts" in r.getMessage() for r in caplog.records)
     assert service.has_failed  # kept after the shutdown: the process exits 1
 
 
