@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -201,10 +202,14 @@ class JobLoop:
                 if did_step and num_unfinished and not tick.outputs and tick.stats.last_step_num_seqs == 0:
                     await asyncio.sleep(IDLE_STEP_SLEEP_S)  # the engine holds work back (dynamic batching window)
         finally:
+            # Cancelling a tick only stops the wait for it; one that already failed is reported here, once for each
+            # failure (a dead engine process fails every tick out with one error), none for the one being raised.
+            said = {id(sys.exc_info()[1])}
             for future, _ in in_flight:
                 if not future.cancel() and not future.cancelled() and future.exception() is not None:
-                    # Cancelling a tick only stops the wait for it; one that already failed is reported here.
-                    log.error("an engine tick failed", exc_info=future.exception())
+                    if id(future.exception()) not in said:
+                        said.add(id(future.exception()))
+                        log.error("an engine tick failed", exc_info=future.exception())
             in_flight.clear()
             # Only a step's handling not yet awaited is left here (cancelled in the idle sleep).
             if handling is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -226,6 +227,7 @@ class EngineProcess:
 def serve_engine(sock: socket.socket, config: EngineConfig, torch_threads: int, parent_pid: int) -> None:
     """The child's body: build the engine, report ready (or why not), then answer ticks until told to stop."""
     _die_with_parent(parent_pid)
+    faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) prints where each thread was, to the log
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from worker.engine.startup_heap import freeze_startup_heap

@@ -141,6 +141,19 @@ async def test_a_killed_engine_process_fails_the_worker_and_its_jobs_finish_else
     await client.aclose()
 
 
+async def test_an_idle_worker_finds_its_killed_engine_process_at_once(redis_url, tiny_model, caplog):
+    """No job runs, so no tick waits on the engine: the worker still notices within a second or so, and the
+    death is said once (the loop's failure), not again for each tick it failed."""
+    engine = await EngineProcess.start(EngineConfig(model=tiny_model(), max_num_seqs=2), 1)
+    with caplog.at_level("ERROR"):
+        async with running_worker(redis_url, engine) as service:
+            os.kill(engine.pid, signal.SIGKILL)
+            await asyncio.wait_for(service.stopped.wait(), 30)
+            assert service.has_failed
+    said = [r for r in caplog.records if r.exc_info and "exited with code -9" in str(r.exc_info[1])]
+    assert len(said) == 1, [r.getMessage() for r in said]
+
+
 def _worker(redis_url: str, model: str, name: str) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", redis_url, "--model", model,
             "--worker-name", name, "--metrics-port", "0", "--max-num-seqs", "4"]
