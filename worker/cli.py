@@ -175,8 +175,9 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
     try:
         runner = await start_engine(config)
     except EngineStartError as e:
-        log.error("cannot start the engine: %s", e)
-        print(f"carpool worker: cannot start the engine: {e}", file=sys.stderr)
+        model = config.engine.model or "the built-in model"
+        log.error("cannot start the engine on %s: %s", model, e)
+        print(f"carpool worker: cannot start the engine on {model}: {e}", file=sys.stderr)
         return 1
     loop = asyncio.get_running_loop()
     try:

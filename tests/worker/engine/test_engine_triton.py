@@ -60,14 +60,16 @@ def test_a_worker_with_triton_on_a_cpu_is_refused_at_start_up(tiny_model: Callab
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = child_pythonpath(ROOT)
     # Nothing listens on the Redis URL: the engine is started, and refused, before Redis is reached.
+    model = tiny_model("llama")
     args = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", "redis://127.0.0.1:1/0",
-            "--model", tiny_model("llama"), "--device", "cpu", "--attention-backend", "triton",
+            "--model", model, "--device", "cpu", "--attention-backend", "triton",
             "--metrics-port", "0", "--no-engine-process"]
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("carpool worker:")]
     assert lines == [
-        "carpool worker: cannot start the engine: ValueError: attention_backend: the Triton kernels were compiled "
+        f"carpool worker: cannot start the engine on {model}: ValueError: attention_backend: the Triton kernels "
+        "were compiled "
         "for CUDA and cannot run on cpu; use the torch backend there (or set TRITON_INTERPRET=1 to interpret them)"
     ], done.stderr
     assert "Traceback" not in done.stderr
