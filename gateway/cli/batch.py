@@ -24,6 +24,7 @@ from gateway.cli.submit import (
     auth_header,
     path_part,
     read_json,
+    report_failure,
     wait_seconds,
 )
 
@@ -183,15 +184,8 @@ def run_batch(args: argparse.Namespace) -> int:
     except BatchError as e:
         print(f"carpool batch: refused: {e}", file=sys.stderr)
         return EXIT_REFUSED
-    except NotAGateway as e:
-        print(f"carpool batch: {e}", file=sys.stderr)
-        return EXIT_FAILED
-    except (urllib.error.URLError, OSError) as e:
-        print(f"carpool batch: cannot reach the gateway at {base}: {e}", file=sys.stderr)
-        return EXIT_FAILED
-    except ValueError as e:  # a --gateway that is no URL
-        print(f"carpool batch: {e}", file=sys.stderr)
-        return EXIT_REFUSED
+    except (NotAGateway, urllib.error.URLError, OSError, ValueError) as e:
+        return report_failure("batch", base, e)
     except KeyboardInterrupt:
         if batch is None:
             print("carpool batch: interrupted", file=sys.stderr)

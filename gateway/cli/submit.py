@@ -97,6 +97,18 @@ def path_part(value: str) -> str:
     return urllib.parse.quote(value, safe="")
 
 
+def report_failure(verb: str, base: str, error: Exception) -> int:
+    """Say in one line why a request to the gateway at `base` failed other than by its refusal; the exit status."""
+    if isinstance(error, NotAGateway):
+        message, status = str(error), EXIT_FAILED
+    elif isinstance(error, (urllib.error.URLError, OSError)):
+        message, status = f"cannot reach the gateway at {base}: {error}", EXIT_FAILED
+    else:  # ValueError: a --gateway that is no URL, a header value HTTP cannot carry
+        message, status = str(error), EXIT_REFUSED
+    print(f"carpool {verb}: {message}", file=sys.stderr)
+    return status
+
+
 class GatewayError(Exception):
     def __init__(self, status: int, body: dict[str, Any]) -> None:
         error = body.get("error", {}) if isinstance(body, dict) else {}
@@ -143,15 +155,8 @@ def run_submit(args: argparse.Namespace) -> int:
     except GatewayError as e:
         print(f"carpool submit: refused: {e}", file=sys.stderr)
         return EXIT_REFUSED
-    except NotAGateway as e:
-        print(f"carpool submit: {e}", file=sys.stderr)
-        return EXIT_FAILED
-    except (urllib.error.URLError, OSError) as e:
-        print(f"carpool submit: cannot reach the gateway at {base}: {e}", file=sys.stderr)
-        return EXIT_FAILED
-    except ValueError as e:  # a --gateway that is no URL, a header value HTTP cannot carry
-        print(f"carpool submit: {e}", file=sys.stderr)
-        return EXIT_REFUSED
+    except (NotAGateway, urllib.error.URLError, OSError, ValueError) as e:
+        return report_failure("submit", base, e)
     except KeyboardInterrupt:
         if created is None:
             print("carpool submit: interrupted", file=sys.stderr)

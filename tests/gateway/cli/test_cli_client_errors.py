@@ -10,30 +10,19 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.app import init_app
 from gateway.cli.main import main
-from gateway.config import GatewayConfig
 from scheduler.protocol.keys import Keys
 from tests.harness.child_env import child_pythonpath
-from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.worker_harness import wait_until
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture
-async def gateway_url(redis_url: str) -> AsyncIterator[str]:
-    server = GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1")
-    await server.start_server()
-    yield str(server.make_url("")).rstrip("/")
-    await server.close()
 
 
 @pytest.fixture
