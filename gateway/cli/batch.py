@@ -16,7 +16,6 @@ from typing import Any, TextIO
 from gateway.cli.submit import (
     DEFAULT_GATEWAY,
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     EXIT_REFUSED,
     EXIT_TIMEOUT,
     NotAGateway,
@@ -25,6 +24,7 @@ from gateway.cli.submit import (
     path_part,
     read_json,
     report_failure,
+    report_interrupt,
     wait_seconds,
 )
 
@@ -187,12 +187,8 @@ def run_batch(args: argparse.Namespace) -> int:
     except (NotAGateway, urllib.error.URLError, OSError, ValueError) as e:
         return report_failure("batch", base, e)
     except KeyboardInterrupt:
-        if batch is None:
-            print("carpool batch: interrupted", file=sys.stderr)
-        else:
-            print(f"carpool batch: interrupted; batch {batch['id']} goes on (carpool batch status {batch['id']}; "
-                  f"carpool batch cancel {batch['id']})", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return report_interrupt("batch", None if batch is None else (
+            f"batch {batch['id']} goes on (carpool batch status {batch['id']}; carpool batch cancel {batch['id']})"))
     if batch["status"] not in FINAL:
         print(f"carpool batch: batch {batch['id']} still {batch['status']} after {args.timeout_s:g}s; it goes on "
               f"(carpool batch status {batch['id']})", file=sys.stderr)

@@ -109,6 +109,12 @@ def report_failure(verb: str, base: str, error: Exception) -> int:
     return status
 
 
+def report_interrupt(verb: str, what_goes_on: str | None) -> int:
+    """Ctrl-C during a request or a wait: one line, naming what was made and goes on; the shell's exit status."""
+    print(f"carpool {verb}: interrupted" + ("" if what_goes_on is None else f"; {what_goes_on}"), file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 class GatewayError(Exception):
     def __init__(self, status: int, body: dict[str, Any]) -> None:
         error = body.get("error", {}) if isinstance(body, dict) else {}
@@ -158,13 +164,9 @@ def run_submit(args: argparse.Namespace) -> int:
     except (NotAGateway, urllib.error.URLError, OSError, ValueError) as e:
         return report_failure("submit", base, e)
     except KeyboardInterrupt:
-        if created is None:
-            print("carpool submit: interrupted", file=sys.stderr)
-        else:
-            url = f"{base}/v1/jobs/{path_part(created['id'])}"
-            print(f"carpool submit: interrupted; job {created['id']} goes on (see it: curl {url}; cancel it: "
-                  f"curl -X DELETE {url})", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        url = None if created is None else f"{base}/v1/jobs/{path_part(created['id'])}"
+        return report_interrupt("submit", None if created is None else (
+            f"job {created['id']} goes on (see it: curl {url}; cancel it: curl -X DELETE {url})"))
     if args.json:
         print(json.dumps(view, indent=2))
     status = view["status"]
