@@ -122,8 +122,9 @@ class BatchDriver:
                 self._scanned_at[batch_id] = time.monotonic()
                 await self._counts.scan(batch_id, await self._batches.read(batch_id), is_cancelling)
             b = await self._batches.read(batch_id)
-            if int(b["enqueued"]) >= int(b["total"]):
-                await self._files.release(b["input_file_id"], batch_id)  # every line read
+            if int(b["enqueued"]) >= int(b["total"]) and not b.get("input_released"):
+                await self._files.release(b["input_file_id"], batch_id)  # every line read: once
+                await self._redis.hset(self._keys.batch(batch_id), "input_released", 1)
             if int(b["settled"]) >= int(b["total"]):
                 outcome = (BatchStatus.CANCELLED if status is BatchStatus.CANCELLING
                            else BatchStatus.EXPIRED if int(b["expired"]) else BatchStatus.COMPLETED)
