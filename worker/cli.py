@@ -10,11 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import os
 import signal
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -135,22 +133,25 @@ async def start_engine(config: WorkerConfig) -> EngineRunner:
 
 
 async def wait_for_redis(client: Any, stopped: asyncio.Event, redis_url: str) -> bool:
-    """Return True once Redis answers, or False when `stopped` is set first; says so every 30 s meanwhile."""
-    from scheduler.protocol.redis_client import redacted_url
-    from worker.redis_errors import REDIS_ERRORS
+    """Return True once Redis answers and takes this worker's user, or False when `stopped` is set first; says
+    so once in a while meanwhile. Raises `RedisRefused` when it answers but refuses the user (credentials, ACL)."""
+    from scheduler.protocol.redis_client import RedisRefused, check_access, is_refusal, redacted_url
+    from worker.redis_errors import REDIS_ERRORS, REDIS_RETRY_S, outage_log
 
-    said_at = -math.inf
+    outages = outage_log(log)
     while not stopped.is_set():
         try:
             await client.ping()
-            return True
         except REDIS_ERRORS as e:
-            if time.monotonic() - said_at >= 30:
-                said_at = time.monotonic()
-                log.warning("Redis at %s is unavailable (%s); waiting for it before reading any job",
-                            redacted_url(redis_url), e)
+            if is_refusal(e):
+                raise RedisRefused(str(e)) from e
+            outages.warn(f"Redis at {redacted_url(redis_url)}", e, "the worker waits for it before reading any job")
+        else:
+            await check_access(client)  # the check at start found it unreachable: made now
+            outages.recovered()
+            return True
         try:
-            await asyncio.wait_for(stopped.wait(), timeout=1.0)
+            await asyncio.wait_for(stopped.wait(), timeout=REDIS_RETRY_S)
         except TimeoutError:
             pass
     return False
@@ -199,8 +200,13 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
     has_failed = False
     try:
         # Redis down when the worker starts (a cluster coming up in any order): wait for it, as for any outage.
-        if not await wait_for_redis(client, service.stopped, config.redis_url):
-            return 0  # stopped by a signal while waiting: nothing was taken
+        try:
+            if not await wait_for_redis(client, service.stopped, config.redis_url):
+                return 0  # stopped by a signal while waiting: nothing was taken
+        except RedisRefused as e:
+            print(f"carpool worker: Redis at {redacted_url(config.redis_url)} refuses this worker: {e}",
+                  file=sys.stderr)
+            return 1
         try:
             await service.start()
         except OSError as e:

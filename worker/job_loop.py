@@ -46,11 +46,11 @@ log = logging.getLogger(__name__)
 
 IDLE_STEP_SLEEP_S = 0.002
 TICKS_IN_FLIGHT = 2
+"""Ticks handed to the engine before the oldest one's reply is read (see ``JobLoop.run``)."""
 ENGINE_CHECK_S = 1.0
+"""How often an idle loop looks whether its engine (process) is still there."""
 ABORT_WAIT_S = 5.0
 """How long a shutdown waits for the engine to drop the jobs it hands back."""
-"""How often an idle loop looks whether its engine (process) is still there."""
-"""Ticks handed to the engine before the oldest one's reply is read (see ``JobLoop.run``)."""
 
 
 
@@ -232,7 +232,8 @@ class JobLoop:
         """A tick's answer; an engine that gives none for ``--engine-stall-s`` is hung, and fails the loop."""
         stall_s = self.config.engine_stall_s
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout=stall_s)
+            async with asyncio.timeout(stall_s):  # one timer per step; the tick is given up with the engine
+                return await future
         except TimeoutError:
             raise EngineFailed(f"the engine answered no step for {stall_s:g}s (--engine-stall-s): hung, or its process "
                                "stopped") from None

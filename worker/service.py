@@ -21,6 +21,7 @@ from aiohttp import web
 
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.lanes import Lane
+from scheduler.protocol.redis_client import is_refusal
 from scheduler.runtime.outage_log import describe
 from scheduler.runtime.tasks import raise_if_cancelled
 from scheduler.telemetry.otel import Telemetry
@@ -74,9 +75,9 @@ class WorkerService:
         """The shutdown could not hand its running jobs back (Redis unavailable): they wait for the lease."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._refused: BaseException | None = None
-        self._crashed = False
-        """A background task (the engine's loop, say) died, also during the drain."""
         """What Redis refused this worker's user (an ACL it lacks), found admitting an entry: the worker stops."""
+        self._crashed = False
+        """A background task (the engine's loop, say) or an admission died, also during the drain."""
         self._outages = outage_log(log)
         self._redis_down_at = -math.inf
         """When a loop last found Redis unavailable (monotonic): for a lease after it, only handed-back entries
@@ -159,8 +160,9 @@ class WorkerService:
                 # than a lease: by then the jobs are another worker's to reclaim anyway.
                 async with asyncio.timeout(self.config.lease_s):
                     jobs = await self.job_loop.checkpoint_all()
-                    # Stopping because the engine or a loop failed is no clean stop: those deliveries count.
-                    await self.consumer.hand_back(jobs, is_clean=not self._failed())
+                    # Stopping because the engine or a loop failed is no clean stop: those deliveries count. A
+                    # Redis that refuses this worker's user says nothing of its jobs: their hand-back is clean.
+                    await self.consumer.hand_back(jobs, is_clean=not self._crashed_here())
                     # Workers with a free slot take them over now, ahead of newer entries, not at their next
                     # periodic reclaim (every lease_s / 4).
                     await self.client.publish(self.keys.control,
@@ -207,7 +209,11 @@ class WorkerService:
         return self._failed()
 
     def _failed(self) -> bool:
-        return self._crashed or self._refused is not None or any(
+        return self._refused is not None or self._crashed_here()
+
+    def _crashed_here(self) -> bool:
+        """A failure of this worker's own (not Redis refusing it): its hand-back is no clean stop."""
+        return self._crashed or any(
             t.done() and not t.cancelled() and t.exception() is not None for t in self._tasks.values())
 
     # --- intake ----------------------------------------------------------------------------
@@ -237,12 +243,16 @@ class WorkerService:
     def _admission_ended(self, task: asyncio.Task[None]) -> None:
         """An admission raises only when Redis refuses this worker's user a command it needs (ACL): no entry
         can start here, so the worker stops, exiting non-zero, instead of using up every entry's deliveries."""
-        if task.cancelled() or task.exception() is None:
+        error = None if task.cancelled() else task.exception()
+        if error is None:
             return
-        if self._refused is None:
+        if not is_refusal(error):
+            log.error("%s failed; stopping the worker", task.get_name(), exc_info=error)
+            self._crashed = True
+        elif self._refused is None:
             log.error("%s: Redis refuses this worker's user a command it needs (%s); stopping the worker",
-                      task.get_name(), task.exception())
-        self._refused = task.exception()
+                      task.get_name(), error)
+            self._refused = error
         self.stopped.set()
 
     async def _read_entries(self, admissions: set[asyncio.Task[None]]) -> None:

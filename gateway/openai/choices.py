@@ -106,7 +106,7 @@ async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: 
                           param="n", code="queued_jobs_limit")
     max_depth = app[appkeys.CONFIG].max_lane_depth[lane]
     if num_choices > max_depth:
-        metrics.job_rejected("lane_full", lane)
+        metrics.job_rejected("invalid", lane)  # a request no wait can admit, not a full lane
         raise OpenAIError(400, f"n={num_choices} needs {num_choices} jobs queued at once, more than the {lane} "
                                f"lane holds ({max_depth}); ask for at most n={max_depth}",
                           param="n", code="lane_depth_limit")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,3 +104,38 @@ async def test_a_gateway_refused_a_command_while_it_runs_answers_503_naming_it(a
         async with http.post(server.make_url("/v1/chat/completions"), json=chat) as resp:
             body = await resp.json()
             assert resp.status == 503 and "refuses this gateway's user" in body["error"]["message"], body
+
+
+def test_a_worker_started_before_a_redis_that_refuses_it_exits_1_once_it_is_up(tiny_model, tmp_path: Path) -> None:
+    """Waiting for Redis is for an outage: once Redis answers and refuses the worker's user, the worker says so
+    in one line and exits, as it does when Redis is up first."""
+    from gateway.cli.embedded_redis import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CARPOOL_", "OTEL_"))}
+    env.update(PYTHONPATH=child_pythonpath(REPO), CARPOOL_METRICS_PORT="0", OTEL_TRACES_EXPORTER="none",
+               OTEL_METRICS_EXPORTER="none")
+    worker = subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker", "--model", tiny_model(),
+                               "--redis-url", f"redis://noscripts:pw@127.0.0.1:{port}/0"],
+                              env=env, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    server = None
+    try:
+        deadline = time.monotonic() + 120
+        assert worker.stderr is not None
+        for line in worker.stderr:  # the model loads, then the worker waits for Redis
+            if "the worker waits for it before reading any job" in line:
+                break
+            assert time.monotonic() < deadline and worker.poll() is None, line
+        server = EmbeddedRedis(tmp_path / "redis", port=port, is_persistent=False).start()
+        with redis.Redis.from_url(server.url) as admin:
+            admin.execute_command("ACL", "SETUSER", "noscripts", "on", ">pw", "~*", "&*", "+@all", "-@scripting")
+        _, err = worker.communicate(timeout=120)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        if server is not None:
+            server.stop()
+    assert worker.returncode == 1 and "Traceback" not in err, err
+    (line,) = [line for line in err.splitlines() if line.startswith("carpool worker:")]
+    assert line.startswith("carpool worker: Redis at redis://noscripts:***@") and "refuses this worker" in line, line

@@ -271,7 +271,7 @@ def test_a_worker_started_before_its_redis_waits_for_it_then_serves(tiny_model, 
     server = None
     try:
         for log in ("early.log", "stopped.log"):
-            wait_until_text(tmp_path / log, "waiting for it before reading any job")
+            wait_until_text(tmp_path / log, "the worker waits for it before reading any job")
         waiting.send_signal(signal.SIGTERM)
         assert waiting.wait(timeout=60) == 0
         server = EmbeddedRedis(tmp_path / "redis", port=port, is_persistent=False).start()
