@@ -20,11 +20,11 @@ from gateway.event_hub import wait_for_terminal
 from gateway.metrics import CONTENT_TYPE
 from gateway.rate_limits import RateLimited, TooManyTokens, job_tokens
 from gateway.sse import CLIENT_CHECK_S, client_gone, stream_events
-from gateway.worker_heartbeats import live_workers
 from scheduler.protocol.job_record import job_view, json_default, tenant_of_record
 from scheduler.protocol.lanes import LANES
 from scheduler.protocol.redis_client import is_out_of_memory, is_refusal
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE, read_hash
+from scheduler.protocol.worker_heartbeats import live_workers
 from scheduler.telemetry.log_format import job_context
 from scheduler.telemetry.stream_stats import read_stream_counts
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from gateway.worker_heartbeats import recent_heartbeats
 from scheduler.protocol.keys import Keys
+from scheduler.protocol.worker_heartbeats import recent_heartbeats
 
 REFRESH_S = 2.0
 """How long learned limits are trusted before the heartbeats are read again."""

@@ -22,6 +22,7 @@ from aiohttp import web
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.lanes import Lane
 from scheduler.protocol.redis_client import is_refusal
+from scheduler.protocol.worker_heartbeats import recent_heartbeats
 from scheduler.runtime.outage_log import describe
 from scheduler.runtime.tasks import raise_if_cancelled
 from scheduler.telemetry.otel import Telemetry
@@ -241,15 +242,14 @@ class WorkerService:
             task.add_done_callback(self._admission_ended)
 
     def _admission_ended(self, task: asyncio.Task[None]) -> None:
-        """An admission raises only when Redis refuses this worker's user a command it needs (ACL): no entry
-        can start here, so the worker stops, exiting non-zero, instead of using up every entry's deliveries."""
+        """An admission raises when Redis refuses this worker's user a command it needs (ACL): no entry can start
+        here, so the worker stops, exiting non-zero, instead of using up every entry's deliveries. Any other
+        error it raises is a failure of the worker's own, as a background task's (`_reap`)."""
         error = None if task.cancelled() else task.exception()
-        if error is None:
+        if error is None or not is_refusal(error):
+            self._reap(task)
             return
-        if not is_refusal(error):
-            log.error("%s failed; stopping the worker", task.get_name(), exc_info=error)
-            self._crashed = True
-        elif self._refused is None:
+        if self._refused is None:
             log.error("%s: Redis refuses this worker's user a command it needs (%s); stopping the worker",
                       task.get_name(), error)
             self._refused = error
@@ -371,16 +371,10 @@ class WorkerService:
     async def _warn_of_other_models(self) -> None:
         """Say so when live workers under this key prefix serve another model: the lanes are shared, so each
         would answer the other's requests (and the OpenAI routes would name the model asked for)."""
-        now, others = time.time(), set()
-        for name, raw in (await self.client.hgetall(self.keys.workers)).items():
-            try:
-                beat = msgpack.unpackb(raw)
-                is_live = now - float(beat["time"]) <= 3 * self.config.heartbeat_interval_s + 1
-                model = beat.get("model")
-            except Exception:
-                continue  # a heartbeat this worker cannot read says nothing of its model
-            if is_live and isinstance(model, str) and model != self.config.model_name:
-                others.add(model)
+        beats = await recent_heartbeats(self.client, self.keys.workers,
+                                        max_age_s=3 * self.config.heartbeat_interval_s + 1, now=time.time())
+        others = {beat["model"] for beat in beats
+                  if isinstance(beat.get("model"), str) and beat["model"] != self.config.model_name}
         if others:
             log.warning("worker %s serves %r, but live workers under the key prefix %r serve %s: they share its "
                         "lanes, so jobs meant for one model are run by another; give each model its own "

@@ -22,10 +22,10 @@ from gateway.event_hub import EventHub, Subscription, is_terminal
 from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, openai_param
 from gateway.openai.schema import OpenAIRequest
 from gateway.rate_limits import RateLimited, TooManyTokens, job_tokens
-from gateway.worker_heartbeats import recent_heartbeats
 from scheduler.protocol.job_record import job_view
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import read_hash
+from scheduler.protocol.worker_heartbeats import recent_heartbeats
 from scheduler.runtime.tasks import cancel_and_reap
 
 

@@ -1,4 +1,4 @@
-"""The workers' heartbeats (``keys.workers``): the one reader of them in the gateway.
+"""The workers' heartbeats (``keys.workers``): the one reader of them, for the gateway and the workers.
 
 A worker writes its heartbeat (msgpack: ``time``, ``model``, ``running``, ``capacity``, ``max_model_len``,
 ``vocab_size``, …) every ``--heartbeat-interval-s`` and deletes it when it stops cleanly; a worker that is
@@ -21,7 +21,7 @@ from scheduler.protocol.redis_replies import read_hash
 
 
 async def recent_heartbeats(redis: aioredis.Redis, key: str, *, max_age_s: float, now: float) -> list[dict[str, Any]]:
-    """The heartbeats written at most `max_age_s` before `now`; one this gateway cannot read, or without a
+    """The heartbeats written at most `max_age_s` before `now`; one this process cannot read, or without a
     time, says nothing it can use and is left out."""
     recent = []
     for raw in (await read_hash(redis, key)).values():
@@ -79,7 +79,7 @@ async def _prune(redis: aioredis.Redis, key: str, stale: dict[bytes, bytes]) -> 
             current = await pipe.hmget(key, list(stale))
             unchanged = [name for name, value in zip(stale, current) if value == stale[name]]
             if unchanged:
-                pipe.multi()
+                pipe.multi()  # type: ignore[no-untyped-call]  # redis-py leaves it without annotations
                 pipe.hdel(key, *unchanged)
                 await pipe.execute()
         except WatchError:
