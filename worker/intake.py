@@ -269,8 +269,8 @@ class EntryIntake:
         else:
             assert start.verdict is StartVerdict.RUN, start.verdict
             await self._announce_start(spec, start)
-            self.job_loop.start(spec, ref, start.checkpoint, start.record, start.checkpoint_logprobs,
-                            attempt=start.attempts)
+            self.job_loop.start(spec, ref, start.checkpoint, created_at, start.record, start.checkpoint_logprobs,
+                                attempt=start.attempts)
             log.info("job %s: admitted from %s (attempt %d, resuming after %d tokens)", spec.id, ref,
                      start.attempts, len(start.checkpoint),
                      extra={"entry": str(ref), "lane": lane, "attempt": start.attempts,

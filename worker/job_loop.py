@@ -102,10 +102,11 @@ class JobLoop:
 
     # --- intake --------------------------------------------------------------------
 
-    def start(self, spec: JobSpec, entry: EntryRef, checkpoint: list[int],
+    def start(self, spec: JobSpec, entry: EntryRef, checkpoint: list[int], enqueued_s: float,
               record: dict[bytes, bytes] | None = None,
               checkpoint_logprobs: list[dict[str, Any]] | None = None, attempt: int = 1) -> None:
-        """Queue a job for the engine; it is added at the start of the next tick."""
+        """Queue a job for the engine; it is added at the start of the next tick. `enqueued_s` is the Unix time of
+        its entry's first XADD (the intake's reading, which follows an entry moved into its tenant's stream)."""
         assert spec.id not in self.jobs
         job = RunningJob(spec=spec, entry=entry, resumed_from=len(checkpoint), token_ids=list(checkpoint),
                          checkpointed=len(checkpoint), record=record or {}, attempt=attempt)
@@ -113,7 +114,6 @@ class JobLoop:
             job.resumed_logprobs = list(checkpoint_logprobs)
         if spec.webhook is not None and spec.webhook.wants(WebhookEvent.OUTPUT):
             job.throttle = OutputThrottle(self.config.webhook_output_interval_s)
-        enqueued_s = int(entry.entry_id.split("-", 1)[0]) / 1000  # the stream entry id is its XADD time
         job.trace = self.metrics.job_started(spec, enqueued_s, resumed_from=len(checkpoint))
         self.jobs[spec.id] = job
         priority = engine_priority(spec.lane, spec.priority)

@@ -199,3 +199,20 @@ async def test_the_line_of_a_cancel_while_running_names_the_job_and_its_trace(re
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     (cancelled,) = [r for r in lines if "cancelled while running" in r["message"]]
     assert cancelled["job_id"] == "stopped" and cancelled["trace_id"] == GOOD_TRACE, cancelled
+
+
+async def test_a_direct_xadd_moved_into_its_tenants_stream_waits_from_its_first_xadd(redis_url: str, engine) -> None:
+    """A producer's entry naming a tenant is moved into that tenant's stream under a new id; its queue wait still
+    runs from the producer's XADD, as its record's ``created_at`` does."""
+    client = aioredis.Redis.from_url(redis_url)
+    first_xadd_ms = int((await client.time())[0]) * 1000 - 120_000  # as if it had waited two minutes
+    await client.xadd(KEYS.lane(Lane.STANDARD), {"job": msgpack.packb({"v": 1, "id": "routed", "prompt": "hi",
+                                                                       "tenant": "acme"})},
+                      id=f"{first_xadd_ms}-0")
+    async with running_worker(redis_url, engine) as worker:
+        views = await wait_terminal(client, ["routed"])
+        rendered = worker.metrics.render().decode()
+    await client.aclose()
+    assert views["routed"]["status"] == "succeeded"
+    assert value(rendered, "carpool_job_queue_wait_seconds_sum") >= 119
+    assert value(rendered, "carpool_tenant_queue_wait_seconds_sum", carpool_tenant="acme") >= 119
