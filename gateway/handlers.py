@@ -12,6 +12,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from gateway import appkeys
+from gateway.access_log import note_jobs
 from gateway.admission import IdempotencyInFlight, InvalidJob, JobIdTaken, LaneFull, QuotaExceeded
 from gateway.auth import RATE_HEADERS, caller_of, may_see
 from gateway.cancel import AlreadyFinished, JobNotFound
@@ -88,6 +89,7 @@ async def post_job(request: web.Request) -> web.Response:
     except IdempotencyInFlight as e:
         return error_response(409, "conflict", f"a request with this Idempotency-Key is still creating job {e}",
                               field="Idempotency-Key", **{"Retry-After": "1"})
+    note_jobs(request, [admitted.job_id])
     if admitted.is_new:
         metrics.job_submitted(admitted.lane)
     else:

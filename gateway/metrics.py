@@ -20,6 +20,7 @@ from aiohttp.typedefs import Middleware
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from gateway.access_log import id_field, note
 from gateway.webhooks.metrics import WebhookMetrics
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.lanes import LANES
@@ -155,11 +156,16 @@ async def _record_request(metrics: GatewayMetrics, request: web.Request, handler
             kind=SpanKind.SERVER,
             attributes=attributes,
         )
-    job_id = request.match_info.get("id")
+    subject = request.match_info.get("id")
+    field = id_field(route) if subject else None
+    if subject and field:
+        note(request, **{field: subject})
+    job_id = subject if field == "job_id" else None
     with span_cm as span, (job_context(job_id) if job_id else nullcontext()):
         if span is not None:
             # The id the answer will carry (`x-request-id`): a client's report of it finds this trace.
             span.set_attribute(metric_schema.A_HTTP_REQUEST_ID, request_id(request))
+            note(request, trace_id=format(span.get_span_context().trace_id, "032x"))
         try:
             response = await handler(request)
             status = response.status

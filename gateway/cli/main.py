@@ -178,6 +178,7 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
 def run_gateway(config: GatewayConfig, log_level: str, telemetry_config: TelemetryConfig) -> int:
     from aiohttp import web
 
+    from gateway.access_log import AccessLogger
     from gateway.app import init_app
     from scheduler.telemetry.log_format import configure_logging
     from scheduler.telemetry.otel import Telemetry
@@ -187,6 +188,7 @@ def run_gateway(config: GatewayConfig, log_level: str, telemetry_config: Telemet
     try:
         web.run_app(
             init_app(config, telemetry), host=config.host, port=config.port, shutdown_timeout=config.shutdown_grace_s,
+            access_log_class=AccessLogger,
             # A log line like every other (one JSON object a line on stderr): aiohttp's "==== Running on ... ====
             # (Press CTRL+C to quit)" banner would be the one line a log shipper cannot parse.
             print=lambda banner: logging.getLogger("gateway").info("carpool gateway: %s",

@@ -23,6 +23,7 @@ from typing import IO
 
 from aiohttp import web
 
+from gateway.access_log import AccessLogger
 from gateway.app import init_app
 from gateway.cli.embedded_redis import DEFAULT_REDIS_PORT, REDIS_URL_FILE, EmbeddedRedis, free_port, is_port_free
 from gateway.cli.up_worker import StackError, WorkerChild, stop_worker, wait_ready
@@ -151,7 +152,8 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
         redis_url=redis_url, host=config.host, port=config.port, max_model_len=child.worker.engine.max_model_len,
         webhooks=webhooks, api_keys=config.api_keys,
     )
-    runner = web.AppRunner(init_app(gateway_config, telemetry), shutdown_timeout=gateway_config.shutdown_grace_s)
+    runner = web.AppRunner(init_app(gateway_config, telemetry), shutdown_timeout=gateway_config.shutdown_grace_s,
+                           access_log_class=AccessLogger)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port).start()

@@ -29,6 +29,7 @@ from aiohttp import web
 from redis.typing import EncodableT, FieldT
 
 from gateway import appkeys
+from gateway.access_log import note
 from gateway.admission import InvalidJob
 from gateway.auth import caller_of, may_see
 from gateway.errors import NO_RETRY, OpenAIError, invalid, unsupported
@@ -201,6 +202,7 @@ async def create_batch(request: web.Request) -> web.Response:
                                                  caller_of(request).tenant, webhook_url, output_ttl_s)
     # Deleting the input file (upload, create, delete) or its expiry leaves the batch its lines.
     await files.hold(file_id, view["id"], int(view["expires_at"]) + HELD_AFTER_WINDOW_S)
+    note(request, batch_id=view["id"], file_id=file_id)
     return web.json_response(view)
 
 

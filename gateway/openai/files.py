@@ -24,6 +24,7 @@ from aiohttp import BodyPartReader, web
 from redis.typing import EncodableT, FieldT
 
 from gateway import appkeys
+from gateway.access_log import note
 from gateway.auth import caller_of, may_see
 from gateway.errors import OpenAIError, invalid
 from gateway.openai.listing import cursor_page
@@ -247,6 +248,7 @@ async def upload(request: web.Request) -> web.Response:
                               f"{config.max_batch_requests}")
     view = await file_store(request.app).write(new_file_id(), filename, purpose, lines, caller_of(request).tenant,
                                                ttl_s)
+    note(request, file_id=view["id"])
     return web.json_response(view)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway import appkeys
+from gateway.access_log import note_jobs
 from gateway.auth import RATE_HEADERS, caller_of
 from gateway.errors import OpenAIError, invalid
 from gateway.openai import responses
@@ -85,6 +86,7 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     try:
         async with ChoiceWatch(app[appkeys.REDIS], app[appkeys.HUB], app[appkeys.KEYS], job_ids) as watch:
             request[RATE_HEADERS] = await submit_choices(app, req, job_ids, caller_of(request))
+            note_jobs(request, job_ids)
             try:
                 if req.is_stream:
                     return await stream_choices(request, req, watch, request_id, created)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -10,6 +11,7 @@ from aiohttp.test_utils import TestClient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway import appkeys
+from gateway.access_log import AccessLogger
 from gateway.app import init_app
 from gateway.config import GatewayConfig
 from scheduler.protocol.job import JobSpec
@@ -17,7 +19,7 @@ from scheduler.protocol.keys import Keys
 from scheduler.telemetry.metric_schema import GATEWAY_METRICS
 from scheduler.telemetry.otel import Telemetry
 from tests.harness.gateway_server import GatewayTestServer
-from tests.harness.telemetry_support import in_memory_telemetry, sample_names, value
+from tests.harness.telemetry_support import in_memory_telemetry, json_logs, sample_names, value
 
 KEYS = Keys()
 PRODUCER_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -127,3 +129,32 @@ async def test_an_answers_request_id_finds_its_trace(
     servers = [s for s in spans.get_finished_spans() if s.kind.name == "SERVER"]
     by_id = {s.attributes["http.response.header.x-request-id"]: s for s in servers}
     assert [by_id[i].attributes["http.response.status_code"] for i in ids] == [202, 400, 404]
+
+
+async def test_each_answered_request_logs_one_access_line_naming_its_job_and_trace(redis_url: str) -> None:
+    """The access line is written after the request's span has ended: it still names the job, the request's
+    trace (the one the job message carries) and the answer's ``x-request-id``; a file or batch route's id is
+    not taken for a job's, and a probe logs only at debug."""
+    telemetry, _ = in_memory_telemetry("carpool-gateway")
+    config = GatewayConfig(redis_url=redis_url, no_webhooks=True)
+    server = GatewayTestServer(init_app(config, telemetry))
+    with json_logs("aiohttp.access", "carpool-gateway") as stream:
+        await server.start_server(access_log_class=AccessLogger)  # as `carpool gateway` serves it
+        async with TestClient(server) as client:
+            made = await client.post("/v1/jobs", json={"id": "logged-1", "prompt": "x"},
+                                     headers={"User-Agent": "producer/1.0"})
+            read = await client.get("/v1/jobs/logged-1")
+            missing_file = await client.get("/v1/files/file-nope")
+            probe = await client.get("/healthz")
+    telemetry.shutdown()
+    assert (made.status, read.status, missing_file.status, probe.status) == (202, 200, 404, 200)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(line["http_method"], line["http_path"], line["http_status"]) for line in lines] == [
+        ("POST", "/v1/jobs", 202), ("GET", "/v1/jobs/logged-1", 200), ("GET", "/v1/files/file-nope", 404)]
+    post, get, file_line = lines
+    (message,) = await lane_messages(redis_url, "standard")
+    assert post["job_id"] == get["job_id"] == "logged-1" and post["user_agent"] == "producer/1.0"
+    assert post["trace_id"] == message.traceparent.split("-")[1] and get["trace_id"] != post["trace_id"]
+    assert post["request_id"] == made.headers["x-request-id"] and post["message"].startswith("POST /v1/jobs 202 ")
+    assert file_line["file_id"] == "file-nope" and "job_id" not in file_line
+    assert all(line["level"] == "info" and line["duration_ms"] >= 0 for line in lines)
