@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,7 @@ def default_model_path(cache_dir: Path | None = None) -> Path:
     if final.is_dir():
         return final
     root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(root)
     staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=root))
     try:
         _create_model(staging, "llama", 0, dict(DEFAULT_SHAPE))
@@ -220,3 +222,18 @@ def default_model_path(cache_dir: Path | None = None) -> Path:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+STALE_STAGING_S = 3600.0
+"""A staging folder untouched this long was left by a build that was killed (building takes seconds)."""
+
+
+def _remove_stale_staging(root: Path) -> None:
+    """Remove the staging folders of builds killed before their rename, so they do not pile up in the cache."""
+    cutoff = time.time() - STALE_STAGING_S
+    for leftover in root.glob(f".{DEFAULT_MODEL_NAME}-*"):
+        try:
+            if leftover.is_dir() and leftover.stat().st_mtime < cutoff:
+                shutil.rmtree(leftover, ignore_errors=True)
+        except OSError:
+            continue  # another process removed it first

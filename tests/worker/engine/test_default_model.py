@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -104,7 +107,16 @@ def test_chat_template_renders(tiny_model) -> None:
 
 
 def test_default_model_is_built_once_into_the_cache(tmp_path: Path) -> None:
+    # Staging folders of builds killed before their rename: an old one is cleared, a recent one (a build that
+    # may still be running) is left alone.
+    killed, running = tmp_path / f".{DEFAULT_MODEL_NAME}-killed", tmp_path / f".{DEFAULT_MODEL_NAME}-running"
+    for leftover in (killed, running):
+        leftover.mkdir()
+        (leftover / "config.json").write_text("{}")
+    os.utime(killed, (time.time() - 2 * 3600,) * 2)
     path = default_model_path(tmp_path)
+    assert not killed.exists() and running.is_dir()
+    shutil.rmtree(running)
     assert path == tmp_path / DEFAULT_MODEL_NAME
     config = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).config
     assert (config.model_type, config.hidden_size, config.num_hidden_layers) == ("llama", 256, 4)
