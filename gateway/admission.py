@@ -42,7 +42,9 @@ MAX_IDEMPOTENCY_KEY_LEN = 255
 WebhookCheck = Callable[[str], Awaitable[None]]
 """Raises ValueError (with a reason) when a webhook URL may not be used; may resolve the host."""
 
-EnqueueSpan = Callable[[JobSpec], AbstractContextManager[object]]
+# (spec, linked): the span around enqueuing a job; `linked` is the traceparent of the work that made it, when
+# that is not its parent (a Batch API line links to the request that created its batch).
+EnqueueSpan = Callable[[JobSpec, str | None], AbstractContextManager[object]]
 """Wraps the enqueue in a trace span and sets the spec's ``traceparent`` before it is packed."""
 
 
@@ -135,7 +137,7 @@ class Admitted:
 class Admission:
     def __init__(
         self, redis: aioredis.Redis, keys: Keys, config: GatewayConfig, check_webhook: WebhookCheck | None,
-        enqueue_span: EnqueueSpan = lambda spec: nullcontext(),
+        enqueue_span: EnqueueSpan = lambda spec, linked: nullcontext(),
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -187,10 +189,11 @@ class Admission:
 
     async def submit(self, body: object, idempotency_key: str | None, *, caller: Caller = OPEN_CALLER,
                      reservation: Reservation | None = None, num_following: int = 0,
-                     batch_results: str | None = None) -> Admitted:
+                     batch_results: str | None = None, linked_trace: str | None = None) -> Admitted:
         """Validate and enqueue a job of `caller`'s tenant (see `enqueue`, and `validate` for `batch_results`)."""
         return await self.enqueue(await self.validate(body, caller, batch_results=batch_results), idempotency_key,
-                                  caller=caller, reservation=reservation, num_following=num_following)
+                                  caller=caller, reservation=reservation, num_following=num_following,
+                                  linked_trace=linked_trace)
 
     async def find(self, spec: JobSpec, idempotency_key: str | None) -> Admitted | None:
         """The job of the spec's tenant that `enqueue` would answer with instead of enqueuing (what the
@@ -210,14 +213,15 @@ class Admission:
         return Admitted(spec.id, status, spec.lane.value, is_new=False)
 
     async def enqueue(self, spec: JobSpec, idempotency_key: str | None, *, caller: Caller = OPEN_CALLER,
-                      reservation: Reservation | None = None, num_following: int = 0) -> Admitted:
+                      reservation: Reservation | None = None, num_following: int = 0,
+                      linked_trace: str | None = None) -> Admitted:
         """Enqueue a validated job; `reservation`: the tokens/min this job holds, settled when it ends;
         `num_following`: jobs of the same request enqueued next, which the lane and the tenant's quota must
-        have room for too.
+        have room for too; `linked_trace`: see `EnqueueSpan`.
         Raises LaneFull, QuotaExceeded, IdempotencyInFlight, JobIdTaken, or InvalidJob for a bad Idempotency-Key."""
         idem = self._idempotency(spec, idempotency_key)
         for _ in range(MAX_CLAIM_TRIES):
-            verdict, detail = await self._enqueue_once(spec, idem, caller, reservation, num_following)
+            verdict, detail = await self._enqueue_once(spec, idem, caller, reservation, num_following, linked_trace)
             if verdict == "enqueued":
                 return Admitted(spec.id, JobStatus.QUEUED.value, spec.lane.value, is_new=True)
             if verdict == "exists":
@@ -275,7 +279,8 @@ class Admission:
         return in_tenants + int(await self._redis.xlen(stream))
 
     async def _enqueue_once(self, spec: JobSpec, idem: str | None, caller: Caller,
-                            reservation: Reservation | None, num_following: int) -> tuple[str, str]:
+                            reservation: Reservation | None, num_following: int,
+                            linked_trace: str | None) -> tuple[str, str]:
         """Run the enqueue script once: (verdict, detail) as it returns them; raises LaneFull, QuotaExceeded."""
         max_depth = self._config.max_lane_depth[spec.lane.value]
         depth = await self.lane_depth(spec.lane)
@@ -289,7 +294,7 @@ class Admission:
         if reservation is not None:
             record[F_RESERVATION] = reservation.field_value
         job_key = self._keys.job(spec.id)
-        with self._enqueue_span(spec):
+        with self._enqueue_span(spec, linked_trace):
             packed = spec.pack()
             named = spec.tenant != DEFAULT_TENANT
             max_queued = caller.limits.max_queued

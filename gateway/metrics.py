@@ -92,17 +92,22 @@ class GatewayMetrics(ProcessMetrics):
     # --- tracing ----------------------------------------------------------------------
 
     @contextmanager
-    def enqueue_span(self, spec: JobSpec) -> Iterator[trace.Span]:
+    def enqueue_span(self, spec: JobSpec, linked: str | None = None) -> Iterator[trace.Span]:
         """Span around putting a job on its lane; sets ``spec.traceparent`` so the worker continues it.
 
         A ``traceparent`` the producer put in the body is the parent; otherwise
         the current context (the HTTP server span, itself continuing any
-        incoming ``traceparent`` header).
+        incoming ``traceparent`` header). ``linked``: the traceparent of the work
+        that made the job without being its parent (the request that created a
+        Batch API line's batch), which the span links to: each line keeps a trace
+        of its own, and each trace leads to the batch's.
         """
         parent = context_from_traceparent(spec.traceparent)
         attributes = {"carpool.job.id": spec.id, metric_schema.A_LANE: spec.lane.value}
+        link_context = context_from_traceparent(linked)
+        links = [] if link_context is None else [trace.Link(trace.get_current_span(link_context).get_span_context())]
         with self.tracer.start_as_current_span(
-            "carpool.enqueue", context=parent, kind=SpanKind.PRODUCER, attributes=attributes
+            "carpool.enqueue", context=parent, kind=SpanKind.PRODUCER, attributes=attributes, links=links
         ) as span:
             spec.traceparent = traceparent_of(span)
             with job_context(spec.id):

@@ -225,7 +225,8 @@ class BatchDriver:
                     results = self._keys.batch_results(batch_id)
                     admitted = await admission.submit(
                         {**body, "id": f"{batch_id}-{number}", "deadline": float(b["expires_at"]), "reply_to": results},
-                        None, caller=Caller(tenant_of(b.get("tenant"))), batch_results=results)
+                        None, caller=Caller(tenant_of(b.get("tenant"))), batch_results=results,
+                        linked_trace=b.get("traceparent"))
                     if admitted.is_new:  # a round repeated after a crash finds the line's job already there
                         self._app[appkeys.METRICS].job_submitted(admitted.lane)
                 except LaneFull:

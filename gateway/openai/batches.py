@@ -42,6 +42,7 @@ from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import as_bytes, read_hash
 from scheduler.protocol.tenants import DEFAULT_TENANT, tenant_of
 from scheduler.protocol.webhooks import BatchEvent, batch_delivery_fields
+from scheduler.telemetry.otel import traceparent_of
 
 routes = web.RouteTableDef()
 
@@ -85,7 +86,9 @@ class BatchStore:
 
     async def create(self, input_file_id: str, endpoint: Endpoint, window_s: int, window: str,
                      metadata: dict[str, str] | None, tenant: str = DEFAULT_TENANT,
-                     webhook_url: str | None = None, output_ttl_s: int | None = None) -> dict[str, Any]:
+                     webhook_url: str | None = None, output_ttl_s: int | None = None,
+                     traceparent: str | None = None) -> dict[str, Any]:
+        """A new batch, validating; `traceparent`: the creating request's, which every line's trace links to."""
         batch_id = "batch_" + secrets.token_hex(12)
         created_s = time.time()
         now = int(created_s)
@@ -96,6 +99,7 @@ class BatchStore:
             "total": 0, **{name: 0 for name in COUNTERS},
             **({"webhook_url": webhook_url} if webhook_url else {}),
             **({"output_ttl_s": output_ttl_s} if output_ttl_s is not None else {}),
+            **({"traceparent": traceparent} if traceparent else {}),
         }
         key = self._keys.batch(batch_id)
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -199,7 +203,8 @@ async def create_batch(request: web.Request) -> web.Response:
         raise invalid("input_file_id", "the file's purpose must be batch")
     webhook_url = await _webhook_url(request, body.get("webhook"))
     view = await batch_store(request.app).create(file_id, endpoint, COMPLETION_WINDOWS_S[window], window, metadata,
-                                                 caller_of(request).tenant, webhook_url, output_ttl_s)
+                                                 caller_of(request).tenant, webhook_url, output_ttl_s,
+                                                 traceparent_of())
     # Deleting the input file (upload, create, delete) or its expiry leaves the batch its lines.
     await files.hold(file_id, view["id"], int(view["expires_at"]) + HELD_AFTER_WINDOW_S)
     note(request, batch_id=view["id"], file_id=file_id)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
+import aiohttp
 import pytest
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient
@@ -20,6 +22,7 @@ from scheduler.telemetry.metric_schema import GATEWAY_METRICS
 from scheduler.telemetry.otel import Telemetry
 from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.telemetry_support import in_memory_telemetry, json_logs, sample_names, value
+from tests.harness.worker_harness import wait_until
 
 KEYS = Keys()
 PRODUCER_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -158,3 +161,39 @@ async def test_each_answered_request_logs_one_access_line_naming_its_job_and_tra
     assert post["request_id"] == made.headers["x-request-id"] and post["message"].startswith("POST /v1/jobs 202 ")
     assert file_line["file_id"] == "file-nope" and "job_id" not in file_line
     assert all(line["level"] == "info" and line["duration_ms"] >= 0 for line in lines)
+
+
+async def test_a_batch_lines_trace_links_to_the_request_that_created_its_batch(
+    gateway: tuple[TestClient, Telemetry, InMemorySpanExporter], redis_url: str
+) -> None:
+    """Each line of a batch is a job with a trace of its own (a batch of 50,000 lines is not one trace), and its
+    enqueue span links to the span of the request that created the batch: a line's trace leads to its batch's."""
+    client, _, spans = gateway
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "m", "prompt": "hi", "max_tokens": 2}} for i in range(2)]
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", "\n".join(json.dumps(line) for line in lines).encode(), filename="in.jsonl")
+    uploaded = await (await client.post("/v1/files", data=form)).json()
+    created = await client.post("/v1/batches", json={"input_file_id": uploaded["id"], "endpoint": "/v1/completions",
+                                                     "completion_window": "24h"},
+                                headers={"traceparent": f"00-{PRODUCER_TRACE_ID}-{PRODUCER_SPAN_ID}-01"})
+    assert created.status == 200, await created.text()
+    batch_id = (await created.json())["id"]
+
+    def line_enqueues() -> list[Any]:
+        return [s for s in spans.get_finished_spans()
+                if s.name == "carpool.enqueue" and str(s.attributes["carpool.job.id"]).startswith(batch_id)]
+
+    await wait_until(lambda: len(line_enqueues()) == 2, "both lines enqueued by the batch driver")
+    (create_span,) = [s for s in spans.get_finished_spans() if s.name == "POST /v1/batches"]
+    assert f"{create_span.context.trace_id:032x}" == PRODUCER_TRACE_ID
+    enqueues = line_enqueues()
+    assert len({s.context.trace_id for s in enqueues}) == 2  # a trace each, neither the batch's
+    for span in enqueues:
+        assert span.parent is None and span.context.trace_id != create_span.context.trace_id
+        (link,) = span.links
+        assert (link.context.trace_id, link.context.span_id) == (create_span.context.trace_id,
+                                                                 create_span.context.span_id)
+    messages = await lane_messages(redis_url, "batch")
+    assert {m.traceparent.split("-")[1] for m in messages} == {f"{s.context.trace_id:032x}" for s in enqueues}
