@@ -38,7 +38,8 @@ class GatewayConfig:
     )
     retry_after_s: int = field(default=2, metadata={"help": "Retry-After seconds sent with a 429 for a full lane and a 503 while Redis is unavailable"})
     max_model_len: int | None = field(default=None, metadata={"help": (
-        "longest prompt + max_tokens a job may ask for (400 beyond it); default: learned from the workers' heartbeats")})
+        "longest prompt + max_tokens a job may ask for (400 beyond it); the smallest context in the workers' heartbeats "
+        "caps it (default: that context)")})
     max_wait_s: float = field(default=60.0, metadata={"help": "longest ?wait= a GET may long-poll for"})
     sse_heartbeat_s: float = field(default=15.0, metadata={"help": "seconds between keep-alive comments on an idle event stream"})
     redis_max_connections: int = field(default=100, metadata={"help": "Redis connections the gateway pools; a request waits for a free one"})

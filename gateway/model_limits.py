@@ -1,10 +1,11 @@
-"""What the gateway knows of the model's limits: its context length (`--max-model-len`, else learned from the
-workers) and its vocabulary's size (learned from the workers).
+"""What the gateway knows of the model's limits: its context length (learned from the workers, and capped by
+`--max-model-len`) and its vocabulary's size (learned from the workers).
 
 Every worker's heartbeat (`carpool:workers`) carries its engine's `max_model_len` and `vocab_size`; the
 smallest of each among live workers' heartbeats (`--model-heartbeat-max-age-s`) bounds what every worker can
-run. They are re-read at most every `REFRESH_S`; with no live worker the gateway knows no limit and the worker
-judges.
+run. They are re-read at most every `REFRESH_S`; with no live worker the gateway knows no limit but its own
+`--max-model-len`, and the worker judges. A `--max-model-len` above what the workers hold changes nothing: a job
+the workers' context cannot hold is refused here rather than failed by a worker.
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ class ModelLimits:
         self._read_at = -REFRESH_S
 
     async def get(self) -> Limits:
-        """The limits to admit jobs against (`--max-model-len` over the learned context length)."""
+        """The limits to admit jobs against (the smaller of `--max-model-len` and the learned context length)."""
         now = time.monotonic()
         if now - self._read_at >= REFRESH_S:
             self._learned = await self._from_heartbeats()
             self._read_at = now
-        if self._configured is not None:
+        learned = self._learned.max_model_len
+        if self._configured is not None and (learned is None or self._configured < learned):
             return Limits(self._configured, self._learned.vocab_size)
         return self._learned
 

@@ -276,3 +276,20 @@ async def test_every_idempotency_key_naming_a_job_lives_as_long_as_its_record(
     assert (await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "after-the-end"})).status == 200
     assert 0 < await redis.ttl(late) <= await redis.ttl(KEYS.job("named-twice"))
     assert await redis.get(late) == b"named-twice"
+
+
+async def test_a_max_model_len_above_the_workers_context_does_not_admit_what_they_cannot_run(
+        make_client: MakeClient, redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--max-model-len` caps the context the workers' heartbeats report; set above it, the workers' context
+    still refuses a job up front rather than a worker failing it later. Before any worker says, it is the limit."""
+    monkeypatch.setattr(model_limits, "REFRESH_S", 0.0)  # the heartbeats read at every admission
+    client = await make_client(max_model_len=100)
+    status, reply = await submit(client, {"prompt_token_ids": [5] * 10, "params": {"max_tokens": 91}})
+    assert status == 400 and reply["error"]["field"] == "params.max_tokens", reply
+    assert (await submit(client, {"prompt_token_ids": [5] * 10, "params": {"max_tokens": 80}}))[0] == 202
+    await redis.hset(KEYS.workers, "w1", msgpack.packb({"time": time.time(), "running": 0, "capacity": 8,
+                                                        "max_model_len": 64, "vocab_size": 262}))
+    status, reply = await submit(client, {"prompt_token_ids": [5] * 10, "params": {"max_tokens": 80}})
+    assert status == 400 and reply["error"]["field"] == "params.max_tokens", reply
+    assert "64" in reply["error"]["message"]
+    assert (await submit(client, {"prompt_token_ids": [5] * 10, "params": {"max_tokens": 50}}))[0] == 202
