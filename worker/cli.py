@@ -20,7 +20,7 @@ from scheduler.params import SamplingParams
 from scheduler.runtime.flags import add_config_flags, config_from_args
 from scheduler.runtime.listen import LISTEN_ERRNOS, listen_error
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE, OFFLINE_ENV
-from scheduler.runtime.terminal import printable
+from scheduler.runtime.terminal import printable, prompt_argument
 from scheduler.telemetry.log_format import configure_logging
 from scheduler.telemetry.otel import Telemetry, TelemetryConfig, telemetry_config_from_env
 from worker.config import WorkerConfig
@@ -41,7 +41,7 @@ def build_parser(env: Mapping[str, str], verb: str | None = None) -> argparse.Ar
     worker = verbs.add_parser("worker", help="run a worker: consume the lanes, run the engine, commit results")
     add_config_flags(worker, WorkerConfig, env if verb in (None, "worker") else {})
     gen = verbs.add_parser("generate", help="run the offline engine once on a prompt and print the text")
-    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("prompt", help="prompt text; - reads it from standard input")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0,
                      help="0 is greedy (default, as for carpool submit; a job's own default is 1.0)")
@@ -67,14 +67,11 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             config.check_model()
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                     seed=args.seed)
-            try:
-                args.prompt.encode("utf-8")
-            except UnicodeEncodeError:  # bytes the terminal's encoding could not decode (argv keeps them escaped)
-                raise ValueError("the prompt is not valid UTF-8 text") from None
+            prompt = prompt_argument(args.prompt, sys.stdin.buffer)
         except ValueError as e:  # InvalidParam too: it names the setting
             print(f"carpool generate: {e}", file=sys.stderr)
             return 2
-        return generate(config, args.prompt, params)
+        return generate(config, prompt, params)
     try:
         config = config_from_args(WorkerConfig, args)
         config.check_model()

@@ -15,7 +15,7 @@ from typing import Any
 from scheduler.protocol.job import JobStatus
 from scheduler.protocol.lanes import DEFAULT_LANE, LANES
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE
-from scheduler.runtime.terminal import printable
+from scheduler.runtime.terminal import printable, prompt_argument
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8000"
 POLL_CHUNK_S = 30.0
@@ -29,7 +29,7 @@ EXIT_INTERRUPTED = 130
 
 
 def add_submit_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    parser.add_argument("text", help="prompt text")
+    parser.add_argument("text", help="prompt text; - reads it from standard input")
     parser.add_argument("--lane", choices=[lane.value for lane in LANES], default=DEFAULT_LANE.value)
     parser.add_argument("--wait", action="store_true", help="wait for the job to finish and print its text")
     parser.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate")
@@ -70,9 +70,9 @@ def auth_header(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def job_body(args: argparse.Namespace) -> dict[str, Any]:
+def job_body(args: argparse.Namespace, prompt: str) -> dict[str, Any]:
     params = {name: getattr(args, name) for name in ("max_tokens", "temperature", "seed") if getattr(args, name) is not None}
-    body: dict[str, Any] = {"prompt": args.text, "lane": args.lane, "params": params}
+    body: dict[str, Any] = {"prompt": prompt, "lane": args.lane, "params": params}
     if args.priority is not None:
         body["priority"] = args.priority
     if args.job_id is not None:
@@ -144,13 +144,18 @@ def _send(method: str, url: str, body: dict[str, Any] | None, headers: dict[str,
 
 
 def run_submit(args: argparse.Namespace) -> int:
+    try:
+        prompt = prompt_argument(args.text, sys.stdin.buffer)
+    except ValueError as e:
+        print(f"carpool submit: {e}", file=sys.stderr)
+        return EXIT_REFUSED
     base = args.gateway.rstrip("/")
     headers = auth_header(args.api_key)
     if args.idempotency_key:
         headers["Idempotency-Key"] = args.idempotency_key
     created: dict[str, Any] | None = None
     try:
-        status, created = _send("POST", f"{base}/v1/jobs", job_body(args), headers, timeout_s=30)
+        status, created = _send("POST", f"{base}/v1/jobs", job_body(args, prompt), headers, timeout_s=30)
         if status == 200:  # 202 makes a job; 200 answers with the one the id or key already names
             print(f"carpool submit: job {created['id']} already existed (its id or Idempotency-Key named it): this is "
                   "that job, not a new one", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from gateway.cli.embedded_redis import free_port, is_port_free
 from gateway.cli.main import DELEGATED_VERBS, build_parser, main
 from gateway.cli.up import UpConfig
 from gateway.config import GatewayConfig
+from scheduler.protocol.job import JobSpec
 from scheduler.protocol.keys import Keys
 from scheduler.runtime.flags import config_from_args, env_names
 from scheduler.runtime.terminal import printable
@@ -96,6 +98,26 @@ async def test_submit_posts_a_job(gateway_url: str, redis_url: str, capsys: pyte
         record = await client.hgetall(Keys().job(job_id))
         assert record[b"status"] == b"queued" and record[b"lane"] == b"interactive"
         assert await client.xlen(Keys().lane("interactive")) == 1
+    finally:
+        await client.aclose()
+
+
+async def test_submit_dash_reads_the_prompt_from_standard_input(
+        gateway_url: str, redis_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`carpool submit - < prompt.txt`: the whole of stdin, newlines and all, is the prompt; stdin that is not
+    UTF-8 is a usage error in one line, and nothing is submitted."""
+    text = "line one\nline two: caf\u00e9 \U0001f44b\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    assert await asyncio.to_thread(main, ["submit", "-", "--gateway", gateway_url], {}) == 0
+    job_id = capsys.readouterr().out.strip()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n")))
+    assert await asyncio.to_thread(main, ["submit", "-", "--gateway", gateway_url], {}) == 2
+    err = capsys.readouterr().err
+    assert err == "carpool submit: the prompt read from standard input is not valid UTF-8 text\n", err
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        (entry,) = await client.xrange(Keys().lane("standard"))
+        assert JobSpec.unpack(entry[1][b"job"]).prompt == text and JobSpec.unpack(entry[1][b"job"]).id == job_id
     finally:
         await client.aclose()
 

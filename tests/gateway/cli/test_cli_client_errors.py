@@ -4,6 +4,7 @@ one line on stderr and a documented exit status each, never a traceback; a job o
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
@@ -119,6 +120,23 @@ def test_generate_refuses_a_prompt_that_is_not_utf8_before_loading_a_model(tiny_
     assert worker_main(["generate", "caf\udce9 \udcff", "--model", model], {}) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not valid UTF-8" in err and "Traceback" not in err, err
+
+
+def test_generate_dash_reads_the_prompt_from_standard_input(tiny_model, capsys, monkeypatch) -> None:
+    """`carpool generate -` prints what `carpool generate TEXT` prints for the same text read from stdin; stdin
+    that is not UTF-8 is refused in one line before the model loads."""
+    from worker.cli import main as worker_main
+
+    model = tiny_model()
+    text = "two\nlines"
+    assert worker_main(["generate", text, "--model", model, "--max-tokens", "6"], {}) == 0
+    direct = capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    assert worker_main(["generate", "-", "--model", model, "--max-tokens", "6"], {}) == 0
+    assert capsys.readouterr().out == direct and direct.strip()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff")))
+    assert worker_main(["generate", "-", "--model", model], {}) == 2
+    assert capsys.readouterr().err == "carpool generate: the prompt read from standard input is not valid UTF-8 text\n"
 
 
 @pytest.mark.parametrize("data_dir", ["/dev/null/sub", "{file}"])
