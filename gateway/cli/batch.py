@@ -31,17 +31,22 @@ from gateway.cli.submit import (
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 FINAL = ("completed", "failed", "expired", "cancelled")
 BAR_WIDTH = 30
+STD_STREAM = Path("-")
+"""The input file or output path that means standard input or output."""
+STDIN_FILENAME = "stdin.jsonl"
+"""The name an input read from standard input is uploaded under."""
 
 
 def add_batch_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     submit = actions.add_parser("submit", help="upload a JSONL file and start a batch")
-    submit.add_argument("file", type=Path, help="JSONL, one request per line")
+    submit.add_argument("file", type=Path, help="JSONL, one request per line; - reads it from standard input")
     submit.add_argument("--endpoint", choices=ENDPOINTS, default=None,
                         help="the lines' url (default: the url of the file's first line that names one of these)")
     submit.add_argument("--wait", action="store_true", help="show progress until the batch ends")
     submit.add_argument("-o", "--output", type=Path, default=None,
-                        help="wait, then write the output file's lines here (errors go to OUTPUT.errors.jsonl)")
+                        help="wait, then write the output file's lines here (errors go to OUTPUT.errors.jsonl); "
+                             "- writes both to standard output, output lines first, and the batch id to stderr")
     submit.add_argument("--timeout-s", type=wait_seconds, default=24 * 3600.0,
                         help="give up waiting after this many seconds (default 86400; the batch goes on)")
     for name, text in (("status", "print a batch"), ("cancel", "cancel a batch")):
@@ -160,13 +165,16 @@ def run_batch(args: argparse.Namespace) -> int:
                                    api_key=args.api_key), indent=2))
             return 0
         data = _read_input(args.file)
-        if args.output is not None and not args.output.parent.is_dir():
+        to_stdout = args.output == STD_STREAM
+        if args.output is not None and not to_stdout and not args.output.parent.is_dir():
             raise LocalFileError(f"cannot write {args.output}: no directory {args.output.parent}")
         endpoint = args.endpoint or endpoint_of(data)
-        file_id = upload(base, args.file.name, data, args.api_key)
+        file_id = upload(base, STDIN_FILENAME if args.file == STD_STREAM else args.file.name, data, args.api_key)
         batch = _json("POST", f"{base}/v1/batches", {"input_file_id": file_id, "endpoint": endpoint,
                                                      "completion_window": "24h"}, args.api_key)
-        print(batch["id"], flush=True)
+        # With -o -, standard output holds the result lines alone (for a pipe to jq and the like).
+        print(f"carpool batch: {batch['id']}" if to_stdout else batch["id"], flush=True,
+              file=sys.stderr if to_stdout else sys.stdout)
         if not args.wait and args.output is None:
             return 0
         batch = wait(base, batch["id"], args.timeout_s, sys.stderr, args.api_key)
@@ -175,8 +183,12 @@ def run_batch(args: argparse.Namespace) -> int:
         if args.output is not None:
             for key, path in (("output_file_id", args.output), ("error_file_id", args.output.with_suffix(".errors.jsonl"))):
                 if batch.get(key):
-                    _write_output(path, _call("GET", f"{base}/v1/files/{batch[key]}/content", api_key=args.api_key),
-                                  batch[key])
+                    content = _call("GET", f"{base}/v1/files/{batch[key]}/content", api_key=args.api_key)
+                    if to_stdout:
+                        sys.stdout.buffer.write(content if content.endswith(b"\n") or not content else content + b"\n")
+                        sys.stdout.buffer.flush()
+                        continue
+                    _write_output(path, content, batch[key])
                     print(f"wrote {path}", file=sys.stderr)
     except LocalFileError as e:
         print(f"carpool batch: {e}", file=sys.stderr)
@@ -197,6 +209,8 @@ def run_batch(args: argparse.Namespace) -> int:
 
 
 def _read_input(path: Path) -> bytes:
+    if path == STD_STREAM:
+        return sys.stdin.buffer.read()
     try:
         return path.read_bytes()
     except OSError as e:

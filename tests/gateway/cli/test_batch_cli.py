@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import re
+import sys
 
 from gateway.cli.main import main
 from tests.harness.gateway_process import gateway_process
@@ -17,7 +19,8 @@ def line(i: int) -> str:
                        "body": {"model": MODEL_NAME, "prompt": f"item {i}", "max_tokens": 3, "temperature": 0}})
 
 
-async def test_batch_submit_waits_with_progress_and_writes_the_output(redis_url, tiny_model, tmp_path, capsys) -> None:
+async def test_batch_submit_waits_with_progress_and_writes_the_output(redis_url, tiny_model, tmp_path, capsys,
+                                                                      monkeypatch) -> None:
     from worker.engine.engine import Engine
 
     source = tmp_path / "in.jsonl"
@@ -28,7 +31,16 @@ async def test_batch_submit_waits_with_progress_and_writes_the_output(redis_url,
             # The endpoint comes from the lines' url; -o waits for the batch to end.
             code = await asyncio.to_thread(main, ["batch", "submit", str(source), "-o", str(out),
                                                   "--gateway", gateway.url])
-        captured = capsys.readouterr()
+            captured = capsys.readouterr()
+            # `-` for both: the lines from stdin, the results (output lines, then error lines) alone on stdout.
+            monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(source.read_bytes())))
+            piped = await asyncio.to_thread(main, ["batch", "submit", "-", "-o", "-", "--gateway", gateway.url])
+        streamed = capsys.readouterr()
+        assert piped == 0, streamed.err
+        results = [json.loads(x) for x in streamed.out.splitlines()]
+        assert [r["custom_id"] for r in results[-1:]] == [None] and results[-1]["error"]["code"] == "invalid_json"
+        assert sorted(r["custom_id"] for r in results[:-1]) == sorted(f"c{i}" for i in range(20))
+        assert re.search(r"carpool batch: batch_\w+", streamed.err) and "wrote" not in streamed.err
         assert code == 0, captured.err
         batch_id = captured.out.split()[0]
         final = re.findall(r"completed\s+20 done / 1 failed / 21\s+(\d+) tok/s", captured.err)
