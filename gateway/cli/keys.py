@@ -13,7 +13,7 @@ from pathlib import Path
 import redis
 
 from gateway.api_keys import KeyStore
-from gateway.cli.redis_cli import resolve_redis_url
+from gateway.cli.redis_cli import choose_redis_url
 from scheduler.protocol.keys import DEFAULT_PREFIX, Keys
 from scheduler.protocol.redis_client import connect as connect_redis
 from scheduler.protocol.tenants import parse_limits
@@ -31,9 +31,10 @@ def add_keys_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> N
     revoke = actions.add_parser("revoke", help="revoke a key by its id; every gateway refuses it from then on")
     revoke.add_argument("key_id")
     for action in actions.choices.values():
-        action.add_argument("--redis-url", default=env.get("CARPOOL_REDIS_URL"),
+        # No defaults from the environment here: a flag beats both variables (`choose_redis_url`).
+        action.add_argument("--redis-url", default=None,
                             help="Redis of the deployment (default: carpool up's) [env CARPOOL_REDIS_URL]")
-        action.add_argument("--data-dir", default=env.get("CARPOOL_DATA_DIR"),
+        action.add_argument("--data-dir", default=None,
                             help="the data directory of the `carpool up` whose Redis to use, when it was started "
                                  "with --data-dir (default ~/.local/share/carpool) [env CARPOOL_DATA_DIR]")
         action.add_argument("--key-prefix", default=env.get("CARPOOL_KEY_PREFIX", DEFAULT_PREFIX),
@@ -41,9 +42,10 @@ def add_keys_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> N
         action.add_argument("--json", action="store_true", help="print JSON")
 
 
-def run_keys(args: argparse.Namespace, data_dir: Path) -> int:
+def run_keys(args: argparse.Namespace, env: Mapping[str, str], default_data_dir: Path) -> int:
+    redis_url = ""
     try:
-        redis_url = resolve_redis_url(args.redis_url, data_dir, is_named=bool(args.data_dir))
+        redis_url = choose_redis_url(args.redis_url, args.data_dir, env, default_data_dir)
         return asyncio.run(_run(args, redis_url))
     except ValueError as e:
         print(f"carpool keys: {e}", file=sys.stderr)

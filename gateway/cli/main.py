@@ -141,7 +141,7 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
     if args.verb == "batch":
         return run_batch(args)
     if args.verb == "keys":
-        return run_keys(args, Path(args.data_dir).expanduser() if args.data_dir else default_data_dir(Path.home()))
+        return run_keys(args, environ, default_data_dir(Path.home()))
     from scheduler.telemetry.log_format import check_log_level
     from scheduler.telemetry.otel import telemetry_config_from_env
 

