@@ -118,7 +118,8 @@ async def _domain_ctx(app: web.Application) -> AsyncIterator[None]:
     app[appkeys.ADMISSION] = Admission(
         redis, keys, config, _webhook_check(config.webhooks), enqueue_span=app[appkeys.METRICS].enqueue_span
     )
-    app[appkeys.CANCELLER] = Canceller(redis, keys, flag_ttl_s=config.result_ttl_s, reply_maxlen=config.reply_maxlen)
+    app[appkeys.CANCELLER] = Canceller(redis, keys, flag_ttl_s=config.result_ttl_s, reply_maxlen=config.reply_maxlen,
+                                       metrics=app[appkeys.METRICS])
     app[appkeys.KEY_STORE] = KeyStore(redis, keys)
     app[appkeys.LIMITER] = RateLimiter(redis, keys)
     yield

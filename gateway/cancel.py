@@ -2,9 +2,12 @@
 
 A queued job is cancelled on the spot by one Lua script that, only when it
 moves the job from ``queued`` to ``cancelled``, also publishes the final
-event, adds the reply stream entry and enqueues the ``completed`` webhook —
-so a gateway that dies mid-way leaves all of it or none of it, never a
-cancelled job that nobody hears about. A running job belongs to its worker:
+event, adds the reply stream entry, enqueues the ``completed`` webhook,
+deletes the job's lane entry (so it stops counting in the lane's depth and the
+tenant's queued jobs, and no worker ever runs it) and settles the tenant's
+usage — so a gateway that dies mid-way leaves all of it or none of it, never
+a cancelled job that nobody hears about. The gateway, having decided the job's
+end, counts it among the finished jobs. A running job belongs to its worker:
 the gateway raises the cancel flag and tells workers on the control channel;
 the worker stops it at its next step and writes `cancelled` itself.
 """
@@ -13,17 +16,33 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import redis.asyncio as aioredis
 
 from scheduler.protocol import state_machine
 from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
-from scheduler.protocol.job_record import F_ERROR, F_FINISHED_AT, F_SPEC, F_STATUS, final_event, job_view
-from scheduler.protocol.keys import DEFAULT_REPLY_MAXLEN, Keys
-from scheduler.protocol.redis_replies import read_hash
+from scheduler.protocol.job_record import (
+    F_ERROR,
+    F_FINISHED_AT,
+    F_SPEC,
+    F_STATUS,
+    F_STREAM_ENTRY,
+    final_event,
+    job_view,
+    tenant_of_record,
+)
+from scheduler.protocol.keys import CONSUMER_GROUP, DEFAULT_REPLY_MAXLEN, Keys
+from scheduler.protocol.redis_replies import as_optional_bytes, read_hash
+from scheduler.protocol.tenants import DEFAULT_TENANT
 from scheduler.protocol.webhooks import delivery_fields, should_send
+
+
+class CancelMetrics(Protocol):
+    def job_cancelled(self, state: str) -> None: ...
+
+    def job_cancelled_queued(self, lane: str, tenant: str) -> None: ...
 
 
 class JobNotFound(Exception):
@@ -45,11 +64,12 @@ class CancelOutcome:
 
 class Canceller:
     def __init__(self, redis: aioredis.Redis, keys: Keys, flag_ttl_s: int,
-                 reply_maxlen: int = DEFAULT_REPLY_MAXLEN) -> None:
+                 reply_maxlen: int = DEFAULT_REPLY_MAXLEN, metrics: CancelMetrics | None = None) -> None:
         self._redis = redis
         self._keys = keys
         self._flag_ttl_s = flag_ttl_s
         self._reply_maxlen = reply_maxlen
+        self._metrics = metrics
         self._cancel = redis.register_script(state_machine.CANCEL)
 
     async def cancel(self, job_id: str) -> CancelOutcome:
@@ -59,7 +79,12 @@ class Canceller:
         if outcome not in ("+cancelled", "+cancelling"):
             raise AlreadyFinished(outcome)
         if outcome == "+cancelling":
+            if self._metrics is not None:
+                self._metrics.job_cancelled("running")
             return CancelOutcome(job_view(await read_hash(self._redis, self._keys.job(job_id))), is_cancelled_now=False)
+        if self._metrics is not None:
+            self._metrics.job_cancelled("queued")
+            self._metrics.job_cancelled_queued(str(view.get("lane") or ""), str(view.get("tenant") or DEFAULT_TENANT))
         return CancelOutcome(view, is_cancelled_now=True)
 
     async def transition(self, job_id: str) -> tuple[str, dict[str, Any]]:
@@ -91,12 +116,18 @@ class Canceller:
         final = msgpack.packb(final_event(job_id, view, view["attempts"]))
         # A reply key inside carpool's prefix (admitted before such names were refused) gets no reply.
         reply_to = None if spec is None or self._keys.check_reply_to(spec.reply_to) else spec.reply_to
+        # "<stream> <entry id>", as the enqueue wrote it; the script deletes the entry only if the record still names it.
+        stream, _, entry_id = (as_optional_bytes(record.get(F_STREAM_ENTRY.encode())) or b"").decode(
+            errors="replace").rpartition(" ")
+        tenant = tenant_of_record(record)
         outcome = (
             await self._cancel(
                 keys=[self._keys.job(job_id), self._keys.cancel(job_id), reply_to or self._keys.dead,
-                      self._keys.webhooks],
+                      self._keys.webhooks, stream or self._keys.dead, self._keys.tenant_window(tenant),
+                      self._keys.tenant_usage(tenant)],
                 args=[now, error, self._flag_ttl_s, self._keys.control, control, self._keys.events(job_id), final,
-                      msgpack.packb(view) if reply_to else "", self._reply_maxlen, *webhook],
+                      msgpack.packb(view) if reply_to else "", self._reply_maxlen, entry_id if stream else "",
+                      CONSUMER_GROUP, *webhook],
             )
         ).decode()
         return outcome, view

@@ -180,7 +180,6 @@ async def delete_job(request: web.Request) -> web.Response:
         return _no_job(job_id)
     except AlreadyFinished as e:
         return error_response(409, "conflict", f"job {job_id!r} already {e.status}", field="id")
-    request.app[appkeys.METRICS].job_cancelled("queued" if outcome.is_cancelled_now else "running")
     return web.json_response(outcome.view, status=202, dumps=_dumps)
 
 

@@ -22,8 +22,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from gateway.access_log import id_field, note
 from gateway.webhooks.metrics import WebhookMetrics
-from scheduler.protocol.job import JobSpec
+from scheduler.protocol.job import JobSpec, JobStatus
 from scheduler.protocol.lanes import LANES
+from scheduler.protocol.tenants import DEFAULT_MAX_TENANT_LABELS, DEFAULT_TENANT, TenantLabels
 from scheduler.telemetry import metric_schema
 from scheduler.telemetry.log_format import job_context
 from scheduler.telemetry.otel import (
@@ -48,12 +49,16 @@ class GatewayMetrics(ProcessMetrics):
         self._rejected = t.counter(metric_schema.JOBS_REJECTED)
         self._deduplicated = t.counter(metric_schema.JOBS_DEDUPLICATED)
         self._cancelled = t.counter(metric_schema.JOBS_CANCELLED)
+        self._finished = t.counter(metric_schema.JOBS_FINISHED)
+        self._tenant_jobs = t.counter(metric_schema.TENANT_JOBS)
+        self._tenant_labels = TenantLabels(DEFAULT_MAX_TENANT_LABELS)
         self._open_waiters = t.up_down_counter(metric_schema.OPEN_WAITERS)
         self._http_duration = t.histogram(metric_schema.HTTP_SERVER_DURATION)
         self.webhooks = WebhookMetrics(t)
         # Zero series for every known label set, so dashboards and rate() see them before the first event.
         for lane in LANES:
             self._submitted.add(0, {metric_schema.A_LANE: lane.value})
+            self._finished.add(0, {metric_schema.A_LANE: lane.value, metric_schema.A_JOB_STATUS: JobStatus.CANCELLED.value})
             for reason in ("lane_full", "rate_limited", "quota"):
                 self._rejected.add(0, {metric_schema.A_LANE: lane.value, metric_schema.A_REJECT_REASON: reason})
         self._rejected.add(0, {metric_schema.A_LANE: UNKNOWN_LANE, metric_schema.A_REJECT_REASON: "invalid"})
@@ -61,6 +66,8 @@ class GatewayMetrics(ProcessMetrics):
         self._open_waiters.add(0)
         for state in ("queued", "running"):
             self._cancelled.add(0, {metric_schema.A_CANCEL_STATE: state})
+        self._tenant_jobs.add(0, {metric_schema.A_TENANT: self._tenant_labels.label(DEFAULT_TENANT),
+                                  metric_schema.A_JOB_STATUS: JobStatus.CANCELLED.value})
 
     # --- recording --------------------------------------------------------------------
 
@@ -75,6 +82,14 @@ class GatewayMetrics(ProcessMetrics):
 
     def job_cancelled(self, state: str) -> None:
         self._cancelled.add(1, {metric_schema.A_CANCEL_STATE: state})
+
+    def job_cancelled_queued(self, lane: str, tenant: str) -> None:
+        """A job that ended here, cancelled while queued: counted among the finished jobs, as a worker counts
+        the jobs it ends."""
+        status = JobStatus.CANCELLED.value
+        self._finished.add(1, {metric_schema.A_LANE: lane, metric_schema.A_JOB_STATUS: status})
+        self._tenant_jobs.add(1, {metric_schema.A_TENANT: self._tenant_labels.label(tenant),
+                                  metric_schema.A_JOB_STATUS: status})
 
     def waiter_opened(self) -> None:
         """A long-poll or event stream started waiting on a job (pair with ``waiter_closed``)."""

@@ -242,13 +242,10 @@ class EntryIntake:
         if start.verdict in (StartVerdict.TERMINAL, StartVerdict.DUPLICATE):
             await self.store.ack(ref)
             if start.verdict is StartVerdict.TERMINAL:
-                # Decided elsewhere (cancelled while queued): its tokens reservation is given back, once.
+                # Decided elsewhere: the gateway, which cancelled it while it waited here (read before the cancel
+                # deleted the entry), counted it and settled its tenant's usage; settling is once per job, so this
+                # only makes sure of it.
                 await self.store.settle(spec.id, spec.tenant, start.previous_status, None)
-                if start.decided_entry == str(ref):
-                    # This entry is the job's own, never run: the job ended while it waited (the gateway cancelled
-                    # it), and this is the one worker that sees it, so the one that counts it.
-                    self.metrics.job_finished_unrun(lane, JobStatus(start.previous_status), created_at,
-                                                    start.finished_at, tenant=spec.tenant)
         elif start.verdict is StartVerdict.CANCEL:
             output, usage, message = None, None, "cancelled before it started"
             if start.previous_status == JobStatus.RUNNING.value:

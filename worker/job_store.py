@@ -106,10 +106,6 @@ class JobStart:
     """The logprobs of the checkpoint's tokens, when the job asked for logprobs."""
     record: dict[bytes, bytes] = field(default_factory=dict)
     """The job record as the job starts (without the checkpoint), so its view needs no read."""
-    decided_entry: str = ""
-    """For a job found decided (`TERMINAL`): the lane entry its record names as its own."""
-    finished_at: float | None = None
-    """For a job found decided: when it was."""
 
 
 @dataclass
@@ -171,10 +167,6 @@ class JobStore:
                   spec.id, "" if spec.deadline is None else repr(spec.deadline), start_token],
         )
         verdict, previous = StartVerdict(_s(reply[0])), _s(reply[1]) if reply[1] else ""
-        if verdict is StartVerdict.TERMINAL:
-            finished = _s(reply[3]) if len(reply) > 3 and reply[3] else ""
-            return JobStart(verdict, previous, decided_entry=_s(reply[2]) if len(reply) > 2 and reply[2] else "",
-                            finished_at=float(finished) if finished else None)
         if verdict is not StartVerdict.RUN:
             return JobStart(verdict, previous)
         checkpoint, checkpoint_logprobs = unpack_checkpoint(reply[4])

@@ -158,8 +158,7 @@ async def cancel_jobs(app: web.Application, job_ids: Sequence[str]) -> None:
     canceller = app[appkeys.CANCELLER]
     for job_id in job_ids:
         try:
-            outcome = await canceller.cancel(job_id)
-            app[appkeys.METRICS].job_cancelled("queued" if outcome.is_cancelled_now else "running")
+            await canceller.cancel(job_id)
         except (JobNotFound, AlreadyFinished):
             pass
 

@@ -28,7 +28,8 @@ STEP           worker (job loop)         one engine step's token events, ``outpu
 RENEW_LEASE    worker (consumer)         keep this worker's lane entries pending and fresh
 HAND_BACK      worker (shutdown)         make this worker's entries look idle so another worker takes them
 COMMIT         worker (commit)           the job's terminal status, unless it has one already
-CANCEL         gateway (``DELETE``)      ``queued`` → ``cancelled``; a ``running`` job gets its cancel flag
+CANCEL         gateway (``DELETE``)      ``queued`` → ``cancelled``, its lane entry deleted and its tenant's
+                                         usage settled; a ``running`` job gets its cancel flag
 =============  ========================  ====================================================================
 
 A terminal status never changes: the first terminal write wins, and a loser
@@ -218,16 +219,45 @@ return 0
 """Gateway: forget an idempotency key only if it still names the job whose record has gone.
 KEYS: idempotency key. ARGV: job id."""
 
-CANCEL = _job_script(_TERMINAL + _COMMIT_TERMINAL + """
+# Count a decided job once in its tenant's usage, and settle its tokens/min reservation while the window it
+# was reserved in is still open: the reservation is replaced by the tokens really used.
+_SETTLE_USAGE = """
+local function settle_usage(job, window, usage, status, prompt, completion)
+  if redis.call('HSETNX', job, '@usage_counted@', '1') == 0 then return 0 end
+  redis.call('HINCRBY', usage, 'jobs', 1)
+  redis.call('HINCRBY', usage, 'jobs_' .. status, 1)
+  redis.call('HINCRBY', usage, 'prompt_tokens', prompt)
+  redis.call('HINCRBY', usage, 'completion_tokens', completion)
+  local reservation = redis.call('HGET', job, '@reservation@')
+  if reservation then
+    local reserved_in, reserved = string.match(reservation, '^(%S+) (%d+)$')
+    if reserved_in and redis.call('HGET', window, 'id') == reserved_in then
+      redis.call('HINCRBY', window, 'tokens', prompt + completion - tonumber(reserved))
+    end
+  end
+  return 1
+end
+"""
+
+CANCEL = _job_script(_TERMINAL + _COMMIT_TERMINAL + _SETTLE_USAGE + """
 local status = redis.call('HGET', KEYS[1], '@status@')
 if not status then return 'missing' end
 if status == '@queued@' then
   local reply_type = redis.call('TYPE', KEYS[3])['ok']
   local reply_result = ''
   if reply_type == 'none' or reply_type == 'stream' then reply_result = ARGV[8] end
+  local entry = redis.call('HGET', KEYS[1], '@stream_entry@')
   commit_terminal(KEYS[1], '@cancelled@', {'@finished_at@', ARGV[1], '@error@', ARGV[2]}, ARGV[3], ARGV[6], ARGV[7],
-                  KEYS[3], reply_result, ARGV[9], KEYS[4], {unpack(ARGV, 10)})
+                  KEYS[3], reply_result, ARGV[9], KEYS[4], {unpack(ARGV, 12)})
   redis.call('SET', KEYS[2], '1', 'EX', ARGV[3])
+  -- The job leaves its lane now: its entry stops counting in the lane's depth and the tenant's queued jobs, and
+  -- no worker can meet it after the record has expired and take it for a new job. A worker that read it
+  -- already finds the record cancelled when it comes to start it.
+  if ARGV[10] ~= '' and entry == KEYS[5] .. ' ' .. ARGV[10] then
+    redis.call('XACK', KEYS[5], ARGV[11], ARGV[10])
+    redis.call('XDEL', KEYS[5], ARGV[10])
+  end
+  settle_usage(KEYS[1], KEYS[6], KEYS[7], '@cancelled@', 0, 0)
   return '+cancelled'
 end
 if status == '@running@' then
@@ -237,11 +267,14 @@ if status == '@running@' then
 end
 return status
 """)
-"""Gateway: cancel a ``queued`` job on the spot (a terminal commit), or flag a ``running`` one for its worker.
+"""Gateway: cancel a ``queued`` job on the spot (a terminal commit that also deletes its lane entry and settles
+its tenant's usage), or flag a ``running`` one for its worker.
 
-KEYS: job record, cancel flag, reply stream, webhook stream.
+KEYS: job record, cancel flag, reply stream, webhook stream, the stream of the record's entry, the tenant's
+window hash, the tenant's usage hash.
 ARGV: now, packed error, ttl_s (the cancelled record's and the flag's), control channel, packed control message, events channel, packed
-final event, packed reply result|'', reply maxlen, then the webhook delivery's field pairs.
+final event, packed reply result|'', reply maxlen, the record's entry id|'', group, then the webhook delivery's
+field pairs.
 Returns '+cancelled' or '+cancelling' when it acted, 'missing', or the status it found otherwise. A reply
 key of another type than stream gets no reply; its type is checked before any write."""
 
@@ -265,10 +298,7 @@ class StartVerdict(StrEnum):
 
 START = _job_script(_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], '@status@')
-if terminal(st) then
-  return {'terminal', st, redis.call('HGET', KEYS[1], '@stream_entry@') or '',
-          redis.call('HGET', KEYS[1], '@finished_at@') or ''}
-end
+if terminal(st) then return {'terminal', st} end
 if not st then
   redis.call('HSET', KEYS[1], '@id@', ARGV[8], '@status@', '@queued@', '@lane@', ARGV[4], '@priority@', ARGV[5],
              '@spec@', ARGV[3], '@created_at@', ARGV[6], '@stream_entry@', ARGV[7])
@@ -302,8 +332,8 @@ return started(st, redis.call('HINCRBY', KEYS[1], '@attempts@', 1))
 
 KEYS: job record, cancel flag. ARGV: worker, now, packed spec, lane, priority, created_at, stream entry,
 job id, deadline|'', start token (new for each admission of an entry). Returns {verdict, status found, ...}:
-'terminal' with the record's stream entry and finished_at (this entry's own job, decided while it waited:
-cancelled by the gateway), 'duplicate' (running from another entry), 'cancel', 'expire', or 'run' with whether this is its
+'terminal' (decided already, by another entry's worker or by a cancel while it waited), 'duplicate' (running
+from another entry), 'cancel', 'expire', or 'run' with whether this is its
 first start, its attempts, its checkpoint and the record (without the checkpoint). The same admission sent
 again (its start token: the first reply was lost) gets the answer it got then: the job is not started twice."""
 
@@ -743,22 +773,9 @@ KEYS: the tenant's window hash. ARGV: now ms, window ms, requests/min limit|'', 
 Returns {verdict ('ok' | 'requests' | 'tokens'), requests, tokens, window ms left, window id}; the counts are
 after the request when it was admitted, before it otherwise."""
 
-SETTLE_USAGE = _job_script("""
+SETTLE_USAGE = _job_script(_SETTLE_USAGE + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-if redis.call('HSETNX', KEYS[1], '@usage_counted@', '1') == 0 then return 0 end
-local prompt, completion = tonumber(ARGV[2]), tonumber(ARGV[3])
-redis.call('HINCRBY', KEYS[3], 'jobs', 1)
-redis.call('HINCRBY', KEYS[3], 'jobs_' .. ARGV[1], 1)
-redis.call('HINCRBY', KEYS[3], 'prompt_tokens', prompt)
-redis.call('HINCRBY', KEYS[3], 'completion_tokens', completion)
-local reservation = redis.call('HGET', KEYS[1], '@reservation@')
-if reservation then
-  local window, reserved = string.match(reservation, '^(%S+) (%d+)$')
-  if window and redis.call('HGET', KEYS[2], 'id') == window then
-    redis.call('HINCRBY', KEYS[2], 'tokens', prompt + completion - tonumber(reserved))
-  end
-end
-return 1
+return settle_usage(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]))
 """)
 """The worker that decided a job (any outcome), or the gateway for a reservation no job took; once per job:
 add its tokens to the tenant's usage and, while the window it reserved in is still open, replace the

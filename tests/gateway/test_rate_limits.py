@@ -108,6 +108,41 @@ async def test_a_tenant_at_its_queued_maximum_gets_429_until_a_job_ends(gateway)
             exposition = await resp.text()
         assert value(exposition, "carpool_jobs_rejected_total", carpool_reject_reason="quota",
                      carpool_lane="standard") == 1
+        # A cancel ends a queued job on the spot: its slot is free at once, with no worker running.
+        async with http.delete(f"{url}/v1/jobs/{ids[1]}", headers=headers) as resp:
+            assert resp.status == 202
+        async with http.post(f"{url}/v1/jobs", headers=headers, json={"prompt": "fourth"}) as resp:
+            assert resp.status == 202
+        async with http.get(f"{url}/v1/usage", headers=headers) as resp:
+            usage = await resp.json()
+        assert usage["queued"] == 3 and usage["jobs_by_status"] == {"cancelled": 1}, usage
+
+
+async def test_a_job_cancelled_while_queued_gives_back_its_tokens_and_leaves_its_lane(gateway, redis_url) -> None:
+    """Its reservation is settled to the nothing it used, its lane entry is gone (the lane's depth and the
+    tenant's queue count it no more, and no worker meets it after its record has expired)."""
+    url, store = gateway
+    key, _ = await store.create("tokens", TenantLimits(tokens_per_minute=100))
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"prompt_token_ids": list(range(1, 11)), "params": {"max_tokens": 40}}  # 50 reserved each
+    client = aioredis.Redis.from_url(redis_url)
+    async with ClientSession() as http:
+        ids = []
+        for _ in range(2):
+            async with http.post(f"{url}/v1/jobs", headers=headers, json=body) as resp:
+                assert resp.status == 202
+                ids.append((await resp.json())["id"])
+        stream = KEYS.tenant_lane("standard", "tokens")
+        assert await client.xlen(stream) == 2
+        async with http.delete(f"{url}/v1/jobs/{ids[0]}", headers=headers) as resp:
+            assert resp.status == 202 and (await resp.json())["status"] == "cancelled"
+        assert await client.xlen(stream) == 1
+        async with http.get(f"{url}/v1/usage", headers=headers) as resp:
+            usage = await resp.json()
+        assert usage["window"]["tokens"] == 50 and usage["queued"] == 1, usage
+        async with http.post(f"{url}/v1/jobs", headers=headers, json=body) as resp:
+            assert resp.status == 202 and resp.headers["x-ratelimit-remaining-tokens"] == "0"
+    await client.aclose()
 
 
 async def test_tokens_per_minute_reserve_prompt_plus_max_tokens_and_settle_to_real_use(gateway, redis_url,
