@@ -49,7 +49,7 @@ def test_generate_says_the_builtin_model_serves_and_escapes_its_bytes() -> None:
 
 def test_submit_and_generate_are_both_greedy_by_default() -> None:
     args = build_parser({}).parse_args(["submit", "hello"])
-    assert job_body(args)["params"]["temperature"] == 0.0
+    assert job_body(args, "hello")["params"]["temperature"] == 0.0
     from worker.cli import build_parser as worker_parser
 
     assert worker_parser({}).parse_args(["generate", "hello"]).temperature == 0.0
