@@ -169,6 +169,8 @@ class Admission:
             check_vocabulary(spec, limits.vocab_size)
         reply_problem = None if spec.reply_to == batch_results else self._keys.check_reply_to(
             spec.reply_to, may_name_batch_results=False)
+        if reply_problem is None and spec.reply_to is not None and spec.reply_to != batch_results:
+            reply_problem = tenant_reply_problem(spec.reply_to, spec.tenant)
         if reply_problem is not None:
             raise InvalidJob("reply_to", reply_problem)
         if spec.webhook is not None:
@@ -318,3 +320,14 @@ class Admission:
             assert max_queued is not None
             raise QuotaExceeded(spec.tenant, int(as_bytes(reply[1])), max_queued, 1 + num_following)
         return verdict, "" if len(reply) < 2 else as_bytes(reply[1]).decode()
+
+
+def tenant_reply_problem(reply_to: str, tenant: str) -> str | None:
+    """Why a tenant's job may not reply to `reply_to`, or None. A named tenant (API keys on) replies only to
+    streams under its own name (``acme:results``): it cannot add entries to another tenant's reply stream, trim
+    it (a stream is capped at ``--reply-maxlen``), or write into any other key of the Redis. Tenant names hold
+    no ``:``, so ``acme:`` is acme's alone. The default tenant (no keys) may name any stream outside carpool's."""
+    if tenant == DEFAULT_TENANT or reply_to.startswith(f"{tenant}:"):
+        return None
+    return (f"a stream of tenant {tenant!r} must start with {tenant + ':'!r} (for example {tenant + ':results'!r}), "
+            "so that no tenant writes into another's streams")

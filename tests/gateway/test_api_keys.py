@@ -201,6 +201,22 @@ async def test_idempotency_keys_and_job_ids_are_each_tenants_own(keyed) -> None:
         assert await client.get(KEYS.idempotency("tenant-b", "stale")) == reply["id"].encode()
 
 
+async def test_a_tenant_replies_only_to_streams_under_its_own_name(keyed) -> None:
+    """A tenant's `reply_to` starts with its name and a colon: no tenant can add results to, or trim, another
+    tenant's reply stream, or write into any other key of the deployment's Redis."""
+    url, key_a, key_b, client = keyed
+    a, b = {"Authorization": f"Bearer {key_a}"}, {"Authorization": f"Bearer {key_b}"}
+    async with ClientSession() as http:
+        async with http.post(f"{url}/v1/jobs", headers=a, json={"prompt": "x", "reply_to": "tenant-a:inbox"}) as resp:
+            assert resp.status == 202
+        for headers, reply_to in ((b, "tenant-a:inbox"), (a, "tenant-a-inbox"), (a, "inbox"), (b, "other-app:queue")):
+            async with http.post(f"{url}/v1/jobs", headers=headers, json={"prompt": "x", "reply_to": reply_to}) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["field"] == "reply_to", error
+                assert "must start with" in error["message"], error
+    assert await client.xlen(KEYS.tenant_lane("standard", "tenant-b")) == 0
+
+
 async def test_the_enqueue_script_itself_refuses_another_tenants_job_id(keyed) -> None:
     """Two tenants racing for one id: the script that writes the record decides, and tells the loser nothing."""
     from gateway.admission import Admission, JobIdTaken
