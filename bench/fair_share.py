@@ -67,20 +67,33 @@ async def run_once(model: str, config: FairShareConfig, *, fair: bool, child_env
             for tenant in ("a", "b"):
                 key, _ = await store.create(f"tenant-{tenant}", TenantLimits())
                 headers[tenant] = {"Authorization": f"Bearer {key}"}
-        stream = f"bench:fair:{uuid.uuid4().hex}"
-        reader = asyncio.create_task(_read_replies(client, stream, config.num_a + config.num_b, None))
+        # With keys on, a tenant's reply stream is under its name: one stream each, read together.
+        run = uuid.uuid4().hex
+        streams = ({tenant: f"tenant-{tenant}:bench-fair-{run}" for tenant in ("a", "b")} if fair
+                   else dict.fromkeys(("a", "b"), f"bench:fair:{run}"))
+        reader = asyncio.create_task(_read_every_reply(client, streams, config))
         connector = aiohttp.TCPConnector(limit=SUBMIT_CONNECTIONS)
         try:
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as s:
                 started = time.time()
-                await _submit_all(s, stack.base_url, headers["a"], "a", config.num_a, config.max_tokens, stream)
+                await _submit_all(s, stack.base_url, headers["a"], "a", config.num_a, config.max_tokens, streams["a"])
                 a_queued_s = time.time() - started
-                await _submit_all(s, stack.base_url, headers["b"], "b", config.num_b, config.max_tokens, stream)
+                await _submit_all(s, stack.base_url, headers["b"], "b", config.num_b, config.max_tokens, streams["b"])
             records = await asyncio.wait_for(reader, 3600)
         finally:
             reader.cancel()
             await client.aclose()
     return summarize(records, fair=fair, a_queued_s=a_queued_s)
+
+
+async def _read_every_reply(client: aioredis.Redis, streams: dict[str, str],
+                            config: FairShareConfig) -> list[dict[str, Any]]:
+    """Every job's final record, from the one stream both tenants reply to or from each tenant's own."""
+    if streams["a"] == streams["b"]:
+        return await _read_replies(client, streams["a"], config.num_a + config.num_b, None)
+    a, b = await asyncio.gather(_read_replies(client, streams["a"], config.num_a, None),
+                                _read_replies(client, streams["b"], config.num_b, None))
+    return a + b
 
 
 def summarize(records: list[dict[str, Any]], *, fair: bool, a_queued_s: float) -> dict[str, Any]:

@@ -13,6 +13,8 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import msgpack
@@ -49,6 +51,14 @@ from worker.redis_errors import REDIS_RETRY_S, is_redis_down, outage_log
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass
+class _Turn:
+    """One job id's admissions: they run one at a time (`lock`); `holders` count those holding or awaiting it."""
+
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    holders: int = 0
+
+
 class EntryIntake:
     def __init__(self, config: WorkerConfig, client: aioredis.Redis, keys: Keys, store: JobStore, job_loop: JobLoop,
                  metrics: WorkerMetrics, lane_of: dict[str, str]) -> None:
@@ -65,6 +75,8 @@ class EntryIntake:
         """Entries being admitted: their leases are renewed with the running jobs'; one found lost is dropped."""
         self.is_draining = False
         """Set when the worker stops: an admission waiting for Redis gives up (the entry is redelivered)."""
+        self._turns: dict[str, _Turn] = {}
+        """The job ids being admitted, each with the admissions holding or awaiting its turn."""
 
     async def take(self, entry: Entry) -> None:
         if entry.ref in self.admitting or entry.ref in self.job_loop.commits.retrying:
@@ -190,8 +202,26 @@ class EntryIntake:
             # The stream it waited in is its lane: a direct producer may leave `lane` out (standard by default).
             spec = dataclasses.replace(spec, lane=entry.lane)
         # Every line about this job names it and its trace (the message's context until the job's own span opens).
+        # Entries of one id read together are admitted in the order they were read (their streams' order): the
+        # first one starts the job, the later ones find it started.
         with job_context(spec.id, span_of_traceparent(spec.traceparent)):
-            await self._take_spec(spec, entry, raw, created_at, start_token)
+            async with self._in_turn(spec.id):
+                await self._take_spec(spec, entry, raw, created_at, start_token)
+
+    @asynccontextmanager
+    async def _in_turn(self, job_id: str) -> AsyncIterator[None]:
+        """Hold `job_id`'s turn: admissions of one id run one at a time, first come first served."""
+        turn = self._turns.get(job_id)
+        if turn is None:
+            turn = self._turns[job_id] = _Turn()
+        turn.holders += 1
+        try:
+            async with turn.lock:
+                yield
+        finally:
+            turn.holders -= 1
+            if not turn.holders:
+                del self._turns[job_id]
 
     def _recover_destinations(self, data: dict[Any, Any]) -> tuple[str | None, WebhookSpec | None]:
         """The reply stream and webhook an invalid message (`_loose_map`) asked for, each where it is valid on its

@@ -303,6 +303,14 @@ if not st then
   redis.call('HSET', KEYS[1], '@id@', ARGV[8], '@status@', '@queued@', '@lane@', ARGV[4], '@priority@', ARGV[5],
              '@spec@', ARGV[3], '@created_at@', ARGV[6], '@stream_entry@', ARGV[7])
   st = '@queued@'
+elseif st == '@queued@' then
+  -- A queued record is the job its entry carries (the gateway wrote both at once): another entry of the same id
+  -- (a producer's XADD of an id the gateway had taken) is a second copy, while that entry is still there.
+  local owner_entry = redis.call('HGET', KEYS[1], '@stream_entry@')
+  if owner_entry and owner_entry ~= ARGV[7] then
+    local stream, id = string.match(owner_entry, '^(.*) (%S+)$')
+    if stream and #redis.call('XRANGE', stream, id, id) > 0 then return {'duplicate', st} end
+  end
 end
 local function started(found, attempts)
   local record, flat = {}, redis.call('HGETALL', KEYS[1])
@@ -333,7 +341,7 @@ return started(st, redis.call('HINCRBY', KEYS[1], '@attempts@', 1))
 KEYS: job record, cancel flag. ARGV: worker, now, packed spec, lane, priority, created_at, stream entry,
 job id, deadline|'', start token (new for each admission of an entry). Returns {verdict, status found, ...}:
 'terminal' (decided already, by another entry's worker or by a cancel while it waited), 'duplicate' (running
-from another entry), 'cancel', 'expire', or 'run' with whether this is its
+from another entry, or queued with another entry still in its stream), 'cancel', 'expire', or 'run' with whether this is its
 first start, its attempts, its checkpoint and the record (without the checkpoint). The same admission sent
 again (its start token: the first reply was lost) gets the answer it got then: the job is not started twice."""
 

@@ -47,11 +47,15 @@ async def stack(redis_url: str) -> AsyncIterator[tuple[str, dict[str, str], dict
     await server.close()
 
 
+REPLIES = {"a": "flood:replies", "b": "small:replies"}
+"""Each tenant's reply stream, by job id prefix: a tenant's is under its own name."""
+
 async def _queue(http: ClientSession, url: str, headers: dict[str, str], prefix: str, n: int,
                  max_tokens: int) -> list[str]:
-    """Submit `n` batch jobs at once (concurrent requests), as one producer's burst."""
+    """Submit `n` batch jobs at once (concurrent requests), as one producer's burst, replying to the tenant's
+    stream (tenant `flood` for prefix a, `small` for b)."""
     async def one(i: int) -> str:
-        body = {"id": f"{prefix}-{i}", "prompt": f"{prefix} prompt {i}", "lane": "batch", "reply_to": "replies:fair",
+        body = {"id": f"{prefix}-{i}", "prompt": f"{prefix} prompt {i}", "lane": "batch", "reply_to": REPLIES[prefix],
                 "params": {"max_tokens": max_tokens, "ignore_eos": True}}
         async with http.post(f"{url}/v1/jobs", headers=headers, json=body) as resp:
             assert resp.status == 202, await resp.text()
@@ -150,7 +154,8 @@ async def test_a_worker_sigkilled_during_fair_share_loses_nothing_and_every_job_
     assert all(v["status"] == "succeeded" for v in views.values()), [v for v in views.values()
                                                                       if v["status"] != "succeeded"][:3]
     assert all(len(v["output"]["token_ids"]) == 48 for v in views.values())
-    replies = [msgpack.unpackb(f[b"result"], raw=False)["id"] for _, f in await client.xrange("replies:fair")]
+    replies = [msgpack.unpackb(f[b"result"], raw=False)["id"]
+               for stream in REPLIES.values() for _, f in await client.xrange(stream)]
     assert sorted(replies) == sorted(a_ids + b_ids)  # every job finished exactly once
     # What the doomed worker held when it was killed was taken over (a commit it had already sent when it was
     # frozen may still have landed, so not necessarily every one of them).

@@ -225,3 +225,57 @@ async def test_cancelling_a_job_whose_worker_stopped_keeps_its_checkpointed_outp
     # The checkpoint keeps the prompt's length too: a cancelled job's usage counts its prompt.
     prompt_ids = engine.generate([LONG["prompt"]], SamplingParams(max_tokens=1))[0].prompt_token_ids
     assert view["usage"]["prompt_tokens"] == len(prompt_ids) > 0
+
+
+async def test_a_producers_xadd_of_an_id_the_gateway_queued_runs_nothing_of_its_own(
+    gateway_url: str, redis_url: str, make_engine: Callable[..., Any]
+) -> None:
+    """The gateway answered 202 for job `mixed`; a producer then XADDs the same id into a lane read first. The
+    job that runs is the gateway's (its prompt, its reply stream); the producer's copy is only acknowledged."""
+    import msgpack
+
+    client = aioredis.Redis.from_url(redis_url)
+    async with ClientSession() as http:
+        async with http.post(f"{gateway_url}/v1/jobs", json={
+                "id": "mixed", "prompt": "from the gateway", "lane": "batch", "reply_to": "mixed-replies",
+                "params": {"max_tokens": 9, "temperature": 0, "ignore_eos": True}}) as resp:
+            assert resp.status == 202
+    await client.xadd(KEYS.lane("interactive"), {"job": msgpack.packb(
+        {"v": 1, "id": "mixed", "prompt": "direct", "params": {"max_tokens": 5, "ignore_eos": True}})})
+    try:
+        async with running_worker(redis_url, make_engine()):
+            views = await wait_terminal(client, ["mixed"])
+            replies = await client.xrange("mixed-replies")
+            lanes = [await client.xlen(KEYS.lane(lane)) for lane in ("interactive", "batch")]
+    finally:
+        await client.aclose()
+    view = views["mixed"]
+    assert view["status"] == "succeeded" and len(view["output"]["token_ids"]) == 9, view
+    assert view["usage"]["prompt_tokens"] == len("from the gateway".encode()) + 1  # the byte tokenizer, plus BOS
+    assert len(replies) == 1 and lanes == [0, 0]
+
+
+async def test_entries_of_one_id_read_together_start_the_job_of_the_first(
+    redis_url: str, make_engine: Callable[..., Any]
+) -> None:
+    """A producer XADDs each id twice, a different prompt each time, and one read takes them all: every job is
+    the first entry's, as the lane's order says, and each id runs once."""
+    import msgpack
+
+    client = aioredis.Redis.from_url(redis_url)
+    ids = [f"order-{i}" for i in range(8)]
+    for job_id in ids:
+        for prompt in ("first", "second copy"):
+            await client.xadd(KEYS.lane("standard"), {"job": msgpack.packb(
+                {"v": 1, "id": job_id, "prompt": prompt, "reply_to": "order-replies",
+                 "params": {"max_tokens": 2, "temperature": 0}})})
+    try:
+        async with running_worker(redis_url, make_engine(max_num_seqs=16)):
+            views = await wait_terminal(client, ids)
+            await asyncio.sleep(0.5)  # a second run of any id would add a second reply by now
+            replies = await client.xlen("order-replies")
+    finally:
+        await client.aclose()
+    # The byte tokenizer: "first" is 5 tokens and a BOS, "second copy" 12.
+    assert {job_id: view["usage"]["prompt_tokens"] for job_id, view in views.items()} == {job_id: 6 for job_id in ids}
+    assert replies == len(ids)
