@@ -132,19 +132,28 @@ class EntryIntake:
         lane = entry.lane.value
         self.metrics.dead_lettered(lane, "unadmittable")
         raw = (entry.fields or {}).get(b"job")
-        job_id = None if raw is None else _recover_id(_loose_map(raw))
+        loose = {} if raw is None else _loose_map(raw)
+        job_id = _recover_id(loose)
         try:
             if job_id is not None:
+                # Its producer hears of it where it waits, as of any failed job: the reply stream and the
+                # `completed` webhook it asked for, where they are valid.
+                reply_to, webhook = self._recover_destinations(loose)
                 try:
-                    await self.store.commit(Outcome(job_id, JobStatus.FAILED, entry.ref, dead_reason=reason,
-                                                    dead_payload=raw,
-                                                    error={"type": "unadmittable", "message": reason}))
+                    won = await self.store.commit(Outcome(
+                        job_id, JobStatus.FAILED, entry.ref, reply_to=reply_to, webhook=webhook, dead_reason=reason,
+                        dead_payload=raw, traceparent=_recover_traceparent(loose),
+                        error={"type": "unadmittable", "message": reason}))
+                    if won:
+                        created_at = _enqueued_at((entry.fields or {}).get(b"routed_from"), entry.ref.entry_id)
+                        self.metrics.job_finished_unrun(lane, JobStatus.FAILED, created_at,
+                                                        tenant=tenant_of(loose.get("tenant")))
                     return
                 except Exception as e:
                     if is_redis_down(e):
                         raise
                     log.exception("job %s: its record cannot take the failure; dead-lettering the entry alone", job_id)
-            await self.store.dead_letter_entry(entry.ref, reason, entry.fields or {})
+            await self.store.dead_letter_entry(entry.ref, reason, entry.fields or {}, job_id=job_id)
         except Exception as e:
             if not is_redis_down(e):
                 raise

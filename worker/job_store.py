@@ -253,11 +253,14 @@ class JobStore:
                            args=[JobStatus(status).value, int(usage.get("prompt_tokens", 0)),
                                  int(usage.get("completion_tokens", 0))])
 
-    async def dead_letter_entry(self, entry: EntryRef, reason: str, raw_fields: dict[bytes, bytes]) -> None:
-        """An entry with no usable job id: keep it on the dead stream and let it go from the lane."""
+    async def dead_letter_entry(self, entry: EntryRef, reason: str, raw_fields: dict[bytes, bytes],
+                                job_id: str | None = None) -> None:
+        """An entry whose job cannot be failed (no usable job id, or a record that takes no write): keep it on the
+        dead stream, with its job's id when it has one, and let it go from the lane."""
         pipe = self.client.pipeline(transaction=True)
         dead: dict[FieldT, EncodableT] = {
-            "reason": reason, "stream": entry.stream, "entry_id": entry.entry_id, "worker": self.worker}
+            "reason": reason, "stream": entry.stream, "entry_id": entry.entry_id, "worker": self.worker,
+            **({"job_id": job_id} if job_id is not None else {})}
         for k, v in raw_fields.items():
             dead.setdefault(k, v)
         pipe.xadd(self.keys.dead, dead, maxlen=self.dead_maxlen, approximate=True)

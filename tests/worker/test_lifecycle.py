@@ -279,3 +279,30 @@ async def test_entries_of_one_id_read_together_start_the_job_of_the_first(
     # The byte tokenizer: "first" is 5 tokens and a BOS, "second copy" 12.
     assert {job_id: view["usage"]["prompt_tokens"] for job_id, view in views.items()} == {job_id: 6 for job_id in ids}
     assert replies == len(ids)
+
+
+async def test_a_job_that_cannot_be_admitted_fails_where_its_producer_waits(
+    redis_url: str, make_engine: Callable[..., Any]
+) -> None:
+    """An entry whose admission keeps failing (here: a key the start writes to holds another type) is failed on
+    its last delivery as `unadmittable`, and its producer hears of it as of any failed job: one entry on its
+    reply stream and a `completed` webhook delivery queued. The entry goes to the dead stream with its job id."""
+    import msgpack
+
+    client = aioredis.Redis.from_url(redis_url)
+    await client.set(KEYS.events_log("stuck"), "not a stream")
+    await client.xadd(KEYS.lane("standard"), {"job": msgpack.packb(
+        {"v": 1, "id": "stuck", "prompt": "hi", "reply_to": "stuck-replies",
+         "webhook": {"url": "https://example.com/hook", "events": ["completed"]}})})
+    try:
+        async with running_worker(redis_url, make_engine(), max_deliveries=1):
+            views = await wait_terminal(client, ["stuck"])
+        replies = await client.xrange("stuck-replies")
+        deliveries = [fields for _, fields in await client.xrange(KEYS.webhooks)]
+        dead = [fields for _, fields in await client.xrange(KEYS.dead)]
+    finally:
+        await client.aclose()
+    assert views["stuck"]["status"] == "failed" and views["stuck"]["error"]["type"] == "unadmittable"
+    assert len(replies) == 1 and msgpack.unpackb(replies[0][1][b"result"])["status"] == "failed"
+    assert [d[b"event"] for d in deliveries if d.get(b"job_id") == b"stuck"] == [b"completed"], deliveries
+    assert [d[b"job_id"] for d in dead] == [b"stuck"]
