@@ -29,6 +29,10 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 DEFAULT_WEIGHT = 1
 MAX_WEIGHT = 1000
+MAX_LIMIT = 10**12
+"""The largest rpm, tpm or max_queued a key may set: counts stay exact in Redis (64-bit integers, and Lua's
+doubles) however much one request reserves on top of a window's worth."""
+_DIGITS = re.compile(r"[0-9]+")
 
 
 def is_tenant_name(value: object) -> bool:
@@ -63,8 +67,10 @@ class TenantLimits:
     def __post_init__(self) -> None:
         for name in ("max_queued", "requests_per_minute", "tokens_per_minute"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= MAX_LIMIT):
+                raise ValueError(f"{name}: must be an integer in 1..{MAX_LIMIT} (leave it unset for no limit), "
+                                 f"got {value!r}")
         if isinstance(self.weight, bool) or not isinstance(self.weight, int) or not 1 <= self.weight <= MAX_WEIGHT:
             raise ValueError(f"weight: must be an integer in 1..{MAX_WEIGHT}, got {self.weight!r}")
 
@@ -85,7 +91,8 @@ class TenantLimits:
     def from_fields(cls, fields: dict[str, str]) -> TenantLimits:
         def num(name: str) -> int | None:
             raw = fields.get(name)
-            return None if raw in (None, "") else int(raw)
+            # A limit stored before limits had a maximum holds as that maximum.
+            return None if raw in (None, "") else min(int(raw), MAX_LIMIT)
 
         return cls(max_queued=num("max_queued"), requests_per_minute=num("requests_per_minute"),
                    tokens_per_minute=num("tokens_per_minute"), weight=num("weight") or DEFAULT_WEIGHT)
@@ -111,10 +118,11 @@ def parse_limits(text: str) -> TenantLimits:
         field = _LIMIT_NAMES.get(name.strip())
         if not sep or field is None:
             raise ValueError(f"limits: {part!r} is not NAME=N with NAME one of {', '.join(sorted(_LIMIT_NAMES))}")
-        try:
-            values[field] = int(raw)
-        except ValueError as e:
-            raise ValueError(f"limits: {name.strip()} must be an integer, got {raw!r}") from e
+        if field in values:
+            raise ValueError(f"limits: {field} is given twice")
+        if not _DIGITS.fullmatch(raw.strip()):  # int() would also take "1_000", "+5" and other scripts' digits
+            raise ValueError(f"limits: {name.strip()} must be an integer written in digits 0-9, got {raw!r}")
+        values[field] = int(raw)
     return TenantLimits(**values)
 
 

@@ -314,6 +314,13 @@ async def test_without_a_known_context_an_unbounded_job_reserves_the_whole_minut
         async with http.post(f"{url}/v1/jobs", headers=headers,
                              json={"prompt": "hello", "params": {"max_tokens": None}}) as resp:
             assert resp.status == 202 and resp.headers["x-ratelimit-remaining-tokens"] == "0"
+        # The largest tpm a key may have: its window's counts still fit, request after request.
+        key, _ = await store.create("roomy", TenantLimits(tokens_per_minute=10**12))
+        for status, remaining in ((202, "0"), (429, "0")):
+            async with http.post(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {key}"},
+                                 json={"prompt": "hello", "params": {"max_tokens": None}}) as resp:
+                assert resp.status == status, await resp.text()
+                assert resp.headers["x-ratelimit-remaining-tokens"] == remaining
 
 
 async def test_n_over_max_queued_is_a_400_and_n_choices_need_room_for_all(gateway, redis) -> None:

@@ -27,10 +27,14 @@ def test_limits_parse_and_refuse_nonsense() -> None:
     assert parse_limits("rpm=60, tpm=40000,max_queued=5,weight=3") == TenantLimits(
         max_queued=5, requests_per_minute=60, tokens_per_minute=40000, weight=3)
     assert parse_limits("") == TenantLimits()
-    for bad in ("rpm", "rpm=x", "speed=3", "rpm=0", "weight=0", "weight=1001"):
+    for bad in ("rpm", "rpm=x", "speed=3", "rpm=0", "weight=0", "weight=1001", "rpm=5,rpm=7", "rpm=5,requests_per_minute=5",
+                "rpm=1_000", "rpm=+5", "rpm=\u0663", "tpm=1000000000001", "tpm=99999999999999999999999999"):
         with pytest.raises(ValueError):
             parse_limits(bad)
+    assert parse_limits("tpm=1000000000000, rpm= 5") == TenantLimits(tokens_per_minute=10**12, requests_per_minute=5)
     assert TenantLimits.from_fields(parse_limits("tpm=7,weight=2").to_fields()) == parse_limits("tpm=7,weight=2")
+    # A key stored before limits had a maximum keeps working, at the maximum.
+    assert TenantLimits.from_fields({"tokens_per_minute": "9" * 26}).tokens_per_minute == 10**12
 
 
 def test_tenant_names_and_the_label_cap() -> None:
