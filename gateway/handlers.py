@@ -79,8 +79,6 @@ async def post_job(request: web.Request) -> web.Response:
         metrics.job_rejected("rate_limited", spec.lane.value)
         return error_response(429, "rate_limited", e.message, **e.headers)
     except QuotaExceeded as e:
-        # Refused by the queued-jobs quota, not by the window: no x-ratelimit-* headers, as on the OpenAI routes.
-        request.pop(RATE_HEADERS, None)
         metrics.job_rejected("quota", spec.lane.value)
         retry_after = str(app[appkeys.CONFIG].retry_after_s)
         return error_response(429, "quota_exceeded", str(e), **{"Retry-After": retry_after})
