@@ -195,7 +195,7 @@ class Admission:
         """Validate and enqueue a job of `caller`'s tenant (see `enqueue`, and `validate` for `batch_results`)."""
         return await self.enqueue(await self.validate(body, caller, batch_results=batch_results), idempotency_key,
                                   caller=caller, reservation=reservation, num_following=num_following,
-                                  linked_trace=linked_trace)
+                                  linked_trace=linked_trace, is_batch_line=batch_results is not None)
 
     async def find(self, spec: JobSpec, idempotency_key: str | None) -> Admitted | None:
         """The job of the spec's tenant that `enqueue` would answer with instead of enqueuing (what the
@@ -216,14 +216,16 @@ class Admission:
 
     async def enqueue(self, spec: JobSpec, idempotency_key: str | None, *, caller: Caller = OPEN_CALLER,
                       reservation: Reservation | None = None, num_following: int = 0,
-                      linked_trace: str | None = None) -> Admitted:
+                      linked_trace: str | None = None, is_batch_line: bool = False) -> Admitted:
         """Enqueue a validated job; `reservation`: the tokens/min this job holds, settled when it ends;
         `num_following`: jobs of the same request enqueued next, which the lane and the tenant's quota must
-        have room for too; `linked_trace`: see `EnqueueSpan`.
+        have room for too; `linked_trace`: see `EnqueueSpan`; `is_batch_line`: a Batch API line, which the
+        tenant's `max_queued` does not hold back and which counts apart from its other jobs.
         Raises LaneFull, QuotaExceeded, IdempotencyInFlight, JobIdTaken, or InvalidJob for a bad Idempotency-Key."""
         idem = self._idempotency(spec, idempotency_key)
         for _ in range(MAX_CLAIM_TRIES):
-            verdict, detail = await self._enqueue_once(spec, idem, caller, reservation, num_following, linked_trace)
+            verdict, detail = await self._enqueue_once(spec, idem, caller, reservation, num_following, linked_trace,
+                                                       is_batch_line)
             if verdict == "enqueued":
                 return Admitted(spec.id, JobStatus.QUEUED.value, spec.lane.value, is_new=True)
             if verdict == "exists":
@@ -282,7 +284,7 @@ class Admission:
 
     async def _enqueue_once(self, spec: JobSpec, idem: str | None, caller: Caller,
                             reservation: Reservation | None, num_following: int,
-                            linked_trace: str | None) -> tuple[str, str]:
+                            linked_trace: str | None, is_batch_line: bool) -> tuple[str, str]:
         """Run the enqueue script once: (verdict, detail) as it returns them; raises LaneFull, QuotaExceeded."""
         max_depth = self._config.max_lane_depth[spec.lane.value]
         depth = await self.lane_depth(spec.lane)
@@ -305,14 +307,15 @@ class Admission:
                 self._config.queued_ttl_s, "1" if depth + num_following >= max_depth else "",
                 "1" if idem is not None else "", spec.id, packed, spec.tenant if named else "",
                 "" if max_queued is None or not named else max_queued, CONSUMER_GROUP, WAKE_MAXLEN, 1 + num_following,
-                F_SPEC, packed,
+                "1" if is_batch_line else "", F_SPEC, packed,
             ]
             for name, value in record.items():
                 args += [name, value]
             tenant_streams = [self._keys.tenant_lane(lane, spec.tenant) for lane in LANES] if named else []
             reply = await self._enqueue(keys=[
                 job_key, self._keys.tenant_lane(spec.lane, spec.tenant), idem or job_key,
-                self._keys.lane_tenants(spec.lane), self._keys.wake, *tenant_streams], args=args)
+                self._keys.lane_tenants(spec.lane), self._keys.wake, self._keys.tenant_batch_lines(spec.tenant),
+                *tenant_streams], args=args)
         verdict = as_bytes(reply[0]).decode()
         if verdict == "full":
             raise LaneFull(spec.lane, depth, max_depth, 1 + num_following)

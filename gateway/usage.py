@@ -20,9 +20,11 @@ async def usage(request: web.Request) -> web.Response:
     pipe.hgetall(keys.tenant_usage(caller.tenant))
     pipe.hgetall(keys.tenant_window(caller.tenant))
     pipe.pttl(keys.tenant_window(caller.tenant))
+    pipe.get(keys.tenant_batch_lines(caller.tenant))
     for lane in LANES:
         pipe.xlen(keys.tenant_lane(lane, caller.tenant))
-    raw_usage, raw_window, left_ms, *lengths = await pipe.execute()
+    raw_usage, raw_window, left_ms, raw_lines, *lengths = await pipe.execute()
+    queued = sum(int(n) for n in lengths)
     counts = {k.decode(): int(v) for k, v in raw_usage.items()}
     window = {k.decode(): v.decode() for k, v in raw_window.items()}
     return web.json_response({
@@ -33,7 +35,9 @@ async def usage(request: web.Request) -> web.Response:
         "prompt_tokens": counts.get("prompt_tokens", 0),
         "completion_tokens": counts.get("completion_tokens", 0),
         # The default tenant's lane streams also hold entries not yet routed to their tenant.
-        "queued": sum(int(n) for n in lengths),
+        "queued": queued,
+        # Of those, the tenant's Batch API lines, which max_queued does not count.
+        "batch_queued": min(int(raw_lines or 0), queued),
         "window": {
             "requests": int(window.get("requests", 0)),
             "tokens": int(window.get("tokens", 0)),

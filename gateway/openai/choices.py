@@ -128,8 +128,11 @@ async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: 
             done.append(job_id)
     except (InvalidJob, QuotaExceeded, LaneFull, IdempotencyInFlight) as e:
         await cancel_jobs(app, done)
-        await limiter.release(caller, reserved, reserved.jobs[len(done):])
-        raise _refusal(app, e, lane, request.renames) from e
+        after = await limiter.release(caller, reserved, reserved.jobs[len(done):])
+        refusal = _refusal(app, e, lane, request.renames)
+        if refusal.status == 429:  # the window as it stands after the refusal, as on POST /v1/jobs
+            refusal.headers.update(after)
+        raise refusal from e
     except BaseException:
         await asyncio.shield(cancel_jobs(app, done))
         raise

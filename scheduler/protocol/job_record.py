@@ -35,6 +35,7 @@ F_ERROR = "error"  # msgpack {type, message}
 F_STREAM_ENTRY = "stream_entry"  # "<lane stream key> <entry id>"
 F_IDEMPOTENCY_KEY = "idempotency_key"  # the Redis key of the Idempotency-Key that named it: expires with the record
 F_IDEMPOTENCY_KEYS = "idempotency_keys"  # newline-joined Redis keys of further Idempotency-Keys that named it since
+F_BATCH_COUNT = "batch_count"  # a Batch API line's: the Redis key of its tenant's count of lines, until it ends
 F_RESERVATION = "reservation"  # "<rate window id> <tokens>": tokens/min reserved at submission, settled at the end
 F_USAGE_COUNTED = "usage_counted"  # "1" once the job's tokens are in its tenant's usage and its reservation settled
 F_START_TOKEN = "start_token"  # the admission that last started it: a START it repeats (a lost reply) is not a new start

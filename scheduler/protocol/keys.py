@@ -130,6 +130,10 @@ class Keys:
         expires ``RATE_WINDOW_MS`` after the window's first request."""
         return f"{self.prefix}:tenant:{tenant}:window"
 
+    def tenant_batch_lines(self, tenant: str) -> str:
+        """Count of a tenant's Batch API lines waiting or running (in its streams, not held to ``max_queued``)."""
+        return f"{self.prefix}:tenant:{tenant}:batch-lines"
+
     def tenant_usage(self, tenant: str) -> str:
         """Hash of a tenant's counts since it began: jobs, jobs_<status>, prompt_tokens, completion_tokens."""
         return f"{self.prefix}:tenant:{tenant}:usage"

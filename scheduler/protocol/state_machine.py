@@ -84,6 +84,8 @@ _COMMIT_TERMINAL = """
 local function commit_terminal(job, status, record, ttl_s, channel, final, reply, reply_result, reply_maxlen,
                                webhooks, webhook)
   redis.call('HSET', job, '@status@', status, unpack(record))
+  local batch_count = redis.call('HGET', job, '@batch_count@')
+  if batch_count and redis.call('DECR', batch_count) < 0 then redis.call('SET', batch_count, 0) end
   if tonumber(ttl_s) > 0 then
     -- The result's time to live starts now; the idempotency key that names the job lives as long.
     redis.call('EXPIRE', job, ttl_s)
@@ -163,9 +165,19 @@ if status then
   return {'exists', status}
 end
 if ARGV[2] == '1' then return {'full'} end
-if tenant ~= '' and ARGV[7] ~= '' then
+local is_batch_line = ARGV[11] == '1'
+if tenant ~= '' and ARGV[7] ~= '' and not is_batch_line then
+  -- The tenant's jobs waiting or running, but for its Batch API lines: they are paced by the lane, and count
+  -- apart (KEYS[6]); never more of them than the streams hold (a count left high by a line whose record
+  -- vanished is brought back down here).
   local queued = 0
-  for i = 6, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
+  for i = 7, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
+  local lines = tonumber(redis.call('GET', KEYS[6]) or '0')
+  if lines > queued then
+    redis.call('SET', KEYS[6], queued)
+    lines = queued
+  end
+  queued = queued - lines
   if queued + tonumber(ARGV[10]) > tonumber(ARGV[7]) then return {'quota', tostring(queued)} end
 end
 if tenant ~= '' and redis.call('EXISTS', KEYS[2]) == 0 then
@@ -177,9 +189,14 @@ if tenant ~= '' and redis.call('SADD', KEYS[4], tenant) == 1 then
   redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', 'tenant', tenant)
 end
 local fields = {}
-for i = 11, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 12, #ARGV do fields[#fields + 1] = ARGV[i] end
 fields[#fields + 1] = '@stream_entry@'
 fields[#fields + 1] = KEYS[2] .. ' ' .. entry
+if is_batch_line and tenant ~= '' then
+  redis.call('INCR', KEYS[6])
+  fields[#fields + 1] = '@batch_count@'  -- commit_terminal counts the line out when the job ends
+  fields[#fields + 1] = KEYS[6]
+end
 if has_key then
   fields[#fields + 1] = '@idempotency_key@'
   fields[#fields + 1] = KEYS[3]
@@ -203,10 +220,12 @@ request still to come. A job id is one tenant's: a record of another tenant's un
 returned nor named by the key, and its status is not told.
 
 KEYS: job record, lane stream (the tenant's), idempotency key (the tenant's; the job record again when the
-request has none), the lane's active-tenant set, wake stream, then the tenant's stream in every lane.
+request has none), the lane's active-tenant set, wake stream, the tenant's count of Batch API lines waiting or
+running, then the tenant's stream in every lane.
 ARGV: queued ttl_s (the record's and the key's until the job ends), '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id, packed spec, tenant
 ('' for the default tenant, whose stream is the lane stream), max queued jobs|'', group, wake maxlen, jobs
-the quota must have room for (this one and the request's next ones), then the record's field/value pairs.
+the quota must have room for (this one and the request's next ones), '1' for a Batch API line (not held to
+the quota, counted in KEYS[6] until it ends), then the record's field/value pairs.
 Returns {'claimed', id} when the idempotency key already names a job, {'exists', status} when a record of
 this tenant's exists for this id (the key, if any, then names it), {'taken'} when the record is another
 tenant's, {'full'} when the lane refuses, {'quota', n} when the tenant already has n jobs waiting or running

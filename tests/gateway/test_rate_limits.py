@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -10,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 import redis.asyncio as aioredis
-from aiohttp import ClientSession
+from aiohttp import ClientSession, FormData
 
 from gateway.api_keys import KeyStore
 from gateway.app import init_app
@@ -339,6 +340,8 @@ async def test_n_over_max_queued_is_a_400_and_n_choices_need_room_for_all(gatewa
         with pytest.raises(openai.RateLimitError) as full:  # 1 queued + 3 choices > 3: no choice is enqueued
             await oai.chat.completions.create(**chat, n=3)
         assert full.value.code == "queued_jobs_limit"
+        # The window as it stands after the refusal, as POST /v1/jobs answers a quota refusal.
+        assert full.value.response.headers["x-ratelimit-remaining-requests"] == "9"
         usage = await _usage(url, http, headers)
     await oai.close()
     assert usage["queued"] == 1 and usage["window"]["requests"] == 1  # neither refusal counted
@@ -370,3 +373,47 @@ async def test_a_job_the_worker_refuses_counts_as_failed_with_none_of_its_tokens
         usage = await _usage(url, http, headers)
         assert usage["jobs_by_status"] == {"failed": 1}
         assert usage["prompt_tokens"] == usage["completion_tokens"] == usage["window"]["tokens"] == 0
+
+
+async def test_batch_lines_are_not_held_to_max_queued_and_leave_the_tenants_room_alone(redis_url) -> None:
+    """A tenant's Batch API lines are paced by the lane, not by its key's max_queued: a 10-line batch of a
+    tenant allowed 3 queued jobs is enqueued whole, and the tenant still has its 3 jobs' room for online
+    requests. Lines leave the count as they end (here: the batch is cancelled)."""
+    async with _gateway(redis_url, batch_poll_interval_s=0.05) as (url, store):
+        key, _ = await store.create("batchy", TenantLimits(max_queued=3))
+        headers = {"Authorization": f"Bearer {key}"}
+        lines = "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                      "body": {"model": "m", "prompt": "hi", "max_tokens": 2}}) for i in range(10))
+        async with ClientSession() as http:
+            form = FormData()
+            form.add_field("purpose", "batch")
+            form.add_field("file", lines.encode(), filename="in.jsonl")
+            async with http.post(f"{url}/v1/files", headers=headers, data=form) as resp:
+                file_id = (await resp.json())["id"]
+            async with http.post(f"{url}/v1/batches", headers=headers, json={
+                    "input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}) as resp:
+                batch_id = (await resp.json())["id"]
+
+            async def usage() -> dict[str, Any]:
+                async with http.get(f"{url}/v1/usage", headers=headers) as resp:
+                    return dict(await resp.json())
+
+            async def all_lines_queued() -> bool:
+                return (await usage())["batch_queued"] == 10
+
+            await wait_until(all_lines_queued, "the batch's 10 lines enqueued")
+            for _ in range(3):
+                async with http.post(f"{url}/v1/jobs", headers=headers, json={"prompt": "online"}) as resp:
+                    assert resp.status == 202, await resp.text()
+            async with http.post(f"{url}/v1/jobs", headers=headers, json={"prompt": "online"}) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 429 and error["type"] == "quota_exceeded" and "has 3 jobs" in error["message"]
+            assert (await usage())["queued"] == 13
+            async with http.post(f"{url}/v1/batches/{batch_id}/cancel", headers=headers) as resp:
+                assert resp.status == 200
+
+            async def lines_gone() -> bool:
+                now = await usage()
+                return now["batch_queued"] == 0 and now["queued"] == 3
+
+            await wait_until(lines_gone, "the cancelled batch's lines out of the count")
