@@ -46,18 +46,40 @@ NOT_GENERATIVE_HEADS = ("ForMaskedLM", "ForSequenceClassification", "ForTokenCla
 checkpoint's encoder under a causal head it was never trained with, and generate noise without a word."""
 
 
+def architecture(config: PretrainedConfig) -> str:
+    """The checkpoint's architecture as its config names it (else its model type), for messages."""
+    return (getattr(config, "architectures", None) or [f"a {getattr(config, 'model_type', 'model')} model"])[0]
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def check_causal(config: PretrainedConfig) -> None:
     """Refuse a checkpoint saved with a head that does not predict the next token, naming it."""
-    is_encoder_decoder = getattr(config, "is_encoder_decoder", False)
+    not_causal = ValueError(f"model: {architecture(config)} is not a causal language model; carpool generates with "
+                            "checkpoints saved for next-token prediction (a ...ForCausalLM or ...LMHeadModel)")
+    if getattr(config, "is_encoder_decoder", False):
+        raise not_causal
     for arch in getattr(config, "architectures", None) or []:
-        if is_encoder_decoder or arch.endswith(NOT_GENERATIVE_HEADS):
-            raise ValueError(f"model: {arch} is not a causal language model; carpool generates with checkpoints "
-                             "saved for next-token prediction (a ...ForCausalLM or ...LMHeadModel)")
+        if arch.endswith(NOT_GENERATIVE_HEADS):
+            raise not_causal
+
+
+# Where configs keep their context length: most, then GPT-2's and its kind's, MPT's, and a few others'.
+_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
 
 def max_model_len(config: PretrainedConfig) -> tuple[int, str]:
     """The model's context length, and what sets it, for messages."""
-    max_len, why = int(config.max_position_embeddings), "its max_position_embeddings"
+    found = next(((name, value) for name in _CONTEXT_FIELDS
+                  if isinstance(value := getattr(config, name, None), int) and value > 0), None)
+    if found is None:
+        raise ValueError(f"model: {architecture(config)}'s config names no context length "
+                         f"({', '.join(_CONTEXT_FIELDS)}); carpool serves models whose context it knows")
+    max_len, why = found[1], f"its {found[0]}"
     if rope_type(config) == "dynamic":
         # Dynamic NTK scaling exists to stretch the trained context by its factor.
         params = getattr(config, "rope_parameters", None) or {}

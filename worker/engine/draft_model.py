@@ -39,10 +39,15 @@ class _Draft:
 
 class DraftModel:
     def __init__(self, path: str, target: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
-        self.runner = ModelRunner(path, device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
-                                  block_size=target.block_size, num_blocks=target.num_blocks,
-                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=target.max_num_batched_tokens,
-                                  matmul_tuning=target.matmul_tuning)
+        try:
+            self.runner = ModelRunner(path, device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
+                                      block_size=target.block_size, num_blocks=target.num_blocks,
+                                      max_num_seqs=max_num_seqs, max_num_batched_tokens=target.max_num_batched_tokens,
+                                      matmul_tuning=target.matmul_tuning)
+        except ValueError as e:  # its faults are the draft's, not the model's: named as --draft-model's
+            message = str(e)
+            raise ValueError(f"draft_model: {message.removeprefix('model: ')}" if message.startswith("model: ")
+                             else message) from e
         if self.runner.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise ValueError(f"draft_model: {path} has another tokenizer than the model; a draft model must share it")
         self.max_model_len = min(max_model_len, self.runner.max_model_len)

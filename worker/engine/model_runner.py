@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -30,8 +31,16 @@ from kernels.paged_attention import kernels_are_interpreted
 from kernels.paged_attention_torch import plan_decode_groups
 from kernels.split_kv import MAX_SPLITS, num_multiprocessors, plan_kv_splits
 from kernels.workspace import Workspace
-from worker.engine.attention import PagedAttentionMetadata
-from worker.engine.checkpoint_config import check_causal, eos_token_ids, kv_block_bytes, max_model_len, model_dtype
+from worker.engine.attention import ATTN_IMPLEMENTATION, PagedAttentionMetadata
+from worker.engine.checkpoint_config import (
+    architecture,
+    check_causal,
+    eos_token_ids,
+    kv_block_bytes,
+    max_model_len,
+    model_dtype,
+    one_line,
+)
 from worker.engine.config import ModelImpl
 from worker.engine.graph_runner import (
     HOST_BRANCHING_ROPE,
@@ -60,6 +69,11 @@ CUDA_KV_CACHE_FRACTION = 0.7
 # Without an explicit size, never allocate more than this many full-length sequences' worth.
 MAX_DEFAULT_SEQS_CPU = 16
 MAX_DEFAULT_SEQS_CUDA = 512
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "*.model", "vocab.*", "*.tiktoken")
+"""A checkpoint's tokenizer is in files like these (a fast tokenizer, a config naming a tokenizer class, a
+SentencePiece model, a vocabulary, a tiktoken file)."""
+
 
 class ModelRunner:
     def __init__(
@@ -113,17 +127,22 @@ class ModelRunner:
                              f"{self.device}; use the torch backend there "
                              "(or set TRITON_INTERPRET=1 to interpret them)")
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
             config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+            check_causal(config)
+            if not any(any(Path(model_path).glob(pattern)) for pattern in TOKENIZER_FILES):
+                raise ValueError(f"model: no tokenizer in {model_path!r} (none of {', '.join(TOKENIZER_FILES)}); "
+                                 "carpool needs the checkpoint's tokenizer files beside its weights")
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         except (OSError, ValueError) as e:  # ValueError: a model type this transformers does not know, say
-            first_paragraph = str(e).strip().split("\n\n")[0]
+            if str(e).startswith("model: "):
+                raise
+            first_paragraph = " ".join(str(e).strip().split("\n\n")[0].split())
             raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {first_paragraph}") from e
-        check_causal(config)
         self.dtype: torch.dtype = model_dtype(config, dtype)
         self.vocab_size: int = config.vocab_size
         self.max_model_len, self.context_limit = max_model_len(config)
         """The model's context, and what sets it (its position embeddings, its sliding window, ...)."""
-        self.model_choice = choose_model_impl(config, model_impl)
+        self.model_choice = choose_model_impl(config, model_impl, model_path)
         weights = self.quantization.value if self.quantization else str(self.dtype).removeprefix("torch.")
         log.info("model %s: %s implementation (%s), %s weights", model_path, self.model_choice.impl.value,
                  self.model_choice.reason, weights)
@@ -135,8 +154,17 @@ class ModelRunner:
             self.model: CausalLM = load_causal_lm(model_path, config, self.model_choice.impl, self.dtype, self.device,
                                                   self.max_model_len, model_kernels, self.quantization, cpu_ops,
                                                   matmul_tuning, kernels_cache_dir(os.environ) / "matmul-choices")
-        except OSError as e:
-            raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {e}") from e
+        except ValueError:
+            raise  # already one line naming the setting at fault
+        except Exception as e:  # a truncated weights file (SafetensorError), an architecture whose code cannot take
+            # carpool's attention (a KeyError looking it up), ...
+            why = one_line(e)
+            if isinstance(e, KeyError) and e.args == (ATTN_IMPLEMENTATION,):
+                why = ("its transformers code looks attention up in a table of its own, not in transformers' "
+                       "attention interface, where carpool plugs in its paged attention: this architecture is not "
+                       "supported")
+            raise ValueError(f"model: cannot load {architecture(config)} from {model_path!r} "
+                             f"({self.model_choice.impl.value} implementation): {why}") from e
         self.config = config
         self.model_path = model_path
         self.eos_token_ids: set[int] = eos_token_ids(model_path, config)
@@ -186,12 +214,27 @@ class ModelRunner:
         """Steps that replayed a recorded graph, decode or verify."""
         self.num_replayed_verify_steps = 0
         """Of those, the ones that replayed a verify graph."""
+        self._check_first_forward()
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and self.backend.name == "triton"
         if cuda_graphs:
             if self.device.type != "cuda":
                 raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, got {self.device}")
             self.capture_decode_graphs(CudaGraphCapture())
+
+    def _check_first_forward(self) -> None:
+        """Run one token through the model before any job can: a checkpoint whose code cannot run here (its
+        transformers code does not hand carpool's paged attention what it needs, say) is refused at start, in
+        one line, instead of failing the first job and stopping the worker. The token's KV lands in block 0,
+        which is zeroed again after: the cache starts as it was made."""
+        try:
+            with torch.inference_mode():
+                self.execute([StepSeq(token_ids=[0], start_pos=0, block_table=[0], needs_logits=True)])
+                for cache in self.k_caches + self.v_caches:
+                    cache[0].zero_()
+        except Exception as e:
+            raise ValueError(f"model: {architecture(self.config)} from {self.model_path!r} cannot run here "
+                             f"({self.model_choice.impl.value} implementation): {one_line(e)}") from e
 
     def capture_decode_graphs(self, backend: CaptureBackend) -> bool:
         """Record decode steps, and verify steps when speculating, at every padded batch size; False (and a log
@@ -289,8 +332,9 @@ class ModelRunner:
             return 0
         try:
             config = AutoConfig.from_pretrained(draft_model, local_files_only=True)
-        except OSError as e:
-            raise ValueError(f"draft_model: cannot load a checkpoint from {draft_model!r}: {e}") from e
+        except (OSError, ValueError) as e:  # ValueError: a model type this transformers does not know, say
+            first_paragraph = " ".join(str(e).strip().split("\n\n")[0].split())
+            raise ValueError(f"draft_model: cannot load a checkpoint from {draft_model!r}: {first_paragraph}") from e
         return kv_block_bytes(config, self.block_size, self.dtype)
 
     def _default_num_blocks(self, kv_cache_memory_gb: float | None, draft_block_bytes: int) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from scheduler.params import SamplingParams
 from tests.harness.child_env import child_pythonpath
 from worker import Engine
 from worker.engine.config import EngineConfig
@@ -123,3 +124,96 @@ def test_the_generate_verb_refuses_bad_settings_in_one_line(tiny_model: Callable
                 "--model", tiny_model("llama"), *flags]
         done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert (done.returncode, done.stderr.strip()) == (2, line), done.stderr
+
+
+def _save(path: Path, config: Any, *, tokenizer: bool = True) -> str:
+    """A random-weight checkpoint of `config` (a transformers config) in `path`, with the byte tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from worker.engine.default_model import build_tokenizer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    if tokenizer:
+        build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def _small(config_class: Any, **overrides: Any) -> Any:
+    from worker.engine.default_model import build_tokenizer
+
+    return config_class(**{"vocab_size": len(build_tokenizer()), "hidden_size": 32, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, **overrides})
+
+
+def test_checkpoints_that_cannot_run_here_are_refused_at_start_in_one_line(tmp_path: Path) -> None:
+    """Refused when the engine starts, each in one line naming the checkpoint's fault, rather than failing the
+    first job (and stopping the worker) or printing a traceback."""
+    from transformers import BloomConfig, FalconConfig, StableLmConfig, T5Config
+
+    cases = [
+        # Its transformers code takes carpool's attention but does not pass it what a step needs.
+        (_save(tmp_path / "stablelm", _small(StableLmConfig, intermediate_size=64, max_position_embeddings=64)),
+         r"^model: StableLmForCausalLM from .* cannot run here \(transformers implementation\): RuntimeError"),
+        # Its transformers code looks attention up in a table of its own.
+        (_save(tmp_path / "falcon", _small(FalconConfig, max_position_embeddings=64)),
+         r"^model: cannot load FalconForCausalLM .*: its transformers code looks attention up .* not supported$"),
+        # Its config names no context length (ALiBi).
+        (_save(tmp_path / "bloom", _small(BloomConfig, n_layer=1, n_head=2)),
+         r"^model: BloomForCausalLM's config names no context length"),
+    ]
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    (t5 / "config.json").write_text('{"model_type": "t5", "d_model": 32}')  # no architectures listed
+    cases.append((str(t5), r"^model: a t5 model is not a causal language model"))
+    for path, refusal in cases:
+        with pytest.raises(ValueError, match=refusal) as refused:
+            Engine(model=path, num_blocks=8)
+        assert "\n" not in str(refused.value), refused.value
+
+
+def test_a_truncated_weights_file_or_missing_tokenizer_is_the_models_fault_in_one_line(
+        tmp_path: Path, tiny_model: Callable[..., str]) -> None:
+    import shutil
+
+    broken = tmp_path / "truncated"
+    shutil.copytree(tiny_model(), broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"^model: cannot load LlamaForCausalLM .*SafetensorError") as refused:
+        Engine(model=str(broken), num_blocks=8)
+    assert "\n" not in str(refused.value)
+    untokenized = tmp_path / "untokenized"
+    shutil.copytree(tiny_model(), untokenized)
+    for file in untokenized.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            file.unlink()
+    with pytest.raises(ValueError, match=r"^model: no tokenizer in .*untokenized"):
+        Engine(model=str(untokenized), num_blocks=8)
+    # As a draft model, the same faults are the draft's.
+    with pytest.raises(ValueError, match=r"^draft_model: no tokenizer in .*untokenized"):
+        Engine(model=tiny_model(), num_blocks=8, speculative="draft", draft_model=str(untokenized),
+               num_speculative_tokens=2)
+
+
+def test_a_llama_carpools_own_model_cannot_run_falls_back_to_transformers(tmp_path: Path,
+                                                                          tiny_model: Callable[..., str]) -> None:
+    """`--model-impl auto` runs a Llama checkpoint that carpool's own model does not cover (MLP biases, weights
+    in a .bin file) with transformers' code, instead of refusing it."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from worker.engine.config import ModelImpl
+
+    biased = _save(tmp_path / "biased", _small(LlamaConfig, intermediate_size=64, max_position_embeddings=64,
+                                               num_key_value_heads=1, mlp_bias=True))
+    binary = tmp_path / "binary"
+    binary.mkdir()
+    torch.save(AutoModelForCausalLM.from_pretrained(tiny_model()).state_dict(), binary / "pytorch_model.bin")
+    for file in Path(tiny_model()).iterdir():
+        if not file.name.startswith("model"):
+            (binary / file.name).write_bytes(file.read_bytes())
+    for path in (biased, str(binary)):
+        engine = Engine(model=path, num_blocks=8)
+        assert engine.runner.model_choice.impl is ModelImpl.TRANSFORMERS, path
+        (out,) = engine.generate(["hi"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        assert len(out.token_ids) == 3

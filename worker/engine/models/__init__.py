@@ -37,14 +37,15 @@ class ModelChoice:
     reason: str
 
 
-def choose_model_impl(config: PretrainedConfig, requested: str) -> ModelChoice:
-    """Which implementation runs `config`'s model, and why (for the start-up log)."""
+def choose_model_impl(config: PretrainedConfig, requested: str, path: str | None = None) -> ModelChoice:
+    """Which implementation runs `config`'s model, and why (for the start-up log); `path`, the checkpoint's
+    directory, tells whether its weights are in a format carpool's own models read."""
     try:
         wanted = ModelImpl(requested)
     except ValueError:
         raise ValueError(f"model_impl: must be one of {', '.join(MODEL_IMPLS)}, got {requested!r}") from None
     arch = (getattr(config, "architectures", None) or ["unknown"])[0]
-    misfit = _misfit(config, arch)
+    misfit = _misfit(config, arch, path)
     if wanted is ModelImpl.TRANSFORMERS:
         return ModelChoice(ModelImpl.TRANSFORMERS, "asked for")
     if wanted is ModelImpl.CARPOOL:
@@ -57,7 +58,7 @@ def choose_model_impl(config: PretrainedConfig, requested: str) -> ModelChoice:
     return ModelChoice(ModelImpl.TRANSFORMERS, f"not among carpool's own models: {misfit}")
 
 
-def _misfit(config: PretrainedConfig, arch: str) -> str | None:
+def _misfit(config: PretrainedConfig, arch: str, path: str | None = None) -> str | None:
     """What keeps `config`'s model from carpool's own models, in a few words; None when nothing does."""
     if arch not in ARCHITECTURES:
         return f"this model is {arch}"
@@ -65,6 +66,13 @@ def _misfit(config: PretrainedConfig, arch: str) -> str | None:
         return f"this {arch} has {rope} RoPE"
     if (act := getattr(config, "hidden_act", "silu")) != "silu":
         return f"this {arch} uses {act}, not SiLU"
+    if getattr(config, "mlp_bias", False):
+        return f"this {arch} has MLP biases"
+    rope_params = getattr(config, "rope_parameters", None) or {}
+    if rope_params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
+        return f"this {arch} rotates part of each head (partial_rotary_factor)"
+    if path is not None and Path(path).is_dir() and not any(Path(path).glob("*.safetensors")):
+        return f"this {arch}'s weights are not in safetensors files"
     return None
 
 
