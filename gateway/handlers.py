@@ -25,6 +25,7 @@ from scheduler.protocol.job_record import job_view, json_default, tenant_of_reco
 from scheduler.protocol.lanes import LANES
 from scheduler.protocol.redis_client import is_out_of_memory, is_refusal
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE, read_hash
+from scheduler.protocol.wire_values import decode_failure
 from scheduler.protocol.worker_heartbeats import live_workers
 from scheduler.telemetry.log_format import job_context
 from scheduler.telemetry.stream_stats import read_stream_counts
@@ -48,8 +49,7 @@ async def post_job(request: web.Request) -> web.Response:
         body = await request.json(loads=json.loads)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         metrics.job_rejected("invalid")
-        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-        return error_response(400, "invalid_request", f"body is not valid JSON: {reason}", field="body")
+        return error_response(400, "invalid_request", f"body is not valid JSON: {decode_failure(e)}", field="body")
     idempotency_key = request.headers.get("Idempotency-Key")
     try:
         spec = await admission.validate(body, caller)

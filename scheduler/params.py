@@ -86,6 +86,8 @@ class SamplingParams:
             raise InvalidParam("min_tokens", f"must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})")
         _check_float("temperature", self.temperature, low=0.0, high=100.0)
         _check_float("top_p", self.top_p, low=0.0, high=1.0)  # 0 keeps only the most likely token, as OpenAI's
+        if isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k < 0:
+            raise InvalidParam("top_k", f"must be 0 or -1 (no top-k) or a positive count, got {self.top_k}")
         _check_int("top_k", self.top_k, low=0)
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         if self.seed is not None:

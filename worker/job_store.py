@@ -28,7 +28,7 @@ from redis.typing import EncodableT, FieldT
 from scheduler.protocol import job_record, state_machine
 from scheduler.protocol.job import JobSpec, JobStatus, WebhookEvent, WebhookSpec
 from scheduler.protocol.job_record import final_event, job_view, tenant_of_record
-from scheduler.protocol.keys import CONSUMER_GROUP, Keys
+from scheduler.protocol.keys import CONSUMER_GROUP, DEFAULT_QUEUED_TTL_S, Keys
 from scheduler.protocol.redis_replies import read_hash
 from scheduler.protocol.state_machine import StartVerdict
 from scheduler.protocol.webhooks import delivery_fields
@@ -164,7 +164,7 @@ class JobStore:
         reply = await self._start(
             keys=[self.keys.job(spec.id), self.keys.cancel(spec.id)],
             args=[self.worker, repr(now), spec.pack(), spec.lane.value, spec.priority, repr(created_at), str(entry),
-                  spec.id, "" if spec.deadline is None else repr(spec.deadline), start_token],
+                  spec.id, "" if spec.deadline is None else repr(spec.deadline), start_token, DEFAULT_QUEUED_TTL_S],
         )
         verdict, previous = StartVerdict(_s(reply[0])), _s(reply[1]) if reply[1] else ""
         if verdict is not StartVerdict.RUN:

@@ -27,6 +27,7 @@ from gateway.openai.schema import Endpoint, parse_request
 from gateway.openai.streaming import stream_choices
 from gateway.sse import CLIENT_CHECK_S, client_gone
 from scheduler.protocol.lanes import Lane
+from scheduler.protocol.wire_values import decode_failure
 
 routes = web.RouteTableDef()
 
@@ -65,8 +66,7 @@ async def read_json(request: web.Request) -> Any:
     try:
         return await request.json(loads=json.loads)
     except (ValueError, RecursionError) as e:
-        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-        raise invalid("body", f"not valid JSON: {reason}") from e
+        raise invalid("body", f"not valid JSON: {decode_failure(e)}") from e
 
 
 async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:

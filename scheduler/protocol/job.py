@@ -22,7 +22,7 @@ from scheduler.params import InvalidParam, SamplingParams
 from scheduler.protocol.lanes import DEFAULT_LANE, Lane
 from scheduler.protocol.tenants import DEFAULT_TENANT, tenant_of
 from scheduler.protocol.webhook_url import WebhookUrlError, parse_webhook_url
-from scheduler.protocol.wire_values import first_bad_value, key_path
+from scheduler.protocol.wire_values import decode_failure, first_bad_value, key_path
 
 SCHEMA_VERSION = 1
 MAX_ID_LEN = 128
@@ -198,14 +198,15 @@ class JobSpec:
             try:
                 data = json.loads(raw)
             except ValueError as e:
-                raise JobValidationError("job", f"{_NOT_A_MAP}; it starts with '{{' but is not valid JSON: {e}") from e
+                raise JobValidationError("job", f"{_NOT_A_MAP}; it starts with '{{' but is not valid JSON: "
+                                                f"{decode_failure(e)}") from e
             except RecursionError as e:
                 raise JobValidationError("job", f"{_NOT_A_MAP}; it is JSON nested too deeply") from e
             return cls.from_wire(data)
         try:
             data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
         except Exception as e:  # msgpack raises several unrelated types for garbage
-            raise JobValidationError("job", f"{_NOT_A_MAP}; it is neither (msgpack: {str(e) or type(e).__name__})") from e
+            raise JobValidationError("job", f"{_NOT_A_MAP}; it is neither (msgpack: {decode_failure(e)})") from e
         if not isinstance(data, dict):
             raise JobValidationError("job", f"{_NOT_A_MAP}; it is a msgpack {type(data).__name__}")
         return cls.from_wire(data)

@@ -321,6 +321,9 @@ if terminal(st) then return {'terminal', st} end
 if not st then
   redis.call('HSET', KEYS[1], '@id@', ARGV[8], '@status@', '@queued@', '@lane@', ARGV[4], '@priority@', ARGV[5],
              '@spec@', ARGV[3], '@created_at@', ARGV[6], '@stream_entry@', ARGV[7])
+  -- A record of its own from here on, with the gateway's backstop for a job that never ends; the commit gives
+  -- it the result's time to live.
+  redis.call('EXPIRE', KEYS[1], ARGV[11])
   st = '@queued@'
 elseif st == '@queued@' then
   -- A queued record is the job its entry carries (the gateway wrote both at once): another entry of the same id
@@ -358,7 +361,8 @@ return started(st, redis.call('HINCRBY', KEYS[1], '@attempts@', 1))
 """Worker: take a lane entry's job to ``running`` (``running`` → ``running`` for a reclaimed entry).
 
 KEYS: job record, cancel flag. ARGV: worker, now, packed spec, lane, priority, created_at, stream entry,
-job id, deadline|'', start token (new for each admission of an entry). Returns {verdict, status found, ...}:
+job id, deadline|'', start token (new for each admission of an entry), the time to live of a record made here
+(a directly XADDed job's) until the job ends. Returns {verdict, status found, ...}:
 'terminal' (decided already, by another entry's worker or by a cancel while it waited), 'duplicate' (running
 from another entry, or queued with another entry still in its stream), 'cancel', 'expire', or 'run' with whether this is its
 first start, its attempts, its checkpoint and the record (without the checkpoint). The same admission sent

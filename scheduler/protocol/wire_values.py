@@ -67,3 +67,14 @@ def key_path(path: str, key: str) -> str:
     if key and _is_utf8(key) and key.isprintable() and not any(c in key for c in ".[]"):
         return f"{path}.{key}" if path else key
     return f"{path}[{ascii(key)}]"
+
+
+def decode_failure(error: Exception) -> str:
+    """Why JSON (or msgpack) text could not be read, in the terms of what was sent: Python's own wording for an
+    over-long integer ends by advising a setting of the server's process, and a stack overflow says nothing."""
+    if isinstance(error, RecursionError) or type(error).__name__ == "StackError":
+        return "nested too deeply"
+    text = str(error)
+    if "integer string conversion" in text:
+        return "it holds an integer written with too many digits (more than 4300)"
+    return text or type(error).__name__

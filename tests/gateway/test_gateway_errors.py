@@ -70,6 +70,15 @@ async def test_a_body_nested_past_the_parser_is_400(client: TestClient) -> None:
     assert (await resp.json())["error"]["field"] == "body"
 
 
+async def test_an_integer_of_too_many_digits_is_400_in_the_senders_terms(client: TestClient) -> None:
+    """Not Python's advice to raise a limit of the server's process."""
+    for route, body in (("/v1/jobs", b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}"),
+                        ("/v1/completions", b'{"model": "m", "prompt": "x", "seed": ' + b"9" * 5000 + b"}")):
+        resp = await client.post(route, data=body, headers={"Content-Type": "application/json"})
+        message = (await resp.json())["error"]["message"]
+        assert resp.status == 400 and "too many digits" in message and "sys." not in message, message
+
+
 async def test_aiohttp_errors_answer_in_the_json_shape(client: TestClient) -> None:
     resp = await client.get("/no/such/route")
     assert resp.status == 404

@@ -28,3 +28,9 @@ def test_a_wrong_type_is_named_as_json_names_it(params: dict[str, object], messa
     with pytest.raises(InvalidParam) as raised:
         SamplingParams.from_dict(params)
     assert str(raised.value) == message
+
+
+def test_top_k_takes_minus_one_or_zero_for_none_and_says_so_of_other_negatives() -> None:
+    assert SamplingParams(top_k=-1).top_k == SamplingParams(top_k=0).top_k == 0
+    with pytest.raises(InvalidParam, match=r"^top_k: must be 0 or -1 \(no top-k\) or a positive count, got -5$"):
+        SamplingParams(top_k=-5)

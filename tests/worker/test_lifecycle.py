@@ -306,3 +306,23 @@ async def test_a_job_that_cannot_be_admitted_fails_where_its_producer_waits(
     assert len(replies) == 1 and msgpack.unpackb(replies[0][1][b"result"])["status"] == "failed"
     assert [d[b"event"] for d in deliveries if d.get(b"job_id") == b"stuck"] == [b"completed"], deliveries
     assert [d[b"job_id"] for d in dead] == [b"stuck"]
+
+
+async def test_a_directly_xadded_job_has_a_record_that_expires_even_while_it_runs(redis_url: str) -> None:
+    """The record a worker makes for a job XADDed straight into a lane gets the gateway's backstop time to live
+    (`--queued-ttl-s`'s default, a week) at once, so a job that never ends (its entry deleted by hand, say)
+    leaves no record forever; its end gives it the result's."""
+    from scheduler.protocol.job import JobSpec
+    from scheduler.protocol.keys import DEFAULT_QUEUED_TTL_S
+    from scheduler.protocol.state_machine import StartVerdict
+    from worker.job_store import EntryRef, JobStore
+
+    client = aioredis.Redis.from_url(redis_url)
+    store = JobStore(client, KEYS, worker="w1", result_ttl_s=60, reply_maxlen=10, dead_maxlen=10)
+    try:
+        start = await store.start(JobSpec(id="direct", prompt="x"), EntryRef(KEYS.lane("standard"), "1-0"),
+                                  time.time(), time.time(), "token-1")
+        assert start.verdict is StartVerdict.RUN
+        assert DEFAULT_QUEUED_TTL_S - 60 < await client.ttl(KEYS.job("direct")) <= DEFAULT_QUEUED_TTL_S
+    finally:
+        await client.aclose()

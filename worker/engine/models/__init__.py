@@ -22,6 +22,7 @@ from worker.engine.attention import METADATA_KWARG, PagedAttentionMetadata, regi
 from worker.engine.config import MODEL_IMPLS, ModelImpl, Quantization
 from worker.engine.graph_runner import rope_type
 from worker.engine.models.llama_family import ARCHITECTURES, LlamaFamilyModel, read_safetensors
+from worker.engine.models.positional_rope import make_positional
 from worker.engine.models.quantization import quantize_linear_layers
 from worker.engine.models.rope import SUPPORTED_ROPE_TYPES
 
@@ -116,6 +117,8 @@ def load_causal_lm(path: str, config: PretrainedConfig, impl: ModelImpl, dtype: 
     # `self`, so mypy takes the device for the model.
     model.to(device).eval()  # type: ignore[arg-type]
     model.requires_grad_(False)
+    # Frequencies that follow the call's largest position would follow the batch's: each token's own instead.
+    make_positional(model)
     wants_kernels = device.type == "cuda" if use_kernels is None else use_kernels
     if quantization is not None and quantize_linear_layers(model, quantization, wants_kernels) == 0:
         raise ValueError(f"quantization: {type(model).__name__} has no torch.nn.Linear layers to hold as "
