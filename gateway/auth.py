@@ -12,7 +12,7 @@ from aiohttp.typedefs import Middleware
 
 from gateway import appkeys
 from gateway.api_keys import OPEN_CALLER, Caller
-from gateway.errors import Handler, error_response, is_openai_path, openai_error_response
+from gateway.errors import Handler, OpenAIError, error_response, is_openai_path, openai_error_response
 
 CALLER = web.RequestKey("caller", Caller)
 RATE_HEADERS = web.RequestKey("rate_headers", dict)
@@ -52,7 +52,13 @@ def auth_middleware(is_on: bool) -> Middleware:
         if found is None:
             return _unauthorized(request, "Incorrect API key provided (unknown or revoked).")
         request[CALLER] = Caller(found.tenant, found.limits, is_keyed=True)
-        response = await handler(request)
+        try:
+            response = await handler(request)
+        except OpenAIError as e:
+            # A request admitted, then answered with its job's error (a prompt the worker found too long): it
+            # counted, and its answer says how the window stands, as a success's would.
+            e.headers = {**request.get(RATE_HEADERS, {}), **e.headers}
+            raise
         headers = request.get(RATE_HEADERS)
         if headers and not response.prepared:
             response.headers.update(headers)

@@ -19,6 +19,7 @@ from gateway.config import GatewayConfig
 from gateway.rate_limits import reset_text
 from scheduler.protocol.tenants import TenantLimits
 from tests.harness.gateway_server import GatewayTestServer
+from tests.harness.openai_support import MODEL_NAME
 from tests.harness.telemetry_support import value
 from tests.harness.worker_harness import KEYS, running_worker, wait_terminal, wait_until
 
@@ -356,7 +357,7 @@ async def test_a_job_the_worker_refuses_counts_as_failed_with_none_of_its_tokens
     from worker.engine.engine import Engine
 
     url, store = gateway
-    key, _ = await store.create("refused", TenantLimits(tokens_per_minute=1000))
+    key, _ = await store.create("refused", TenantLimits(tokens_per_minute=1000, requests_per_minute=10))
     headers = {"Authorization": f"Bearer {key}"}
     body = {"prompt_token_ids": list(range(1, 41)), "params": {"max_tokens": 8}}
     async with ClientSession() as http:
@@ -365,13 +366,21 @@ async def test_a_job_the_worker_refuses_counts_as_failed_with_none_of_its_tokens
             job_id = (await resp.json())["id"]
         assert (await _usage(url, http, headers))["window"]["tokens"] == 48  # reserved: prompt + max_tokens
         client = aioredis.Redis.from_url(redis_url)
-        async with running_worker(redis_url, Engine(model=tiny_model(), max_num_seqs=2, max_model_len=32)):
+        async with running_worker(redis_url, Engine(model=tiny_model(), max_num_seqs=2, max_model_len=32),
+                                  served_model_name=MODEL_NAME):
             view = (await wait_terminal(client, [job_id]))[job_id]
+            # The same through the OpenAI route, a text prompt the gateway cannot count: admitted (the request
+            # counts), refused by the worker, answered 400 with the window's headers as they stand.
+            async with http.post(f"{url}/v1/completions", headers=headers,
+                                 json={"model": MODEL_NAME, "prompt": "ab " * 30, "max_tokens": 2}) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["code"] == "context_length_exceeded", error
+                assert resp.headers["x-ratelimit-remaining-requests"] == "8"
         await client.aclose()
         assert view["status"] == "failed" and view["error"]["code"] == "context_length_exceeded", view
         assert view["usage"]["prompt_tokens"] == 40
         usage = await _usage(url, http, headers)
-        assert usage["jobs_by_status"] == {"failed": 1}
+        assert usage["jobs_by_status"] == {"failed": 2}
         assert usage["prompt_tokens"] == usage["completion_tokens"] == usage["window"]["tokens"] == 0
 
 
