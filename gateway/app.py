@@ -48,7 +48,7 @@ REQUEST_ID_HEADER = "x-request-id"
 def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.Application:
     """``telemetry`` (built by the CLI from the OTEL_* variables) stays the caller's to shut down."""
     # The telemetry middleware is outermost, so it sees the status the error middleware answered.
-    metrics = GatewayMetrics(telemetry)
+    metrics = GatewayMetrics(telemetry, config.max_tenant_labels)
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[telemetry_middleware(metrics), error_middleware(config.retry_after_s, config.max_body_bytes),

@@ -15,6 +15,7 @@ from scheduler.protocol.keys import (
 )
 from scheduler.protocol.lanes import LANES, Lane
 from scheduler.protocol.redis_client import REDIS_TIMEOUT_S, check_redis_url
+from scheduler.protocol.tenants import DEFAULT_MAX_TENANT_LABELS
 
 DEFAULT_MAX_LANE_DEPTH: dict[str, int] = {
     Lane.INTERACTIVE.value: 1_000,
@@ -59,6 +60,9 @@ class GatewayConfig:
         "require 'Authorization: Bearer <key>' on every /v1 route (keys: carpool keys create); each key's tenant "
         "sees only its own jobs, files and batches, within its key's limits")})
     no_webhooks: bool = field(default=False, metadata={"help": "do not run the webhook dispatcher inside the gateway"})
+    max_tenant_labels: int = field(default=DEFAULT_MAX_TENANT_LABELS, metadata={"help": (
+        "distinct tenants named in the carpool_tenant_* metrics (the jobs this gateway ends: cancels while "
+        "queued); later ones are counted as `other`. Keep it equal to the workers'")})
     webhooks: WebhookConfig = field(default_factory=WebhookConfig, metadata={"flag": False})
     """Secret, allow-list and retry settings; their flags (`--webhook-*`) come from `WebhookConfig`."""
 
@@ -76,6 +80,8 @@ class GatewayConfig:
                 raise ValueError(f"max_lane_depth: {lane} must be at least 1, got {depth}")
             depths[lane] = depth
         self.max_lane_depth = depths
+        if self.max_tenant_labels < 0:
+            raise ValueError(f"max_tenant_labels: must be >= 0, got {self.max_tenant_labels}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
         for name in ("result_ttl_s", "queued_ttl_s", "reply_maxlen", "retry_after_s", "max_body_bytes", "redis_max_connections",

@@ -42,7 +42,7 @@ UNTRACED_ROUTES = frozenset({"/metrics", "/healthz", "/readyz"})
 
 
 class GatewayMetrics(ProcessMetrics):
-    def __init__(self, telemetry: Telemetry | None = None) -> None:
+    def __init__(self, telemetry: Telemetry | None = None, max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS) -> None:
         super().__init__(telemetry, "carpool-gateway")
         t = self.telemetry
         self._submitted = t.counter(metric_schema.JOBS_SUBMITTED)
@@ -51,7 +51,7 @@ class GatewayMetrics(ProcessMetrics):
         self._cancelled = t.counter(metric_schema.JOBS_CANCELLED)
         self._finished = t.counter(metric_schema.JOBS_FINISHED)
         self._tenant_jobs = t.counter(metric_schema.TENANT_JOBS)
-        self._tenant_labels = TenantLabels(DEFAULT_MAX_TENANT_LABELS)
+        self._tenant_labels = TenantLabels(max_tenant_labels)
         self._open_waiters = t.up_down_counter(metric_schema.OPEN_WAITERS)
         self._http_duration = t.histogram(metric_schema.HTTP_SERVER_DURATION)
         self.webhooks = WebhookMetrics(t)

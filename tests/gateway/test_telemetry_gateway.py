@@ -197,3 +197,17 @@ async def test_a_batch_lines_trace_links_to_the_request_that_created_its_batch(
                                                                  create_span.context.span_id)
     messages = await lane_messages(redis_url, "batch")
     assert {m.traceparent.split("-")[1] for m in messages} == {f"{s.context.trace_id:032x}" for s in enqueues}
+
+
+def test_the_gateways_tenant_series_keep_to_its_max_tenant_labels() -> None:
+    """Workers and gateways name tenants alike: with `--max-tenant-labels 0`, no tenant's name."""
+    from gateway.metrics import GatewayMetrics
+
+    telemetry, _ = in_memory_telemetry("carpool-gateway")
+    metrics = GatewayMetrics(telemetry, max_tenant_labels=0)
+    metrics.job_cancelled_queued("standard", "acme")
+    text = metrics.render().decode()
+    telemetry.shutdown()
+    assert value(text, "carpool_tenant_jobs_total", carpool_tenant="other", carpool_job_status="cancelled") == 1
+    assert 'carpool_tenant="acme"' not in text
+    assert value(text, "carpool_jobs_finished_total", carpool_lane="standard", carpool_job_status="cancelled") == 1

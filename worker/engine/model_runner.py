@@ -229,9 +229,10 @@ class ModelRunner:
         which is zeroed again after: the cache starts as it was made."""
         try:
             with torch.inference_mode():
-                self.execute([StepSeq(token_ids=[0], start_pos=0, block_table=[0], needs_logits=True)])
+                logits = self.execute([StepSeq(token_ids=[0], start_pos=0, block_table=[0], needs_logits=True)])
                 for cache in self.k_caches + self.v_caches:
                     cache[0].zero_()
+                logits.sum().item()  # waits for the device: a kernel's fault surfaces here, not at the first job
         except Exception as e:
             raise ValueError(f"model: {architecture(self.config)} from {self.model_path!r} cannot run here "
                              f"({self.model_choice.impl.value} implementation): {one_line(e)}") from e
