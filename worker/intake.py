@@ -19,6 +19,7 @@ from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from scheduler.protocol import job_record
 from scheduler.protocol.job import (
@@ -135,6 +136,10 @@ class EntryIntake:
         loose = {} if raw is None else _loose_map(raw)
         job_id = _recover_id(loose)
         try:
+            if job_id is not None and await self._is_anothers_job(job_id, entry.ref):
+                # A second copy of a job another entry carries: its failure says nothing of the job, which goes on.
+                await self.store.dead_letter_entry(entry.ref, reason, entry.fields or {}, job_id=job_id)
+                return
             if job_id is not None:
                 # Its producer hears of it where it waits, as of any failed job: the reply stream and the
                 # `completed` webhook it asked for, where they are valid.
@@ -159,6 +164,18 @@ class EntryIntake:
                 raise
             log.warning("dead-lettering %s failed with Redis unavailable (%s); it will be redelivered", entry.ref,
                         describe(e))
+
+    async def _is_anothers_job(self, job_id: str, ref: EntryRef) -> bool:
+        """Whether `job_id` is a job that another entry carries and that has not ended: this entry is a copy."""
+        try:
+            raw_status, raw_owner = await self.client.hmget(self.keys.job(job_id),
+                                                            [job_record.F_STATUS, job_record.F_STREAM_ENTRY])
+        except ResponseError:  # its key holds no record (another type): no job of another entry
+            return False
+        status, owner = as_optional_bytes(raw_status), as_optional_bytes(raw_owner)
+        if status is None or owner is None or owner.decode(errors="replace") == str(ref):
+            return False
+        return status.decode(errors="replace") in (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 
     async def _take_one(self, entry: Entry, start_token: str) -> None:
         ref = entry.ref

@@ -269,10 +269,16 @@ async def test_entries_of_one_id_read_together_start_the_job_of_the_first(
             await client.xadd(KEYS.lane("standard"), {"job": msgpack.packb(
                 {"v": 1, "id": job_id, "prompt": prompt, "reply_to": "order-replies",
                  "params": {"max_tokens": 2, "temperature": 0}})})
+    from tests.harness.worker_harness import wait_until
+
     try:
-        async with running_worker(redis_url, make_engine(max_num_seqs=16)):
+        async with running_worker(redis_url, make_engine(max_num_seqs=16)) as worker:
             views = await wait_terminal(client, ids)
-            await asyncio.sleep(0.5)  # a second run of any id would add a second reply by now
+
+            async def every_entry_taken() -> bool:  # a copy that ran would have replied before its entry went
+                return await client.xlen(KEYS.lane("standard")) == 0 and not worker.intake.admitting
+
+            await wait_until(every_entry_taken, "all 16 entries acknowledged")
             replies = await client.xlen("order-replies")
     finally:
         await client.aclose()
@@ -326,3 +332,33 @@ async def test_a_directly_xadded_job_has_a_record_that_expires_even_while_it_run
         assert DEFAULT_QUEUED_TTL_S - 60 < await client.ttl(KEYS.job("direct")) <= DEFAULT_QUEUED_TTL_S
     finally:
         await client.aclose()
+
+
+async def test_a_second_copy_that_cannot_be_admitted_leaves_the_running_job_alone(
+    redis_url: str, make_engine: Callable[..., Any]
+) -> None:
+    """The last resort for an entry whose admission keeps failing fails its job only when the entry is the
+    job's own: a copy of a job running from another entry is dead-lettered alone (naming the job), and the job,
+    its reply stream and its webhooks hear nothing of it."""
+    import msgpack
+
+    from scheduler.protocol.lanes import Lane
+    from worker.consumer import Entry
+    from worker.job_store import EntryRef
+
+    client = aioredis.Redis.from_url(redis_url)
+    await client.hset(KEYS.job("held"), mapping={"id": "held", "status": "running",
+                                                 "stream_entry": f"{KEYS.lane('batch')} 1-0"})
+    copy_fields = {b"job": msgpack.packb({"v": 1, "id": "held", "prompt": "x", "reply_to": "held-replies"})}
+    copy_id = await client.xadd(KEYS.lane("standard"), copy_fields)
+    try:
+        async with running_worker(redis_url, make_engine()) as worker:
+            copy = Entry(EntryRef(KEYS.lane("standard"), copy_id.decode()), Lane.STANDARD, copy_fields, 5)
+            await worker.intake._dead_letter_unadmittable(copy, RuntimeError("boom"))
+            status = await client.hget(KEYS.job("held"), "status")
+            dead = [fields for _, fields in await client.xrange(KEYS.dead)]
+            replies = await client.xlen("held-replies")
+    finally:
+        await client.aclose()
+    assert status == b"running" and replies == 0
+    assert [(d[b"job_id"], d[b"entry_id"]) for d in dead] == [(b"held", copy_id)]
