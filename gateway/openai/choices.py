@@ -133,8 +133,10 @@ async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: 
         if refusal.status == 429:  # the window as it stands after the refusal, as on POST /v1/jobs
             refusal.headers.update(after)
         raise refusal from e
-    except BaseException:
+    except BaseException:  # the client went away mid-admission, say: what was enqueued goes, what was not is
+        # given back, as for a refusal
         await asyncio.shield(cancel_jobs(app, done))
+        await asyncio.shield(limiter.release(caller, reserved, reserved.jobs[len(done):]))
         raise
     return headers
 
