@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+from msgpack import ExtType
+
 MAX_DEPTH = 32
 """Deepest nesting of maps and lists anywhere in a job message."""
 
@@ -36,6 +38,8 @@ def first_bad_value(data: dict[str, object]) -> tuple[str, str] | None:
         elif isinstance(value, float):
             if not math.isfinite(value):
                 return path, "must be a finite number"
+        elif isinstance(value, ExtType):  # a tuple too: named here, not walked into as a list
+            return path, f"must be JSON data (text, number, boolean, null, list or map), got a msgpack extension type"
         elif isinstance(value, (dict, list, tuple)):
             if depth >= MAX_DEPTH:
                 return path, f"nested deeper than {MAX_DEPTH} levels"

@@ -39,3 +39,16 @@ def test_a_message_neither_json_nor_msgpack_says_why_also_when_msgpack_gives_no_
     with pytest.raises(JobValidationError) as caught:
         JobSpec.unpack(nested)
     assert caught.value.message.rstrip(")").split("(msgpack: ")[1].strip()
+
+
+def test_odd_values_are_named_in_the_senders_terms() -> None:
+    """A msgpack extension type is named as such (not walked into as the list msgpack hands it over as), an
+    over-long JSON integer without Python's advice about the server's settings, deep msgpack as nesting."""
+    with pytest.raises(JobValidationError) as caught:
+        JobSpec.unpack(msgpack.packb({"id": "j1", "prompt": "x", "metadata": {"x": msgpack.ExtType(5, b"ab")}}))
+    assert caught.value.field == "metadata.x" and "msgpack extension type" in caught.value.message
+    with pytest.raises(JobValidationError) as caught:
+        JobSpec.unpack(b'{"id": "j1", "prompt": "x", "seed": ' + b"9" * 5000 + b"}")
+    assert "too many digits" in caught.value.message and "sys." not in caught.value.message
+    with pytest.raises(JobValidationError, match=r"\(msgpack: nested too deeply\)"):
+        JobSpec.unpack(b"\x91" * 200_000 + b"\x90")
