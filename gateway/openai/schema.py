@@ -215,8 +215,11 @@ def _stream_options(value: object, is_stream: bool) -> bool:
     if not isinstance(value, dict):
         raise invalid("stream_options", "must be an object")
     for key in value:
-        if key != "include_usage":
+        if key not in ("include_usage", "include_obfuscation"):
             raise unsupported(f"stream_options.{key}")
+    # Obfuscation pads chunks against size side channels; carpool's chunks are never padded, so either value
+    # of `include_obfuscation` is served as false is.
+    _bool(value, "include_obfuscation", False, prefix="stream_options.")
     return _bool(value, "include_usage", False, prefix="stream_options.")
 
 
