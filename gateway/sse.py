@@ -5,8 +5,9 @@ client connected comes from the job's event log (`Keys.events_log`, written by t
 each publish) while it runs, and from the record once it has ended. Either way the client gets
 `started`, every token from index 0 (earlier ones coalesced into one `token` event), then live
 tokens and `final`. Each event's SSE `id` is a cursor, `TOKENS.TEXT_CHARS.ATTEMPT` (tokens and text
-sent so far, the last `started` attempt sent): sent back as `Last-Event-ID`, the stream resumes
-after it, with no gap and no repeat. A job resumed on another worker re-runs from its checkpoint,
+sent so far, the last `started` attempt sent), and `final`'s ends in `.final`: sent back as
+`Last-Event-ID`, the stream resumes after it, with no gap and no repeat; after `final` there is nothing
+left, and the answer is `204` (which tells an `EventSource` to stop reconnecting). A job resumed on another worker re-runs from its checkpoint,
 repeating tokens (placed by `index`) and text (placed by `text_index`) already sent: each token
 and each character goes out once.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,11 @@ from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import read_hash
 
 
+FINAL_MARK = "final"
+"""The last part of the id of a `final` event."""
+_DIGITS = re.compile(r"[0-9]{1,18}")
+
+
 @dataclass
 class Cursor:
     """How far the client has got: tokens and text characters sent, and the last attempt it saw start."""
@@ -35,21 +42,29 @@ class Cursor:
     tokens: int = 0
     text_chars: int = 0
     attempt: int = 0
+    has_final: bool = False
+    """The client has had the `final` event of `attempt`."""
 
     @classmethod
     def parse(cls, last_event_id: str | None) -> Cursor:
-        try:
-            tokens, text_chars, attempt = (int(part) for part in (last_event_id or "").split("."))
-        except ValueError:
+        parts = (last_event_id or "").strip().split(".")
+        has_final = len(parts) == 4 and parts[3] == FINAL_MARK
+        if has_final:
+            parts = parts[:3]
+        if len(parts) != 3 or not all(_DIGITS.fullmatch(part) for part in parts):
             return cls()  # none, or not one of ours: from the start
-        return cls(max(0, tokens), max(0, text_chars), max(0, attempt))
+        tokens, text_chars, attempt = (int(part) for part in parts)
+        return cls(tokens, text_chars, attempt, has_final)
 
     def __str__(self) -> str:
-        return f"{self.tokens}.{self.text_chars}.{self.attempt}"
+        return f"{self.tokens}.{self.text_chars}.{self.attempt}" + (f".{FINAL_MARK}" if self.has_final else "")
 
     def advance(self, event: dict[str, Any]) -> None:
         """Move past one event as sent (``take`` has made it new to the client)."""
-        if event.get("type") == EventType.STARTED:
+        if event.get("type") == EventType.FINAL:
+            self.has_final = True
+            self.attempt = max(self.attempt, int(event.get("attempt") or 0))
+        elif event.get("type") == EventType.STARTED:
             self.attempt = max(self.attempt, int(event.get("attempt") or event.get("attempts") or 1))
         elif event.get("type") == EventType.TOKEN:
             self.tokens = int(event["index"]) + len(event["token_ids"])
@@ -105,16 +120,23 @@ def coalesce(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def from_view(view: dict[str, Any], cursor: Cursor, final: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """An ended job's events the client has not had, from its record: started, the rest of its output, final."""
+def from_view(view: dict[str, Any], cursor: Cursor, final: dict[str, Any] | None = None, *,
+              is_clients_cursor: bool = False) -> list[dict[str, Any]]:
+    """An ended job's events the client has not had, from its record: started, the rest of its output, final.
+    `is_clients_cursor`: the cursor is the client's `Last-Event-ID` as it came, which may be past the output."""
     events: list[dict[str, Any]] = []
     attempts = max(1, int(view.get("attempts") or 0))  # a record that ran was started at least once
     if view.get("started_at") is not None and attempts > cursor.attempt:
         cursor.attempt = attempts
-        events.append({"type": EventType.STARTED, "id": view["id"], "worker": view.get("worker"), "attempts": attempts,
-                       "attempt": attempts, "resumed_from": view.get("resumed_from")})
+        events.append(_started(view, attempts))
     output = view.get("output") or {}
-    ids, text = list(output.get("token_ids") or [])[cursor.tokens:], (output.get("text") or "")[cursor.text_chars:]
+    all_ids, all_text = list(output.get("token_ids") or []), output.get("text") or ""
+    if is_clients_cursor and (cursor.tokens > len(all_ids) or cursor.text_chars > len(all_text)):
+        # A cursor past the output is none of this job's (made up, or another job's): from the start.
+        cursor.tokens = cursor.text_chars = 0
+        if not events and view.get("started_at") is not None:
+            events.append(_started(view, attempts))
+    ids, text = all_ids[cursor.tokens:], all_text[cursor.text_chars:]
     if ids or text:
         events.append({"type": EventType.TOKEN, "id": view["id"], "index": cursor.tokens, "token_ids": ids, "text": text,
                        "text_index": cursor.text_chars, "attempt": attempts})
@@ -122,6 +144,12 @@ def from_view(view: dict[str, Any], cursor: Cursor, final: dict[str, Any] | None
         cursor.text_chars += len(text)
     events.append(final or final_event(view["id"], view, attempts))
     return events
+
+
+
+def _started(view: dict[str, Any], attempts: int) -> dict[str, Any]:
+    return {"type": EventType.STARTED, "id": view["id"], "worker": view.get("worker"), "attempts": attempts,
+            "attempt": attempts, "resumed_from": view.get("resumed_from")}
 
 
 async def logged_events(redis: aioredis.Redis, keys: Keys, job_id: str, cursor: Cursor) -> list[dict[str, Any]]:
@@ -160,11 +188,15 @@ async def stream_events(request: web.Request, response: web.StreamResponse, redi
     # Subscribed before anything is read: an event published after a read is never missed.
     async with hub.subscribe(keys.events(job_id)) as sub:
         record = await read_hash(redis, keys.job(job_id))
+        if is_terminal(record) and sent.has_final and job_view(record)["attempts"] <= sent.attempt:
+            response.set_status(204)  # the client has had everything, `final` included: nothing to reconnect for
+            await response.prepare(request)
+            return
         await response.prepare(request)
         if request.method == "HEAD":
             return  # the headers alone: a body after them would be read as the next response on the connection
         if is_terminal(record):
-            await send(from_view(job_view(record), cursor))
+            await send(from_view(job_view(record), cursor, is_clients_cursor=True))
             return
         await send(await logged_events(redis, keys, job_id, cursor))
         loop = asyncio.get_running_loop()

@@ -93,8 +93,19 @@ async def test_a_late_client_gets_the_whole_stream_and_can_resume(
             rest = await _events(http, url, last_event_id=first[-1][0])
             views = await wait_terminal(client, ["late"], timeout_s=120)
             after = await _events(http, url)  # the job has ended
+            # After `final` there is nothing to resume: 204, which stops a browser's EventSource reconnecting.
+            async with http.get(url, headers={"Last-Event-ID": rest[-1][0]}) as resp:
+                after_final = (resp.status, await resp.read())
+            # A cursor past the output, or one not of the form, starts from the beginning, consistently.
+            made_up = [await _events(http, url, last_event_id=cursor)
+                       for cursor in ("99999.0.1", "0.99999.1", "5_0.0.1", "1.2", "1.2.3.x")]
     finally:
         await client.aclose()
+    assert after_final == (204, b"")
+    assert rest[-1][0].endswith(".final") and not rest[-2][0].endswith(".final")
+    for events in made_up:
+        assert [kind for _, kind, _ in events] == ["started", "token", "final"], events
+        assert events[1][2]["index"] == events[1][2]["text_index"] == 0
     output = views["late"]["output"]
     assert [kind for _, kind, _ in rest].count("started") == 0 and rest[-1][1] == "final"
     first_ids, first_text = _tokens(first)
