@@ -227,6 +227,36 @@ class LaneConsumer:
             log.info("reclaimed %d entries whose worker stopped renewing them", len(out))
         return out
 
+    async def own_pending(self, free: int, known: set[EntryRef]) -> list[Entry]:
+        """Up to `free` entries pending for this very consumer that it does not hold (`known`): Redis delivered
+        them to a read whose reply never came back (a timeout, a dropped connection, the process paused past
+        its socket timeout), or to an earlier process of this worker's name. Taken now, not a lease later."""
+        out: list[Entry] = []
+        sources = await self.tenants.sources(route=False)
+        for source in [s for lane in LANES for s in sources[lane]]:
+            if len(out) >= free:
+                break
+            try:
+                pending = await self.client.xpending_range(source.stream, CONSUMER_GROUP, min="-", max="+",
+                                                           count=free + len(known), consumername=self.name)
+            except ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                continue
+            found = [(_text(p["message_id"]), int(p["times_delivered"])) for p in pending]
+            found = [(eid, n) for eid, n in found if EntryRef(source.stream, eid) not in known][:free - len(out)]
+            if not found:
+                continue
+            pipe = self.client.pipeline(transaction=False)
+            for eid, _ in found:
+                pipe.xrange(source.stream, min=eid, max=eid, count=1)
+            for (eid, deliveries), rows in zip(found, await pipe.execute()):
+                fields = rows[0][1] if rows else None  # deleted while pending: admitted only to be acknowledged
+                out.append(Entry(EntryRef(source.stream, eid), source.lane, fields or None, deliveries))
+        if out:
+            log.info("took back %d entries delivered to this worker whose read never returned", len(out))
+        return out
+
     async def renew(self, refs: Iterable[EntryRef]) -> set[EntryRef]:
         """Reset the idle time of our entries; returns those no longer ours (reclaimed elsewhere or acked)."""
         by_stream: dict[str, list[EntryRef]] = {}
@@ -248,3 +278,8 @@ class LaneConsumer:
         for stream, pairs in by_stream.items():
             await self._hand_back(keys=[stream], args=[CONSUMER_GROUP, self.name, HANDBACK_IDLE_MS,
                                                        "1" if is_clean else "", *pairs])
+
+
+def _text(reply: object) -> str:
+    """A reply field as text (redis-py hands back bytes)."""
+    return reply.decode() if isinstance(reply, bytes) else str(reply)

@@ -80,6 +80,9 @@ class WorkerService:
         self._crashed = False
         """A background task (the engine's loop, say) or an admission died, also during the drain."""
         self._outages = outage_log(log)
+        self._lost_reads = True
+        """A read may have been delivered entries whose reply never came (a read failed), or an earlier process
+        of this worker's name left some: look for this consumer's own pending entries before the next read."""
         self._redis_down_at = -math.inf
         """When a loop last found Redis unavailable (monotonic): for a lease after it, only handed-back entries
         are reclaimed, since every other worker's leases lapsed during the outage too and need a lease to be
@@ -273,6 +276,11 @@ class WorkerService:
                 continue
             entries: list[Entry] = []
             try:
+                if self._lost_reads:
+                    known = {*(job.entry for job in self.job_loop.jobs.values()), *self.intake.admitting,
+                             *self.job_loop.commits.retrying}
+                    entries += await self.consumer.own_pending(free, known)
+                    self._lost_reads = False
                 if time.monotonic() >= next_reclaim or self.reclaim_now.is_set():
                     self.reclaim_now.clear()
                     after_outage = time.monotonic() - self._redis_down_at < self.config.lease_s
@@ -283,6 +291,7 @@ class WorkerService:
                 if len(entries) < free:
                     entries += await self.consumer.read(free - len(entries))
             except REDIS_ERRORS as e:
+                self._lost_reads = True  # a read that failed may still have been delivered to us
                 await self._redis_down("intake", e)  # entries already taken are still admitted below
             if entries:
                 self._admit(entries, admissions)

@@ -362,3 +362,27 @@ async def test_a_second_copy_that_cannot_be_admitted_leaves_the_running_job_alon
         await client.aclose()
     assert status == b"running" and replies == 0
     assert [(d[b"job_id"], d[b"entry_id"]) for d in dead] == [(b"held", copy_id)]
+
+
+async def test_entries_delivered_to_this_worker_whose_read_never_returned_are_taken_at_once(
+    redis_url: str, make_engine: Callable[..., Any]
+) -> None:
+    """Redis delivered an entry to this consumer, but the reply was lost (the process paused past its socket
+    timeout, a dropped connection; here: an earlier process of the same worker name read it and died). The
+    worker takes it when it next reads, not after a lease (a minute here)."""
+    from scheduler.protocol.job import JobSpec
+    from scheduler.protocol.keys import CONSUMER_GROUP
+    from tests.harness.worker_harness import xadd_job
+
+    client = aioredis.Redis.from_url(redis_url)
+    lane = KEYS.lane("standard")
+    await client.xgroup_create(lane, CONSUMER_GROUP, id="0", mkstream=True)
+    await xadd_job(client, JobSpec(id="lost-reply", prompt="hi", params=SamplingParams(max_tokens=3)))
+    await client.xreadgroup(CONSUMER_GROUP, "w-fixed", {lane: ">"}, count=1)  # delivered, never admitted
+    try:
+        async with running_worker(redis_url, make_engine(), worker_name="w-fixed", lease_s=60.0):
+            # Within 50 s: a lease of 60 would give the entry to no one before then.
+            views = await wait_terminal(client, ["lost-reply"], timeout_s=50)
+    finally:
+        await client.aclose()
+    assert views["lost-reply"]["status"] == "succeeded" and views["lost-reply"]["attempts"] == 1
