@@ -31,6 +31,7 @@ from gateway.openai import responses
 from gateway.openai.choices import ChoiceWatch, cancel_jobs
 from gateway.openai.schema import Endpoint, OpenAIRequest
 from gateway.sse import CLIENT_CHECK_S, Cursor, client_gone, from_view, logged_events
+from scheduler.protocol.job_record import EventType
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,8 @@ async def stream_choices(request: web.Request, req: OpenAIRequest, watch: Choice
                     taken += await logged_events(redis, keys, watch.job_ids[index], cursor)
                 if (one := cursor.take(event)) is not None:
                     taken.append(one)
-                text = "".join(e["text"] for e in taken)
+                # The log holds the job's `started` events too (this stream reads them nowhere else): text only.
+                text = "".join(e["text"] for e in taken if e.get("type") == EventType.TOKEN)
                 if text:
                     await out.send(out.chunk(index, text=text))
                 elif not out.is_open:

@@ -88,3 +88,24 @@ async def test_a_stream_resumed_on_another_worker_reads_each_token_once(redis_ur
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=30)
+
+
+async def test_a_stream_whose_pubsub_connection_drops_reads_its_gap_from_the_log(redis_url, redis, tiny_model) -> None:
+    """Redis drops the gateway's pub/sub connection mid-stream (as at a Redis restart): the events published
+    meanwhile are lost, read back from the job's event log, and the stream still carries the whole answer."""
+    from worker.engine.engine import Engine
+
+    model = tiny_model()
+    expected = offline_text(model)
+    async with openai_service(redis_url, Engine(model=model, max_num_seqs=2)) as svc:
+        stream = await svc.client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        pieces: list[str] = []
+        dropped = 0
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+                if len(pieces) in (3, 12):  # twice, while tokens keep coming
+                    dropped += await redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+    assert dropped >= 2 and "".join(pieces) == expected
