@@ -74,13 +74,16 @@ class RedisRefused(Exception):
 
 _SCRIPT_ACL_REPLIES = ("can't run this command", "no permissions to run")
 """What Redis says of a command a script called and the user may not run (6.2, then 7's wording)."""
+_NO_SUCH_DB_REPLY = "DB index is out of range"
+"""What Redis says to the URL's database number past its `databases` (the client's SELECT when it connects)."""
 
 
 def is_refusal(error: BaseException) -> bool:
-    """Whether ``error`` is Redis refusing this client's credentials or one of its commands (ACL), also one that a
-    script called."""
+    """Whether ``error`` is Redis refusing this client's credentials, its database number, or one of its commands
+    (ACL), also one that a script called."""
     return isinstance(error, (AuthenticationError, NoPermissionError)) or (
-        isinstance(error, ResponseError) and any(reply in str(error) for reply in _SCRIPT_ACL_REPLIES))
+        isinstance(error, ResponseError)
+        and any(reply in str(error) for reply in (*_SCRIPT_ACL_REPLIES, _NO_SUCH_DB_REPLY)))
 
 
 async def check_access(client: aioredis.Redis) -> None:

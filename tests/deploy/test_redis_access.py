@@ -41,6 +41,9 @@ def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedi
 
 
 def as_user(server: EmbeddedRedis, user: str, password: str) -> str:
+    """The server's URL as `user`, or (user `default` without a password) with a database past its 16."""
+    if user == "default" and not password:
+        return server.url.rsplit("/", 1)[0] + "/99"
     return server.url.replace("redis://", f"redis://{user}:{password}@", 1)
 
 
@@ -48,6 +51,7 @@ def as_user(server: EmbeddedRedis, user: str, password: str) -> str:
 @pytest.mark.parametrize(("user", "password", "words"), [
     ("noscripts", "wrong", "invalid username-password pair"),
     ("noscripts", "pw", "no permissions to run the 'script' command"),
+    ("default", "", "DB index is out of range"),  # a database number past the server's: the URL's /99
 ])
 def test_a_process_refused_by_redis_says_so_in_one_line_and_exits_1(acl_redis: EmbeddedRedis, tiny_model,
                                                                      process: str, user: str, password: str,
@@ -62,8 +66,9 @@ def test_a_process_refused_by_redis_says_so_in_one_line_and_exits_1(acl_redis: E
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     # One line, and before the worker loads its model (which it would log first).
     (line,) = [line for line in done.stderr.splitlines() if line.strip()]
-    assert line.startswith(f"carpool {process}: Redis at redis://{user}:***@") and words in line, line
-    assert f":{password}@" not in line
+    assert line.startswith(f"carpool {process}: Redis at redis://") and words in line, line
+    if password:
+        assert line.startswith(f"carpool {process}: Redis at redis://{user}:***@") and f":{password}@" not in line
 
 
 async def test_a_worker_whose_user_may_not_publish_stops_at_its_first_entry_and_spends_no_delivery(
