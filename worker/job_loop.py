@@ -316,7 +316,8 @@ class JobLoop:
                 log.warning("token events and checkpoints of this step not written: %s", describe(e))
             checkpointed = []
         else:
-            self._outages.recovered()
+            if len(writes):  # a step with nothing to write asked Redis nothing: it says nothing of an outage's end
+                self._outages.recovered()
         for index, job, num_tokens in checkpointed:
             job.checkpointed, job.checkpoint_at = num_tokens, mono
             if job.spec.id not in self.jobs:
