@@ -203,13 +203,16 @@ async def readyz(request: web.Request) -> web.Response:
         return web.json_response({"status": "unavailable", "redis": f"{state}: {e}"}, status=503,
                                  headers={"Retry-After": str(app[appkeys.CONFIG].retry_after_s)})
     max_depth = app[appkeys.CONFIG].max_lane_depth
+    # Entries delivered to a worker whose heartbeat stopped (killed, or handed back at its drain) wait for
+    # another worker's reclaim: they count as waiting, not running, so that a pool of none is seen to be one.
+    unheld = {lane: counts.held_by_others(lane, workers) for lane in LANES}
     return web.json_response({
         "status": "ready",
         "time": time.time(),
-        # What an autoscaler reads: `waiting` for a worker (the backlog), `running` (delivered, not yet done).
+        # What an autoscaler reads: `waiting` for a worker (the backlog), `running` (held by a live worker).
         "lanes": {lane.value: {"depth": counts.depth[lane], "max_depth": max_depth[lane.value],
-                               "waiting": max(counts.depth[lane] - counts.pending[lane], 0),
-                               "running": counts.pending[lane]} for lane in LANES},
+                               "waiting": max(counts.depth[lane] - counts.pending[lane] + unheld[lane], 0),
+                               "running": counts.pending[lane] - unheld[lane]} for lane in LANES},
         "workers": workers,
     })
 

@@ -34,6 +34,13 @@ class StreamSnapshot:
     depth: dict[Lane, int] = field(default_factory=lambda: {lane: 0 for lane in LANES})
     pending: dict[Lane, int] = field(default_factory=lambda: {lane: 0 for lane in LANES})
     dead: int = 0
+    pending_by_consumer: dict[Lane, dict[str, int]] = field(default_factory=lambda: {lane: {} for lane in LANES})
+    """Each lane's pending entries by the consumer (worker name) they were delivered to."""
+
+    def held_by_others(self, lane: Lane, consumers: Iterable[str]) -> int:
+        """A lane's pending entries delivered to consumers other than `consumers` (workers no longer alive)."""
+        live = set(consumers)
+        return sum(n for name, n in self.pending_by_consumer[lane].items() if name not in live)
 
 
 class StreamStats:
@@ -115,6 +122,11 @@ async def read_stream_counts(redis: Any, keys: Keys) -> StreamSnapshot:
         snapshot.depth[lane] += _as_count(results[2 * i])
         pending = results[2 * i + 1]
         snapshot.pending[lane] += _as_count(pending.get("pending", 0) if isinstance(pending, dict) else pending)
+        for consumer in (pending.get("consumers") or []) if isinstance(pending, dict) else []:
+            name = consumer.get("name")
+            name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+            by_consumer = snapshot.pending_by_consumer[lane]
+            by_consumer[name] = by_consumer.get(name, 0) + _as_count(consumer.get("pending", 0))
     return snapshot
 
 

@@ -42,6 +42,23 @@ async def test_a_killed_workers_old_heartbeat_is_not_shown_and_is_pruned(client:
     assert set(await redis.hkeys(KEYS.workers)) == {b"alive", b"just-in-time"}
 
 
+async def test_entries_held_by_a_worker_no_longer_alive_count_as_waiting(client: TestClient,
+                                                                          redis: aioredis.Redis) -> None:
+    """A killed worker's entries wait for another worker's reclaim: /readyz counts them as waiting (what an
+    autoscaler scales on), not as running, which a pool of no worker at all would otherwise show forever."""
+    from scheduler.protocol.keys import CONSUMER_GROUP
+
+    lane = KEYS.lane("batch")
+    await redis.xgroup_create(lane, CONSUMER_GROUP, id="0", mkstream=True)
+    for i in range(5):
+        await redis.xadd(lane, {"job": msgpack.packb({"id": f"j{i}", "prompt": "x"})})
+    await redis.xreadgroup(CONSUMER_GROUP, "alive", {lane: ">"}, count=2)
+    await redis.xreadgroup(CONSUMER_GROUP, "killed", {lane: ">"}, count=2)  # no heartbeat: gone
+    await redis.hset(KEYS.workers, "alive", msgpack.packb({"time": time.time(), "running": 2, "capacity": 8}))
+    batch = (await (await client.get("/readyz")).json())["lanes"]["batch"]
+    assert batch == {"depth": 5, "max_depth": batch["max_depth"], "waiting": 3, "running": 2}
+
+
 async def test_a_worker_heard_from_again_is_shown_again(client: TestClient, redis: aioredis.Redis) -> None:
     await redis.hset(KEYS.workers, "w1", msgpack.packb({"time": time.time() - 120, "running": 0, "capacity": 8}))
     assert (await (await client.get("/readyz")).json())["workers"] == {}
