@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgpack
 import openai
 import pytest
 import redis.asyncio as aioredis
@@ -279,7 +280,8 @@ async def test_readyz_counts_each_lanes_waiting_and_running_jobs_over_the_tenant
         async with http.get(f"{url}/readyz") as resp:
             standard = (await resp.json())["lanes"]["standard"]
         assert standard == {"depth": 3, "max_depth": standard["max_depth"], "waiting": 3, "running": 0}
-        # A worker receives tenant a's first job (as workers read: XREADGROUP on the tenant's stream).
+        # A live worker receives tenant a's first job (as workers read: XREADGROUP on the tenant's stream).
+        await client.hset(KEYS.workers, "w1", msgpack.packb({"time": time.time(), "running": 1, "capacity": 8}))
         received = await client.xreadgroup("carpool-workers", "w1", {KEYS.tenant_lane("standard", "tenant-a"): ">"},
                                            count=1)
         assert len(received[0][1]) == 1
