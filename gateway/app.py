@@ -100,7 +100,8 @@ async def _metrics_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _streams_ctx(app: web.Application) -> AsyncIterator[None]:
-    streams = app[appkeys.METRICS].watch_streams(app[appkeys.REDIS], app[appkeys.KEYS])
+    streams = app[appkeys.METRICS].watch_streams(app[appkeys.REDIS], app[appkeys.KEYS],
+                                                 heartbeat_max_age_s=app[appkeys.CONFIG].model_heartbeat_max_age_s)
     yield
     await streams.aclose()
 

@@ -16,6 +16,7 @@ from scheduler.protocol.keys import (
 from scheduler.protocol.lanes import LANES, Lane
 from scheduler.protocol.redis_client import REDIS_TIMEOUT_S, check_redis_url
 from scheduler.protocol.tenants import DEFAULT_MAX_TENANT_LABELS
+from scheduler.protocol.worker_heartbeats import DEFAULT_HEARTBEAT_MAX_AGE_S
 
 DEFAULT_MAX_LANE_DEPTH: dict[str, int] = {
     Lane.INTERACTIVE.value: 1_000,
@@ -48,7 +49,7 @@ class GatewayConfig:
     redis_timeout_s: float = field(default=REDIS_TIMEOUT_S, metadata={"help": "longest wait for Redis to connect or to answer one command; past it the request is answered 503"})
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "largest accepted request body"})
     shutdown_grace_s: float = field(default=5.0, metadata={"help": "seconds open requests get to finish at shutdown"})
-    model_heartbeat_max_age_s: float = field(default=30.0, metadata={"help": (
+    model_heartbeat_max_age_s: float = field(default=DEFAULT_HEARTBEAT_MAX_AGE_S, metadata={"help": (
         "workers heard from within this many seconds are live: they name the models GET /v1/models lists, are "
         "the workers /readyz shows (an older heartbeat, of a worker that died, is removed), and their context "
         "length and vocabulary bound what is admitted")})

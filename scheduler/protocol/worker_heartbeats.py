@@ -20,14 +20,27 @@ from scheduler.protocol.redis_client import is_out_of_memory
 from scheduler.protocol.redis_replies import read_hash
 
 
+DEFAULT_HEARTBEAT_MAX_AGE_S = 30.0
+"""How old a heartbeat may be for its worker to count as alive (the gateway's `--model-heartbeat-max-age-s`)."""
+
+
 async def recent_heartbeats(redis: aioredis.Redis, key: str, *, max_age_s: float, now: float) -> list[dict[str, Any]]:
     """The heartbeats written at most `max_age_s` before `now`; one this process cannot read, or without a
     time, says nothing it can use and is left out."""
-    recent = []
-    for raw in (await read_hash(redis, key)).values():
+    return list((await _recent(redis, key, max_age_s, now)).values())
+
+
+async def recent_workers(redis: aioredis.Redis, key: str, *, max_age_s: float, now: float) -> set[str]:
+    """The names of the workers whose heartbeats are at most `max_age_s` old at `now` (read, not pruned)."""
+    return set(await _recent(redis, key, max_age_s, now))
+
+
+async def _recent(redis: aioredis.Redis, key: str, max_age_s: float, now: float) -> dict[str, dict[Any, Any]]:
+    recent = {}
+    for name, raw in (await read_hash(redis, key)).items():
         beat = _decoded(raw)
         if isinstance(beat, dict) and (at := _time_of(beat)) is not None and now - at <= max_age_s:
-            recent.append(beat)
+            recent[name.decode(errors="replace")] = beat
     return recent
 
 

@@ -140,6 +140,11 @@ QUEUE_PENDING = MetricSpec(
     "Entries of a lane (its stream and its tenants') delivered to a worker and not yet acknowledged (XPENDING).",
     (A_LANE,),
 )
+QUEUE_UNHELD = MetricSpec(
+    "carpool.queue.unheld", "observable_gauge", "{job}",
+    "Of a lane's pending entries, those delivered to a worker whose heartbeat stopped (killed, or handed back at "
+    "its drain): they wait for another worker's reclaim, as undelivered ones wait for a read.", (A_LANE,),
+)
 DEAD_LETTER_DEPTH = MetricSpec(
     "carpool.dead_letter.depth", "observable_gauge", "{entry}", "Entries in the dead-letter stream (XLEN)."
 )
@@ -253,7 +258,7 @@ TENANT_QUEUE_WAIT = MetricSpec(
     (A_TENANT, A_LANE), QUEUE_WAIT_BUCKETS_S,
 )
 
-STREAM_METRICS: tuple[MetricSpec, ...] = (QUEUE_DEPTH, QUEUE_PENDING, DEAD_LETTER_DEPTH)
+STREAM_METRICS: tuple[MetricSpec, ...] = (QUEUE_DEPTH, QUEUE_PENDING, QUEUE_UNHELD, DEAD_LETTER_DEPTH)
 SPEC_DECODE_METRICS: tuple[MetricSpec, ...] = (SPEC_DRAFTS, SPEC_PROPOSED, SPEC_ACCEPTED, SPEC_MEAN_ACCEPTED_LENGTH)
 """Exported by a worker that runs speculative decoding (``--speculative``) only."""
 GATEWAY_METRICS: tuple[MetricSpec, ...] = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from scheduler.protocol.keys import Keys
+from scheduler.protocol.worker_heartbeats import DEFAULT_HEARTBEAT_MAX_AGE_S
 from scheduler.telemetry import metric_schema
 from scheduler.telemetry.otel import Telemetry, TelemetryConfig
 from scheduler.telemetry.stream_stats import DEFAULT_POLL_INTERVAL_S, StreamStats
@@ -23,12 +24,15 @@ class ProcessMetrics:
         self.tracer = self.telemetry.tracer
         self.streams: StreamStats | None = None
 
-    def watch_streams(self, redis: Any, keys: Keys, *, interval_s: float = DEFAULT_POLL_INTERVAL_S) -> StreamStats:
-        """Start the lane/dead-letter gauges; the caller awaits ``streams.aclose()`` at shutdown."""
+    def watch_streams(self, redis: Any, keys: Keys, *, interval_s: float = DEFAULT_POLL_INTERVAL_S,
+                      heartbeat_max_age_s: float = DEFAULT_HEARTBEAT_MAX_AGE_S) -> StreamStats:
+        """Start the lane/dead-letter gauges; the caller awaits ``streams.aclose()`` at shutdown.
+        `heartbeat_max_age_s`: how old a worker's heartbeat may be for the entries it holds to count as held."""
         assert self.streams is None, "streams already watched"
-        self.streams = StreamStats(redis, keys, interval_s=interval_s)
+        self.streams = StreamStats(redis, keys, interval_s=interval_s, heartbeat_max_age_s=heartbeat_max_age_s)
         self.telemetry.observable(metric_schema.QUEUE_DEPTH, self.streams.observe_depth)
         self.telemetry.observable(metric_schema.QUEUE_PENDING, self.streams.observe_pending)
+        self.telemetry.observable(metric_schema.QUEUE_UNHELD, self.streams.observe_unheld)
         self.telemetry.observable(metric_schema.DEAD_LETTER_DEPTH, self.streams.observe_dead)
         self.streams.start()
         return self.streams

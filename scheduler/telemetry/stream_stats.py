@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from scheduler.protocol.keys import CONSUMER_GROUP, Keys
 from scheduler.protocol.lanes import LANES, Lane
 from scheduler.protocol.tenants import named_tenants
+from scheduler.protocol.worker_heartbeats import DEFAULT_HEARTBEAT_MAX_AGE_S, recent_workers
 from scheduler.runtime.outage_log import OutageLog
 from scheduler.runtime.tasks import cancel_and_reap, raise_if_cancelled
 from scheduler.telemetry.metric_schema import A_LANE
@@ -34,6 +36,8 @@ class StreamSnapshot:
     depth: dict[Lane, int] = field(default_factory=lambda: {lane: 0 for lane in LANES})
     pending: dict[Lane, int] = field(default_factory=lambda: {lane: 0 for lane in LANES})
     dead: int = 0
+    unheld: dict[Lane, int] = field(default_factory=lambda: {lane: 0 for lane in LANES})
+    """Pending entries delivered to a worker whose heartbeat stopped (`held_by_others` of the live workers)."""
     pending_by_consumer: dict[Lane, dict[str, int]] = field(default_factory=lambda: {lane: {} for lane in LANES})
     """Each lane's pending entries by the consumer (worker name) they were delivered to."""
 
@@ -46,18 +50,24 @@ class StreamSnapshot:
 class StreamStats:
     """Owns one polling task; ``start()`` it once the Redis client exists, ``await aclose()`` at shutdown."""
 
-    def __init__(self, redis: Any, keys: Keys, *, interval_s: float = DEFAULT_POLL_INTERVAL_S) -> None:
+    def __init__(self, redis: Any, keys: Keys, *, interval_s: float = DEFAULT_POLL_INTERVAL_S,
+                 heartbeat_max_age_s: float = DEFAULT_HEARTBEAT_MAX_AGE_S) -> None:
         assert interval_s > 0
         self._redis = redis
         self._keys = keys
         self._interval_s = interval_s
+        self._heartbeat_max_age_s = heartbeat_max_age_s
         self.snapshot = StreamSnapshot()
         self._task: asyncio.Task[None] | None = None
         self._outages = OutageLog(log, retry_s=interval_s)
 
     async def refresh(self) -> StreamSnapshot:
-        """Read every count (`read_stream_counts`) and swap the snapshot in."""
-        self.snapshot = await read_stream_counts(self._redis, self._keys)
+        """Read every count (`read_stream_counts`), and which workers are alive, and swap the snapshot in."""
+        snapshot = await read_stream_counts(self._redis, self._keys)
+        live = await recent_workers(self._redis, self._keys.workers, max_age_s=self._heartbeat_max_age_s,
+                                    now=time.time())
+        snapshot.unheld = {lane: snapshot.held_by_others(lane, live) for lane in LANES}
+        self.snapshot = snapshot
         return self.snapshot
 
     def start(self) -> None:
@@ -91,6 +101,9 @@ class StreamStats:
 
     def observe_pending(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(n, {A_LANE: lane.value}) for lane, n in self.snapshot.pending.items()]
+
+    def observe_unheld(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {A_LANE: lane.value}) for lane, n in self.snapshot.unheld.items()]
 
     def observe_dead(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(self.snapshot.dead)]

@@ -113,3 +113,31 @@ async def test_the_lane_gauges_say_a_redis_outage_once_and_its_end_once(redis_ur
     await proxy.aclose()
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 and "Redis unavailable" in messages[0] and "available again" in messages[1], messages
+
+
+async def test_the_lane_gauges_count_entries_held_by_a_worker_no_longer_alive(redis_url: str) -> None:
+    """`carpool_queue_unheld`: of a lane's pending entries, those delivered to a worker whose heartbeat stopped
+    (here: one that never wrote one), which wait for another worker's reclaim."""
+    import time
+
+    import msgpack
+    import redis.asyncio as aioredis
+
+    from scheduler.protocol.keys import CONSUMER_GROUP, Keys
+    from scheduler.protocol.lanes import Lane
+    from scheduler.telemetry.stream_stats import StreamStats
+
+    keys = Keys()
+    client = aioredis.Redis.from_url(redis_url)
+    lane = keys.lane(Lane.BATCH)
+    await client.xgroup_create(lane, CONSUMER_GROUP, id="0", mkstream=True)
+    for i in range(5):
+        await client.xadd(lane, {"job": msgpack.packb({"id": f"j{i}", "prompt": "x"})})
+    await client.xreadgroup(CONSUMER_GROUP, "alive", {lane: ">"}, count=1)
+    await client.xreadgroup(CONSUMER_GROUP, "gone", {lane: ">"}, count=3)
+    await client.hset(keys.workers, "alive", msgpack.packb({"time": time.time()}))
+    await client.hset(keys.workers, "gone", msgpack.packb({"time": time.time() - 600}))
+    snapshot = await StreamStats(client, keys).refresh()
+    await client.aclose()
+    assert (snapshot.depth[Lane.BATCH], snapshot.pending[Lane.BATCH], snapshot.unheld[Lane.BATCH]) == (5, 4, 3)
+    assert snapshot.unheld[Lane.STANDARD] == 0
