@@ -215,7 +215,8 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
             return 1
         await service.stopped.wait()
         has_failed = service.has_failed
-        log.info("stopping: intake closed, in-flight jobs get %.1fs", config.shutdown_grace_s)
+        # Said before the drain closes the intake: a read already under way may still admit what it brings.
+        log.info("stopping: closing the intake; in-flight jobs get %.1fs", config.shutdown_grace_s)
     finally:
         await service.shutdown()
         await client.aclose()
