@@ -17,6 +17,7 @@ from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 from aiohttp import web
 
 from scheduler.protocol.keys import Keys
@@ -291,7 +292,9 @@ class WorkerService:
                 if len(entries) < free:
                     entries += await self.consumer.read(free - len(entries))
             except REDIS_ERRORS as e:
-                self._lost_reads = True  # a read that failed may still have been delivered to us
+                # A read whose reply never came (a timeout, a dropped connection) may have been delivered to us
+                # all the same; one Redis answered with an error (maxmemory, say) delivered nothing.
+                self._lost_reads = self._lost_reads or not isinstance(e, ResponseError)
                 await self._redis_down("intake", e)  # entries already taken are still admitted below
             if entries:
                 self._admit(entries, admissions)
