@@ -216,7 +216,7 @@ class LaneConsumer:
             pipe = self.client.pipeline(transaction=False)
             ids = []
             for entry_id, _fields in messages:
-                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                eid = _text(entry_id)
                 ids.append(eid)
                 pipe.xpending_range(stream, CONSUMER_GROUP, min=eid, max=eid, count=1)
             pending = await pipe.execute()

@@ -57,6 +57,12 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
+def first_paragraph(error: BaseException) -> str:
+    """An exception's first paragraph on one line: transformers' loading errors go on with advice (pip install,
+    hub access) that does not apply to a local checkpoint."""
+    return " ".join(str(error).strip().split("\n\n")[0].split())
+
+
 def check_causal(config: PretrainedConfig) -> None:
     """Refuse a checkpoint saved with a head that does not predict the next token, naming it."""
     not_causal = ValueError(f"model: {architecture(config)} is not a causal language model; carpool generates with "

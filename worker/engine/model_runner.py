@@ -36,6 +36,7 @@ from worker.engine.checkpoint_config import (
     architecture,
     check_causal,
     eos_token_ids,
+    first_paragraph,
     kv_block_bytes,
     max_model_len,
     model_dtype,
@@ -136,8 +137,7 @@ class ModelRunner:
         except (OSError, ValueError) as e:  # ValueError: a model type this transformers does not know, say
             if str(e).startswith("model: "):
                 raise
-            first_paragraph = " ".join(str(e).strip().split("\n\n")[0].split())
-            raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {first_paragraph}") from e
+            raise ValueError(f"model: cannot load a checkpoint from {model_path!r}: {first_paragraph(e)}") from e
         self.dtype: torch.dtype = model_dtype(config, dtype)
         self.vocab_size: int = config.vocab_size
         self.max_model_len, self.context_limit = max_model_len(config)
@@ -334,8 +334,7 @@ class ModelRunner:
         try:
             config = AutoConfig.from_pretrained(draft_model, local_files_only=True)
         except (OSError, ValueError) as e:  # ValueError: a model type this transformers does not know, say
-            first_paragraph = " ".join(str(e).strip().split("\n\n")[0].split())
-            raise ValueError(f"draft_model: cannot load a checkpoint from {draft_model!r}: {first_paragraph}") from e
+            raise ValueError(f"draft_model: cannot load a checkpoint from {draft_model!r}: {first_paragraph(e)}") from e
         return kv_block_bytes(config, self.block_size, self.dtype)
 
     def _default_num_blocks(self, kv_cache_memory_gb: float | None, draft_block_bytes: int) -> int:
