@@ -45,6 +45,7 @@ import argparse
 import faulthandler
 import gc
 import random
+import re
 import subprocess
 import sys
 import time
@@ -161,18 +162,30 @@ def guarded(row: Row) -> str:
 
 
 def run_tests(timeout_s: float) -> str:
+    """Every test runs, past a failure (a lease seldom has time for a second try), and the failures are named."""
     started = time.perf_counter()
     try:
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-n", "0",
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-n", "0",
                                  *KERNEL_TESTS], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as expired:
-        print(expired.stdout[-6000:] if expired.stdout else "")
-        return f"| compiled kernel and engine tests | stopped after {timeout_s:.0f} s | |"
+        output = expired.stdout.decode(errors="replace") if isinstance(expired.stdout, bytes) else expired.stdout
+        print(output[-6000:] if output else "")
+        return f"| compiled kernel and engine tests | stopped after {timeout_s:.0f} s | {progress(output or '')} |"
     # pytest's summary line; when pytest could not even start (a test dependency missing), its error's last line.
     last = (result.stdout.strip().splitlines() or result.stderr.strip().splitlines() or ["(no output)"])[-1]
     if result.returncode != 0:
         print(result.stdout[-6000:], result.stderr[-3000:])
     return f"| compiled kernel and engine tests | {last} | {time.perf_counter() - started:.0f} s |"
+
+
+_PROGRESS_LINE = re.compile(r"^[.FEsxX]+(\s+\[\s*\d+%\])?$")
+
+
+def progress(output: str) -> str:
+    """What pytest's quiet progress lines say so far: the tests passed, failed and skipped before it was stopped."""
+    marks = "".join(line.split("[")[0].strip() for line in output.splitlines() if _PROGRESS_LINE.match(line))
+    counts = {"passed": marks.count("."), "failed": marks.count("F") + marks.count("E"), "skipped": marks.count("s")}
+    return ", ".join(f"{count} {name}" for name, count in counts.items() if count) + " so far" if marks else ""
 
 
 NEAR_TIE_LOGPROB = 0.05

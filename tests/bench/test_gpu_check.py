@@ -11,7 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_check import NEAR_TIE_LOGPROB, PARTS, Report, Row, Section, first_difference, parse_parts, plan
+from bench.gpu_check import (
+    NEAR_TIE_LOGPROB,
+    PARTS,
+    Report,
+    Row,
+    Section,
+    first_difference,
+    parse_parts,
+    plan,
+    progress,
+)
 
 
 def test_the_targets_come_first_whatever_order_the_parts_are_named_in() -> None:
@@ -113,3 +123,19 @@ def test_skipped_rows_are_written_as_skipped_without_running() -> None:
                         ["transformers"])
     assert [row.measure() for row in sections[0].rows] == ["| transformers generate | skipped (--skip) |  |",
                                                            "| ran | | |"]
+
+
+def test_tests_stopped_by_their_time_limit_say_how_far_they_got(tmp_path: Path) -> None:
+    """A real pytest run's quiet output, an assertion's diff lines (`E  ...`) among it: only the progress marks
+    count."""
+    (tmp_path / "test_three.py").write_text(
+        "import pytest\n\n"
+        "def test_passes():\n    assert True\n\n"
+        "def test_fails():\n    assert [1, 2, 3] == [1, 2, 4]\n\n"
+        "def test_skipped():\n    pytest.skip('not here')\n"
+    )
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                          "-n", "0", str(tmp_path / "test_three.py")], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 1 and "\nE  " in run.stdout
+    assert progress(run.stdout) == "1 passed, 1 failed, 1 skipped so far"
+    assert progress("ImportError: no module named redis\n") == ""

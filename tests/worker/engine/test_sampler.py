@@ -13,6 +13,8 @@ from worker.engine.penalties import apply_penalties
 from worker.engine.sampler import SampleRequest, Sampler, filter_logits
 
 VOCAB = 8
+# The race kernel is compiled for the GPU where there is one (the GPU check runs this file there), else interpreted.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _request(
@@ -161,14 +163,19 @@ def test_unseeded_draws_follow_the_distribution(greedy_beside: bool) -> None:
 @pytest.mark.parametrize("race_kernel", [False, True], ids=["torch-ops", "race-kernel"])
 def test_unseeded_draws_follow_the_sampler_seed_and_not_the_global_rng(race_kernel: bool) -> None:
     """Through torch's ops or the one-kernel race (a GPU's default; here under Triton's interpreter)."""
-    logits = torch.zeros(20, 1000)
+    logits = torch.zeros(20, 1000, device=DEVICE)
     requests = [_request(f"u{i}", temperature=1.0) for i in range(20)]
+
+    def drawn(seed: int) -> list[int]:
+        sampler = Sampler(1000, device=DEVICE, seed=seed, race_kernel=race_kernel)
+        return [t.token_id for t in sampler.sample(logits, requests)]
+
     torch.manual_seed(0)
-    first = [t.token_id for t in Sampler(1000, seed=7, race_kernel=race_kernel).sample(logits, requests)]
+    first = drawn(7)
     torch.manual_seed(99)
-    assert [t.token_id for t in Sampler(1000, seed=7, race_kernel=race_kernel).sample(logits, requests)] == first
+    assert drawn(7) == first
     state = torch.get_rng_state()
-    sampler = Sampler(1000, seed=8, race_kernel=race_kernel)
+    sampler = Sampler(1000, device=DEVICE, seed=8, race_kernel=race_kernel)
     other = [t.token_id for t in sampler.sample(logits, requests)]
     assert other != first
     assert [t.token_id for t in sampler.sample(logits, requests)] != other  # each step draws anew
@@ -240,9 +247,10 @@ def test_the_race_kernel_draws_the_distribution_and_keeps_a_greedy_row_the_argma
     them stays the argmax."""
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
     num_draws = 300
-    logits = torch.cat([(probs.log() * 0.5).expand(num_draws, -1), torch.tensor([[0.0, 0.0, 0.0, 5.0, 0.0]])])
+    greedy_row = torch.tensor([[0.0, 0.0, 0.0, 5.0, 0.0]])
+    logits = torch.cat([(probs.log() * 0.5).expand(num_draws, -1), greedy_row]).to(DEVICE)
     requests = [_request(f"u{i}", temperature=0.5) for i in range(num_draws)] + [_request("g", temperature=0.0)]
-    tokens = [t.token_id for t in Sampler(5, seed=11, race_kernel=True).sample(logits, requests)]
+    tokens = [t.token_id for t in Sampler(5, device=DEVICE, seed=11, race_kernel=True).sample(logits, requests)]
     assert tokens.pop() == 3
     _assert_drawn_in_proportion(tokens, probs)
 
@@ -250,15 +258,15 @@ def test_the_race_kernel_draws_the_distribution_and_keeps_a_greedy_row_the_argma
 def test_steps_with_seeds_filters_or_logprobs_draw_as_without_the_race_kernel() -> None:
     """A seeded row's token is a function of (seed, position, logits) whichever path a step takes, so the race
     kernel leaves seeded steps to the torch ops; so it does steps that filter or report logprobs."""
-    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(4)) * 2
+    logits = (torch.randn(3, 300, generator=torch.Generator().manual_seed(4)) * 2).to(DEVICE)
     steps = [
         [_request(f"s{i}", position=9, temperature=0.9, seed=i) for i in range(3)],
         [_request(f"p{i}", position=9, temperature=0.9, seed=i, top_p=0.8) for i in range(3)],
         [_request(f"l{i}", position=9, temperature=0.9, seed=i, logprobs=2) for i in range(3)],
     ]
     for requests in steps:
-        raced = Sampler(300, race_kernel=True).sample(logits, requests)
-        assert raced == Sampler(300, race_kernel=False).sample(logits, requests)
+        raced = Sampler(300, device=DEVICE, race_kernel=True).sample(logits, requests)
+        assert raced == Sampler(300, device=DEVICE, race_kernel=False).sample(logits, requests)
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 5e-324])
