@@ -157,9 +157,13 @@ def _check_float(
 ) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidParam(name, f"must be a number, got {json_type(value)}")
-    v = float(value)
+    bound = "(" if low_open else "["
+    try:
+        v = float(value)
+    except OverflowError:  # an integer past float's range (JSON allows thousands of digits)
+        raise InvalidParam(name, f"must be in {bound}{low}, {high}], got an integer of {len(str(abs(value)))} "
+                                 "digits") from None
     if not math.isfinite(v):
         raise InvalidParam(name, "must be finite")
     if (v <= low if low_open else v < low) or v > high:
-        bound = "(" if low_open else "["
         raise InvalidParam(name, f"must be in {bound}{low}, {high}], got {v}")

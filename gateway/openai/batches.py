@@ -184,7 +184,7 @@ async def create_batch(request: web.Request) -> web.Response:
     except ValueError as e:
         raise invalid("endpoint", f"must be one of {[x.value for x in Endpoint]}") from e
     window = body.get("completion_window")
-    if window not in COMPLETION_WINDOWS_S:
+    if not isinstance(window, str) or window not in COMPLETION_WINDOWS_S:
         raise invalid("completion_window", f"must be one of {sorted(COMPLETION_WINDOWS_S)}")
     metadata = None if body.get("metadata") is None else check_metadata(body["metadata"])
     output_ttl_s = (None if body.get("output_expires_after") is None else

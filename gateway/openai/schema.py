@@ -18,6 +18,7 @@ from typing import Any
 from gateway.errors import invalid, unsupported
 from scheduler.params import MAX_SEED, InvalidParam, SamplingParams
 from scheduler.protocol.lanes import Lane
+from scheduler.protocol.wire_values import is_text
 
 
 class Endpoint(str, Enum):
@@ -175,11 +176,15 @@ def check_metadata(value: object) -> dict[str, str]:
     if len(value) > MAX_METADATA_PAIRS:
         raise invalid("metadata", f"at most {MAX_METADATA_PAIRS} keys, got {len(value)}")
     for key, item in value.items():
+        if not is_text(key):
+            raise invalid("metadata", f"keys must be valid UTF-8 text, {key[:16]!r} holds a lone surrogate")
         if len(key) > MAX_METADATA_KEY_CHARS:
             raise invalid("metadata", f"keys are at most {MAX_METADATA_KEY_CHARS} characters, {key[:16]!r}… has "
                                       f"{len(key)}")
         if not isinstance(item, str):
             raise invalid(f"metadata.{key}", "must be a string")
+        if not is_text(item):
+            raise invalid(f"metadata.{key}", "must be valid UTF-8 text (it holds a lone surrogate)")
         if len(item) > MAX_METADATA_VALUE_CHARS:
             raise invalid(f"metadata.{key}", f"must be at most {MAX_METADATA_VALUE_CHARS} characters, got {len(item)}")
     return value
@@ -188,6 +193,8 @@ def check_metadata(value: object) -> dict[str, str]:
 def _user(value: object) -> str:
     if not isinstance(value, str):
         raise invalid("user", "must be a string")
+    if not is_text(value):
+        raise invalid("user", "must be valid UTF-8 text (it holds a lone surrogate)")
     return value
 
 
@@ -201,7 +208,7 @@ def _lane(given: dict[str, Any], default: Lane, is_batch: bool) -> Lane:
             raise invalid("lane", f"must be one of {[lane.value for lane in Lane]}") from e
     if "service_tier" in given:
         tier = given["service_tier"]
-        if tier not in SERVICE_TIER_LANES:
+        if not isinstance(tier, str) or tier not in SERVICE_TIER_LANES:
             raise invalid("service_tier", f"must be one of {sorted(SERVICE_TIER_LANES)}")
         return SERVICE_TIER_LANES[tier]
     return default
@@ -238,7 +245,7 @@ def _messages(value: object) -> list[dict[str, str]]:
             if key not in ("role", "content", "name"):
                 raise unsupported(f"{where}.{key}")
         role = message.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise invalid(f"{where}.role", f"must be one of {sorted(_ROLES)}")
         if message.get("name") is not None and not isinstance(message["name"], str):
             raise invalid(f"{where}.name", "must be a string")

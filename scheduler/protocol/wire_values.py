@@ -28,7 +28,7 @@ def first_bad_value(data: dict[str, object]) -> tuple[str, str] | None:
     while stack:
         path, value, depth = stack.pop()
         if isinstance(value, str):
-            if not _is_utf8(value):
+            if not is_text(value):
                 return path, "must be valid UTF-8 text (it holds a lone surrogate)"
         elif isinstance(value, bool) or value is None:
             continue
@@ -47,7 +47,7 @@ def first_bad_value(data: dict[str, object]) -> tuple[str, str] | None:
                 for key, item in reversed(list(value.items())):
                     if not isinstance(key, str):
                         return path, f"map keys must be strings, got {type(key).__name__}"
-                    if not _is_utf8(key):
+                    if not is_text(key):
                         return path, "map keys must be valid UTF-8 text (one holds a lone surrogate)"
                     stack.append((key_path(path, key), item, depth + 1))
             else:
@@ -58,7 +58,8 @@ def first_bad_value(data: dict[str, object]) -> tuple[str, str] | None:
     return None
 
 
-def _is_utf8(text: str) -> bool:
+def is_text(text: str) -> bool:
+    """Whether `text` is valid UTF-8 text: no lone surrogate, which JSON's escapes let a decoded string hold."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -68,7 +69,7 @@ def _is_utf8(text: str) -> bool:
 
 def key_path(path: str, key: str) -> str:
     """`path` extended by map key `key`: ``a.b``, or ``a['odd key']`` (ASCII-escaped) for keys that need it."""
-    if key and _is_utf8(key) and key.isprintable() and not any(c in key for c in ".[]"):
+    if key and is_text(key) and key.isprintable() and not any(c in key for c in ".[]"):
         return f"{path}.{key}" if path else key
     return f"{path}[{ascii(key)}]"
 

@@ -14,6 +14,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.openai.schema import KNOWN, Endpoint
 from tests.harness.gateway_process import gateway_process
 
 # Any code point, lone surrogates included (JSON's \ud800 escape can carry them).
@@ -98,4 +99,79 @@ def test_no_request_gets_a_5xx_and_every_error_is_json(redis_url: str, tmp_path:
         anything()
         conn.close()
     assert set(seen) >= {200, 202, 400, 404, 405}
+    assert "Traceback" not in gateway.log_text()
+
+
+HUGE = st.sampled_from([10**400, -(10**400), 2**64, 1e308]) | st.integers(min_value=-(10**30), max_value=10**30)
+OPENAI_JSON = st.recursive(SCALARS | HUGE, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(ANY_TEXT | st.sampled_from(["role", "content", "url", "type", "k"]),
+                                             inner, max_size=3), max_leaves=8)
+MESSAGES = st.just([{"role": "user", "content": "hi"}]) | st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]) | OPENAI_JSON,
+                           "content": st.just("hi") | OPENAI_JSON}), min_size=1, max_size=2) | OPENAI_JSON
+
+
+def openai_bodies(endpoint: Endpoint, base: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    """A request that is valid but for one or two fields of any JSON (more would rarely pass the first check)."""
+    fields = sorted(KNOWN[endpoint])
+    return st.builds(lambda good, odd: {**good, **odd}, st.fixed_dictionaries(base),
+                     st.dictionaries(st.sampled_from(fields), HUGE | OPENAI_JSON, max_size=2))
+
+
+OPENAI_REQUESTS = (openai_bodies(Endpoint.CHAT, {"model": st.just("carpool-tiny"), "messages": MESSAGES})
+                   .map(lambda body: ("/v1/chat/completions", body))
+                   | openai_bodies(Endpoint.COMPLETIONS, {"model": st.just("carpool-tiny"), "prompt": st.just("hi")})
+                   .map(lambda body: ("/v1/completions", body)))
+BATCH_BODIES = st.fixed_dictionaries({}, optional={
+    name: OPENAI_JSON | st.sampled_from(["24h", "/v1/chat/completions", "file-x", {"url": "https://a.example/h"}])
+    for name in ("input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after", "webhook")})
+OPENAI_ROUTES = ["/v1/files/{id}", "/v1/files/{id}/content", "/v1/batches/{id}", "/v1/batches/{id}/cancel",
+                 "/v1/models/{id}", "/v1/files", "/v1/batches", "/v1/models"]
+
+
+def test_no_openai_request_gets_a_5xx_and_every_error_is_openais_shape(redis_url: str, tmp_path: Path) -> None:
+    """The OpenAI routes' bodies hold any JSON in any known field (wrong types, integers past float's range, lone
+    surrogates), and their ids any text: each is refused with a 4xx in OpenAI's error shape, or served."""
+    # Every lane full, so that a request valid to the end is refused (429) rather than left waiting for a worker.
+    with gateway_process(redis_url, tmp_path / "gateway.log", "--max-body-bytes", "8192",
+                         "--max-lane-depth", "interactive=1,standard=1,batch=1") as gateway:
+        port = int(gateway.url.rsplit(":", 1)[1])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        for lane in ("interactive", "standard", "batch"):
+            assert request(conn, "POST", "/v1/jobs", json.dumps({"prompt": "x", "lane": lane}).encode(), {})[0] == 202
+        seen: list[int] = []
+
+        def check(method: str, path: str, body: bytes, what: object) -> None:
+            status, data = request(conn, method, path, body, {"Content-Type": "application/json"})
+            seen.append(status)
+            assert status < 500, (what, data[:300])
+            if status >= 400:
+                error = json.loads(data)["error"]
+                assert isinstance(error["type"], str) and error["message"] and "code" in error, error
+
+        @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(route_and_body=OPENAI_REQUESTS)
+        def complete(route_and_body: tuple[str, dict[str, Any]]) -> None:
+            route, body = route_and_body
+            check("POST", route, json.dumps(body).encode(), (route, body))
+
+        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(body=BATCH_BODIES)
+        def create_batch(body: dict[str, Any]) -> None:
+            check("POST", "/v1/batches", json.dumps(body).encode(), body)
+
+        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(method=st.sampled_from(["GET", "POST", "DELETE"]), route=st.sampled_from(OPENAI_ROUTES),
+               item_id=ANY_TEXT | st.sampled_from(["file-x", "batch_x", "x" * 300]), query=QUERIES)
+        def by_id(method: str, route: str, item_id: str, query: dict[str, str]) -> None:
+            path = route.replace("{id}", urllib.parse.quote(item_id.encode("utf-8", "surrogatepass"), safe=""))
+            if query:
+                path += "?" + urllib.parse.urlencode(query, encoding="utf-8", errors="surrogatepass")
+            check(method, path, b"", (method, path))
+
+        complete()
+        create_batch()
+        by_id()
+        conn.close()
+    assert set(seen) >= {400, 404, 429}
     assert "Traceback" not in gateway.log_text()

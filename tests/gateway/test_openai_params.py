@@ -67,3 +67,20 @@ def test_text_offsets_follow_the_text_also_around_bytes_that_are_not_utf8(parts:
 def test_a_temperature_outside_openais_range_names_that_range(temperature: float) -> None:
     with pytest.raises(OpenAIError, match=r"temperature: must be in \[0, 2\]"):
         _params(temperature=temperature)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"user": "\udc00"}, "user"),
+    ({"metadata": {"k": "\ud800"}}, "metadata.k"),
+    ({"metadata": {"\udc00": "v"}}, "metadata"),
+    ({"messages": [{"role": ["user"], "content": "hi"}]}, "messages[0].role"),
+    ({"service_tier": ["priority"]}, "service_tier"),
+    ({"top_p": 10**400}, "top_p"),
+    ({"frequency_penalty": -(10**400)}, "frequency_penalty"),
+])
+def test_odd_values_are_refused_naming_the_openai_parameter(body: dict[str, object], param: str) -> None:
+    """Lone surrogates (JSON's escapes allow them; no UTF-8 can carry them), lists where text is due, integers past
+    float's range: a 400 about the parameter as the client named it."""
+    with pytest.raises(OpenAIError) as refused:
+        _params(**body)
+    assert (refused.value.status, refused.value.param) == (400, param), refused.value.message
