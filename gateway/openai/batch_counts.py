@@ -102,10 +102,10 @@ class BatchCounts:
                          usage.get("completion_tokens", 0)]
             await self._settle_script(keys=[self._keys.batch(batch_id), self._keys.batch_settled(batch_id)], args=args)
 
-    async def mark_errors(self, batch_id: str, numbers: range | list[int], code: str, message: str) -> None:
+    async def mark_errors(self, batch_id: str, numbers: range | list[int], packed_error: bytes) -> None:
+        """Lines `numbers` failed, each with the error `packed_error` (``LineError.packed``)."""
         if numbers:
-            await self._redis.hset(self._keys.batch_errors(batch_id),
-                                   mapping={str(n): msgpack.packb([code, message]) for n in numbers})
+            await self._redis.hset(self._keys.batch_errors(batch_id), mapping={str(n): packed_error for n in numbers})
             await self.mark(batch_id, [(n, "failed") for n in numbers])
 
     async def settled_bits(self, batch_id: str, start: int, stop: int) -> list[bool]:

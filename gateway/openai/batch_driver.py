@@ -21,7 +21,6 @@ import logging
 import secrets
 import time
 
-import msgpack
 from aiohttp import web
 from redis.typing import EncodableT, FieldT
 
@@ -30,7 +29,15 @@ from gateway.admission import InvalidJob, LaneFull
 from gateway.api_keys import Caller
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.openai.batch_counts import RECORDS_PER_ROUND_TRIP, BatchCounts
-from gateway.openai.batch_lines import LineError, custom_id_of, error_line, load_line, parse_line, result_line
+from gateway.openai.batch_lines import (
+    LineError,
+    custom_id_of,
+    error_line,
+    load_line,
+    parse_line,
+    result_line,
+    unpack_error,
+)
 from gateway.openai.batches import COUNTERS, BatchStatus, batch_store
 from gateway.openai.choices import model_choice
 from gateway.openai.files import PAGE_LINES, file_store, is_blank
@@ -53,9 +60,15 @@ SCAN_INTERVAL_S = 10.0
 MAX_LISTED_ERRORS = 100
 """Line errors a batch that fails validation lists in its ``errors``; its error file holds every one."""
 PARAM_OF_CODE = {"missing_custom_id": "custom_id", "duplicate_custom_id": "custom_id", "invalid_method": "method",
-                 "invalid_url": "url", "invalid_request": "body", "model_not_found": "body.model",
-                 CONTEXT_LENGTH_EXCEEDED: "body"}
-"""The request field each line error's code is about, for the ``param`` of a failed batch's ``errors``."""
+                 "invalid_url": "url"}
+"""The line's field each error about the line itself is about, for the ``param`` of a failed batch's ``errors``."""
+
+
+def _batch_param(error: LineError) -> str | None:
+    """The ``param`` of a failed batch's ``errors`` entry: the line's field at fault (``body.temperature``)."""
+    if error.status is None:  # no request: the line's own fault
+        return PARAM_OF_CODE.get(error.code)
+    return "body" if error.param in (None, "body") else f"body.{error.param}"
 
 
 class BatchDriver:
@@ -68,6 +81,8 @@ class BatchDriver:
         self._scanned_at: dict[str, float] = {}
         """Monotonic time each batch's job records were last read (`_count`)."""
         self._outages = OutageLog(log, retry_s=self._config.batch_poll_interval_s)
+        self._faults: dict[str, str] = {}
+        """The fault each batch whose last step failed met (logged once while it repeats)."""
 
     async def run(self) -> None:
         while True:
@@ -75,7 +90,7 @@ class BatchDriver:
                 for raw in await self._redis.smembers(self._keys.batches_active):
                     batch_id = as_bytes(raw).decode()
                     if await self._lock(batch_id):
-                        await self.step(batch_id)
+                        await self._step_apart(batch_id)
             except REDIS_UNAVAILABLE as e:
                 self._outages.warn("batch driver", e)
             except Exception as e:
@@ -83,12 +98,29 @@ class BatchDriver:
                 if is_out_of_memory(e):
                     self._outages.warn("batch driver", e, "at its maxmemory, Redis refuses writes")
                 else:
-                    # One batch's fault must not stop every batch's progress: the next round tries again.
                     log.exception("batch driver: a round failed; retrying")
             else:
                 self._outages.recovered()
             raise_if_cancelled()
             await asyncio.sleep(self._config.batch_poll_interval_s)
+
+    async def _step_apart(self, batch_id: str) -> None:
+        """One batch's step, whose fault stops neither the round nor the other batches: the next round tries it
+        again. Redis being away or full ends the round (every batch would meet it); any other fault is logged
+        once while it repeats, with the batch it stops."""
+        try:
+            await self.step(batch_id)
+        except Exception as e:
+            raise_if_cancelled()
+            if isinstance(e, REDIS_UNAVAILABLE) or is_out_of_memory(e):
+                raise
+            fault = f"{type(e).__name__}: {e}"
+            if self._faults.get(batch_id) != fault:
+                log.exception("batch driver: batch %s cannot go on (retried every round until it can)", batch_id)
+            self._faults[batch_id] = fault
+        else:
+            if self._faults.pop(batch_id, None) is not None:
+                log.info("batch driver: batch %s goes on again", batch_id)
 
     async def _lock(self, batch_id: str) -> bool:
         key = self._keys.batch_lock(batch_id)
@@ -170,7 +202,7 @@ class BatchDriver:
                     line_model = job["metadata"]["model"]
                     refusal = models.refusal(line_model)
                     if refusal is not None:
-                        raise LineError("model_not_found", f"body: {refusal}")
+                        raise LineError("model_not_found", f"body: {refusal}", param="model", status=404)
                     model = model or line_model
                     seen.add(custom_id)
                     custom_ids.append(custom_id)
@@ -179,12 +211,12 @@ class BatchDriver:
                     custom_ids.append(_loose_custom_id(line) or "")
                     if len(listed) < MAX_LISTED_ERRORS:
                         listed.append({"code": e.code, "message": f"line {number + 1}: {e.message}",
-                                       "param": PARAM_OF_CODE.get(e.code), "line": number + 1})
+                                       "param": _batch_param(e), "line": number + 1})
             start += len(page)
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.rpush(keys.batch_custom_ids(batch_id), *custom_ids)
                 for number, error in bad:
-                    pipe.hset(keys.batch_errors(batch_id), str(number), msgpack.packb([error.code, error.message]))
+                    pipe.hset(keys.batch_errors(batch_id), str(number), error.packed())
                 await pipe.execute()
             if bad or blank:
                 await self._counts.mark(batch_id, [(number, "failed") for number, _ in bad]
@@ -212,7 +244,8 @@ class BatchDriver:
         while cursor < stop:
             page = await self._files.page(b["input_file_id"], cursor, min(PAGE_LINES, stop - cursor))
             if not page:  # the input file was deleted or expired under the batch
-                await self._counts.mark_errors(batch_id, range(cursor, total), "invalid_file", "the input file is gone")
+                await self._counts.mark_errors(batch_id, range(cursor, total),
+                                               LineError("invalid_file", "the input file is gone").packed())
                 cursor = total
                 break
             settled = await self._counts.settled_bits(batch_id, cursor, cursor + len(page))
@@ -233,11 +266,12 @@ class BatchDriver:
                     await self._redis.hset(self._keys.batch(batch_id), "enqueued", number)
                     return  # the batch lane is full: try again next round
                 except LineError as e:
-                    await self._counts.mark_errors(batch_id, [number], e.code, e.message)
-                except InvalidJob as e:
+                    await self._counts.mark_errors(batch_id, [number], e.packed())
+                except InvalidJob as e:  # refused as the online route refuses it
                     param = openai_param(e.field)
-                    code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_request"
-                    await self._counts.mark_errors(batch_id, [number], code, f"body: {param}: {e.message}")
+                    code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_value"
+                    refused = LineError(code, f"body: {param}: {e.message}", param=param, status=400)
+                    await self._counts.mark_errors(batch_id, [number], refused.packed())
             cursor += len(page)
         await self._redis.hset(self._keys.batch(batch_id), "enqueued", cursor)
 
@@ -280,8 +314,9 @@ class BatchDriver:
             err: list[str] = []
             for n, custom_id, error, record in zip(numbers, custom_ids, errors, records):
                 if error is not None:
-                    code, message = msgpack.unpackb(error)
-                    err.append(error_line(custom_id or None, code, f"line {n + 1}: {message}"))
+                    refused = unpack_error(error)
+                    err.append(error_line(custom_id or None, refused.code, f"line {n + 1}: {refused.message}",
+                                          status=refused.status, param=refused.param))
                 elif not custom_id:
                     continue  # a blank line: every other line has a custom_id or an error
                 elif not record:

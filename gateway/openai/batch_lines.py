@@ -6,6 +6,8 @@ import json
 import secrets
 from typing import Any
 
+import msgpack
+
 from gateway.errors import OpenAIError, openai_error_body
 from gateway.openai import responses
 from gateway.openai.schema import Endpoint, parse_request
@@ -15,12 +17,26 @@ ID_PREFIXES = {Endpoint.CHAT: "chatcmpl-", Endpoint.COMPLETIONS: "cmpl-"}
 
 
 class LineError(Exception):
-    """Why an input line cannot run: an OpenAI-style error ``code`` and a message naming the fault."""
+    """Why an input line cannot run: an OpenAI-style error ``code`` and a message naming the fault; for a request
+    the online route would refuse, that answer's ``status`` and ``param`` (the body's field at fault)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, param: str | None = None, status: int | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
+        self.status = status
+
+    def packed(self) -> bytes:
+        """As the batch's error hash keeps it (`unpack_error` reads it back)."""
+        return msgpack.packb([self.code, self.message, self.param, self.status])
+
+
+def unpack_error(raw: bytes) -> LineError:
+    """A line's error as `LineError.packed` wrote it, or as a gateway before ``param`` and ``status`` did."""
+    code, message, *rest = msgpack.unpackb(raw)
+    param, status = (rest + [None, None])[:2]
+    return LineError(code, message, param=param, status=status)
 
 
 def load_line(line: str) -> Any:
@@ -52,8 +68,10 @@ def parse_line(line: str, endpoint: Endpoint) -> tuple[str, dict[str, Any]]:
     try:
         request = parse_request(endpoint, data.get("body"), default_lane=Lane.BATCH, is_batch=True)
     except OpenAIError as e:
-        # A message about the whole body names it already ("body: must be a JSON object").
-        raise LineError("invalid_request", e.message if e.param == "body" else f"body: {e.message}") from e
+        # The online route's answer, its code and param included; a message about the whole body names it already
+        # ("body: must be a JSON object").
+        raise LineError(e.code or "invalid_request", e.message if e.param == "body" else f"body: {e.message}",
+                        param=e.param, status=e.status) from e
     return custom_id, request.jobs[0]
 
 

@@ -36,8 +36,8 @@ def line(**fields: object) -> str:
      "url must be the batch's endpoint /v1/chat/completions; it is missing"),
     (line(url="/v1/embeddings"), "invalid_url",
      'url must be the batch\'s endpoint /v1/chat/completions; got "/v1/embeddings"'),
-    (line(body=[1]), "invalid_request", "body: must be a JSON object"),
-    (line(body={**BODY, "temperature": -1}), "invalid_request", "body: temperature: must be in [0, 2], got -1"),
+    (line(body=[1]), "invalid_value", "body: must be a JSON object"),
+    (line(body={**BODY, "temperature": -1}), "invalid_value", "body: temperature: must be in [0, 2], got -1"),
 ])
 def test_a_line_that_cannot_run_says_why_once(text: str, code: str, message: str) -> None:
     assert refusal(text) == (code, message)
@@ -46,4 +46,20 @@ def test_a_line_that_cannot_run_says_why_once(text: str, code: str, message: str
 def test_a_batch_line_with_several_prompts_is_told_to_split_them_into_lines() -> None:
     text = json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {"model": "m", "prompt": ["a", "b"]}})
     code, message = refusal(text, Endpoint.COMPLETIONS)
-    assert code == "invalid_request" and "put each prompt on a line of its own" in message and "batch" not in message
+    assert code == "unsupported_parameter" and "put each prompt on a line of its own" in message
+    assert "batch" not in message
+
+
+@pytest.mark.parametrize(("body", "code", "param"), [
+    ({**BODY, "tools": []}, "unsupported_parameter", "tools"),
+    ({**BODY, "top_p": 10**400}, "invalid_value", "top_p"),
+    ({**BODY, "messages": [{"role": ["user"], "content": "hi"}]}, "invalid_value", "messages[0].role"),
+    ({**BODY, "metadata": {"k": "\ud800"}}, "invalid_value", "metadata.k"),
+])
+def test_a_request_refused_in_a_line_keeps_the_online_answers_code_and_param(body: dict[str, object], code: str,
+                                                                              param: str) -> None:
+    """The answer POST /v1/chat/completions gives the same body (a 400 naming the parameter), not a generic one;
+    values no check expects (a list for text, an integer past float's range) are refusals like any other."""
+    with pytest.raises(LineError) as refused:
+        parse_line(line(body=body), CHAT)
+    assert (refused.value.code, refused.value.param, refused.value.status) == (code, param, 400)

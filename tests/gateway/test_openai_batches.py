@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import re
 import signal
 import time
@@ -18,7 +19,7 @@ from scheduler.params import SamplingParams
 from tests.harness.child_env import child_pythonpath
 from tests.harness.openai_support import MODEL_NAME, openai_service, start_worker
 from tests.harness.webhook_receiver import Receiver
-from tests.harness.worker_harness import wait_until
+from tests.harness.worker_harness import KEYS, wait_until
 
 CHAT = "/v1/chat/completions"
 SECRET = generate_secret()
@@ -43,7 +44,7 @@ BAD_LINES = {
     "no messages": json.dumps({**chat_line(1007), "body": {"model": MODEL_NAME}}),
 }
 EXPECTED_CODES = ["invalid_json", "model_not_found", "missing_custom_id", "missing_custom_id", "duplicate_custom_id",
-                  "invalid_url", "invalid_method", "invalid_request", "invalid_request", "invalid_request"]
+                  "invalid_url", "invalid_method", "invalid_value", "unsupported_parameter", "invalid_value"]
 
 
 def offline_chat(model: str, indices: list[int], max_tokens: int) -> dict[str, str]:
@@ -152,6 +153,10 @@ async def test_a_batch_with_bad_lines_runs_the_rest_like_the_offline_engine(redi
         assert [int(line_error(e)["message"].split(":")[0].removeprefix("line ")) for e in errors] == \
             [8 + n * 19 for n in range(10)]
         assert "tools" in line_error(errors[8])["message"] and "temperature" in line_error(errors[7])["message"]
+        # A refused request has the online route's answer: its status, code and parameter.
+        assert [(e["response"]["status_code"], line_error(e)["param"]) for e in errors[7:]] == \
+            [(400, "temperature"), (400, "tools"), (400, "messages")]
+        assert (errors[1]["response"]["status_code"], line_error(errors[1])["param"]) == (404, "model")
         assert errors[4]["custom_id"] == "req-3"
         # The batch's jobs count as the batch lane's submissions, as any job enqueued does.
         async with aiohttp.ClientSession() as http, http.get(f"{svc.url}/metrics") as resp:
@@ -277,6 +282,24 @@ async def test_a_batch_with_no_line_that_can_run_fails_and_lists_why(redis_url) 
         assert payload["data"]["status"] == "failed" and len(payload["data"]["errors"]["data"]) == 8
         await receiver.stop()
 
+
+
+async def test_a_batch_whose_step_fails_holds_up_no_other_batch(redis_url, redis, caplog) -> None:
+    """A batch the driver cannot move on (its hash damaged in Redis: an in-progress batch with no cursors) is tried
+    again every round, logged once, and every other batch goes on meanwhile."""
+    await redis.sadd(KEYS.batches_active, "batch_damaged")
+    await redis.hset(KEYS.batch("batch_damaged"), mapping={"id": "batch_damaged", "status": "in_progress"})
+    bad = [BAD_LINES["not json"], BAD_LINES["wrong url"]]
+    with caplog.at_level(logging.INFO, logger="gateway.openai.batch_driver"):
+        async with openai_service(redis_url, None, batch_poll_interval_s=0.05) as svc:
+            batch = await svc.client.batches.create(input_file_id=await upload(svc.client, bad), endpoint=CHAT,
+                                                    completion_window="24h")
+            batch = await wait_batch(svc.client, batch.id, {"completed", "failed", "expired", "cancelled"})
+            assert batch.status == "failed" and batch.request_counts.failed == 2
+            await asyncio.sleep(0.3)  # more rounds meet the damaged batch
+    faults = [r for r in caplog.records if "batch_damaged cannot go on" in r.getMessage()]
+    assert len(faults) == 1 and faults[0].exc_info is not None, [r.getMessage() for r in caplog.records]
+    assert await redis.sismember(KEYS.batches_active, "batch_damaged")
 
 
 async def test_only_a_batch_that_has_not_ended_can_be_cancelled(redis_url) -> None:
