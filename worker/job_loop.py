@@ -295,7 +295,7 @@ class JobLoop:
                     partial = running_view(job.record, job.text, job.token_ids,
                                            first_token_at=job.first_token_at, resumed_from=job.resumed_from)
                     assert job.spec.webhook is not None
-                    writes.deliver(delivery_fields(
+                    writes.deliver(job.spec.id, delivery_fields(
                         job.spec.id, WebhookEvent.OUTPUT, job.spec.webhook.url, partial,
                         traceparent=job.trace.traceparent if job.trace is not None else job.spec.traceparent))
             if out.finished:

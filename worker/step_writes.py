@@ -8,9 +8,11 @@ commands (encoding each, parsing each reply) slows every step down. One
 EVALSHA carrying the whole step costs about what one command costs.
 
 The script runs the writes in the order given: a job's token events stay in
-order, and each checkpoint is stored only while the job is still ours
-(running, held by this worker). The shutdown hand-back writes its final
-checkpoints through the same script.
+order. Each write is made only while its job is still ours (running, held by
+this worker): a worker that lost a job (paused past its lease, its job since
+cancelled or run elsewhere) sends no event, webhook or checkpoint after the
+job's end. The shutdown hand-back writes its final checkpoints through the
+same script.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ class StepWrites:
 
     events: list[tuple[str, bytes]] = field(default_factory=list)
     """(job id, packed event), in publishing order: published on the job's channel and logged."""
-    deliveries: list[dict[FieldT, EncodableT]] = field(default_factory=list)
-    """Fields of webhook deliveries to XADD."""
+    deliveries: list[tuple[str, dict[FieldT, EncodableT]]] = field(default_factory=list)
+    """(job id, fields of a webhook delivery to XADD)."""
     checkpoints: list[tuple[str, bytes, str]] = field(default_factory=list)
     """(job id, packed checkpoint, first_token_at or '')."""
 
@@ -46,8 +48,8 @@ class StepWrites:
     def publish(self, job_id: str, message: bytes) -> None:
         self.events.append((job_id, message))
 
-    def deliver(self, fields: dict[FieldT, EncodableT]) -> None:
-        self.deliveries.append(fields)
+    def deliver(self, job_id: str, fields: dict[FieldT, EncodableT]) -> None:
+        self.deliveries.append((job_id, fields))
 
     def checkpoint(self, job_id: str, token_ids: list[int], first_token_at: float | None,
                    logprobs: list[dict[str, Any]] | None = None, text: str | None = None,
@@ -72,16 +74,26 @@ class StepWriter:
         if not len(writes):
             return []
         keys: list[str] = [self.keys.webhooks]
-        args: list[EncodableT] = [self.worker, len(writes.events), len(writes.deliveries), EVENTS_LOG_TTL_S]
+        places: dict[str, int] = {}
+
+        def place(job_id: str) -> int:
+            """The job's 1-based place among the step's jobs, whose record and cancel flag follow in KEYS."""
+            if job_id not in places:
+                places[job_id] = len(places) + 1
+                keys.extend((self.keys.job(job_id), self.keys.cancel(job_id)))
+            return places[job_id]
+
+        writes_args: list[EncodableT] = []
         for job_id, message in writes.events:
-            args += [self.keys.events(job_id), self.keys.events_log(job_id), message]
-        for fields in writes.deliveries:
-            args.append(len(fields))
+            writes_args += [place(job_id), self.keys.events(job_id), self.keys.events_log(job_id), message]
+        for job_id, fields in writes.deliveries:
+            writes_args += [place(job_id), len(fields)]
             for name, value in fields.items():
-                args += [name, value]
+                writes_args += [name, value]
         for job_id, checkpoint, first_token_at in writes.checkpoints:
-            keys += [self.keys.job(job_id), self.keys.cancel(job_id)]
-            args += [checkpoint, first_token_at]
+            writes_args += [place(job_id), checkpoint, first_token_at]
+        args: list[EncodableT] = [self.worker, len(places), len(writes.events), len(writes.deliveries),
+                                  EVENTS_LOG_TTL_S, *writes_args]
         replies = await self._script(keys=keys, args=args)
         assert len(replies) == len(writes.checkpoints)
         return [int(r) for r in replies]

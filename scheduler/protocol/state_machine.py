@@ -24,7 +24,7 @@ START          worker (intake)           take a lane entry's job to ``running`` 
                                          directly XADDed job), or say why not: terminal, another entry's,
                                          cancel flagged, past its deadline
 STEP           worker (job loop)         one engine step's token events, ``output`` webhooks and
-                                         checkpoints; a checkpoint only while the job is ``running`` here
+                                         checkpoints; each only while its job is ``running`` here
 RENEW_LEASE    worker (consumer)         keep this worker's lane entries pending and fresh
 HAND_BACK      worker (shutdown)         make this worker's entries look idle so another worker takes them
 COMMIT         worker (commit)           the job's terminal status, unless it has one already
@@ -369,44 +369,60 @@ first start, its attempts, its checkpoint and the record (without the checkpoint
 again (its start token: the first reply was lost) gets the answer it got then: the job is not started twice."""
 
 STEP = _job_script("""
-local nevents, ndeliveries = tonumber(ARGV[2]), tonumber(ARGV[3])
-local i = 5
+local njobs, nevents, ndeliveries = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local state = {}
+for j = 1, njobs do
+  local found = redis.call('HMGET', KEYS[2 * j], '@status@', '@worker@')
+  if not found[1] then
+    state[j] = 3
+  elseif found[1] ~= '@running@' or found[2] ~= ARGV[1] then
+    state[j] = 0
+  else
+    state[j] = redis.call('EXISTS', KEYS[2 * j + 1]) == 1 and 2 or 1
+  end
+end
+local i = 6
 for _ = 1, nevents do
-  redis.call('PUBLISH', ARGV[i], ARGV[i + 2])
-  redis.call('XADD', ARGV[i + 1], '*', 'e', ARGV[i + 2])
-  redis.call('EXPIRE', ARGV[i + 1], ARGV[4])
-  i = i + 3
+  local j = tonumber(ARGV[i])
+  if state[j] == 1 or state[j] == 2 then
+    redis.call('PUBLISH', ARGV[i + 1], ARGV[i + 3])
+    redis.call('XADD', ARGV[i + 2], '*', 'e', ARGV[i + 3])
+    redis.call('EXPIRE', ARGV[i + 2], ARGV[5])
+  end
+  i = i + 4
 end
 for _ = 1, ndeliveries do
-  local nfields, entry = tonumber(ARGV[i]), {}
-  i = i + 1
-  for k = 1, nfields * 2 do entry[k] = ARGV[i]; i = i + 1 end
-  redis.call('XADD', KEYS[1], '*', unpack(entry))
+  local j, nfields = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
+  i = i + 2
+  if state[j] == 1 or state[j] == 2 then
+    local entry = {}
+    for k = 1, nfields * 2 do entry[k] = ARGV[i + k - 1] end
+    redis.call('XADD', KEYS[1], '*', unpack(entry))
+  end
+  i = i + nfields * 2
 end
 local replies = {}
-for k = 2, #KEYS, 2 do
-  local job, cancel = KEYS[k], KEYS[k + 1]
-  local status = redis.call('HGET', job, '@status@')
-  if not status then
-    replies[#replies + 1] = 3
-  elseif status ~= '@running@' or redis.call('HGET', job, '@worker@') ~= ARGV[1] then
-    replies[#replies + 1] = 0
-  else
-    redis.call('HSET', job, '@checkpoint@', ARGV[i])
-    if ARGV[i + 1] ~= '' then redis.call('HSETNX', job, '@first_token_at@', ARGV[i + 1]) end
-    replies[#replies + 1] = redis.call('EXISTS', cancel) == 1 and 2 or 1
+while i <= #ARGV do
+  local j = tonumber(ARGV[i])
+  if state[j] == 1 or state[j] == 2 then
+    redis.call('HSET', KEYS[2 * j], '@checkpoint@', ARGV[i + 1])
+    if ARGV[i + 2] ~= '' then redis.call('HSETNX', KEYS[2 * j], '@first_token_at@', ARGV[i + 2]) end
   end
-  i = i + 2
+  replies[#replies + 1] = state[j]
+  i = i + 3
 end
 return replies
 """)
-"""Worker: everything one engine step writes, in order (a job's token events stay in order).
+"""Worker: everything one engine step writes, in order (a job's token events stay in order), for the jobs that
+are still its own: a job whose record says it ended, or runs on another worker (this one lost its lease, paused
+say), gets no more token events, ``output`` webhooks or checkpoints from here, so none lands after its end.
 
-KEYS: webhook stream, then (job record, cancel flag) per checkpoint.
-ARGV: worker, n events, n webhook deliveries, events log ttl_s, then (channel, events log, message) per
-event, (n fields, field pairs...) per delivery, (checkpoint, first_token_at|'') per checkpoint.
-Returns per checkpoint: 1 stored, 0 not ours (not running, or running elsewhere), 2 cancel flagged, 3 no record
-(deleted, or lost by Redis)."""
+KEYS: webhook stream, then (job record, cancel flag) per job the step writes for.
+ARGV: worker, n jobs, n events, n webhook deliveries, events log ttl_s, then (job, channel, events log, message) per
+event, (job, n fields, field pairs...) per delivery, (job, checkpoint, first_token_at|'') per checkpoint, each
+`job` the 1-based place of its pair in KEYS.
+Returns per checkpoint: 1 stored, 0 not ours (not running, or running elsewhere), 2 cancel flagged (stored), 3 no
+record (deleted, or lost by Redis)."""
 
 RENEW_LEASE = """
 local lost = {}

@@ -32,6 +32,7 @@ async def test_events_deliveries_and_checkpoints_in_one_call(redis: aioredis.Red
         await _running(redis, keys, job_id)
     await redis.hset(keys.job("b"), "worker", "someone-else")
     await redis.set(keys.cancel("c"), 1)
+    await redis.hset(keys.job("e"), mapping={"id": "e", "status": "cancelled", "worker": WORKER})  # ended meanwhile
     pubsub = redis.pubsub()
     await pubsub.subscribe(keys.events("a"), keys.events("b"))
     for _ in range(2):  # both subscriptions confirmed before anything is published
@@ -40,7 +41,11 @@ async def test_events_deliveries_and_checkpoints_in_one_call(redis: aioredis.Red
     for index in range(3):
         writes.publish("a", msgpack.packb({"index": index}))
     writes.publish("b", msgpack.packb({"index": 0}))
-    writes.deliver({"id": b"d1", "job_id": b"a", "event": b"output"})
+    writes.deliver("a", {"id": b"d1", "job_id": b"a", "event": b"output"})
+    writes.deliver("b", {"id": b"d2", "job_id": b"b", "event": b"output"})
+    writes.publish("c", msgpack.packb({"index": 0}))
+    writes.publish("e", msgpack.packb({"index": 5}))
+    writes.deliver("e", {"id": b"d3", "job_id": b"e", "event": b"output"})
     stored = writes.checkpoint("a", [5, 6, 7], 12.5)
     lost = writes.checkpoint("b", [1], None)
     flagged = writes.checkpoint("c", [9, 9], 3.0, [{"token_id": 9, "logprob": -0.5}] * 2)
@@ -60,12 +65,17 @@ async def test_events_deliveries_and_checkpoints_in_one_call(redis: aioredis.Red
     deliveries = [fields for _, fields in await redis.xrange(keys.webhooks) or []]
     assert deliveries == [{b"id": b"d1", b"job_id": b"a", b"event": b"output"}]
     received: list[tuple[bytes, int]] = []
-    while len(received) < 4:
+    while len(received) < 3:
         message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
         assert message is not None, f"only {received} arrived"
         received.append((message["channel"], msgpack.unpackb(message["data"])["index"]))
     assert received == [(keys.events("a").encode(), 0), (keys.events("a").encode(), 1),
-                        (keys.events("a").encode(), 2), (keys.events("b").encode(), 0)]
+                        (keys.events("a").encode(), 2)]
+    # b runs on another worker: nothing of this one's for it is sent (its webhook d2 above neither); c, whose
+    # cancel is flagged, is still ours until the worker ends it.
+    assert await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.3) is None
+    assert not await redis.exists(keys.events_log("b")) and await redis.xlen(keys.events_log("c")) == 1
+    assert not await redis.exists(keys.events_log("e"))  # ended: its last webhook was its `completed`
     await pubsub.aclose()
 
 
