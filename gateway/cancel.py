@@ -22,7 +22,7 @@ import msgpack
 import redis.asyncio as aioredis
 
 from scheduler.protocol import state_machine
-from scheduler.protocol.job import JobSpec, JobStatus, JobValidationError, WebhookEvent
+from scheduler.protocol.job import TERMINAL_STATUSES, JobSpec, JobStatus, JobValidationError, WebhookEvent
 from scheduler.protocol.job_record import (
     F_ERROR,
     F_FINISHED_AT,
@@ -47,6 +47,10 @@ class CancelMetrics(Protocol):
 
 class JobNotFound(Exception):
     pass
+
+
+_ENDED_OTHERWISE = {status.value for status in TERMINAL_STATUSES} - {JobStatus.CANCELLED.value}
+"""The final statuses of a job its cancel came too late for."""
 
 
 class AlreadyFinished(Exception):
@@ -79,9 +83,14 @@ class Canceller:
         if outcome not in ("+cancelled", "+cancelling"):
             raise AlreadyFinished(outcome)
         if outcome == "+cancelling":
+            running = job_view(await read_hash(self._redis, self._keys.job(job_id)))
+            status = str(running.get("status"))
+            if status in _ENDED_OTHERWISE:
+                # Its worker ended it between the flag and this read, before any step could see the flag.
+                raise AlreadyFinished(status)
             if self._metrics is not None:
                 self._metrics.job_cancelled("running")
-            return CancelOutcome(job_view(await read_hash(self._redis, self._keys.job(job_id))), is_cancelled_now=False)
+            return CancelOutcome(running, is_cancelled_now=False)
         if self._metrics is not None:
             self._metrics.job_cancelled("queued")
             self._metrics.job_cancelled_queued(str(view.get("lane") or ""), str(view.get("tenant") or DEFAULT_TENANT))

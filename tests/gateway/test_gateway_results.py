@@ -197,6 +197,29 @@ async def test_cancel_a_running_job_asks_its_worker(client: TestClient, redis: a
     assert (await redis.hget(KEYS.job(job_id), "status")) == b"running"  # the worker writes the final status
 
 
+async def test_a_cancel_that_comes_as_its_worker_ends_the_job_is_told_it_ended(redis: aioredis.Redis) -> None:
+    """The flag was set while the job ran, but its worker committed `succeeded` before any step saw it: the
+    answer is the job's end (409 on DELETE), not a 202 with a finished record."""
+    from gateway.cancel import AlreadyFinished, Canceller
+
+    await redis.hset(KEYS.job("late"), mapping={"id": "late", "status": "running", "worker": "w-test"})
+    canceller = Canceller(redis, KEYS, flag_ttl_s=60)
+    flag_only = canceller.transition
+
+    async def worker_ends_it_meanwhile(job_id: str) -> tuple[str, dict[str, Any]]:
+        outcome = await flag_only(job_id)
+        await redis.hset(KEYS.job(job_id), "status", "succeeded")  # as the worker's commit writes it
+        return outcome
+
+    canceller.transition = worker_ends_it_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(AlreadyFinished) as ended:
+        await canceller.cancel("late")
+    assert ended.value.status == "succeeded"
+    await redis.hset(KEYS.job("late"), "status", "running")
+    canceller.transition = flag_only  # type: ignore[method-assign]
+    assert (await canceller.cancel("late")).view["status"] == "running"  # still running: the worker is asked
+
+
 @pytest.fixture
 async def configured_client(redis_url: str) -> AsyncIterator[TestClient]:
     webhooks = WebhookConfig(webhook_secret=generate_secret(), webhook_allow=["hooks.test"])
