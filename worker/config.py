@@ -10,6 +10,7 @@ environment fallback. Imports no torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import secrets
 import socket
@@ -40,6 +41,9 @@ ENGINE_FLAGS = (
 """The worker's engine settings: `carpool up` takes each of them and hands it to its worker."""
 
 
+MIN_LEASE_S = 0.1
+"""The shortest lease: a worker renews every third of it, and a shorter one than this would leave no room for a
+renewal's round trip and a busy event loop, so other workers would take its running jobs as lost."""
 CPU_LOWER_LANE_PREFILL_TOKENS = 256
 """``--lower-lane-prefill-tokens`` on CPU: with the built-in model on a 2-core CPU a step of 1,200 prompt tokens
 takes ~160 ms, one of 256 about a fifth of that (bench/RESULTS.md)."""
@@ -131,8 +135,10 @@ class WorkerConfig:
         if self.interactive_reserve is not None and self.interactive_reserve < 0:
             raise ValueError(f"interactive_reserve: must be >= 0, got {self.interactive_reserve}")
         for name in ("lease_s", "checkpoint_interval_s", "heartbeat_interval_s", "redis_timeout_s", "engine_stall_s"):
-            if not getattr(self, name) > 0:  # NaN too
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < math.inf:  # NaN too
+                raise ValueError(f"{name}: must be a finite number of seconds > 0, got {getattr(self, name)}")
+        if self.lease_s < MIN_LEASE_S:
+            raise ValueError(f"lease_s: must be at least {MIN_LEASE_S} s, got {self.lease_s}")
         for name in ("shutdown_grace_s", "webhook_output_interval_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import redis.asyncio as aioredis
 
 from scheduler.protocol.keys import CONSUMER_GROUP
@@ -49,3 +50,14 @@ async def test_renewal_never_takes_an_entry_another_worker_owns(redis_url: str) 
     assert await b.renew([EntryRef(LANE, ids[1])]) == set()
     assert (await pending(client, ids[1]))["deliveries"] == before_b["deliveries"]  # renewals count no delivery
     await client.aclose()
+
+
+@pytest.mark.parametrize("lease", ["inf", "nan", "0", "1e-9", "0.05"])
+def test_a_lease_no_worker_could_keep_is_refused_at_start(lease: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Infinite (never reclaimed, and no lease in milliseconds to give Redis) or shorter than a renewal's round
+    trip: one line naming the setting, exit 2, before any model loads."""
+    from gateway.cli.main import main
+
+    assert main(["worker", "--lease-s", lease], env={}) == 2
+    err = capsys.readouterr().err
+    assert "lease_s: must be" in err and "Traceback" not in err, err
