@@ -30,16 +30,22 @@ def add_keys_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> N
     actions.add_parser("list", help="list keys (id, tenant, limits; never the key)")
     revoke = actions.add_parser("revoke", help="revoke a key by its id; every gateway refuses it from then on")
     revoke.add_argument("key_id")
-    for action in actions.choices.values():
-        # No defaults from the environment here: a flag beats both variables (`choose_redis_url`).
-        action.add_argument("--redis-url", default=None,
+    # The connection flags go before the action (`keys --data-dir D list`, as a data directory names a deployment)
+    # or after it; given in both places, the one after the action wins. Only `keys` itself sets their defaults:
+    # an action's parser, whose defaults would overwrite what was given before it, sets only what it was given.
+    for target in (parser, *actions.choices.values()):
+        is_action = target is not parser
+        # No defaults from the environment for these two: a flag beats both variables (`choose_redis_url`).
+        target.add_argument("--redis-url", default=argparse.SUPPRESS if is_action else None,
                             help="Redis of the deployment (default: carpool up's) [env CARPOOL_REDIS_URL]")
-        action.add_argument("--data-dir", default=None,
+        target.add_argument("--data-dir", default=argparse.SUPPRESS if is_action else None,
                             help="the data directory of the `carpool up` whose Redis to use, when it was started "
                                  "with --data-dir (default ~/.local/share/carpool) [env CARPOOL_DATA_DIR]")
-        action.add_argument("--key-prefix", default=env.get("CARPOOL_KEY_PREFIX", DEFAULT_PREFIX),
+        target.add_argument("--key-prefix",
+                            default=argparse.SUPPRESS if is_action else env.get("CARPOOL_KEY_PREFIX", DEFAULT_PREFIX),
                             help=f"prefix of every Redis key (default: {DEFAULT_PREFIX}) [env CARPOOL_KEY_PREFIX]")
-        action.add_argument("--json", action="store_true", help="print JSON")
+        target.add_argument("--json", action="store_true", default=argparse.SUPPRESS if is_action else False,
+                            help="print JSON")
 
 
 def run_keys(args: argparse.Namespace, env: Mapping[str, str], default_data_dir: Path) -> int:
@@ -86,7 +92,10 @@ async def _run(args: argparse.Namespace, redis_url: str) -> int:
         if not await store.revoke(args.key_id):
             print(f"carpool keys: no key {args.key_id!r}", file=sys.stderr)
             return 1
-        print(f"revoked {args.key_id}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"id": args.key_id, "revoked": True}))
+        else:
+            print(f"revoked {args.key_id}", file=sys.stderr)
         return 0
     finally:
         await client.aclose()

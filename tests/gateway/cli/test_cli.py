@@ -262,3 +262,23 @@ def test_keys_finds_the_redis_of_a_carpool_up_started_with_a_data_dir(redis_url:
     assert main(["keys", "list", "--json", "--redis-url", redis_url],
                 env={"CARPOOL_DATA_DIR": str(tmp_path / "nothing-here")}) == 0
     capsys.readouterr()
+
+
+def test_keys_takes_its_connection_flags_before_or_after_the_action_and_revoke_prints_json(
+        redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`carpool keys --data-dir D list`, as the README writes it, is `carpool keys list --data-dir D`; and
+    `revoke --json` prints JSON like `create --json` and `list --json`."""
+    from gateway.cli.redis_cli import REDIS_URL_FILE
+
+    (tmp_path / REDIS_URL_FILE).write_text(redis_url)
+    assert main(["keys", "--data-dir", str(tmp_path), "--json", "create", "--tenant", "acme"], env={}) == 0
+    created = json.loads(capsys.readouterr().out)
+    assert main(["keys", "--data-dir", str(tmp_path), "list", "--json"], env={}) == 0
+    assert [k["id"] for k in json.loads(capsys.readouterr().out)] == [created["id"]]
+    # given twice, the flag after the action wins
+    assert main(["keys", "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "list", "--redis-url", redis_url],
+                env={}) == 0
+    capsys.readouterr()
+    assert main(["keys", "revoke", created["id"], "--redis-url", redis_url, "--json"], env={}) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out) == {"id": created["id"], "revoked": True} and out.err == ""
