@@ -8,11 +8,13 @@ beats the environment: `--data-dir D` with `CARPOOL_REDIS_URL` set is D's Redis.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from gateway.cli.embedded_redis import DEFAULT_REDIS_URL, REDIS_URL_FILE
 
@@ -85,4 +87,24 @@ def main(argv: Sequence[str], env: Mapping[str, str], default_data_dir: Path) ->
     except ValueError as e:
         print(f"carpool redis-cli: {e}", file=sys.stderr)
         return 2
-    return subprocess.run([binary, "-u", url, *args]).returncode
+    url, auth_env = redis_cli_connection(url)
+    return subprocess.run([binary, "-u", url, *args], env={**os.environ, **auth_env}).returncode
+
+
+def redis_cli_connection(redis_url: str) -> tuple[str, dict[str, str]]:
+    """The URL to give redis-cli's ``-u``, and the variables to set for it, to connect as redis-py does with
+    ``redis_url``.
+
+    redis-py reads ``redis://:PASSWORD@host`` as a password alone (``AUTH PASSWORD``), but redis-cli 6.2 sends
+    its empty user name too, which Redis refuses (WRONGPASS); so such a password goes in ``REDISCLI_AUTH``
+    instead, which redis-cli sends without a user (and which, unlike the URL, no process listing shows).
+    """
+    try:
+        parts = urlsplit(redis_url)
+        username, password = parts.username, parts.password
+    except ValueError:
+        return redis_url, {}  # redis-cli says what is wrong with it
+    if username or not password:
+        return redis_url, {}
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=host).geturl(), {"REDISCLI_AUTH": unquote(password)}
