@@ -132,7 +132,7 @@ async def start_engine(config: WorkerConfig) -> EngineRunner:
 async def wait_for_redis(client: Any, stopped: asyncio.Event, redis_url: str) -> bool:
     """Return True once Redis answers and takes this worker's user, or False when `stopped` is set first; says
     so once in a while meanwhile. Raises `RedisRefused` when it answers but refuses the user (credentials, ACL)."""
-    from scheduler.protocol.redis_client import RedisRefused, check_access, is_refusal, redacted_url
+    from scheduler.protocol.redis_client import RedisRefused, check_access, is_refusal, redacted_url, refusal_reason
     from worker.redis_errors import REDIS_ERRORS, REDIS_RETRY_S, outage_log
 
     outages = outage_log(log)
@@ -141,7 +141,7 @@ async def wait_for_redis(client: Any, stopped: asyncio.Event, redis_url: str) ->
             await client.ping()
         except REDIS_ERRORS as e:
             if is_refusal(e):
-                raise RedisRefused(str(e)) from e
+                raise RedisRefused(refusal_reason(e)) from e
             outages.warn(f"Redis at {redacted_url(redis_url)}", e, "the worker waits for it before reading any job")
         else:
             await check_access(client)  # the check at start found it unreachable: made now

@@ -16,6 +16,7 @@ from gateway.api_keys import KeyStore
 from gateway.cli.redis_cli import choose_redis_url
 from scheduler.protocol.keys import DEFAULT_PREFIX, Keys
 from scheduler.protocol.redis_client import connect as connect_redis
+from scheduler.protocol.redis_client import redacted_url, refusal_reason
 from scheduler.protocol.tenants import parse_limits
 
 
@@ -56,12 +57,15 @@ def run_keys(args: argparse.Namespace, env: Mapping[str, str], default_data_dir:
     except ValueError as e:
         print(f"carpool keys: {e}", file=sys.stderr)
         return 2
+    except redis.AuthenticationError as e:  # a ConnectionError too, but Redis was reached
+        print(f"carpool keys: Redis at {redacted_url(redis_url)} refuses it: {refusal_reason(e)}", file=sys.stderr)
+        return 1
     except (redis.ConnectionError, redis.TimeoutError) as e:
-        print(f"carpool keys: cannot reach Redis at {redis_url} ({e}); is `carpool up` running, or is it another "
+        print(f"carpool keys: cannot reach Redis at {redacted_url(redis_url)} ({e}); is `carpool up` running, or is it another "
               "deployment's Redis (--redis-url)?", file=sys.stderr)
         return 1
     except redis.RedisError as e:  # something answered, but not as a Redis that takes these commands
-        print(f"carpool keys: Redis at {redis_url} failed: {type(e).__name__}: {e}; is that address a Redis server "
+        print(f"carpool keys: Redis at {redacted_url(redis_url)} failed: {type(e).__name__}: {e}; is that address a Redis server "
               "(--redis-url)?", file=sys.stderr)
         return 1
 

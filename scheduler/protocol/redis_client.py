@@ -86,6 +86,22 @@ def is_refusal(error: BaseException) -> bool:
         and any(reply in str(error) for reply in (*_SCRIPT_ACL_REPLIES, _NO_SUCH_DB_REPLY)))
 
 
+_NO_PASSWORD_REPLIES = ("NOAUTH", "Authentication required", "HELLO must be called with the client already authenticated")
+"""What Redis says to a client that sent no password where one is needed: to a command, and to redis-py's HELLO
+(whose own words point at HELLO's options, not at the missing password)."""
+
+
+def refusal_reason(error: BaseException) -> str:
+    """What a user should read of a refusal (`is_refusal`): a missing password, or a wrong user or password, said as
+    such; any other refusal in Redis's own words."""
+    text = str(error)
+    if any(reply in text for reply in _NO_PASSWORD_REPLIES):
+        return "Redis needs a password, and the URL has none (redis://:PASSWORD@HOST:PORT/DB, or USER:PASSWORD@)"
+    if isinstance(error, AuthenticationError):
+        return f"the URL's password, or its user, is wrong ({text})"
+    return text
+
+
 async def check_access(client: aioredis.Redis) -> None:
     """Raise `RedisRefused` when Redis refuses `client` outright: wrong credentials, or a user that may not run
     scripts (carpool's every change of a job is one). Unreachable, or at maxmemory, passes: that is waited out."""
@@ -94,7 +110,7 @@ async def check_access(client: aioredis.Redis) -> None:
         await client.script_load("return 1")
     except RedisError as e:
         if is_refusal(e):
-            raise RedisRefused(str(e)) from e
+            raise RedisRefused(refusal_reason(e)) from e
     except OSError:
         pass
 

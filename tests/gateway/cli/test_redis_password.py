@@ -34,3 +34,18 @@ def test_redis_cli_reaches_a_redis_with_a_password_with_or_without_a_user(passwo
                                                                           userinfo: str) -> None:
     pong = carpool("redis-cli", "--redis-url", with_credentials(password_redis, userinfo), "PING")
     assert (pong.returncode, pong.stdout.strip()) == (0, "PONG"), pong.stdout + pong.stderr
+
+
+@pytest.mark.parametrize(("userinfo", "words"), [
+    ("", "Redis needs a password, and the URL has none"),
+    (":wrong", "the URL's password, or its user, is wrong (invalid username-password pair"),
+])
+@pytest.mark.parametrize("argv", [["keys", "list"], ["gateway", "--port", "0"], ["worker", "--metrics-port", "0"]])
+def test_a_missing_or_wrong_password_is_said_as_such_in_one_line(password_redis: EmbeddedRedis, userinfo: str,
+                                                                 words: str, argv: list[str]) -> None:
+    url = with_credentials(password_redis, userinfo) if userinfo else password_redis.url
+    done = carpool(*argv, "--redis-url", url)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if line.strip()]
+    assert line.startswith(f"carpool {argv[0]}: Redis at redis://") and words in line, line
+    assert "cannot reach" not in line and "HELLO" not in line and "wrong@" not in line, line
