@@ -21,6 +21,7 @@ from gateway.cli.submit import (
     NotAGateway,
     add_api_key_flag,
     auth_header,
+    error_answer,
     path_part,
     read_json,
     report_failure,
@@ -70,11 +71,7 @@ def _call(method: str, url: str, data: bytes | None = None, content_type: str = 
         with urllib.request.urlopen(req, timeout=300) as resp:
             return bytes(resp.read())
     except urllib.error.HTTPError as e:
-        try:
-            message = json.loads(e.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = e.reason
-        raise BatchError(f"HTTP {e.code}: {message}") from e
+        raise BatchError(f"HTTP {e.code}: {error_answer(e, url)['error']['message']}") from e
 
 
 def _json(method: str, url: str, body: dict[str, Any] | None = None, api_key: str | None = None) -> dict[str, Any]:

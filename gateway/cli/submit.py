@@ -81,7 +81,7 @@ def job_body(args: argparse.Namespace, prompt: str) -> dict[str, Any]:
 
 
 class NotAGateway(Exception):
-    """An answer that is not a carpool gateway's: not JSON."""
+    """An answer that is not a carpool gateway's: not JSON, or an error that is not in its error shape."""
 
 
 def read_json(data: bytes, url: str) -> Any:
@@ -136,11 +136,22 @@ def _send(method: str, url: str, body: dict[str, Any] | None, headers: dict[str,
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status, read_json(resp.read(), url)
     except urllib.error.HTTPError as e:
-        try:
-            payload = json.loads(e.read())
-        except ValueError:
-            payload = {}
-        raise GatewayError(e.code, payload) from e
+        raise GatewayError(e.code, error_answer(e, url)) from e
+
+
+def error_answer(error: urllib.error.HTTPError, url: str) -> dict[str, Any]:
+    """The JSON of a carpool gateway's error answer (``{"error": {"message": ...}}``, the OpenAI shape); raises
+    `NotAGateway` for any other (a 404 page of another web server, a proxy's 502), so that no such answer is
+    reported as the gateway refusing the request."""
+    try:
+        payload = json.loads(error.read())
+    except ValueError:
+        payload = None
+    if not (isinstance(payload, dict) and isinstance(payload.get("error"), dict)
+            and isinstance(payload["error"].get("message"), str)):
+        raise NotAGateway(f"the answer from {url} (HTTP {error.code}) is no carpool gateway's error: does --gateway "
+                          "name a carpool gateway?") from None
+    return payload
 
 
 def run_submit(args: argparse.Namespace) -> int:

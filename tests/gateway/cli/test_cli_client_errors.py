@@ -73,6 +73,37 @@ def test_an_answer_that_is_not_a_gateways_is_one_line(html_server: str, argv: li
     assert f"the answer from {html_server}/v1/" in err and "does --gateway name a carpool gateway?" in err, err
 
 
+@pytest.fixture(params=[b"{}", b"<html><body>404 Not Found</body></html>"], ids=["json", "html"])
+def not_found_server(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A web server that answers every request 404 with a body that is no carpool gateway's error."""
+
+    class NotFound(BaseHTTPRequestHandler):
+        def _page(self) -> None:
+            self.send_response(404)
+            self.end_headers()
+            self.wfile.write(request.param)
+
+        do_GET = do_POST = _page
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("argv", [["submit", "x"], ["batch", "status", "batch_1"], ["batch", "cancel", "batch_1"]])
+def test_an_error_answer_that_is_not_a_gateways_is_no_refusal(not_found_server: str, argv: list[str], capsys) -> None:
+    assert main([*argv, "--gateway", not_found_server], {}) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "refused" not in err and "Traceback" not in err, err
+    assert f"the answer from {not_found_server}/v1/" in err and "does --gateway name a carpool gateway?" in err, err
+
+
 @pytest.mark.parametrize(("argv", "words"), [
     (["submit", "x", "--gateway", "not a url"], "unknown url type"),
     (["batch", "status", "b", "--gateway", "not a url"], "unknown url type"),
