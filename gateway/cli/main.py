@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from gateway.cli.batch import add_batch_flags, run_batch
 from gateway.cli.keys import add_keys_flags, run_keys
-from gateway.cli.submit import add_submit_flags, run_submit
+from gateway.cli.submit import EXIT_READER_GONE, add_submit_flags, run_submit
 from gateway.cli.up import UpConfig, default_data_dir, run_up
 from gateway.cli.up_worker import WorkerChild
 from gateway.config import GatewayConfig
@@ -113,10 +113,11 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         print("carpool: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # Whoever read the output stopped reading (`carpool batch list | head`): stop quietly, as other tools do,
-        # with stdout sent nowhere so that the interpreter's last flush at exit cannot fail again.
+        # Whoever read the output stopped reading (`carpool batch status ID | head -2`): stop quietly with the status
+        # a shell gives a process that SIGPIPE ended, as other tools do, with stdout sent nowhere so that the
+        # interpreter's last flush at exit cannot fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return EXIT_READER_GONE
 
 
 def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:

@@ -26,6 +26,8 @@ EXIT_REFUSED = 2
 EXIT_TIMEOUT = 3
 EXIT_INTERRUPTED = 130
 """Ctrl-C, as a shell reports a process ended by SIGINT."""
+EXIT_READER_GONE = 141
+"""Whoever read standard output stopped reading (`| head`), as a shell reports a process ended by SIGPIPE."""
 
 
 def add_submit_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
@@ -98,9 +100,14 @@ def path_part(value: str) -> str:
 
 
 def report_failure(verb: str, base: str, error: Exception) -> int:
-    """Say in one line why a request to the gateway at `base` failed other than by its refusal; the exit status."""
+    """Say in one line why a request to the gateway at `base` failed other than by its refusal; the exit status.
+
+    A `BrokenPipeError` is no failure of the gateway's but our reader's, gone (`| head`): raised again for `main`,
+    which ends quietly."""
     if isinstance(error, NotAGateway):
         message, status = str(error), EXIT_FAILED
+    elif isinstance(error, BrokenPipeError):  # our own standard output's reader, not the gateway (urllib's are URLError)
+        raise error
     elif isinstance(error, (urllib.error.URLError, OSError)):
         message, status = f"cannot reach the gateway at {base}: {error}", EXIT_FAILED
     else:  # ValueError: a --gateway that is no URL, a header value HTTP cannot carry

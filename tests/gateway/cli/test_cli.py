@@ -176,7 +176,7 @@ def test_output_to_a_reader_that_stopped_ends_quietly(redis_url: str) -> None:
                               env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
     finally:
         os.close(write_end)
-    assert done.returncode == 1
+    assert done.returncode == 141  # as a shell reports a process that SIGPIPE ended
     assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
 
 

@@ -104,6 +104,42 @@ def test_an_error_answer_that_is_not_a_gateways_is_no_refusal(not_found_server: 
     assert f"the answer from {not_found_server}/v1/" in err and "does --gateway name a carpool gateway?" in err, err
 
 
+@pytest.fixture
+def batch_server() -> Iterator[str]:
+    """A web server that answers every GET with a batch longer than a pipe holds."""
+
+    class Batch(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps({"id": "batch_1", "status": "completed", "metadata": {"x": "y" * 200_000}})
+                             .encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Batch)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_reader_that_stops_reading_ends_batch_status_quietly(batch_server: str) -> None:
+    """`carpool batch status ID | head -2`: the gateway answered; the reader of standard output went away."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "gateway.cli", "batch", "status", "batch_1", "--gateway",
+                               batch_server], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
 @pytest.mark.parametrize(("argv", "words"), [
     (["submit", "x", "--gateway", "not a url"], "unknown url type"),
     (["batch", "status", "b", "--gateway", "not a url"], "unknown url type"),
