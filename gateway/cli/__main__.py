@@ -1,5 +1,5 @@
 """``python -m gateway.cli VERB ...``: the ``carpool`` command."""
 
-from gateway.cli.main import main
+from gateway.cli import run
 
-raise SystemExit(main())
+raise SystemExit(run())

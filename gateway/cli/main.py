@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gateway.cli import EXIT_INTERRUPTED
 from gateway.cli.batch import add_batch_flags, run_batch
 from gateway.cli.keys import add_keys_flags, run_keys
 from gateway.cli.submit import EXIT_READER_GONE, add_submit_flags, run_submit
@@ -111,7 +112,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     except KeyboardInterrupt:
         # Ctrl-C where a verb has nothing of its own to say about it: no traceback, the shell's exit status.
         print("carpool: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # Whoever read the output stopped reading (`carpool batch status ID | head -2`): stop quietly with the status
         # a shell gives a process that SIGPIPE ended, as other tools do, with stdout sent nowhere so that the

@@ -12,6 +12,7 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.cli import EXIT_INTERRUPTED
 from scheduler.protocol.job import JobStatus
 from scheduler.protocol.lanes import DEFAULT_LANE, LANES
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE
@@ -24,8 +25,6 @@ POLL_CHUNK_S = 30.0
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
 EXIT_TIMEOUT = 3
-EXIT_INTERRUPTED = 130
-"""Ctrl-C, as a shell reports a process ended by SIGINT."""
 EXIT_READER_GONE = 141
 """Whoever read standard output stopped reading (`| head`), as a shell reports a process ended by SIGPIPE."""
 

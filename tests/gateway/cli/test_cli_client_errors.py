@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -230,3 +231,22 @@ def test_a_named_data_dir_without_carpool_up_redis_is_an_error_not_a_fall_back(a
     assert main([part.format(dir=missing) for part in argv], {}) == 2
     err = capsys.readouterr().err
     assert f"no carpool up Redis in {missing}" in err and err.count("\n") == 1, err
+
+
+def test_ctrl_c_while_the_command_imports_is_one_line_and_exit_130() -> None:
+    """The console script's target, as pyproject.toml names it, run as pip's generated script runs it: a Ctrl-C
+    before any verb runs (while aiohttp, redis and the parsers import) is one line too, never a traceback."""
+    import tomllib
+
+    target = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["carpool"]
+    module, function = target.split(":")
+    script = f"import sys\nfrom {module} import {function}\nsys.exit({function}())\n"
+    for delay_s in (0.15, 0.3):
+        proc = subprocess.Popen([sys.executable, "-c", script, "keys", "list", "--redis-url", "redis://127.0.0.1:9/0"],
+                                cwd=REPO, env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay_s)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "Traceback" not in err, (delay_s, err)
+        assert err.strip().splitlines() == ["carpool: interrupted"], (delay_s, err)
