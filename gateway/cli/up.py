@@ -26,9 +26,10 @@ from aiohttp import web
 from gateway.access_log import AccessLogger
 from gateway.app import init_app
 from gateway.cli.embedded_redis import DEFAULT_REDIS_PORT, REDIS_URL_FILE, EmbeddedRedis, free_port, is_port_free
-from gateway.cli.up_worker import StackError, WorkerChild, stop_worker, wait_ready
+from gateway.cli.up_worker import StackError, WorkerChild, child_environ, stop_worker, wait_ready
 from gateway.config import GatewayConfig
 from gateway.webhooks.config import WebhookConfig
+from scheduler.protocol.keys import DEFAULT_PREFIX, check_key_prefix
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE
 from scheduler.runtime.tasks import cancel_and_reap
 from scheduler.telemetry.otel import Telemetry, TelemetryConfig
@@ -46,11 +47,14 @@ class UpConfig:
     ready_timeout_s: float = field(default=600.0, metadata={"help": "how long the worker may take to load its model"})
     worker_grace_s: float = field(default=30.0, metadata={"help": "on shutdown, how long the worker may take to hand back its jobs"})
     api_keys: bool = field(default=False, metadata={"help": "require API keys on every /v1 route (make them with carpool keys create)"})
+    key_prefix: str = field(default=DEFAULT_PREFIX, metadata={
+        "help": "prefix of every Redis key, the gateway's and the worker's (several deployments can share one Redis)"})
 
     def __post_init__(self) -> None:
         for name in ("port", "redis_port", "worker_metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: must be a TCP port, got {getattr(self, name)}")
+        check_key_prefix(self.key_prefix)
         if not self.ready_timeout_s > 0 or not 0 <= self.worker_grace_s < float("inf"):
             raise ValueError("ready_timeout_s must be positive and worker_grace_s not negative")
 
@@ -150,7 +154,7 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
 
     gateway_config = GatewayConfig(
         redis_url=redis_url, host=config.host, port=config.port, max_model_len=child.worker.engine.max_model_len,
-        webhooks=webhooks, api_keys=config.api_keys,
+        webhooks=webhooks, api_keys=config.api_keys, key_prefix=config.key_prefix,
     )
     runner = web.AppRunner(init_app(gateway_config, telemetry), shutdown_timeout=gateway_config.shutdown_grace_s,
                            access_log_class=AccessLogger)
@@ -165,8 +169,9 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
 
     metrics_port = config.worker_metrics_port or free_port()
     # Its own session, so a terminal's Ctrl-C reaches only us and the shutdown keeps its order.
-    worker = await asyncio.create_subprocess_exec(*child.argv(redis_url, metrics_port, config.worker_grace_s),
-                                                  start_new_session=True)
+    worker = await asyncio.create_subprocess_exec(
+        *child.argv(redis_url, config.key_prefix, metrics_port, config.worker_grace_s),
+        env=child_environ(os.environ), start_new_session=True)
     engine = child.worker.engine
     print(f"carpool: worker     pid {worker.pid}, model {engine.model or '(built-in tiny model)'} on {engine.device}, "
           f"metrics http://127.0.0.1:{metrics_port}/metrics", flush=True)
@@ -178,8 +183,9 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
         is_ready = await wait_ready(worker, readyz, config.ready_timeout_s, stop)
         if is_ready:
             if config.api_keys:  # every /v1 route needs a key: the plain hint would be refused
+                prefix_flag = "" if config.key_prefix == DEFAULT_PREFIX else f" --key-prefix {config.key_prefix}"
                 print("carpool: ready — every request needs a key; in another shell try: export CARPOOL_API_KEY="
-                      f"$(carpool keys create --tenant acme --redis-url {redis_url}) && carpool submit \"hello\" "
+                      f"$(carpool keys create --tenant acme --redis-url {redis_url}{prefix_flag}) && carpool submit \"hello\" "
                       f"--wait --gateway {base}", flush=True)
             else:
                 print(f'carpool: ready — try: carpool submit "hello" --wait --gateway {base}', flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,12 +42,23 @@ class WorkerChild:
     engine_flags: tuple[str, ...]
     log_level: str
 
-    def argv(self, redis_url: str, metrics_port: int, grace_s: float) -> list[str]:
+    def argv(self, redis_url: str, key_prefix: str, metrics_port: int, grace_s: float) -> list[str]:
         return [
-            sys.executable, "-m", "gateway.cli", "worker", "--redis-url", redis_url, "--log-level", self.log_level,
+            sys.executable, "-m", "gateway.cli", "worker", "--redis-url", redis_url, "--key-prefix", key_prefix,
+            "--log-level", self.log_level,
             "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--shutdown-grace-s", str(grace_s),
             *config_argv(self.worker, self.engine_flags),
         ]
+
+
+def child_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The worker child's environment: up's own, less every ``CARPOOL_*`` variable.
+
+    `up` read those once, for itself and its worker, and hands the worker each setting as a flag; a variable the
+    child read on its own (``CARPOOL_KEY_PREFIX``, a service setting `up` does not take) would set the worker
+    apart from the gateway it serves.
+    """
+    return {name: value for name, value in environ.items() if not name.startswith("CARPOOL_")}
 
 
 async def wait_ready(worker: asyncio.subprocess.Process, url: str, timeout_s: float, stop: asyncio.Event) -> bool:

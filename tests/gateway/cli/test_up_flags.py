@@ -9,13 +9,14 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
 import redis
 
-from tests.harness.up_stack import UpStack, carpool, start_up
+from tests.harness.up_stack import UpStack, carpool, carpool_env, start_up
 
 CONTEXT = 64
 
@@ -98,3 +99,25 @@ def test_help_says_each_default_once() -> None:
         for flag_help in re.split(r"\n  -", text):
             assert flag_help.count("(default:") <= 1 and "(default: None)" not in flag_help, (verb, flag_help)
             assert not ("default:" in flag_help.replace("(default:", "") and "(default:" in flag_help), (verb, flag_help)
+
+
+@pytest.mark.slow
+def test_up_gives_its_gateway_and_worker_one_key_prefix_from_the_environment(
+        redis_url: str, tiny_model: Callable[..., str], tmp_path: Path) -> None:
+    """CARPOOL_KEY_PREFIX, like every up flag's variable, is read by up and handed to its worker: a job the gateway
+    queues under the prefix is the one the worker runs."""
+    up = start_up(tmp_path, "--redis-url", redis_url, "--model", tiny_model("llama"),
+                  env=carpool_env(CARPOOL_KEY_PREFIX="foo"))
+    try:
+        status, body = _post(up.base, {"id": "prefixed", "prompt": "hi", "params": {"max_tokens": 2}})
+        assert status == 202, body
+        view = _wait_final(up.base, "prefixed")
+        client = redis.Redis.from_url(redis_url)
+        try:
+            names = client.keys("*")
+        finally:
+            client.close()
+    finally:
+        assert up.stop() == 0, up.log()
+    assert view["status"] == "succeeded", view
+    assert names and all(name.startswith(b"foo:") for name in names), names
