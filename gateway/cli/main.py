@@ -22,7 +22,7 @@ from gateway.cli.batch import add_batch_flags, run_batch
 from gateway.cli.keys import add_keys_flags, run_keys
 from gateway.cli.submit import EXIT_READER_GONE, add_submit_flags, run_submit
 from gateway.cli.up import UpConfig, default_data_dir, run_up
-from gateway.cli.up_worker import WorkerChild
+from gateway.cli.up_worker import WorkerChild, check_worker_device
 from gateway.config import GatewayConfig
 from gateway.webhooks.config import WebhookConfig
 from scheduler.protocol.redis_client import RedisRefused, redacted_url
@@ -158,6 +158,7 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
             up = config_from_args(UpConfig, args)
             worker_config = config_from_args(WorkerConfig, args, exclude=_service_fields(WorkerConfig, ENGINE_FLAGS))
             worker_config.check_model()
+            check_worker_device(worker_config.engine.device)
         else:
             gateway = config_from_args(GatewayConfig, args, webhooks=webhooks)
     except ValueError as e:

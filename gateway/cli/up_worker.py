@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,6 +50,21 @@ class WorkerChild:
             "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--shutdown-grace-s", str(grace_s),
             *config_argv(self.worker, self.engine_flags),
         ]
+
+
+def check_worker_device(device: str) -> None:
+    """Raise ValueError, in the words `carpool generate` uses, unless torch sees `device` on this machine.
+
+    Asked of a child process (``worker.engine.device_check``) because this process, the gateway's, never imports
+    torch; done before up starts anything, so that a missing GPU is said at once rather than after Redis, the
+    gateway and the worker's imports. A CPU is always there, and costs no child.
+    """
+    if device == "cpu":
+        return
+    done = subprocess.run([sys.executable, "-m", "worker.engine.device_check", device], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise ValueError(done.stderr.strip() or f"device: cannot check {device} (exit {done.returncode})")
 
 
 def child_environ(environ: Mapping[str, str]) -> dict[str, str]:

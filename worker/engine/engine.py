@@ -31,6 +31,7 @@ from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput
 from scheduler.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.device_check import check_device_available
 from worker.engine.model_runner import ModelRunner, StepSeq, TokenFeed
 from worker.engine.prompt_input import check_token_ids, max_prompt_chars, prompt_token_ids
 from worker.engine.records import EngineStats
@@ -55,17 +56,6 @@ def on_device(device: str | torch.device) -> contextlib.AbstractContextManager[o
     would launch its kernels there, on pointers into the other GPU."""
     resolved = torch.device(device)
     return torch.cuda.device(resolved) if resolved.type == "cuda" else contextlib.nullcontext()
-
-
-def _check_device_available(device: str) -> None:
-    """Raise ValueError unless `device` (cpu, cuda or cuda:N) is on this machine."""
-    resolved = torch.device(device)
-    if resolved.type != "cuda":
-        return
-    if not torch.cuda.is_available():
-        raise ValueError(f"device: {device} asked for, but torch sees no CUDA GPU here")
-    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-        raise ValueError(f"device: {device} asked for, but torch sees {torch.cuda.device_count()} CUDA GPU(s)")
 
 
 @dataclass
@@ -106,7 +96,7 @@ class Engine:
 
             config = dataclasses.replace(config, model=str(default_model_path(models_cache_dir(os.environ))))
         assert config.model is not None
-        _check_device_available(config.device)
+        check_device_available(config.device)
         self.config = config
         with on_device(config.device):
             self.runner = ModelRunner(

@@ -53,3 +53,14 @@ def test_the_cli_runs_offline_before_transformers_loads() -> None:
     done = subprocess.run([sys.executable, "-c", probe], env=carpool_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-3:] == ["1", "1", "True"]
+
+
+@pytest.mark.parametrize("verb", ["up", "generate"])
+def test_a_device_this_machine_has_not_is_refused_before_starting_anything(verb: str, tmp_path: Path) -> None:
+    """No machine has 100 GPUs: `up`, like `generate`, says so in one line (exit 2) before Redis, the gateway or
+    a worker starts, whether torch sees no GPU or a few."""
+    flags = ["--redis-port", "0", "--data-dir", str(tmp_path / "data")] if verb == "up" else ["hi"]
+    done = carpool(verb, *flags, "--device", "cuda:99")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"carpool {verb}: device: cuda:99 asked for, but torch sees "), done.stderr
+    assert not (tmp_path / "data").exists()  # no Redis was started
