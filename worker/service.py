@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -437,8 +438,10 @@ async def _readyz(request: web.Request) -> web.Response:
     service = request.app[SERVICE_KEY]
     # Ready while it can take jobs: started, not draining, and Redis taking its writes (its last heartbeat).
     is_ready = service.is_ready and service.is_redis_writable
+    # Its name and pid say whose answer this is: `carpool up` waits for its own worker's, not another server's.
     body = {"ready": is_ready, "draining": service.is_draining, "running": len(service.job_loop.jobs),
-            "capacity": service.config.capacity, "redis": "ok" if service.is_redis_writable else "unavailable"}
+            "capacity": service.config.capacity, "redis": "ok" if service.is_redis_writable else "unavailable",
+            "worker": service.config.worker_name, "pid": os.getpid()}
     return web.json_response(body, status=200 if is_ready else 503)
 
 

@@ -60,6 +60,8 @@ class UpConfig:
         for name in ("port", "redis_port", "worker_metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: must be a TCP port, got {getattr(self, name)}")
+        if self.worker_metrics_port and self.worker_metrics_port == self.port:
+            raise ValueError(f"worker_metrics_port: must differ from port, the gateway's, got {self.port} for both")
         check_key_prefix(self.key_prefix)
         if not self.ready_timeout_s > 0 or not 0 <= self.worker_grace_s < float("inf"):
             raise ValueError("ready_timeout_s must be positive and worker_grace_s not negative")
@@ -110,6 +112,10 @@ def run_up(config: UpConfig, worker: WorkerChild, webhooks: WebhookConfig, data_
     redis_url = config.redis_url
     url_file = data_dir / REDIS_URL_FILE
     lock: DataDirLock | None = None
+    if config.worker_metrics_port and not is_port_free(config.worker_metrics_port):
+        print(f"carpool up: port {config.worker_metrics_port} (--worker-metrics-port) is in use: stop what holds it, "
+              "or leave the flag out for a free port", file=sys.stderr)
+        return 1
     if redis_url is None:
         try:
             lock = DataDirLock.acquire(data_dir)

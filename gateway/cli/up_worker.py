@@ -78,16 +78,19 @@ def child_environ(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 async def wait_ready(worker: asyncio.subprocess.Process, url: str, timeout_s: float, stop: asyncio.Event) -> bool:
-    """True once the worker answers ready; False if it exited or we were told to stop first."""
+    """True once the worker answers ready; False if it exited or we were told to stop first.
+
+    Only an answer that names the worker's pid counts: another server on its port (or the gateway's own /readyz)
+    may answer 200 too."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
         while not stop.is_set() and worker.returncode is None:
             try:
                 async with session.get(url) as resp:
-                    if resp.status == 200:
+                    if resp.status == 200 and _is_own(await resp.json(content_type=None), worker.pid):
                         return True
-            except (aiohttp.ClientError, OSError, TimeoutError):
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
                 pass  # not listening yet: the model is still loading
             if loop.time() > deadline:
                 raise StackError(f"the worker was not ready after {timeout_s:g}s ({url})")
@@ -98,12 +101,18 @@ async def wait_ready(worker: asyncio.subprocess.Process, url: str, timeout_s: fl
     return False
 
 
-async def running_jobs(readyz_url: str) -> int | None:
-    """How many jobs the worker runs, from its /readyz (None when it does not answer)."""
+def _is_own(readyz: object, pid: int) -> bool:
+    """Whether a /readyz answer is the worker's with this pid."""
+    return isinstance(readyz, dict) and readyz.get("pid") == pid
+
+
+async def running_jobs(readyz_url: str, pid: int) -> int | None:
+    """How many jobs the worker `pid` runs, from its /readyz (None when it does not answer, or another does)."""
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
             async with session.get(readyz_url) as resp:
-                return int((await resp.json())["running"])
+                readyz = await resp.json(content_type=None)
+                return int(readyz["running"]) if _is_own(readyz, pid) else None
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError):
         return None
 
@@ -123,7 +132,7 @@ async def stop_worker(worker: asyncio.subprocess.Process, grace_s: float, readyz
         is_hurried = False
         while not exited.done() and loop.time() < deadline:
             if not is_hurried:
-                running = await running_jobs(readyz_url)
+                running = await running_jobs(readyz_url, worker.pid)
                 if running:
                     print(f"carpool: waiting up to {max(0.0, deadline - KILL_AFTER_S - loop.time()):.0f}s for the "
                           f"worker's {running} running job(s) to finish; Ctrl-C again hands them back now", flush=True)

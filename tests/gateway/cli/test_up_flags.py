@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import msgpack
 import pytest
 import redis
 
+from gateway.cli.embedded_redis import free_port
 from tests.harness.up_stack import UpStack, carpool, carpool_env, start_up
 
 CONTEXT = 64
@@ -121,3 +124,39 @@ def test_up_gives_its_gateway_and_worker_one_key_prefix_from_the_environment(
         assert up.stop() == 0, up.log()
     assert view["status"] == "succeeded", view
     assert names and all(name.startswith(b"foo:") for name in names), names
+
+
+def test_a_worker_metrics_port_that_is_the_gateways_is_a_usage_error(tmp_path: Path) -> None:
+    port = str(free_port())
+    done = carpool("up", "--port", port, "--worker-metrics-port", port, "--redis-port", "0",
+                   "--data-dir", str(tmp_path / "data"))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "worker_metrics_port: must differ from port" in done.stderr
+    assert not (tmp_path / "data").exists()  # no Redis was started
+
+
+def test_a_worker_metrics_port_another_server_holds_is_refused_before_ready(tmp_path: Path) -> None:
+    """Another server there answers /readyz 200: up must not take that for its worker being ready."""
+
+    class Ready(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"ready": true, "running": 0}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        done = carpool("up", "--port", str(free_port()), "--worker-metrics-port", str(server.server_address[1]),
+                       "--redis-port", "0",
+                       "--data-dir", str(tmp_path / "data"), timeout_s=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 1 and "carpool: ready" not in done.stdout, done.stdout + done.stderr
+    assert f"port {server.server_address[1]} (--worker-metrics-port) is in use" in done.stderr, done.stderr
