@@ -370,16 +370,17 @@ class WorkerService:
 
     async def _beat(self) -> None:
         now = time.time()
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hset(self.keys.workers, self.config.worker_name, pack({
-            "time": now, "started": self.started_s, "running": len(self.job_loop.jobs),
-            "capacity": self.config.capacity,
-            "max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
-            "builtin_model": self.config.engine.model is None,
-            "model": self.config.model_name,
-            "draining": self.is_draining}))
-        pipe.hset(self.keys.models, self.config.model_name, repr(now))
-        await pipe.execute()
+        # `async with`: a beat cut short (a Redis stall past the heartbeat's timeout) still gives its connection back.
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hset(self.keys.workers, self.config.worker_name, pack({
+                "time": now, "started": self.started_s, "running": len(self.job_loop.jobs),
+                "capacity": self.config.capacity,
+                "max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
+                "builtin_model": self.config.engine.model is None,
+                "model": self.config.model_name,
+                "draining": self.is_draining}))
+            pipe.hset(self.keys.models, self.config.model_name, repr(now))
+            await pipe.execute()
 
     async def _warn_of_other_models(self) -> None:
         """Say so when live workers under this key prefix serve another model: the lanes are shared, so each

@@ -115,21 +115,22 @@ async def read_stream_counts(redis: Any, keys: Keys) -> StreamSnapshot:
 
     Workers and the tenant routing delete the entries they acknowledge or move, so a lane's depth less its
     pending entries is what waits for a worker."""
-    pipe = redis.pipeline(transaction=False)
-    for lane in LANES:
-        pipe.smembers(keys.lane_tenants(lane))
-    members = await pipe.execute(raise_on_error=False)
+    # `async with`: a read cut short (a Redis stall past its caller's timeout) still gives its connection back.
+    async with redis.pipeline(transaction=False) as pipe:
+        for lane in LANES:
+            pipe.smembers(keys.lane_tenants(lane))
+        members = await pipe.execute(raise_on_error=False)
     streams: list[tuple[Lane, str]] = []
     for lane, names in zip(LANES, members):
         streams.append((lane, keys.lane(lane)))
         streams += [(lane, keys.tenant_lane(lane, t)) for t in named_tenants(names if isinstance(names, set) else ())]
-    pipe = redis.pipeline(transaction=False)
-    for _, stream in streams:
-        pipe.xlen(stream)
-        # XPENDING's summary form; fails with NOGROUP before any worker created the group.
-        pipe.xpending(stream, CONSUMER_GROUP)
-    pipe.xlen(keys.dead)
-    results = await pipe.execute(raise_on_error=False)
+    async with redis.pipeline(transaction=False) as pipe:
+        for _, stream in streams:
+            pipe.xlen(stream)
+            # XPENDING's summary form; fails with NOGROUP before any worker created the group.
+            pipe.xpending(stream, CONSUMER_GROUP)
+        pipe.xlen(keys.dead)
+        results = await pipe.execute(raise_on_error=False)
     snapshot = StreamSnapshot(dead=_as_count(results[-1]))
     for i, (lane, _) in enumerate(streams):
         snapshot.depth[lane] += _as_count(results[2 * i])
