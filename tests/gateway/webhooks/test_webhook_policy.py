@@ -111,6 +111,8 @@ def test_parse_retry_after() -> None:
     assert parse_retry_after("Thu, 01 Jan 1970 00:01:40 GMT", now=40.0) == 60.0
     assert parse_retry_after("Thu, 01 Jan 1970 00:01:40 GMT", now=400.0) == 0.0
     assert parse_retry_after("soon", now=0.0) is None and parse_retry_after(None, now=0.0) is None
+    # RFC 9110's delay-seconds are ASCII digits: Python's isdigit() also takes other scripts' digits and more.
+    assert parse_retry_after("\u0661\u0662", now=0.0) is None and parse_retry_after("\u00b2", now=0.0) is None
 
 
 def test_config_builds_policy_and_rejects_bad_values() -> None:
