@@ -19,7 +19,7 @@ from gateway.api_keys import OPEN_CALLER, Caller
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.errors import OpenAIError
 from gateway.event_hub import EventHub, Subscription, is_terminal
-from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, openai_param
+from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, openai_param, renamed_in
 from gateway.openai.schema import OpenAIRequest
 from gateway.rate_limits import RateLimited, TooManyTokens, job_tokens
 from scheduler.protocol.job_record import job_view
@@ -148,7 +148,7 @@ def _refusal(app: web.Application, e: Exception, lane: str, renames: dict[str, s
         metrics.job_rejected("invalid")
         param = openai_param(e.field, renames)
         code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_value"
-        return OpenAIError(400, f"{param}: {e.message}", param=param, code=code)
+        return OpenAIError(400, f"{param}: {renamed_in(e.message, renames)}", param=param, code=code)
     if isinstance(e, QuotaExceeded):
         metrics.job_rejected("quota", lane)
         return OpenAIError(429, f"{e}; retry later", code="queued_jobs_limit", retry_after_s=retry_after_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,15 +18,28 @@ from gateway.openai.schema import Endpoint
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 """OpenAI's error code for a prompt (or prompt + max_tokens) longer than the model's context."""
-PARAM_OF_FIELD = {"params.max_tokens": "max_tokens", "prompt_token_ids": "prompt"}
-"""A job field -> the OpenAI parameter it came from (where the names differ)."""
+FIELD_PREFIXES = (("params.", ""), ("prompt_token_ids", "prompt"), ("metadata.metadata", "metadata"),
+                  ("metadata.user", "user"))
+"""A job field's start -> the OpenAI parameter's (where they differ): ``prompt_token_ids[3]`` is ``prompt[3]``,
+``metadata.metadata.k`` (a request's own metadata, kept in the job's) is ``metadata.k``."""
 
 
 def openai_param(field: str, renames: Mapping[str, str] | None = None) -> str:
     """The OpenAI parameter a job field came from; `renames` (``OpenAIRequest.renames``) names the ones a
     request spelt its own way (``max_completion_tokens`` for ``max_tokens``)."""
-    param = PARAM_OF_FIELD.get(field, field.removeprefix("params."))
+    param = field
+    for start, given_as in FIELD_PREFIXES:
+        if field.startswith(start):
+            param = given_as + field.removeprefix(start)
+            break
     return (renames or {}).get(param, param)
+
+
+def renamed_in(message: str, renames: Mapping[str, str] | None) -> str:
+    """`message` with the parameters a request spelt its own way named as it spelt them."""
+    for param, given_as in (renames or {}).items():
+        message = re.sub(rf"\b{re.escape(param)}\b", given_as, message)
+    return message
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
 _INVALID_ERRORS = {"invalid_job", "invalid_request", "unadmittable"}
 
@@ -170,7 +184,7 @@ def job_error(view: dict[str, Any], renames: Mapping[str, str] | None = None) ->
     if kind in _INVALID_ERRORS:
         field = error.get("field")
         param = None if field is None else openai_param(str(field), renames)
-        return OpenAIError(400, message, param=param, code=str(error.get("code") or kind))
+        return OpenAIError(400, renamed_in(message, renames), param=param, code=str(error.get("code") or kind))
     # The openai client retries 408 and 409 by default, which would enqueue the request again: a job
     # cancelled by someone, or past its deadline, is an answer, and `x-should-retry: false` tells it so.
     if view.get("status") == "cancelled":

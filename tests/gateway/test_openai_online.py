@@ -357,6 +357,7 @@ async def test_chat_without_max_tokens_gets_the_rest_of_the_context_and_too_long
                 await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, stream=stream,
                                                          max_completion_tokens=limit)
             assert (refused.value.param, refused.value.code) == ("max_completion_tokens", "context_length_exceeded")
+            assert "max_tokens" not in refused.value.message, refused.value.message
 
 
 async def test_a_chat_stream_starts_with_its_first_token_even_when_that_token_has_no_text_yet(redis_url, model) -> None:

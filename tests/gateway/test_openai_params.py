@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import OpenAIError
+from gateway.openai.responses import openai_param, renamed_in
 from gateway.openai.schema import Endpoint, parse_request
 from scheduler.params import MAX_SEED
 from scheduler.protocol.lanes import Lane
@@ -84,3 +85,21 @@ def test_odd_values_are_refused_naming_the_openai_parameter(body: dict[str, obje
     with pytest.raises(OpenAIError) as refused:
         _params(**body)
     assert (refused.value.status, refused.value.param) == (400, param), refused.value.message
+
+
+@pytest.mark.parametrize(("field", "param"), [
+    ("params.max_tokens", "max_completion_tokens"), ("params.top_p", "top_p"), ("prompt_token_ids", "prompt"),
+    ("prompt_token_ids[3]", "prompt[3]"), ("metadata.metadata.k", "metadata.k"), ("metadata.user", "user"),
+    ("messages[0].content", "messages[0].content"),
+])
+def test_a_job_field_is_named_as_the_openai_parameter_it_came_from(field: str, param: str) -> None:
+    renames = {"max_tokens": "max_completion_tokens"}
+    assert openai_param(field, renames) == param
+
+
+def test_a_message_names_a_parameter_as_the_request_spelt_it() -> None:
+    renames = {"max_tokens": "max_completion_tokens"}
+    message = "prompt (320 tokens) + max_tokens (4000) exceed the context (2048); lower max_tokens"
+    assert renamed_in(message, renames) == ("prompt (320 tokens) + max_completion_tokens (4000) exceed the context "
+                                            "(2048); lower max_completion_tokens")
+    assert renamed_in("min_max_tokens stays", renames) == "min_max_tokens stays"
