@@ -16,6 +16,7 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.typing import EncodableT
 
+from gateway.openai.batch_lines import LineError
 from scheduler.protocol import state_machine
 from scheduler.protocol.job_record import F_STATUS, F_USAGE
 from scheduler.protocol.keys import Keys
@@ -102,10 +103,11 @@ class BatchCounts:
                          usage.get("completion_tokens", 0)]
             await self._settle_script(keys=[self._keys.batch(batch_id), self._keys.batch_settled(batch_id)], args=args)
 
-    async def mark_errors(self, batch_id: str, numbers: range | list[int], packed_error: bytes) -> None:
-        """Lines `numbers` failed, each with the error `packed_error` (``LineError.packed``)."""
+    async def mark_errors(self, batch_id: str, numbers: range | list[int], error: LineError) -> None:
+        """Lines `numbers` failed, each with `error`."""
         if numbers:
-            await self._redis.hset(self._keys.batch_errors(batch_id), mapping={str(n): packed_error for n in numbers})
+            await self._redis.hset(self._keys.batch_errors(batch_id),
+                                   mapping={k: v for n in numbers for k, v in error.fields(n).items()})
             await self.mark(batch_id, [(n, "failed") for n in numbers])
 
     async def settled_bits(self, batch_id: str, start: int, stop: int) -> list[bool]:

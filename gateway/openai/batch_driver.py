@@ -31,6 +31,7 @@ from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.openai.batch_counts import RECORDS_PER_ROUND_TRIP, BatchCounts
 from gateway.openai.batch_lines import (
     LineError,
+    answer_field,
     custom_id_of,
     error_line,
     load_line,
@@ -41,7 +42,7 @@ from gateway.openai.batch_lines import (
 from gateway.openai.batches import COUNTERS, BatchStatus, batch_store
 from gateway.openai.choices import model_choice
 from gateway.openai.files import PAGE_LINES, file_store, is_blank
-from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, openai_param
+from gateway.openai.responses import CONTEXT_LENGTH_EXCEEDED, openai_param, renamed_in
 from gateway.openai.schema import Endpoint
 from scheduler.protocol import state_machine
 from scheduler.protocol.job_record import job_view
@@ -196,7 +197,7 @@ class BatchDriver:
                     custom_ids.append("")
                     continue
                 try:
-                    custom_id, job = parse_line(line, endpoint)
+                    custom_id, job, _ = parse_line(line, endpoint)
                     if custom_id in seen:
                         raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appears on an earlier line")
                     line_model = job["metadata"]["model"]
@@ -216,7 +217,7 @@ class BatchDriver:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.rpush(keys.batch_custom_ids(batch_id), *custom_ids)
                 for number, error in bad:
-                    pipe.hset(keys.batch_errors(batch_id), str(number), error.packed())
+                    pipe.hset(keys.batch_errors(batch_id), mapping=error.fields(number))
                 await pipe.execute()
             if bad or blank:
                 await self._counts.mark(batch_id, [(number, "failed") for number, _ in bad]
@@ -245,7 +246,7 @@ class BatchDriver:
             page = await self._files.page(b["input_file_id"], cursor, min(PAGE_LINES, stop - cursor))
             if not page:  # the input file was deleted or expired under the batch
                 await self._counts.mark_errors(batch_id, range(cursor, total),
-                                               LineError("invalid_file", "the input file is gone").packed())
+                                               LineError("invalid_file", "the input file is gone"))
                 cursor = total
                 break
             settled = await self._counts.settled_bits(batch_id, cursor, cursor + len(page))
@@ -253,8 +254,9 @@ class BatchDriver:
                 number = cursor + offset
                 if settled[offset]:
                     continue  # refused while validating
+                renames: dict[str, str] = {}
                 try:
-                    _, body = parse_line(line, endpoint)
+                    _, body, renames = parse_line(line, endpoint)
                     results = self._keys.batch_results(batch_id)
                     admitted = await admission.submit(
                         {**body, "id": f"{batch_id}-{number}", "deadline": float(b["expires_at"]), "reply_to": results},
@@ -266,12 +268,13 @@ class BatchDriver:
                     await self._redis.hset(self._keys.batch(batch_id), "enqueued", number)
                     return  # the batch lane is full: try again next round
                 except LineError as e:
-                    await self._counts.mark_errors(batch_id, [number], e.packed())
-                except InvalidJob as e:  # refused as the online route refuses it
-                    param = openai_param(e.field)
+                    await self._counts.mark_errors(batch_id, [number], e)
+                except InvalidJob as e:  # refused as the online route refuses it, naming what the line named
+                    param = openai_param(e.field, renames)
                     code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_value"
-                    refused = LineError(code, f"body: {param}: {e.message}", param=param, status=400)
-                    await self._counts.mark_errors(batch_id, [number], refused.packed())
+                    refused = LineError(code, f"body: {param}: {renamed_in(e.message, renames)}", param=param,
+                                        status=400)
+                    await self._counts.mark_errors(batch_id, [number], refused)
             cursor += len(page)
         await self._redis.hset(self._keys.batch(batch_id), "enqueued", cursor)
 
@@ -307,14 +310,15 @@ class BatchDriver:
             numbers = range(start, start + len(custom_ids))
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hmget(keys.batch_errors(batch_id), [str(n) for n in numbers])
+                pipe.hmget(keys.batch_errors(batch_id), [answer_field(n) for n in numbers])
                 for n in numbers:
                     pipe.hgetall(keys.job(f"{batch_id}-{n}"))
-                errors, *records = await pipe.execute()
+                errors, answers, *records = await pipe.execute()
             out: list[str] = []
             err: list[str] = []
-            for n, custom_id, error, record in zip(numbers, custom_ids, errors, records):
+            for n, custom_id, error, answer, record in zip(numbers, custom_ids, errors, answers, records):
                 if error is not None:
-                    refused = unpack_error(error)
+                    refused = unpack_error(error, answer)
                     err.append(error_line(custom_id or None, refused.code, f"line {n + 1}: {refused.message}",
                                           status=refused.status, param=refused.param))
                 elif not custom_id:

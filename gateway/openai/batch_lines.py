@@ -7,6 +7,7 @@ import secrets
 from typing import Any
 
 import msgpack
+from redis.typing import EncodableT, FieldT
 
 from gateway.errors import OpenAIError, openai_error_body
 from gateway.openai import responses
@@ -27,15 +28,25 @@ class LineError(Exception):
         self.param = param
         self.status = status
 
-    def packed(self) -> bytes:
-        """As the batch's error hash keeps it (`unpack_error` reads it back)."""
-        return msgpack.packb([self.code, self.message, self.param, self.status])
+    def fields(self, number: int) -> dict[FieldT, EncodableT]:
+        """The batch error hash's fields for input line `number`: ``"<n>"``, msgpack [code, message], as every
+        gateway reads it; and for a refused request ``"<n>:answer"``, msgpack [param, status], which gateways
+        before it ignore (a rolling upgrade's older gateway finalizing the batch writes the line without them)."""
+        out: dict[FieldT, EncodableT] = {str(number): msgpack.packb([self.code, self.message])}
+        if self.param is not None or self.status is not None:
+            out[answer_field(number)] = msgpack.packb([self.param, self.status])
+        return out
 
 
-def unpack_error(raw: bytes) -> LineError:
-    """A line's error as `LineError.packed` wrote it, or as a gateway before ``param`` and ``status`` did."""
-    code, message, *rest = msgpack.unpackb(raw)
-    param, status = (rest + [None, None])[:2]
+def answer_field(number: int) -> str:
+    """The error hash's field of line `number`'s answer (see `LineError.fields`)."""
+    return f"{number}:answer"
+
+
+def unpack_error(raw: bytes, answer: bytes | None) -> LineError:
+    """A line's error from its two error-hash fields (`LineError.fields`)."""
+    code, message = msgpack.unpackb(raw)
+    param, status = msgpack.unpackb(answer) if answer is not None else (None, None)
     return LineError(code, message, param=param, status=status)
 
 
@@ -45,8 +56,9 @@ def load_line(line: str) -> Any:
     return json.loads(line.removeprefix("\ufeff"))
 
 
-def parse_line(line: str, endpoint: Endpoint) -> tuple[str, dict[str, Any]]:
-    """(custom_id, job body without id) of one input line; raises LineError."""
+def parse_line(line: str, endpoint: Endpoint) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """(custom_id, job body without id, the parameters it spelt its own way: ``OpenAIRequest.renames``) of one
+    input line; raises LineError."""
     try:
         data = load_line(line)
     except json.JSONDecodeError as e:
@@ -72,7 +84,7 @@ def parse_line(line: str, endpoint: Endpoint) -> tuple[str, dict[str, Any]]:
         # ("body: must be a JSON object").
         raise LineError(e.code or "invalid_request", e.message if e.param == "body" else f"body: {e.message}",
                         param=e.param, status=e.status) from e
-    return custom_id, request.jobs[0]
+    return custom_id, request.jobs[0], request.renames
 
 
 def custom_id_of(data: object) -> str | None:

@@ -251,7 +251,8 @@ class Keys:
         return f"{self.prefix}:batch:{batch_id}:custom-ids"
 
     def batch_errors(self, batch_id: str) -> str:
-        """Hash line number -> msgpack {code, message} of lines refused while validating."""
+        """Hash line number -> msgpack [code, message] of lines refused (and "<n>:answer" -> [param, status] of a
+        refused request)."""
         return f"{self.prefix}:batch:{batch_id}:errors"
 
     def batch_settled(self, batch_id: str) -> str:

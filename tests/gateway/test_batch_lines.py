@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+import msgpack
 import pytest
 
-from gateway.openai.batch_lines import LineError, parse_line
+from gateway.openai.batch_lines import LineError, answer_field, parse_line, unpack_error
 from gateway.openai.schema import Endpoint
 
 CHAT = Endpoint.CHAT
@@ -63,3 +64,18 @@ def test_a_request_refused_in_a_line_keeps_the_online_answers_code_and_param(bod
     with pytest.raises(LineError) as refused:
         parse_line(line(body=body), CHAT)
     assert (refused.value.code, refused.value.param, refused.value.status) == (code, param, 400)
+
+
+def test_an_error_is_kept_so_gateways_before_and_after_read_it() -> None:
+    """A rolling upgrade may finalize a batch on a gateway of the version before: the line's own field stays
+    [code, message], and what a refused request adds (its param and status) lies in a field beside it."""
+    refused = LineError("unsupported_parameter", "body: tools: no", param="tools", status=400)
+    fields = refused.fields(7)
+    code, message = msgpack.unpackb(fields["7"])  # as a gateway before reads it
+    assert (code, message) == ("unsupported_parameter", "body: tools: no")
+    again = unpack_error(fields["7"], fields[answer_field(7)])
+    assert (again.code, again.message, again.param, again.status) == ("unsupported_parameter", "body: tools: no",
+                                                                      "tools", 400)
+    line_fault = LineError("invalid_json", "the line is not valid JSON")
+    assert list(line_fault.fields(3)) == ["3"]
+    assert unpack_error(line_fault.fields(3)["3"], None).status is None
