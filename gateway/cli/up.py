@@ -151,6 +151,17 @@ def run_up(config: UpConfig, worker: WorkerChild, webhooks: WebhookConfig, data_
             lock.release()
 
 
+def _leave_terminal(fds: list[int]) -> None:
+    """After SIGHUP: a closed terminal fails every write to it (EIO), which would cut the shutdown short at its
+    first line; up's output that went to it (`fds`) goes nowhere from here on (to a file or pipe, it is kept)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in fds:
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
 async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConfig, redis_url: str,
                      telemetry: Telemetry) -> int:
     loop = asyncio.get_running_loop()
@@ -161,8 +172,14 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
     def on_signal() -> None:
         (hurry if stop.is_set() else stop).set()
 
+    on_terminal = [fd for fd in (1, 2) if os.isatty(fd)]  # asked now: a hung-up terminal is no tty to isatty
+
+    def on_hangup() -> None:
+        _leave_terminal(on_terminal)
+        on_signal()
+
     for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, on_hangup if sig is signal.SIGHUP else on_signal)
 
     gateway_config = GatewayConfig(
         redis_url=redis_url, host=config.host, port=config.port, max_model_len=child.worker.engine.max_model_len,
