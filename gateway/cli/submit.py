@@ -212,8 +212,8 @@ def _is_builtin_model(base: str, worker: object) -> bool:
         return False
     try:
         ready = _request("GET", f"{base}/readyz", None, {}, timeout_s=10)
-    except (GatewayError, urllib.error.URLError, OSError, ValueError):
-        return False  # only a note: never fail a finished job over it
+    except (GatewayError, NotAGateway, urllib.error.URLError, OSError, ValueError):
+        return False  # only a note: never fail a finished job over it (a 503 /readyz, a proxy's 404 page)
     beat = ready.get("workers", {}).get(worker)
     return isinstance(beat, dict) and beat.get("builtin_model") is True
 

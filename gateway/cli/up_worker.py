@@ -64,7 +64,9 @@ def check_worker_device(device: str) -> None:
     done = subprocess.run([sys.executable, "-m", "worker.engine.device_check", device], capture_output=True,
                           text=True)
     if done.returncode != 0:
-        raise ValueError(done.stderr.strip() or f"device: cannot check {device} (exit {done.returncode})")
+        # Its one line; or, where the check failed before it could say why (torch's import broke), the last.
+        lines = done.stderr.strip().splitlines()
+        raise ValueError(lines[-1] if lines else f"device: cannot check {device} (exit {done.returncode})")
 
 
 def child_environ(environ: Mapping[str, str]) -> dict[str, str]:

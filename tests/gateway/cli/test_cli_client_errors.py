@@ -250,3 +250,11 @@ def test_ctrl_c_while_the_command_imports_is_one_line_and_exit_130() -> None:
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 130 and "Traceback" not in err, (delay_s, err)
         assert err.strip().splitlines() == ["carpool: interrupted"], (delay_s, err)
+
+
+def test_the_built_in_model_note_never_fails_a_finished_job(not_found_server: str) -> None:
+    """After a job ends, `submit --wait` asks /readyz whether the built-in model ran it, for a note only: a server
+    there that is no gateway (a proxy routing /v1 alone, a 404 page) means no note, never a traceback."""
+    from gateway.cli.submit import _is_builtin_model
+
+    assert _is_builtin_model(not_found_server, "worker-1") is False
