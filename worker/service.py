@@ -103,7 +103,7 @@ class WorkerService:
         self._spawn("engine", self.job_loop.run())
         self._spawn("control", self._control())
         self._spawn("leases", self._leases())
-        await self._warn_of_other_models()
+        await self._warn_of_other_workers()
         # The first heartbeat is in Redis before the worker says it is ready: a gateway asked right after
         # (GET /v1/models, /readyz) then knows this worker and its model.
         await self._beat()
@@ -377,14 +377,17 @@ class WorkerService:
                 "capacity": self.config.capacity,
                 "max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
                 "builtin_model": self.config.engine.model is None,
-                "model": self.config.model_name,
+                "model": self.config.model_name, "lease_s": self.config.lease_s,
                 "draining": self.is_draining}))
             pipe.hset(self.keys.models, self.config.model_name, repr(now))
             await pipe.execute()
 
-    async def _warn_of_other_models(self) -> None:
-        """Say so when live workers under this key prefix serve another model: the lanes are shared, so each
-        would answer the other's requests (and the OpenAI routes would name the model asked for)."""
+    async def _warn_of_other_workers(self) -> None:
+        """Say so when live workers under this key prefix serve another model (the lanes are shared, so each
+        would answer the other's requests, and the OpenAI routes would name the model asked for), or hold their
+        jobs on another lease: a worker reclaims entries idle for its own lease, and one renews its entries
+        every third of its own, so the one with the shorter lease takes the other's running jobs as lost and
+        runs them again from their checkpoints."""
         beats = await recent_heartbeats(self.client, self.keys.workers,
                                         max_age_s=3 * self.config.heartbeat_interval_s + 1, now=time.time())
         others = {beat["model"] for beat in beats
@@ -394,6 +397,15 @@ class WorkerService:
                         "lanes, so jobs meant for one model are run by another; give each model its own "
                         "--key-prefix", self.config.worker_name, self.config.model_name, self.keys.prefix,
                         sorted(others))
+        leases = {float(beat["lease_s"]) for beat in beats
+                  if isinstance(beat.get("lease_s"), (int, float)) and not isinstance(beat["lease_s"], bool)
+                  and beat["lease_s"] != self.config.lease_s}
+        if leases:
+            log.warning("worker %s holds its jobs on a %gs lease, but live workers under the key prefix %r hold "
+                        "theirs on %s: a worker takes another's jobs as lost once they are idle for its own lease, "
+                        "so the shorter lease's workers run the longer one's jobs again while they still run; give "
+                        "every worker the same --lease-s", self.config.worker_name, self.config.lease_s,
+                        self.keys.prefix, ", ".join(f"{lease:g}s" for lease in sorted(leases)))
 
     async def _heartbeat(self) -> None:
         """A heartbeat every interval after the first (`start` writes that one)."""

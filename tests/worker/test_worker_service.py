@@ -58,6 +58,25 @@ async def test_a_worker_joining_workers_of_another_model_says_so(redis_url, engi
     await client.aclose()
     (warning,) = [r.getMessage() for r in caplog.records if "share its lanes" in r.getMessage()]
     assert "'mine'" in warning and "['other-model']" in warning and "--key-prefix" in warning
+    assert not [r for r in caplog.records if "--lease-s" in r.getMessage()]  # heartbeats that name no lease
+
+
+async def test_a_worker_joining_workers_on_another_lease_says_so(redis_url, engine_factory, caplog):
+    """The shorter lease's worker would take the other's running jobs as lost (it reclaims entries idle for its
+    own lease; the other renews every third of its own) and run them again."""
+    client = aioredis.Redis.from_url(redis_url)
+    model = "tiny"
+    await client.hset(KEYS.workers, "w-long", msgpack.packb({"time": time.time(), "model": model, "lease_s": 30.0}))
+    await client.hset(KEYS.workers, "w-same", msgpack.packb({"time": time.time(), "model": model, "lease_s": 6.0}))
+    with caplog.at_level("WARNING", logger="worker.service"):
+        async with running_worker(redis_url, engine_factory(), worker_name="w-new", served_model_name=model,
+                                  lease_s=6.0):
+            beat = msgpack.unpackb(await client.hget(KEYS.workers, "w-new"))
+    await client.aclose()
+    assert beat["lease_s"] == 6.0
+    (warning,) = [r.getMessage() for r in caplog.records if "--lease-s" in r.getMessage()]
+    assert "6s lease" in warning and "on 30s" in warning, warning
+    assert not [r for r in caplog.records if "share its lanes" in r.getMessage()]
 
 
 async def test_jobs_over_three_lanes_match_offline_engine(redis_url, engine_factory):
