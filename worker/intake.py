@@ -334,7 +334,8 @@ class EntryIntake:
         """Dead-letter a job delivered too often and fail it, keeping the output it had checkpointed."""
         counted = entry.deliveries - handbacks
         reason = (f"delivered {entry.deliveries} times, {counted} of them not handed back cleanly "
-                  f"(max_deliveries {self.config.max_deliveries})")
+                  f"(max_deliveries {self.config.max_deliveries}): this delivery does not run it again, so its "
+                  "attempts stay at the runs started before")
         log.warning("job %s: %s; dead-lettered and failed", spec.id, reason,
                     extra={"entry": str(entry.ref), "lane": spec.lane.value, "dead_letter": "too_many_deliveries"})
         self.metrics.dead_lettered(spec.lane.value, "too_many_deliveries")

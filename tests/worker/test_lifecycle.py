@@ -148,6 +148,9 @@ async def test_a_job_failed_for_too_many_deliveries_keeps_its_checkpointed_outpu
         await client.aclose()
     view = views["doomed"]
     assert view["status"] == "failed" and view["error"]["type"] == "too_many_deliveries"
+    # Five deliveries, one run: the message says why the record's attempts are fewer than its deliveries.
+    assert view["attempts"] == 1 and "delivered 5 times" in view["error"]["message"], view
+    assert "does not run it again" in view["error"]["message"]
     assert view["output"]["token_ids"] == checkpoint and len(checkpoint) > 8
     assert view["output"]["text"]
     prompt_ids = engine.generate([spec.prompt], SamplingParams(max_tokens=1))[0].prompt_token_ids
