@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import msgpack
 import pytest
 import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobSpec
 from scheduler.protocol.keys import CONSUMER_GROUP
 from scheduler.protocol.lanes import Lane
+from scheduler.telemetry.stream_stats import read_stream_counts
 from tests.harness.worker_harness import KEYS, running_worker, wait_terminal, xadd_job
 
 LANE = KEYS.lane(Lane.STANDARD)
@@ -77,3 +81,90 @@ async def test_poison_entries_end_in_a_record_or_dead_and_the_worker_keeps_servi
     deliveries = [(f[b"job_id"], f[b"event"]) for _, f in await client.xrange(KEYS.webhooks)]
     assert deliveries == [(b"bytes-metadata", b"completed")]
     await client.aclose()
+
+
+TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=8) | st.sampled_from(["\ud800", "hi", ""])
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats() | TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=8)
+JOB_FIELDS = ["id", "v", "prompt_token_ids", "messages", "lane", "priority", "deadline", "webhook", "reply_to",
+              "metadata", "traceparent", "tenant"]
+JOBS = st.builds(
+    lambda good, odd: {**good, **odd},
+    st.fixed_dictionaries({"id": st.uuids().map(str), "prompt": st.just("poison?"),
+                           "params": st.fixed_dictionaries({"max_tokens": st.integers(min_value=1, max_value=3)})}),
+    # A job that is valid but for one or two fields of any JSON (more would rarely pass the first check).
+    st.dictionaries(st.sampled_from([*JOB_FIELDS, "prompt", "params"]), JSONISH, max_size=2))
+
+def packed(job: dict[str, object]) -> bytes:
+    """As a msgpack producer sends it, where msgpack can carry it (integers past 64 bits it cannot): else JSON."""
+    try:
+        return msgpack.packb(job, unicode_errors="surrogatepass")
+    except OverflowError:
+        return json.dumps(job).encode()
+
+
+ENTRY_VALUES = st.binary(max_size=24) | JOBS.map(lambda job: json.dumps(job).encode()) | JOBS.map(packed)
+ENTRIES = st.tuples(st.sampled_from(list(Lane)), st.builds(
+    lambda job, more: {b"job": job, **more} if job is not None else more or {b"x": b""},
+    st.none() | ENTRY_VALUES,
+    st.dictionaries(st.sampled_from([b"routed_from", b"x"]) | st.binary(min_size=1, max_size=4), ENTRY_VALUES,
+                    max_size=2)))
+
+
+async def test_any_entry_a_producer_xadds_is_run_refused_or_dead_lettered_and_nothing_errs(
+        redis_url: str, engine, caplog) -> None:
+    """Entries drawn at random (any fields, any bytes, JSON and msgpack jobs with any values where a job's fields
+    go), in every lane: each is taken off its lane's pending list, no worker task fails or logs an error, and a
+    plain job after them runs."""
+    drawn: list[tuple[Lane, dict[bytes, bytes]]] = []
+
+    @settings(max_examples=120, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(entry=ENTRIES)
+    def draw(entry: tuple[Lane, dict[bytes, bytes]]) -> None:
+        drawn.append(entry)
+
+    draw()
+    client = aioredis.Redis.from_url(redis_url)
+    with caplog.at_level(logging.WARNING):
+        async with running_worker(redis_url, engine, max_deliveries=2) as service:
+            for lane, fields in drawn:
+                await client.xadd(KEYS.lane(lane), fields)
+            deadline = time.monotonic() + 60
+            # Every lane stream and the tenant streams a named tenant's entries are moved to: none left.
+            while sum((snapshot := await read_stream_counts(client, KEYS)).depth.values()):
+                assert time.monotonic() < deadline, f"entries still waiting or running: {snapshot}"
+                await asyncio.sleep(0.1)
+            after = JobSpec(id="after-random", prompt="still serving", params=SamplingParams(max_tokens=2))
+            await xadd_job(client, after)
+            views = await wait_terminal(client, ["after-random"], timeout_s=30)
+            assert not service.has_failed
+    # Each entry ends somewhere: on the dead stream (its job bytes, or its fields when it has no job), or as the
+    # record of the job it names (run, failed, expired...; a second entry of one id is that job's too).
+    dead = [fields for _, fields in await client.xrange(KEYS.dead)]
+    dead_jobs = {fields[b"job"] for fields in dead if b"job" in fields}
+    unaccounted = []
+    for lane, fields in drawn:
+        raw = fields.get(b"job")
+        if raw is None or raw in dead_jobs:
+            continue
+        job_id = _job_id(raw)
+        if job_id is None or not await client.exists(KEYS.job(job_id)):
+            unaccounted.append((lane, fields))
+    await client.aclose()
+    assert not unaccounted, unaccounted[:5]
+    assert sum(b"job" not in fields for _, fields in drawn) == sum(b"job" not in fields for fields in dead)
+    assert views["after-random"]["status"] == "succeeded"
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
+
+
+def _job_id(raw: bytes) -> str | None:
+    """The id a lane entry's job bytes name, read as JSON or msgpack (None: neither, or no text id)."""
+    for load in (json.loads, lambda data: msgpack.unpackb(data, strict_map_key=False)):
+        try:
+            job = load(raw)
+        except Exception:
+            continue
+        return job.get("id") if isinstance(job, dict) and isinstance(job.get("id"), str) else None
+    return None
