@@ -45,8 +45,8 @@ def answer_field(number: int) -> str:
 
 def unpack_error(raw: bytes, answer: bytes | None) -> LineError:
     """A line's error from its two error-hash fields (`LineError.fields`)."""
-    code, message = msgpack.unpackb(raw)
-    param, status = msgpack.unpackb(answer) if answer is not None else (None, None)
+    code, message, *rest = msgpack.unpackb(raw)  # [code, message, param, status]: one form written before
+    param, status = msgpack.unpackb(answer) if answer is not None else (rest + [None, None])[:2]
     return LineError(code, message, param=param, status=status)
 
 

@@ -76,6 +76,9 @@ def test_an_error_is_kept_so_gateways_before_and_after_read_it() -> None:
     again = unpack_error(fields["7"], fields[answer_field(7)])
     assert (again.code, again.message, again.param, again.status) == ("unsupported_parameter", "body: tools: no",
                                                                       "tools", 400)
+    # The one form that kept all four in the line's own field, still read.
+    four = unpack_error(msgpack.packb(["invalid_value", "body: top_p: no", "top_p", 400]), None)
+    assert (four.code, four.param, four.status) == ("invalid_value", "top_p", 400)
     line_fault = LineError("invalid_json", "the line is not valid JSON")
     assert list(line_fault.fields(3)) == ["3"]
     assert unpack_error(line_fault.fields(3)["3"], None).status is None
