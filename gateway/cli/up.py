@@ -17,6 +17,7 @@ import fcntl
 import os
 import shlex
 import signal
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,20 +147,32 @@ def run_up(config: UpConfig, worker: WorkerChild, webhooks: WebhookConfig, data_
         if redis is not None:
             url_file.unlink(missing_ok=True)
             redis.stop()
-            print("carpool: redis stopped", flush=True)
+            _say("carpool: redis stopped")
         if lock is not None:
             lock.release()
 
 
-def _leave_terminal(fds: list[int]) -> None:
-    """After SIGHUP: a closed terminal fails every write to it (EIO), which would cut the shutdown short at its
-    first line; up's output that went to it (`fds`) goes nowhere from here on (to a file or pipe, it is kept)."""
+def _leave_terminal() -> None:
+    """After a hang-up: a closed terminal fails every write to it (EIO), which would cut the shutdown short at its
+    first line; up's output that went to it goes nowhere from here on. Only a terminal that hung up is left (the
+    kernel has made it no tty by then, though still a character device): a SIGHUP sent by hand leaves a live one,
+    and a file or pipe, as they are."""
     null = os.open(os.devnull, os.O_WRONLY)
     try:
-        for fd in fds:
-            os.dup2(null, fd)
+        for fd in (1, 2):
+            if stat.S_ISCHR(os.fstat(fd).st_mode) and not os.isatty(fd):
+                os.dup2(null, fd)
     finally:
         os.close(null)
+
+
+def _say(line: str, *, is_error: bool = False) -> None:
+    """One status line of up's; a terminal that hung up before its SIGHUP was handled is left at once instead
+    of failing the shutdown this line may be part of."""
+    try:
+        print(line, file=sys.stderr if is_error else sys.stdout, flush=True)
+    except OSError:
+        _leave_terminal()
 
 
 async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConfig, redis_url: str,
@@ -172,10 +185,8 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
     def on_signal() -> None:
         (hurry if stop.is_set() else stop).set()
 
-    on_terminal = [fd for fd in (1, 2) if os.isatty(fd)]  # asked now: a hung-up terminal is no tty to isatty
-
     def on_hangup() -> None:
-        _leave_terminal(on_terminal)
+        _leave_terminal()
         on_signal()
 
     for sig in STOP_SIGNALS:
@@ -214,21 +225,21 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
         if is_ready:
             if config.api_keys:  # every /v1 route needs a key: the plain hint would be refused
                 prefix_flag = "" if config.key_prefix == DEFAULT_PREFIX else f" --key-prefix {config.key_prefix}"
-                print("carpool: ready — every request needs a key; in another shell try: export CARPOOL_API_KEY="
-                      f"$(carpool keys create --tenant acme --redis-url {redis_url}{prefix_flag}) && carpool submit \"hello\" "
-                      f"--wait --gateway {base}", flush=True)
+                _say("carpool: ready — every request needs a key; in another shell try: export CARPOOL_API_KEY="
+                     f"$(carpool keys create --tenant acme --redis-url {redis_url}{prefix_flag}) && carpool submit \"hello\" "
+                     f"--wait --gateway {base}")
             else:
-                print(f'carpool: ready — try: carpool submit "hello" --wait --gateway {base}', flush=True)
+                _say(f'carpool: ready — try: carpool submit "hello" --wait --gateway {base}')
             waiter = asyncio.create_task(stop.wait())
             died = asyncio.create_task(worker.wait())
             await asyncio.wait({waiter, died}, return_when=asyncio.FIRST_COMPLETED)
             await cancel_and_reap(waiter)
             await cancel_and_reap(died)
         if worker.returncode is not None:
-            print(f"carpool up: the worker exited with {worker.returncode}", file=sys.stderr)
+            _say(f"carpool up: the worker exited with {worker.returncode}", is_error=True)
             exit_code = 1
     finally:
-        print("carpool: shutting down", flush=True)
+        _say("carpool: shutting down")
         await runner.cleanup()
         await stop_worker(worker, config.worker_grace_s, f"http://127.0.0.1:{metrics_port}/readyz", hurry)
         for sig in STOP_SIGNALS:
