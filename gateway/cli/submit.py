@@ -214,7 +214,8 @@ def _is_builtin_model(base: str, worker: object) -> bool:
         ready = _request("GET", f"{base}/readyz", None, {}, timeout_s=10)
     except (GatewayError, NotAGateway, urllib.error.URLError, OSError, ValueError):
         return False  # only a note: never fail a finished job over it (a 503 /readyz, a proxy's 404 page)
-    beat = ready.get("workers", {}).get(worker)
+    workers = ready.get("workers") if isinstance(ready, dict) else None
+    beat = workers.get(worker) if isinstance(workers, dict) else None
     return isinstance(beat, dict) and beat.get("builtin_model") is True
 
 

@@ -258,3 +258,27 @@ def test_the_built_in_model_note_never_fails_a_finished_job(not_found_server: st
     from gateway.cli.submit import _is_builtin_model
 
     assert _is_builtin_model(not_found_server, "worker-1") is False
+
+
+@pytest.mark.parametrize("answer", [b"[]", b'{"workers": []}', b'"ok"'])
+def test_the_built_in_model_note_reads_any_json_readyz_answers(answer: bytes) -> None:
+    from gateway.cli.submit import _is_builtin_model
+
+    class Ready(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert _is_builtin_model(f"http://127.0.0.1:{server.server_address[1]}", "worker-1") is False
+    finally:
+        server.shutdown()
+        server.server_close()
