@@ -311,7 +311,8 @@ class JobLoop:
             # Token events are best effort; a checkpoint is only late: its job stays due, so the next step
             # writes it again (the first one included, which live views and cancels over the record wait on).
             if is_redis_down(e):  # then every step meets it: said once in a while, not once a step
-                self._outages.warn("step writes", e, "token events and checkpoints wait for the next steps")
+                self._outages.warn(f"worker {self.store.worker} step writes", e,
+                                   "token events and checkpoints wait for the next steps")
             else:
                 log.warning("token events and checkpoints of this step not written: %s", describe(e))
             checkpointed = []
