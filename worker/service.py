@@ -386,10 +386,12 @@ class WorkerService:
         """Say so when live workers under this key prefix serve another model (the lanes are shared, so each
         would answer the other's requests, and the OpenAI routes would name the model asked for), or hold their
         jobs on another lease: a worker reclaims entries idle for its own lease, and one renews its entries
-        every third of its own, so the one with the shorter lease takes the other's running jobs as lost and
-        runs them again from their checkpoints."""
+        every third of its own, so after a stall longer than the shorter lease (at once, where it is under a third
+        of the other) the one with the shorter lease takes the other's running jobs as lost and runs them again
+        from their checkpoints."""
         beats = await recent_heartbeats(self.client, self.keys.workers,
-                                        max_age_s=3 * self.config.heartbeat_interval_s + 1, now=time.time())
+                                        max_age_s=3 * self.config.heartbeat_interval_s + 1, now=time.time(),
+                                        besides=self.config.worker_name)
         others = {beat["model"] for beat in beats
                   if isinstance(beat.get("model"), str) and beat["model"] != self.config.model_name}
         if others:
@@ -402,10 +404,11 @@ class WorkerService:
                   and beat["lease_s"] != self.config.lease_s}
         if leases:
             log.warning("worker %s holds its jobs on a %gs lease, but live workers under the key prefix %r hold "
-                        "theirs on %s: a worker takes another's jobs as lost once they are idle for its own lease, "
-                        "so the shorter lease's workers run the longer one's jobs again while they still run; give "
-                        "every worker the same --lease-s", self.config.worker_name, self.config.lease_s,
-                        self.keys.prefix, ", ".join(f"{lease:g}s" for lease in sorted(leases)))
+                        "theirs on %s: a worker takes jobs idle for its own lease as lost, and renews its own every "
+                        "third of its lease, so after a stall longer than the shorter lease (at once, where it is "
+                        "under a third of another) the shorter lease's workers run the others' jobs again while "
+                        "they still run; give every worker the same --lease-s", self.config.worker_name,
+                        self.config.lease_s, self.keys.prefix, ", ".join(f"{lease:g}s" for lease in sorted(leases)))
 
     async def _heartbeat(self) -> None:
         """A heartbeat every interval after the first (`start` writes that one)."""

@@ -24,10 +24,12 @@ DEFAULT_HEARTBEAT_MAX_AGE_S = 30.0
 """How old a heartbeat may be for its worker to count as alive (the gateway's `--model-heartbeat-max-age-s`)."""
 
 
-async def recent_heartbeats(redis: aioredis.Redis, key: str, *, max_age_s: float, now: float) -> list[dict[str, Any]]:
-    """The heartbeats written at most `max_age_s` before `now`; one this process cannot read, or without a
+async def recent_heartbeats(redis: aioredis.Redis, key: str, *, max_age_s: float, now: float,
+                            besides: str | None = None) -> list[dict[str, Any]]:
+    """The heartbeats written at most `max_age_s` before `now`, but worker `besides`'s (a worker asking about the
+    others, whose own last run under its name may have left a beat); one this process cannot read, or without a
     time, says nothing it can use and is left out."""
-    return list((await _recent(redis, key, max_age_s, now)).values())
+    return [beat for name, beat in (await _recent(redis, key, max_age_s, now)).items() if name != besides]
 
 
 async def recent_workers(redis: aioredis.Redis, key: str, *, max_age_s: float, now: float) -> set[str]:

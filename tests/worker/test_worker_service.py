@@ -68,6 +68,8 @@ async def test_a_worker_joining_workers_on_another_lease_says_so(redis_url, engi
     model = "tiny"
     await client.hset(KEYS.workers, "w-long", msgpack.packb({"time": time.time(), "model": model, "lease_s": 30.0}))
     await client.hset(KEYS.workers, "w-same", msgpack.packb({"time": time.time(), "model": model, "lease_s": 6.0}))
+    # Its own last run's beat, on another lease, under the name it starts with again: not another worker.
+    await client.hset(KEYS.workers, "w-new", msgpack.packb({"time": time.time(), "model": model, "lease_s": 2.0}))
     with caplog.at_level("WARNING", logger="worker.service"):
         async with running_worker(redis_url, engine_factory(), worker_name="w-new", served_model_name=model,
                                   lease_s=6.0):
@@ -75,7 +77,7 @@ async def test_a_worker_joining_workers_on_another_lease_says_so(redis_url, engi
     await client.aclose()
     assert beat["lease_s"] == 6.0
     (warning,) = [r.getMessage() for r in caplog.records if "--lease-s" in r.getMessage()]
-    assert "6s lease" in warning and "on 30s" in warning, warning
+    assert "6s lease" in warning and "on 30s:" in warning, warning
     assert not [r for r in caplog.records if "share its lanes" in r.getMessage()]
 
 
