@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 
 import msgpack
 import pytest
@@ -119,7 +120,10 @@ async def test_any_entry_a_producer_xadds_is_run_refused_or_dead_lettered_and_no
     plain job after them runs."""
     drawn: list[tuple[Lane, dict[bytes, bytes]]] = []
 
-    @settings(max_examples=120, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    # Drawn the same way every run: a failure names entries that fail again (they are not asserted inside draw(),
+    # so hypothesis cannot shrink or replay them).
+    @settings(max_examples=120, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
     @given(entry=ENTRIES)
     def draw(entry: tuple[Lane, dict[bytes, bytes]]) -> None:
         drawn.append(entry)
@@ -131,8 +135,12 @@ async def test_any_entry_a_producer_xadds_is_run_refused_or_dead_lettered_and_no
             for lane, fields in drawn:
                 await client.xadd(KEYS.lane(lane), fields)
             deadline = time.monotonic() + 60
-            # Every lane stream and the tenant streams a named tenant's entries are moved to: none left.
-            while sum((snapshot := await read_stream_counts(client, KEYS)).depth.values()):
+            # Every lane stream and the tenant streams a named tenant's entries are moved to: none left, twice
+            # running (an entry moved to a new tenant's stream between the two reads of one count is missed once).
+            empty = 0
+            while empty < 2:
+                snapshot = await read_stream_counts(client, KEYS)
+                empty = 0 if sum(snapshot.depth.values()) else empty + 1
                 assert time.monotonic() < deadline, f"entries still waiting or running: {snapshot}"
                 await asyncio.sleep(0.1)
             after = JobSpec(id="after-random", prompt="still serving", params=SamplingParams(max_tokens=2))
@@ -142,11 +150,14 @@ async def test_any_entry_a_producer_xadds_is_run_refused_or_dead_lettered_and_no
     # Each entry ends somewhere: on the dead stream (its job bytes, or its fields when it has no job), or as the
     # record of the job it names (run, failed, expired...; a second entry of one id is that job's too).
     dead = [fields for _, fields in await client.xrange(KEYS.dead)]
-    dead_jobs = {fields[b"job"] for fields in dead if b"job" in fields}
+    dead_jobs = Counter(fields[b"job"] for fields in dead if b"job" in fields)  # one dead entry accounts for one
     unaccounted = []
     for lane, fields in drawn:
         raw = fields.get(b"job")
-        if raw is None or raw in dead_jobs:
+        if raw is None:
+            continue
+        if dead_jobs[raw]:
+            dead_jobs[raw] -= 1
             continue
         job_id = _job_id(raw)
         if job_id is None or not await client.exists(KEYS.job(job_id)):
