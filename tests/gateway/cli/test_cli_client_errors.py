@@ -10,10 +10,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ import redis.asyncio as aioredis
 from gateway.cli.main import main
 from scheduler.protocol.keys import Keys
 from tests.harness.child_env import child_pythonpath
+from tests.harness.fixed_answer import answering
 from tests.harness.worker_harness import wait_until
 
 REPO = Path(__file__).resolve().parents[3]
@@ -30,26 +29,8 @@ REPO = Path(__file__).resolve().parents[3]
 @pytest.fixture
 def html_server() -> Iterator[str]:
     """A web server that answers every request 200 with an HTML page, as a proxy or a wrong port may."""
-
-    class Page(BaseHTTPRequestHandler):
-        def _page(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html")
-            self.end_headers()
-            self.wfile.write(b"<html><body>Welcome to nginx!</body></html>")
-
-        do_GET = do_POST = _page
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
+    with answering(200, b"<html><body>Welcome to nginx!</body></html>", "text/html") as url:
+        yield url
 
 async def test_submit_wait_reads_back_the_job_it_made_whatever_its_id(gateway_url: str, capsys) -> None:
     """Ids are any printable characters: each is one path segment when read back (`%42` is not `B`, `a?b` is no
@@ -77,25 +58,8 @@ def test_an_answer_that_is_not_a_gateways_is_one_line(html_server: str, argv: li
 @pytest.fixture(params=[b"{}", b"<html><body>404 Not Found</body></html>"], ids=["json", "html"])
 def not_found_server(request: pytest.FixtureRequest) -> Iterator[str]:
     """A web server that answers every request 404 with a body that is no carpool gateway's error."""
-
-    class NotFound(BaseHTTPRequestHandler):
-        def _page(self) -> None:
-            self.send_response(404)
-            self.end_headers()
-            self.wfile.write(request.param)
-
-        do_GET = do_POST = _page
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
+    with answering(404, request.param, None) as url:
+        yield url
 
 @pytest.mark.parametrize("argv", [["submit", "x"], ["batch", "status", "batch_1"], ["batch", "cancel", "batch_1"]])
 def test_an_error_answer_that_is_not_a_gateways_is_no_refusal(not_found_server: str, argv: list[str], capsys) -> None:
@@ -108,25 +72,9 @@ def test_an_error_answer_that_is_not_a_gateways_is_no_refusal(not_found_server: 
 @pytest.fixture
 def batch_server() -> Iterator[str]:
     """A web server that answers every GET with a batch longer than a pipe holds."""
-
-    class Batch(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(json.dumps({"id": "batch_1", "status": "completed", "metadata": {"x": "y" * 200_000}})
-                             .encode())
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Batch)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
+    batch = {"id": "batch_1", "status": "completed", "metadata": {"x": "y" * 200_000}}
+    with answering(200, json.dumps(batch).encode()) as url:
+        yield url
 
 def test_a_reader_that_stops_reading_ends_batch_status_quietly(batch_server: str) -> None:
     """`carpool batch status ID | head -2`: the gateway answered; the reader of standard output went away."""
@@ -264,21 +212,5 @@ def test_the_built_in_model_note_never_fails_a_finished_job(not_found_server: st
 def test_the_built_in_model_note_reads_any_json_readyz_answers(answer: bytes) -> None:
     from gateway.cli.submit import _is_builtin_model
 
-    class Ready(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(answer)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Ready)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        assert _is_builtin_model(f"http://127.0.0.1:{server.server_address[1]}", "worker-1") is False
-    finally:
-        server.shutdown()
-        server.server_close()
+    with answering(200, answer) as url:
+        assert _is_builtin_model(url, "worker-1") is False

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import msgpack
@@ -19,6 +17,7 @@ import pytest
 import redis
 
 from gateway.cli.embedded_redis import free_port
+from tests.harness.fixed_answer import answering
 from tests.harness.up_stack import UpStack, carpool, carpool_env, start_up
 
 CONTEXT = 64
@@ -137,26 +136,9 @@ def test_a_worker_metrics_port_that_is_the_gateways_is_a_usage_error(tmp_path: P
 
 def test_a_worker_metrics_port_another_server_holds_is_refused_before_ready(tmp_path: Path) -> None:
     """Another server there answers /readyz 200: up must not take that for its worker being ready."""
-
-    class Ready(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(b'{"ready": true, "running": 0}')
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Ready)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        done = carpool("up", "--port", str(free_port()), "--worker-metrics-port", str(server.server_address[1]),
-                       "--redis-port", "0",
+    with answering(200, b'{"ready": true, "running": 0}') as url:
+        port = url.rsplit(":", 1)[1]
+        done = carpool("up", "--port", str(free_port()), "--worker-metrics-port", port, "--redis-port", "0",
                        "--data-dir", str(tmp_path / "data"), timeout_s=60)
-    finally:
-        server.shutdown()
-        server.server_close()
     assert done.returncode == 1 and "carpool: ready" not in done.stdout, done.stdout + done.stderr
-    assert f"port {server.server_address[1]} (--worker-metrics-port) is in use" in done.stderr, done.stderr
+    assert f"port {port} (--worker-metrics-port) is in use" in done.stderr, done.stderr
