@@ -6,6 +6,7 @@ so every test talks to a real server.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import redis
 
-from gateway.cli.parent_death import parent_death_hook
 from scheduler.runtime.listen import listen_error
+from scheduler.runtime.parent_death import die_with_parent
 
 DEFAULT_REDIS_PORT = 6379
 """Redis's usual port: `carpool up` takes it, so `redis.Redis()` and `redis-cli` reach its Redis unconfigured."""
@@ -62,7 +63,7 @@ class EmbeddedRedis:
         self.port = port or free_port()
         self.is_persistent = is_persistent
         self.dies_with_parent = dies_with_parent
-        """SIGTERM (a clean shutdown, the AOF flushed) when the thread that calls `start` dies (`parent_death`):
+        """SIGTERM (a clean shutdown, the AOF flushed) when the thread that calls `start` dies (`scheduler.runtime.parent_death`):
         for `carpool up`, which starts it on its main thread; not for a server a thread pool's thread starts."""
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -88,7 +89,7 @@ class EmbeddedRedis:
         log = open(self.data_dir / "redis.log", "ab")
         # Its own session: a Ctrl-C meant for `carpool up` must not kill Redis before the worker has drained.
         self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                      preexec_fn=parent_death_hook(signal.SIGTERM) if self.dies_with_parent else None)
+                                      preexec_fn=die_with_parent(signal.SIGTERM, os.getpid()) if self.dies_with_parent else None)
         log.close()
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s

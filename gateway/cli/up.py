@@ -7,7 +7,7 @@ this process; the worker is a child process (`python -m gateway.cli worker`).
 SIGHUP (its terminal closed) shuts down in order: the gateway stops taking requests, the worker gets
 SIGTERM and `--worker-grace-s` to finish its running jobs (up says how many
 it waits for; a second Ctrl-C has them handed back at once), then Redis stops.
-If up dies without that (SIGKILL), Linux ends both children with it (`parent_death`).
+If up dies without that (SIGKILL), Linux ends both children with it (`scheduler.runtime.parent_death`).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from aiohttp import web
 from gateway.access_log import AccessLogger
 from gateway.app import init_app
 from gateway.cli.embedded_redis import DEFAULT_REDIS_PORT, REDIS_URL_FILE, EmbeddedRedis, free_port, is_port_free
-from gateway.cli.parent_death import parent_death_hook
 from gateway.cli.up_worker import StackError, WorkerChild, child_environ, stop_worker, wait_ready
 from gateway.config import GatewayConfig
 from gateway.webhooks.config import WebhookConfig
 from scheduler.protocol.keys import DEFAULT_PREFIX, check_key_prefix
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE
+from scheduler.runtime.parent_death import die_with_parent
 from scheduler.runtime.tasks import cancel_and_reap
 from scheduler.telemetry.otel import Telemetry, TelemetryConfig
 
@@ -212,7 +212,7 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
     worker = await asyncio.create_subprocess_exec(
         *child.argv(redis_url, config.key_prefix, metrics_port, config.worker_grace_s),
         # SIGKILL if up dies without stopping it: its jobs are then reclaimed, as any killed worker's.
-        env=child_environ(os.environ), start_new_session=True, preexec_fn=parent_death_hook(signal.SIGKILL))
+        env=child_environ(os.environ), start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL, os.getpid()))
     engine = child.worker.engine
     print(f"carpool: worker     pid {worker.pid}, model {engine.model or '(built-in tiny model)'} on {engine.device}, "
           f"metrics http://127.0.0.1:{metrics_port}/metrics", flush=True)

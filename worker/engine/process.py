@@ -27,7 +27,6 @@ while the parent still drains through it.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import faulthandler
 import logging
 import multiprocessing
@@ -37,12 +36,12 @@ import select
 import signal
 import socket
 import struct
-import sys
 import traceback
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
+from scheduler.runtime.parent_death import die_with_parent
 from worker.engine.config import EngineConfig
 from worker.engine.tick import run_tick
 from worker.engine.wire import Add, EngineError, EngineFailed, EngineMessage, EngineReady, Tick, TickRequest
@@ -51,7 +50,6 @@ log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
 """How long a stopping child may take to finish its ticks and exit before it is killed."""
-PR_SET_PDEATHSIG = 1
 FRAME_HEADER = struct.Struct("!Q")
 """Each message on the socket: its pickle's length, then the pickle."""
 
@@ -295,10 +293,8 @@ def _read_exactly(sock: socket.socket, size: int) -> bytearray:
 
 def _die_with_parent(parent_pid: int) -> None:
     """Best effort: have Linux SIGKILL this process when its parent dies, even before the socket is read."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
+    arm = die_with_parent(signal.SIGKILL, parent_pid)
+    if arm is not None:
+        arm()
     if os.getppid() != parent_pid:
-        os._exit(0)  # the parent died before the setting took effect
+        os._exit(0)  # the parent is gone (where no parent-death signal could be set)
