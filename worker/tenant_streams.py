@@ -4,18 +4,31 @@ Before each read the worker routes what direct producers XADDed to a lane stream
 that tenant's stream, then learns each lane's active tenants and their weights. `plan` shares a lane's
 slots out over its tenants by weight (smooth weighted round-robin, state kept per lane); a tenant whose
 stream came up short is retired from the active set once its stream is empty.
+
+A producer may also XADD straight into a tenant's stream (its name is documented) without marking the tenant
+active: nobody would read it. `adopt_strays`, run with each reclaim sweep, walks the key space a slice at a
+time for tenant streams that hold entries while their tenant is out of the active set, and puts it back in.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from scheduler.protocol import state_machine
 from scheduler.protocol.keys import CONSUMER_GROUP, ROUTE_SCAN_COUNT, WAKE_MAXLEN, Keys
 from scheduler.protocol.lanes import LANES, Lane
 from scheduler.protocol.tenants import DEFAULT_TENANT, DEFAULT_WEIGHT, MAX_WEIGHT, TenantShares, named_tenants
+
+log = logging.getLogger(__name__)
+
+STRAY_SCAN_COUNT = 1_000
+"""Keys each SCAN call of `adopt_strays` looks at."""
+STRAY_SCAN_CALLS = 10
+"""SCAN calls per sweep: a million keys are walked in a hundred sweeps (minutes, at the default lease)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,8 @@ class TenantStreams:
         """Stream -> lane of every stream seen; grows by one per tenant stream."""
         self._route = client.register_script(state_machine.ROUTE_TO_TENANTS)
         self._deactivate = client.register_script(state_machine.RETIRE_TENANTS)
+        self._scan_cursor = 0
+        """Where `adopt_strays` goes on in the key space; 0 starts a new walk."""
 
     def lane_of(self, stream: str) -> Lane | None:
         return self._lane_of.get(stream)
@@ -82,6 +97,42 @@ class TenantStreams:
         for lane, named in by_lane.items():
             await self._deactivate(keys=[self.keys.lane_tenants(lane), *(s.stream for s in named)],
                                    args=[s.tenant for s in named])
+
+    async def adopt_strays(self) -> list[Source]:
+        """Tenant streams holding entries whose tenant is out of its lane's active set (a producer XADDed into
+        the stream itself), found in the next slice of the key space: each gets its consumer group where it
+        has none, and its tenant goes back into the active set, with a wake for idle workers. Returns those."""
+        prefixes = {self.keys.tenant_lane_prefix(lane): lane for lane in LANES}
+        found: list[Source] = []
+        for _ in range(STRAY_SCAN_CALLS):
+            self._scan_cursor, names = await self.client.scan(
+                self._scan_cursor, match=self.keys.tenant_lanes_glob(), count=STRAY_SCAN_COUNT, _type="stream")
+            for raw in names:
+                name = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+                for prefix, lane in prefixes.items():
+                    if name.startswith(prefix) and named_tenants([name[len(prefix):]]):
+                        found.append(Source(lane, name[len(prefix):], name))
+            if self._scan_cursor == 0:
+                break
+        if not found:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for source in found:
+            pipe.sismember(self.keys.lane_tenants(source.lane), source.tenant)
+            pipe.xlen(source.stream)
+        replies = await pipe.execute()
+        strays = [s for s, is_member, length in zip(found, replies[::2], replies[1::2]) if not is_member and length]
+        for source in strays:
+            try:
+                await self.client.xgroup_create(source.stream, CONSUMER_GROUP, id="0")
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+            await self.client.sadd(self.keys.lane_tenants(source.lane), source.tenant)
+            await self.client.xadd(self.keys.wake, {"tenant": source.tenant}, maxlen=WAKE_MAXLEN, approximate=True)
+            log.warning("%s held entries while tenant %r was not active in lane %s (XADDed into the tenant's "
+                        "stream directly?); it is read again", source.stream, source.tenant, source.lane.value)
+        return strays
 
 
 def _weights(raw: dict[bytes, bytes]) -> dict[str, int]:

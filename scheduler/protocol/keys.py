@@ -7,6 +7,7 @@ Redis server. Units are in the names: ``*_s`` seconds, ``*_ms`` milliseconds.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from scheduler.protocol.lanes import LANES, Lane
@@ -51,6 +52,11 @@ def check_key_prefix(prefix: str) -> None:
         raise ValueError(f"key_prefix: must be non-empty without spaces, got {prefix!r}")
 
 
+def _glob_escape(text: str) -> str:
+    """`text` matched literally in a Redis glob pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
 @dataclass(frozen=True)
 class Keys:
     """Key names under one prefix. Build once from config and pass it down."""
@@ -93,6 +99,11 @@ class Keys:
     def tenant_lane_prefix(self, lane: Lane | str) -> str:
         """What every tenant stream of a lane starts with (the tenant's name follows)."""
         return f"{self.lane(lane)}:tenant:"
+
+    def tenant_lanes_glob(self) -> str:
+        """A SCAN pattern that every lane's tenant streams match (other keys may too: check each name against
+        `tenant_lane_prefix`)."""
+        return _glob_escape(f"{self.prefix}:lane:") + "*:tenant:*"
 
     def lane_tenants(self, lane: Lane | str) -> str:
         """Set of tenants whose stream in the lane may hold entries (waiting or running); workers read only

@@ -192,3 +192,28 @@ async def test_a_json_job_after_whitespace_or_a_byte_order_mark_is_routed_to_its
     (entry,) = await consumer.read(4)
     assert entry.ref.stream == KEYS.tenant_lane(Lane.BATCH, "polite")
     await client.aclose()
+
+
+async def test_entries_xadded_straight_into_an_inactive_tenants_stream_are_found_and_read(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    consumer = LaneConsumer(client, KEYS, "reader", BATCH_ONLY, lease_ms=60_000, read_block_ms=10, max_deliveries=5)
+    await consumer.ensure_groups()
+    # A producer XADDs into the documented name of a tenant's stream: no consumer group, tenant not active.
+    stream = KEYS.tenant_lane(Lane.BATCH, "direct")
+    for i in range(3):
+        await client.xadd(stream, {"job": f"direct-{i}".encode()})
+    await client.xadd(f"{KEYS.lane(Lane.BATCH)}:tenant:no spaces", {"job": b"never a tenant's"})
+    for i in range(2500):  # enough other keys that the walk takes more than one slice of SCAN calls
+        await client.set(f"{KEYS.prefix}:filler:{i}", 1)
+    assert await consumer.read(5) == []  # nobody reads it yet
+    reclaimed = []
+    for _ in range(5):
+        reclaimed += await consumer.reclaim(5)
+        if await client.sismember(KEYS.lane_tenants(Lane.BATCH), "direct"):
+            break
+    assert reclaimed == []  # nothing was pending: found, not reclaimed
+    assert await client.smembers(KEYS.lane_tenants(Lane.BATCH)) == {b"direct"}
+    assert sorted(_names(await consumer.read(5))) == ["direct-0", "direct-1", "direct-2"]
+    # Once read, it is not found again; the wake entry it rang is no job.
+    assert await consumer.reclaim(5) == [] and _names(await consumer.read(5)) == []
+    await client.aclose()
