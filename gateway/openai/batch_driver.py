@@ -316,18 +316,23 @@ class BatchDriver:
                 errors, answers, *records = await pipe.execute()
             out: list[str] = []
             err: list[str] = []
-            for n, custom_id, error, answer, record in zip(numbers, custom_ids, errors, answers, records):
+            views = [job_view(record) if record else {} for record in records]
+            # A failed request's error names its parameters as its line spelt them: read those lines again.
+            lines = (await self._files.page(b["input_file_id"], start, len(custom_ids))
+                     if any(v.get("status") == "failed" for v in views) else [])
+            for n, custom_id, error, answer, view in zip(numbers, custom_ids, errors, answers, views):
                 if error is not None:
                     refused = unpack_error(error, answer)
                     err.append(error_line(custom_id or None, refused.code, f"line {n + 1}: {refused.message}",
                                           status=refused.status, param=refused.param))
                 elif not custom_id:
                     continue  # a blank line: every other line has a custom_id or an error
-                elif not record:
+                elif not view:
                     code = "batch_cancelled" if b.get("outcome") == BatchStatus.CANCELLED.value else "batch_expired"
                     err.append(error_line(custom_id, code, f"line {n + 1}: the request never ran"))
                 else:
-                    line, is_output = result_line(endpoint, n, custom_id, job_view(record))
+                    renames = _renames(endpoint, lines[n - start]) if n - start < len(lines) else None
+                    line, is_output = result_line(endpoint, n, custom_id, view, renames)
                     (out if is_output else err).append(line)
             out_bytes += await self._files.append(out_id, out)
             err_bytes += await self._files.append(err_id, err)
@@ -348,6 +353,15 @@ class BatchDriver:
         await self._redis.srem(keys.batches_active, batch_id)
         await self._redis.delete(keys.batch_results(batch_id))
         self._scanned_at.pop(batch_id, None)
+
+
+def _renames(endpoint: Endpoint, line: str) -> dict[str, str] | None:
+    """The parameters an input line spelt its own way (see `parse_line`); None for a line that no longer parses
+    (its job ran, so it did when it was enqueued)."""
+    try:
+        return parse_line(line, endpoint)[2]
+    except LineError:
+        return None
 
 
 def _loose_custom_id(line: str) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Mapping
 from typing import Any
 
 import msgpack
@@ -11,6 +12,7 @@ from redis.typing import EncodableT, FieldT
 
 from gateway.errors import OpenAIError, openai_error_body
 from gateway.openai import responses
+from gateway.openai.responses import renamed_in
 from gateway.openai.schema import Endpoint, parse_request
 from scheduler.protocol.lanes import Lane
 
@@ -115,12 +117,14 @@ def error_line(custom_id: str | None, code: str, message: str, *, status: int | 
         "body": openai_error_body(status, message, param=param, code=code)}})
 
 
-def result_line(endpoint: Endpoint, number: int, custom_id: str, view: dict[str, Any]) -> tuple[str, bool]:
+def result_line(endpoint: Endpoint, number: int, custom_id: str, view: dict[str, Any],
+                renames: Mapping[str, str] | None = None) -> tuple[str, bool]:
     """(the output- or error-file line of the finished job of input line `number` (0-based), whether it goes to
     the output file).
 
     A failed request's error has the code the online route answers with (``context_length_exceeded`` for a
-    prompt too long for the context), and its message starts ``line N:``, as every error-file message does."""
+    prompt too long for the context), names the parameter as the line spelt it (`renames`, from `parse_line`),
+    and its message starts ``line N:``, as every error-file message does."""
     status = view.get("status")
     if status == "succeeded":
         job_id = str(view.get("id"))
@@ -134,6 +138,8 @@ def result_line(endpoint: Endpoint, number: int, custom_id: str, view: dict[str,
     never_ran = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(str(status))
     if never_ran is not None:
         return error_line(custom_id, never_ran, f"line {number + 1}: {error.get('message', status)}"), False
-    refused = responses.job_error(view)
-    return error_line(custom_id, str(refused.code), f"line {number + 1}: {error.get('message', status)}",
+    refused = responses.job_error(view, renames)
+    message = renamed_in(str(error.get("message", status)), renames)
+    return error_line(custom_id, str(refused.code), f"line {number + 1}: {message}",
                       status=refused.status, param=refused.param, request_id=str(view.get("id"))), False
+

@@ -371,22 +371,29 @@ async def test_error_file_lines_count_blank_lines_and_take_the_online_codes(redi
                                          "messages": [{"role": "user", "content": "x" * 2000}]}}
     over = {**chat_line(3), "body": {**chat_line(3)["body"], "max_completion_tokens": 100_000}}
     del over["body"]["max_tokens"]
+    # Within the context alone, past it with the prompt: refused by the worker, which names `max_tokens`.
+    over_with_prompt = {**chat_line(4), "body": {**over["body"], "max_completion_tokens": 100,
+                                                 "messages": [{"role": "user", "content": "x" * 200}]}}
     data = "\r\n".join(["", json.dumps(chat_line(0)), "", json.dumps(too_long), "  ", "not json",
-                        json.dumps(chat_line(1)), "", json.dumps(over), ""]).encode()
+                        json.dumps(chat_line(1)), "", json.dumps(over), json.dumps(over_with_prompt), ""]).encode()
     async with openai_service(redis_url, Engine(model=tiny_model(), max_num_seqs=4, max_model_len=256),
                               batch_poll_interval_s=0.1) as svc:
         upload_id = (await svc.client.files.create(file=("b.jsonl", io.BytesIO(data)), purpose="batch")).id
         batch = await svc.client.batches.create(input_file_id=upload_id, endpoint=CHAT, completion_window="24h")
         batch = await wait_batch(svc.client, batch.id, {"completed", "failed", "expired", "cancelled"})
         assert batch.status == "completed"
-        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (5, 2, 3)
+        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (6, 2, 4)
         assert [o["custom_id"] for o in await read_lines(svc.client, batch.output_file_id)] == ["req-0", "req-1"]
         errors = await read_lines(svc.client, batch.error_file_id)
         assert [(e["custom_id"], line_error(e)["code"]) for e in errors] == \
-            [("req-2", "context_length_exceeded"), (None, "invalid_json"), ("req-3", "context_length_exceeded")]
-        # Refused as it was enqueued (past the context the workers report): named as the line named it.
-        over_error = line_error(errors[2])
-        assert over_error["param"] == "max_completion_tokens" and "max_tokens" not in over_error["message"]
+            [("req-2", "context_length_exceeded"), (None, "invalid_json"), ("req-3", "context_length_exceeded"),
+             ("req-4", "context_length_exceeded")]
+        # Refused as it was enqueued (past the context the workers report), or by the worker as it ran: named as
+        # the line named it.
+        for refused in errors[2:]:
+            assert line_error(refused)["param"] == "max_completion_tokens", refused
+            assert "max_tokens" not in line_error(refused)["message"], refused
+        assert errors[3]["response"]["request_id"] == f"{batch.id}-9"  # it ran: the worker refused it
         assert line_error(errors[0])["message"].startswith("line 4: messages: ")
         assert line_error(errors[1])["message"].startswith("line 6: ")
         # The request that ran and failed has the answer the online route gives it; the line that is no request
