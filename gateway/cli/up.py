@@ -241,7 +241,10 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
     finally:
         _say("carpool: shutting down")
         await runner.cleanup()
-        await stop_worker(worker, config.worker_grace_s, f"http://127.0.0.1:{metrics_port}/readyz", hurry)
+        stopped_with = await stop_worker(worker, config.worker_grace_s, f"http://127.0.0.1:{metrics_port}/readyz",
+                                         hurry)
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
-    return exit_code
+    # A worker that failed its own shutdown (killed past the grace period, or ended by an error) fails up's too:
+    # its running jobs were not handed back, and wait for their leases to lapse.
+    return exit_code or int(stopped_with != 0)

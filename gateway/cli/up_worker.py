@@ -120,11 +120,12 @@ async def running_jobs(readyz_url: str, pid: int) -> int | None:
 
 
 async def stop_worker(worker: asyncio.subprocess.Process, grace_s: float, readyz_url: str,
-                      hurry: asyncio.Event) -> None:
+                      hurry: asyncio.Event) -> int:
     """SIGTERM, then wait up to the grace period (saying for what); `hurry` (a second Ctrl-C) sends
-    SIGINT, and the worker hands its jobs back at once."""
+    SIGINT, and the worker hands its jobs back at once. Returns its exit status (negative: the signal that
+    ended it), or that of a worker that had exited already."""
     if worker.returncode is not None:
-        return
+        return worker.returncode
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s + KILL_AFTER_S
     exited = asyncio.create_task(worker.wait())
@@ -149,5 +150,6 @@ async def stop_worker(worker: asyncio.subprocess.Process, grace_s: float, readyz
     if not exited.done():
         print("carpool: the worker did not stop in time; killing it", file=sys.stderr)
         worker.kill()
-    await exited
-    print(f"carpool: worker stopped ({worker.returncode})", flush=True)
+    code = await exited
+    print(f"carpool: worker stopped ({code})", flush=True)
+    return code

@@ -47,3 +47,25 @@ def test_a_second_ctrl_c_hands_running_jobs_back_at_once(
     assert "carpool: handing the running jobs back now" in stack.log()
     assert record[b"status"] == b"running" and record[b"handbacks"] == b"1"
     assert record[b"checkpoint"]
+
+
+@pytest.mark.slow
+def test_a_worker_that_does_not_stop_in_time_is_killed_and_up_exits_1(tiny_model: Callable[..., str],
+                                                                       tmp_path: Path) -> None:
+    """A worker that fails its own shutdown (here: stopped, so it never answers SIGTERM) is killed once the grace
+    period and a few seconds more are over, and up's exit status says the shutdown was not clean."""
+    import os
+    import re
+
+    stack = start_up(tmp_path, "--model", tiny_model("llama"), "--worker-grace-s", "1")
+    try:
+        (pid,) = re.findall(r"carpool: worker +pid (\d+)", stack.log())
+        os.kill(int(pid), signal.SIGSTOP)
+        stack.proc.send_signal(signal.SIGINT)
+        code = stack.proc.wait(timeout=60)
+    finally:
+        stack.stop()
+    log = stack.log()
+    assert code == 1, log
+    assert "carpool: the worker did not stop in time; killing it" in log
+    assert f"carpool: worker stopped ({-signal.SIGKILL})" in log and log.rstrip().endswith("carpool: redis stopped")
