@@ -76,8 +76,9 @@ class KeyStore:
         return key, record
 
     async def lookup(self, key: str) -> ApiKey | None:
-        """The key's record, or None for a key that was never made or was revoked."""
-        if not key.startswith(KEY_PREFIX) or len(key) > 256:
+        """The key's record, or None for a key that was never made or was revoked (or cannot be one: every key
+        made is ASCII, and a header's bytes that are no UTF-8 reach here as lone surrogates)."""
+        if not key.startswith(KEY_PREFIX) or len(key) > 256 or not key.isascii():
             return None
         return _record(await read_hash(self._redis, self._keys.api_key(digest(key))))
 

@@ -47,7 +47,8 @@ async def post_job(request: web.Request) -> web.Response:
     caller = caller_of(request)
     try:
         body = await request.json(loads=json.loads)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    # JSONDecodeError and UnicodeDecodeError are ValueErrors; an unknown charset, a LookupError.
+    except (ValueError, RecursionError, LookupError) as e:
         metrics.job_rejected("invalid")
         return error_response(400, "invalid_request", f"body is not valid JSON: {decode_failure(e)}", field="body")
     idempotency_key = request.headers.get("Idempotency-Key")

@@ -208,11 +208,11 @@ def file_store(app: web.Application) -> FileStore:
     return FileStore(app[appkeys.REDIS], app[appkeys.KEYS], app[appkeys.CONFIG].file_ttl_s)
 
 
-@routes.post("/v1/files")
-async def upload(request: web.Request) -> web.Response:
-    config = request.app[appkeys.CONFIG]
-    if not request.content_type.startswith("multipart/"):
-        raise invalid("file", "upload the file as multipart/form-data with fields file and purpose")
+async def _read_form(request: web.Request,
+                     max_file_bytes: int) -> tuple[str | None, str | None, bytes | None, dict[str, str]]:
+    """(purpose, file name, file bytes, expires_after's fields) of an upload's form; raises ValueError for a
+    body that is no multipart/form-data (RuntimeError for a part's unknown transfer encoding), OpenAIError for
+    fields refused."""
     reader = await request.multipart()
     purpose, filename, data = None, None, None
     expires_after: dict[str, str] = {}
@@ -223,11 +223,27 @@ async def upload(request: web.Request) -> web.Response:
             purpose = await _read_text(part)
         elif part.name == "file":
             filename = part.filename or "upload.jsonl"
-            data = await _read_limited(part, config.max_batch_file_bytes)
+            data = await _read_limited(part, max_file_bytes)
         elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):  # how clients send the policy
             expires_after[part.name.removeprefix("expires_after[").removesuffix("]")] = await _read_text(part)
         else:
             await part.release()
+    return purpose, filename, data, expires_after
+
+
+@routes.post("/v1/files")
+async def upload(request: web.Request) -> web.Response:
+    config = request.app[appkeys.CONFIG]
+    if not request.content_type.startswith("multipart/"):
+        raise invalid("file", "upload the file as multipart/form-data with fields file and purpose")
+    try:
+        purpose, filename, data, expires_after = await _read_form(request, config.max_batch_file_bytes)
+    except UnicodeError as e:  # a boundary that is no ASCII, the request's or a part's
+        raise invalid("file", "the multipart/form-data body cannot be read: a boundary must be ASCII") from e
+    # aiohttp's reader: no starting boundary, a body cut short (ValueError); a part's unknown
+    # Content-Transfer-Encoding (RuntimeError).
+    except (ValueError, RuntimeError) as e:
+        raise invalid("file", f"the multipart/form-data body cannot be read: {ascii(str(e))[1:-1][:200]}") from e
     if purpose not in PURPOSES:
         raise invalid("purpose", f"must be one of {list(PURPOSES)}")
     ttl_s = expiry_seconds("expires_after", expires_after, config.file_ttl_s) if expires_after else None

@@ -65,7 +65,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def read_json(request: web.Request) -> Any:
     try:
         return await request.json(loads=json.loads)
-    except (ValueError, RecursionError) as e:
+    except (ValueError, RecursionError, LookupError) as e:  # LookupError: an unknown charset
         raise invalid("body", f"not valid JSON: {decode_failure(e)}") from e
 
 

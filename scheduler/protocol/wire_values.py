@@ -79,6 +79,8 @@ def decode_failure(error: Exception) -> str:
     over-long integer ends by advising a setting of the server's process, and a stack overflow says nothing."""
     if isinstance(error, RecursionError) or type(error).__name__ == "StackError":
         return "nested too deeply"
+    if isinstance(error, LookupError):  # a Content-Type's charset that names no text encoding
+        return f"its Content-Type's charset is no text encoding ({ascii(error.args[0]) if error.args else error})"
     text = str(error)
     if "integer string conversion" in text:
         return "it holds an integer written with too many digits (more than 4300)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -79,6 +80,17 @@ async def test_every_v1_route_wants_a_key_and_answers_401_in_its_own_shape(keyed
         for path in ("/healthz", "/readyz", "/metrics"):
             async with http.get(url + path) as resp:
                 assert resp.status == 200, path
+    # A key that is no UTF-8 text (sent by hand: clients encode their headers) is as wrong as any other.
+    host, port = url.removeprefix("http://").split(":")
+    for method, path in (("GET", "/v1/usage"), ("GET", "/v1/models"), ("POST", "/v1/jobs")):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n".encode()
+                     + b"Authorization: Bearer cpk_\xff\xfe\r\n\r\n{}")
+        await writer.drain()
+        status_line = await reader.readline()
+        writer.close()
+        await writer.wait_closed()
+        assert status_line.split()[1] == b"401", (method, path, status_line)
     # The OpenAI client sees its own authentication error.
     bad = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="cpk_wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

@@ -1,0 +1,73 @@
+"""Requests no HTTP client library sends, written byte by byte to a real gateway: bytes that are no UTF-8 in
+headers, a charset that names no text encoding, multipart bodies without or past their boundary. Each gets a
+4xx naming what is wrong, never a 5xx, and the gateway goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from gateway.app import init_app
+from gateway.config import GatewayConfig
+from tests.harness.gateway_server import GatewayTestServer
+
+JOB = b'{"prompt": "hi"}'
+FORM = b"Content-Type: multipart/form-data; boundary=abc"
+
+
+def _part(headers: bytes, content: bytes = b"batch") -> bytes:
+    return b"--abc\r\n" + headers + b"\r\n\r\n" + content + b"\r\n--abc--\r\n"
+
+
+# (method, path, extra header lines, body, the status, what the error names)
+CASES = [
+    ("POST", "/v1/jobs", b"Content-Type: application/json; charset=\xff", JOB, 400, "charset"),
+    ("POST", "/v1/jobs", b"Content-Type: application/json; charset=rot13", JOB, 400, "charset"),
+    ("POST", "/v1/chat/completions", b"Content-Type: application/json; charset=hex", b"{}", 400, "charset"),
+    ("POST", "/v1/jobs", b"Idempotency-Key: k\xff", JOB, 400, "Idempotency-Key"),
+    ("POST", "/v1/files", b"Content-Type: multipart/form-data", b"--x\r\n", 400, "boundary"),
+    ("POST", "/v1/files", b"Content-Type: multipart/form-data; boundary=\xff", b"--\xff\r\n", 400, "ASCII"),
+    ("POST", "/v1/files", FORM, b"garbage", 400, "starting boundary"),
+    ("POST", "/v1/files", FORM, b'--abc\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch', 400, "EOF"),
+    ("POST", "/v1/files", FORM, _part(b'Content-Type: multipart/mixed; boundary=\xff\r\n'
+                                      b'Content-Disposition: form-data; name="file"'), 400, "ASCII"),
+    ("POST", "/v1/files", FORM, _part(b'Content-Disposition: form-data; name="purpose"\r\n'
+                                      b"Content-Transfer-Encoding: whatever"), 400, "transfer encoding"),
+    ("POST", "/v1/files", FORM, _part(b'Content-Disposition: form-data; name="purpose"\r\n'
+                                      b"Content-Transfer-Encoding: base64", b"!!!"), 400, "purpose"),
+    ("POST", "/v1/files", FORM, _part(b'Content-Disposition: form-data; name="file"; filename="\xff.jsonl"',
+                                      b"{}"), 400, "purpose"),
+]
+
+
+async def _send(port: int, method: str, path: str, headers: bytes, body: bytes) -> tuple[int, dict]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+                 .encode() + headers + b"\r\n\r\n" + body)
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    head, _, content = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(content)
+
+
+@pytest.fixture
+async def gateway_port(redis_url: str):
+    server = GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1")
+    await server.start_server()
+    yield server.port
+    await server.close()
+
+
+@pytest.mark.parametrize(("method", "path", "headers", "body", "status", "named"), CASES)
+async def test_a_request_no_client_sends_gets_a_4xx_naming_the_fault(gateway_port, method, path, headers, body,
+                                                                      status, named) -> None:
+    got, answer = await _send(gateway_port, method, path, headers, body)
+    assert got == status, answer
+    assert named in json.dumps(answer), answer
+    # The gateway goes on serving.
+    got, answer = await _send(gateway_port, "POST", "/v1/jobs", b"Content-Type: application/json", JOB)
+    assert got == 202, answer
