@@ -47,7 +47,7 @@ class Reserved:
     window_id: str | None
     """None when the caller has no rate limits: nothing was counted."""
     jobs: list[Reservation | None]
-    """Per job, in order; None where no tokens limit is set."""
+    """Per job, in order; None where the caller has no rate limits."""
 
 
 class RateLimited(Exception):
@@ -138,8 +138,9 @@ class RateLimiter:
         if verdict == "tokens":
             raise RateLimited(f"Rate limit reached for tenant {caller.tenant!r} on tokens per minute: limit {tpm}, "
                               f"used {tokens}, requested {total}", math.ceil(left_ms / 1000) or 1, headers)
-        jobs = [None if tpm is None else Reservation(window_id, cost) for cost in costs]
-        return Reserved(window_id, jobs), headers
+        # Counted and settled whether or not this key limits tokens: the window is the tenant's, and another of
+        # its keys may.
+        return Reserved(window_id, [Reservation(window_id, cost) for cost in costs]), headers
 
     async def release(self, caller: Caller, reserved: Reserved,
                       jobs: Sequence[Reservation | None] | None = None) -> dict[str, str]:

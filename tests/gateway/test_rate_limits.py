@@ -187,6 +187,37 @@ async def test_tokens_per_minute_reserve_prompt_plus_max_tokens_and_settle_to_re
         await client.aclose()
 
 
+async def test_a_key_without_a_tokens_limit_still_counts_and_settles_its_tenants_tokens(gateway, redis_url,
+                                                                                          tiny_model) -> None:
+    """The window is the tenant's, not the key's: a key limiting only requests and queued jobs counts the tokens of
+    what it enqueues (none of what it was refused), settled to the real use, so that another key of the tenant
+    with a tokens limit finds the window as it really stands."""
+    from worker.engine.engine import Engine
+
+    url, store = gateway
+    key, _ = await store.create("rpm-only", TenantLimits(requests_per_minute=100, max_queued=1))
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"prompt_token_ids": list(range(1, 11)),
+            "params": {"max_tokens": 40, "stop_token_ids": list(range(512))}}  # 50 reserved, 11 used
+    async with ClientSession() as http:
+        statuses = []
+        for _ in range(4):
+            async with http.post(f"{url}/v1/jobs", headers=headers, json=body) as resp:
+                statuses.append(resp.status)
+                if resp.status == 202:
+                    job_id = (await resp.json())["id"]
+        assert statuses == [202, 429, 429, 429]
+        assert (await _usage(url, http, headers))["window"]["tokens"] == 50  # the refused three gave theirs back
+        client = aioredis.Redis.from_url(redis_url)
+        async with running_worker(redis_url, Engine(model=tiny_model(), max_num_seqs=4)):
+            await wait_terminal(client, [job_id])
+        await client.aclose()
+        assert (await _usage(url, http, headers))["window"]["tokens"] == 11  # settled to the real use
+        second, _ = await store.create("rpm-only", TenantLimits(tokens_per_minute=100))
+        async with http.post(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {second}"}, json=body) as resp:
+            assert resp.status == 202 and resp.headers["x-ratelimit-remaining-tokens"] == "39"
+
+
 def test_reset_times_are_written_as_openai_writes_them_whatever_the_value() -> None:
     # Go's duration format: the same shape either side of a minute, never rounded into the next unit.
     assert [reset_text(ms) for ms in (0, 6, 999, 1000, 1500, 20_000, 59_960, 59_999, 60_000, 61_500, 63_000)] == [
