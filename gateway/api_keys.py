@@ -63,6 +63,9 @@ class KeyStore:
         if not is_tenant_name(tenant) or tenant == DEFAULT_TENANT:
             raise ValueError(f"tenant: {tenant!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a "
                              f"letter or digit, and not {DEFAULT_TENANT!r} (jobs without a tenant)")
+        if self._keys.is_own(f"{tenant}:"):
+            raise ValueError(f"tenant: {tenant!r} is carpool's key prefix: the tenant's reply_to streams "
+                             f"({tenant}:...) would lie among carpool's own keys; pick another name")
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         record = ApiKey(id="key_" + secrets.token_hex(8), tenant=tenant, created_at=time.time(), limits=limits)
         hashed = digest(key)

@@ -18,11 +18,11 @@ from typing import Any
 DEFAULT_TENANT = "default"
 """Jobs without a (valid) tenant. Reserved: no key can be made for it."""
 
-OTHER_TENANT_LABEL = "other"
+OTHER_TENANT_LABEL = "_other"
 """Metric label of every tenant past the cap on distinct tenant labels."""
 
 DEFAULT_MAX_TENANT_LABELS = 100
-"""Distinct tenants a process names in its metrics before it counts the rest as ``other``."""
+"""Distinct tenants a process names in its metrics before it counts the rest as ``_other``."""
 
 MAX_TENANT_LEN = 64
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -122,13 +122,18 @@ def parse_limits(text: str) -> TenantLimits:
             raise ValueError(f"limits: {field} is given twice")
         if not _DIGITS.fullmatch(raw.strip()):  # int() would also take "1_000", "+5" and other scripts' digits
             raise ValueError(f"limits: {name.strip()} must be an integer written in digits 0-9, got {raw!r}")
-        values[field] = int(raw)
+        digits = raw.strip().lstrip("0") or "0"
+        if len(digits) > len(str(MAX_LIMIT)):  # past every limit (and past int()'s cap on digits)
+            raise ValueError(f"limits: {name.strip()} must be at most {MAX_LIMIT}, got a number of {len(digits)} "
+                             "digits")
+        values[field] = int(digits)
     return TenantLimits(**values)
 
 
 class TenantLabels:
     """A bounded set of tenant metric labels: the first ``max_tenants`` names seen keep their own label,
-    every later one is counted as ``other`` (so a flood of tenants cannot blow up the series count)."""
+    every later one is counted as ``_other``, which no tenant can be named (so a flood of tenants cannot blow up
+    the series count)."""
 
     def __init__(self, max_tenants: int) -> None:
         assert max_tenants >= 0

@@ -273,6 +273,12 @@ async def test_keys_cli_creates_lists_and_revokes_and_redis_keeps_only_a_hash(re
     assert await client.hget(KEYS.tenant_weights, "acme") == b"2"
     assert _carpool(redis_url, "create", "--tenant", "default").returncode == 2  # reserved
     assert _carpool(redis_url, "create", "--tenant", "x", "--limits", "rpm=fast").returncode == 2
+    # The key prefix: the tenant's reply streams (carpool:...) would be carpool's own keys.
+    as_prefix = _carpool(redis_url, "create", "--tenant", "carpool")
+    assert as_prefix.returncode == 2 and "key prefix" in as_prefix.stderr, as_prefix.stderr
+    # A number past every limit, with more digits than Python turns into an int unasked.
+    huge = _carpool(redis_url, "create", "--tenant", "x", "--limits", "rpm=" + "9" * 5000)
+    assert huge.returncode == 2 and "must be at most 1000000000000" in huge.stderr, huge.stderr
     assert _carpool(redis_url, "revoke", entry["id"]).returncode == 0
     assert _carpool(redis_url, "revoke", entry["id"]).returncode == 1
     assert json.loads(_carpool(redis_url, "list", "--json").stdout) == []

@@ -28,10 +28,12 @@ def test_limits_parse_and_refuse_nonsense() -> None:
         max_queued=5, requests_per_minute=60, tokens_per_minute=40000, weight=3)
     assert parse_limits("") == TenantLimits()
     for bad in ("rpm", "rpm=x", "speed=3", "rpm=0", "weight=0", "weight=1001", "rpm=5,rpm=7", "rpm=5,requests_per_minute=5",
-                "rpm=1_000", "rpm=+5", "rpm=\u0663", "tpm=1000000000001", "tpm=99999999999999999999999999"):
+                "rpm=1_000", "rpm=+5", "rpm=\u0663", "tpm=1000000000001", "tpm=99999999999999999999999999",
+                "rpm=" + "9" * 5000):
         with pytest.raises(ValueError):
             parse_limits(bad)
     assert parse_limits("tpm=1000000000000, rpm= 5") == TenantLimits(tokens_per_minute=10**12, requests_per_minute=5)
+    assert parse_limits("rpm=" + "0" * 5000 + "7") == TenantLimits(requests_per_minute=7)
     assert TenantLimits.from_fields(parse_limits("tpm=7,weight=2").to_fields()) == parse_limits("tpm=7,weight=2")
     # A key stored before limits had a maximum keeps working, at the maximum.
     assert TenantLimits.from_fields({"tokens_per_minute": "9" * 26}).tokens_per_minute == 10**12
@@ -42,7 +44,7 @@ def test_tenant_names_and_the_label_cap() -> None:
     for bad in (None, "", "-lead", "a b", "x" * 65, 7, "é"):
         assert tenant_of(bad) == DEFAULT_TENANT
     labels = TenantLabels(2)
-    assert [labels.label(t) for t in ("a", "b", "c", "a", "d", "b")] == ["a", "b", "other", "a", "other", "b"]
+    assert [labels.label(t) for t in ("a", "b", "c", "a", "d", "b")] == ["a", "b", "_other", "a", "_other", "b"]
 
 
 async def _enqueue(client: aioredis.Redis, tenant: str, n: int, lane: Lane = Lane.BATCH) -> None:
