@@ -34,10 +34,15 @@ class OutageLog:
         self._last: dict[str, float] = {}
         self._left_out: Counter[str] = Counter()
         self._since: float | None = None
-        """When the outage now logged was first warned of; None while none is."""
+        """When the outage now going on was first met; None while none is."""
+        self._is_said = False
+        """Whether a warning of the outage now going on was logged (its end is said only then)."""
 
     def warn(self, where: str, error: BaseException, detail: str = "") -> None:
-        """`where` met Redis unavailable (`error`); `detail` names what waits (a job, an entry)."""
+        """`where` met Redis unavailable (`error`); `detail` names what waits (a job, an entry). A place that
+        warned less than `every_s` ago is not heard again, whether this is the same outage or a new one: a Redis
+        that refuses some writes and takes others (at maxmemory, say) ends and starts an outage many times a
+        second."""
         now = self._clock()
         if self._since is None:
             self._since = now
@@ -46,6 +51,7 @@ class OutageLog:
             self._left_out[where] += 1
             return
         self._last[where] = now
+        self._is_said = True
         left_out = self._left_out.pop(where, 0)
         said = f"; {left_out} more such since the last of these" if left_out else ""
         self._logger.warning("%s%s: Redis unavailable (%s); retrying every %.1fs, said again at most every %.0fs%s",
@@ -53,13 +59,15 @@ class OutageLog:
                              said)
 
     def recovered(self) -> None:
-        """Redis answered again: say so once if an outage was logged, and log the next one from its start."""
+        """Redis answered again: say so once if a warning of this outage was logged. The warnings left out stay
+        counted, for the next one said."""
         if self._since is None:
             return
-        left_out = sum(self._left_out.values())
-        # Counted from the first warning, which a silent Redis delays by the timeout of the call that met it.
-        self._logger.info("Redis available again, %.0fs after the first warning%s", self._clock() - self._since,
-                          f" ({left_out} warning{'s' if left_out > 1 else ''} left out)" if left_out else "")
+        if self._is_said:
+            left_out = sum(self._left_out.values())
+            # Counted from the first warning, which a silent Redis delays by the timeout of the call that met it.
+            self._logger.info("Redis available again, %.0fs after the first warning%s", self._clock() - self._since,
+                              f" ({left_out} warning{'s' if left_out > 1 else ''} left out)" if left_out else "")
+            self._left_out.clear()
         self._since = None
-        self._last.clear()
-        self._left_out.clear()
+        self._is_said = False

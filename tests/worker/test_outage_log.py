@@ -31,7 +31,7 @@ def test_each_place_says_an_outage_once_per_interval_and_counts_the_rest(caplog:
     assert all(r.levelno == logging.WARNING for r in caplog.records)
 
 
-def test_the_end_of_an_outage_is_said_once_and_the_next_outage_is_logged_from_its_start(
+def test_the_end_of_an_outage_is_said_once_and_the_next_outage_is_logged_once_the_interval_is_over(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     now = [0.0]
@@ -45,10 +45,32 @@ def test_the_end_of_an_outage_is_said_once_and_the_next_outage_is_logged_from_it
         outages.recovered()
         outages.recovered()
         now[0] += 5.0
-        outages.warn("heartbeat", error)  # a new outage 5 s later is said at once
+        outages.warn("heartbeat", error)  # a new outage 5 s later: within the interval, counted
+        outages.recovered()  # and its end not said, as its start was not
+        now[0] += 30.0
+        outages.warn("heartbeat", error)  # said once the interval is over, with the one left out
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
         "heartbeat: Redis unavailable (Connection refused); retrying every 0.5s, said again at most every 30s",
         "Redis available again, 10s after the first warning (19 warnings left out)",
-        "heartbeat: Redis unavailable (Connection refused); retrying every 0.5s, said again at most every 30s",
+        "heartbeat: Redis unavailable (Connection refused); retrying every 0.5s, said again at most every 30s; "
+        "1 more such since the last of these",
     ]
+
+
+def test_a_redis_that_fails_some_writes_and_takes_others_is_said_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At maxmemory a step's writes fail while other calls succeed: an outage ends and starts five times a second."""
+    now = [0.0]
+    outages = OutageLog(logging.getLogger("outage-test"), retry_s=0.5, every_s=30.0, clock=lambda: now[0])
+    error = RedisConnectionError("OOM command not allowed when used memory > 'maxmemory'")
+    with caplog.at_level(logging.INFO, logger="outage-test"):
+        for _ in range(300):  # 60 s
+            outages.warn("step writes", error)
+            now[0] += 0.1
+            outages.recovered()
+            now[0] += 0.1
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 4, messages  # a warning and its end, twice a minute
+    assert messages[2].endswith("; 149 more such since the last of these"), messages
