@@ -159,7 +159,7 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
     from scheduler.protocol.redis_client import RedisRefused, check_access, redacted_url
     from scheduler.protocol.redis_client import connect as connect_redis
 
-    from worker.service import WorkerService
+    from worker.service import WorkerNameTaken, WorkerService
 
     # Before the model loads: wrong credentials or an ACL user without scripts are said at once, in one line.
     probe = connect_redis(config.redis_url, timeout_s=config.redis_timeout_s)
@@ -203,6 +203,11 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
         except RedisRefused as e:
             print(f"carpool worker: Redis at {redacted_url(config.redis_url)} refuses this worker: {e}",
                   file=sys.stderr)
+            return 1
+        try:
+            await service.check_name_is_free()
+        except WorkerNameTaken as e:
+            print(f"carpool worker: {e}", file=sys.stderr)
             return 1
         try:
             await service.start()

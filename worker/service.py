@@ -24,7 +24,7 @@ from aiohttp import web
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.lanes import Lane
 from scheduler.protocol.redis_client import is_refusal
-from scheduler.protocol.worker_heartbeats import recent_heartbeats
+from scheduler.protocol.worker_heartbeats import heartbeat_time, recent_heartbeats
 from scheduler.runtime.outage_log import describe
 from scheduler.runtime.tasks import raise_if_cancelled
 from scheduler.telemetry.otel import Telemetry
@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 
 RESERVE_POLL_S = 0.02
 """How often a worker with every slot busy looks for interactive entries for its reserve."""
+
+
+class WorkerNameTaken(Exception):
+    """Another live worker under the same key prefix has this worker's name."""
 
 
 class WorkerService:
@@ -381,6 +385,27 @@ class WorkerService:
                 "draining": self.is_draining}))
             pipe.hset(self.keys.models, self.config.model_name, repr(now))
             await pipe.execute()
+
+    async def check_name_is_free(self) -> None:
+        """Raise WorkerNameTaken when another live worker under this key prefix has this worker's name: both
+        would read as one consumer of the group, one heartbeat would hide the other's slots from autoscalers, and
+        a dead one's jobs would count as held by the live one. A heartbeat under the name that is recent but not
+        this process's may be a killed worker's left behind (a restart under the same name): it is taken as a
+        live worker's only when it is renewed within one and a half heartbeat intervals."""
+        name = self.config.worker_name
+        first = await heartbeat_time(self.client, self.keys.workers, name)
+        max_age_s = 3 * self.config.heartbeat_interval_s + 1
+        if first is None or time.time() - first[0] > max_age_s:
+            return
+        await asyncio.sleep(1.5 * self.config.heartbeat_interval_s)
+        second = await heartbeat_time(self.client, self.keys.workers, name)
+        if second is not None and second[0] > first[0]:
+            started = second[1] if isinstance(second[1], (int, float)) and not isinstance(second[1], bool) else None
+            since = "" if started is None else f", started {time.time() - started:.0f}s ago"
+            raise WorkerNameTaken(
+                f"another live worker is named {name!r} under the key prefix {self.keys.prefix!r} (its heartbeat "
+                f"is being renewed{since}): give each worker its own --worker-name (the default, host-pid-random, "
+                "is unique)")
 
     async def _warn_of_other_workers(self) -> None:
         """Say so when live workers under this key prefix serve another model (the lanes are shared, so each

@@ -32,6 +32,14 @@ async def recent_heartbeats(redis: aioredis.Redis, key: str, *, max_age_s: float
     return [beat for name, beat in (await _recent(redis, key, max_age_s, now)).items() if name != besides]
 
 
+async def heartbeat_time(redis: aioredis.Redis, key: str, name: str) -> tuple[float, Any] | None:
+    """(time, ``started``) of worker `name`'s heartbeat; None where it has none this process can read."""
+    raw = await redis.hget(key, name)
+    beat = None if raw is None else _decoded(raw if isinstance(raw, bytes) else raw.encode())
+    at = _time_of(beat) if isinstance(beat, dict) else None
+    return None if at is None else (at, beat.get("started"))  # type: ignore[union-attr]  # a dict when at is set
+
+
 async def recent_workers(redis: aioredis.Redis, key: str, *, max_age_s: float, now: float) -> set[str]:
     """The names of the workers whose heartbeats are at most `max_age_s` old at `now` (read, not pruned)."""
     return set(await _recent(redis, key, max_age_s, now))
