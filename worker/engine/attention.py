@@ -20,6 +20,12 @@ from kernels import AttentionBackend
 ATTN_IMPLEMENTATION = "carpool_paged"
 METADATA_KWARG = "carpool_attn_metadata"
 
+INERT_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions",
+                          "output_router_logits", "sliding_window"})
+"""Keyword arguments transformers' attention modules pass that leave the scores as they are: the model's own
+bookkeeping, and a sliding window, which the engine's context never exceeds (`checkpoint_config.max_model_len`), so
+that attending to the whole context is attending within the window."""
+
 
 @dataclass
 class PagedAttentionMetadata:
@@ -70,6 +76,9 @@ def paged_attention_forward(
         raise RuntimeError(
             f"{ATTN_IMPLEMENTATION} attention needs `{METADATA_KWARG}` passed through the model's forward"
         )
+    if unapplied := unapplied_arguments(attention_mask, dropout, kwargs):
+        raise ValueError(f"{type(module).__name__} asks for attention that carpool's paged attention does not "
+                         f"compute ({'; '.join(unapplied)}): this architecture is not supported")
     assert query.shape[0] == 1, "the runner flattens every sequence into one batch row"
     layer_idx = module.layer_idx
     assert isinstance(layer_idx, int), "transformers' attention modules carry their layer index"
@@ -78,6 +87,33 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = paged_attention(layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1), metadata, scale)
     return out.unsqueeze(0), None
+
+
+def unapplied_arguments(attention_mask: torch.Tensor | None, dropout: float, kwargs: dict[str, Any]) -> list[str]:
+    """What an attention module passed that would change its result and that paged attention does not apply, each
+    as a few words; empty when paged attention computes what the module asked for.
+
+    Anything not known to be inert counts unless it is None: a model is refused rather than served wrong.
+    """
+    unapplied = []
+    if attention_mask is not None:
+        unapplied.append("an attention mask or bias (attention_mask)")
+    if dropout:
+        unapplied.append(f"dropout={dropout}")
+    for name, value in kwargs.items():
+        if name == METADATA_KWARG or name in INERT_KWARGS or value is None:
+            continue
+        if name == "is_causal":
+            if value is not True:
+                unapplied.append(f"is_causal={value} (attention over the whole sequence)")
+        elif name == "softcap":
+            if value:
+                unapplied.append(f"softcap={value} (attention logit soft-capping)")
+        elif name in ("s_aux", "sinks"):
+            unapplied.append(f"{name} (attention sinks)")
+        else:
+            unapplied.append(f"{name} (an argument it does not know)")
+    return unapplied
 
 
 def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

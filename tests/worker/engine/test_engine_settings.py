@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from scheduler.params import SamplingParams
+from tests.harness.checkpoints import save_checkpoint, small_config
 from tests.harness.child_env import child_pythonpath
 from worker import Engine
 from worker.engine.config import EngineConfig
@@ -126,26 +127,6 @@ def test_the_generate_verb_refuses_bad_settings_in_one_line(tiny_model: Callable
         assert (done.returncode, done.stderr.strip()) == (2, line), done.stderr
 
 
-def _save(path: Path, config: Any, *, tokenizer: bool = True) -> str:
-    """A random-weight checkpoint of `config` (a transformers config) in `path`, with the byte tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    from worker.engine.default_model import build_tokenizer
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    if tokenizer:
-        build_tokenizer().save_pretrained(path)
-    return str(path)
-
-
-def _small(config_class: Any, **overrides: Any) -> Any:
-    from worker.engine.default_model import build_tokenizer
-
-    return config_class(**{"vocab_size": len(build_tokenizer()), "hidden_size": 32, "num_hidden_layers": 1,
-                           "num_attention_heads": 2, **overrides})
-
-
 def test_checkpoints_that_cannot_run_here_are_refused_at_start_in_one_line(tmp_path: Path) -> None:
     """Refused when the engine starts, each in one line naming the checkpoint's fault, rather than failing the
     first job (and stopping the worker) or printing a traceback."""
@@ -153,13 +134,14 @@ def test_checkpoints_that_cannot_run_here_are_refused_at_start_in_one_line(tmp_p
 
     cases = [
         # Its transformers code takes carpool's attention but does not pass it what a step needs.
-        (_save(tmp_path / "stablelm", _small(StableLmConfig, intermediate_size=64, max_position_embeddings=64)),
+        (save_checkpoint(tmp_path / "stablelm",
+                         small_config(StableLmConfig, intermediate_size=64, max_position_embeddings=64)),
          r"^model: StableLmForCausalLM from .* cannot run here \(transformers implementation\): RuntimeError"),
         # Its transformers code looks attention up in a table of its own.
-        (_save(tmp_path / "falcon", _small(FalconConfig, max_position_embeddings=64)),
+        (save_checkpoint(tmp_path / "falcon", small_config(FalconConfig, max_position_embeddings=64)),
          r"^model: cannot load FalconForCausalLM .*: its transformers code looks attention up .* not supported$"),
         # Its config names no context length (ALiBi).
-        (_save(tmp_path / "bloom", _small(BloomConfig, n_layer=1, n_head=2)),
+        (save_checkpoint(tmp_path / "bloom", small_config(BloomConfig, n_layer=1, n_head=2)),
          r"^model: BloomForCausalLM's config names no context length"),
     ]
     t5 = tmp_path / "t5"
@@ -204,8 +186,9 @@ def test_a_llama_carpools_own_model_cannot_run_falls_back_to_transformers(tmp_pa
 
     from worker.engine.config import ModelImpl
 
-    biased = _save(tmp_path / "biased", _small(LlamaConfig, intermediate_size=64, max_position_embeddings=64,
-                                               num_key_value_heads=1, mlp_bias=True))
+    biased = save_checkpoint(tmp_path / "biased", small_config(LlamaConfig, intermediate_size=64,
+                                                               max_position_embeddings=64, num_key_value_heads=1,
+                                                               mlp_bias=True))
     binary = tmp_path / "binary"
     binary.mkdir()
     torch.save(AutoModelForCausalLM.from_pretrained(tiny_model()).state_dict(), binary / "pytorch_model.bin")
