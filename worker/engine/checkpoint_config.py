@@ -1,5 +1,5 @@
-"""What the engine reads from a checkpoint's config: whether it is a causal language model, its dtype, its
-context and what sets it, its end-of-sequence ids, and the bytes of one KV-cache block."""
+"""What the engine reads from a checkpoint's config: whether it is a causal language model with unquantized
+weights, its dtype, its context and what sets it, its end-of-sequence ids, and the bytes of one KV-cache block."""
 
 from __future__ import annotations
 
@@ -72,6 +72,19 @@ def check_causal(config: PretrainedConfig) -> None:
     for arch in getattr(config, "architectures", None) or []:
         if arch.endswith(NOT_GENERATIVE_HEADS):
             raise not_causal
+
+
+def check_unquantized(config: PretrainedConfig) -> None:
+    """Refuse a checkpoint whose weights were quantized before it was saved (FP8, GPTQ, AWQ, bitsandbytes, ...):
+    their scales and packed integers are not weights carpool reads, and cast as if they were they give noise."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
+        quantization, "quant_method", None)
+    raise ValueError(f"model: {architecture(config)}'s weights are pre-quantized (quantization_config.quant_method "
+                     f"{str(method) if method is not None else 'unnamed'}); carpool loads unquantized checkpoints "
+                     "(fp32, fp16 or bf16 weights) and quantizes them itself with --quantization int8|fp8")
 
 
 # Where configs keep their context length: most, then GPT-2's and its kind's, MPT's, and a few others'.

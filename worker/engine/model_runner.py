@@ -35,6 +35,7 @@ from worker.engine.attention import ATTN_IMPLEMENTATION, PagedAttentionMetadata
 from worker.engine.checkpoint_config import (
     architecture,
     check_causal,
+    check_unquantized,
     eos_token_ids,
     first_paragraph,
     kv_block_bytes,
@@ -130,6 +131,7 @@ class ModelRunner:
         try:
             config = AutoConfig.from_pretrained(model_path, local_files_only=True)
             check_causal(config)
+            check_unquantized(config)
             if not any(any(Path(model_path).glob(pattern)) for pattern in TOKENIZER_FILES):
                 raise ValueError(f"model: no tokenizer in {model_path!r} (none of {', '.join(TOKENIZER_FILES)}); "
                                  "carpool needs the checkpoint's tokenizer files beside its weights")

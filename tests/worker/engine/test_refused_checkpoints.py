@@ -6,17 +6,26 @@ first job; each is a real checkpoint built in the test and loaded from disk.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-from tests.harness.checkpoints import save_checkpoint, small_config
+from tests.harness.checkpoints import edited_copy, save_checkpoint, small_config
+from tests.harness.child_env import child_pythonpath
 from worker import Engine
 
+ROOT = Path(__file__).resolve().parents[3]
 
-def _refusal(path: str, **settings: object) -> str:
+
+def _refusal(path: str, **settings: Any) -> str:
     with pytest.raises(ValueError) as refused:
-        Engine(model=path, num_blocks=8, **settings)  # type: ignore[arg-type]
+        Engine(model=path, num_blocks=8, **settings)
     message = str(refused.value)
     assert "\n" not in message, message
     return message
@@ -40,3 +49,38 @@ def test_attention_the_paged_kernels_do_not_compute_is_refused(tmp_path: Path) -
         num_experts_per_tok=1, max_position_embeddings=64))
     assert "GptOssAttention asks for attention that carpool's paged attention does not compute (s_aux (attention " \
            "sinks))" in _refusal(gpt_oss)
+
+
+def _fp8_blocks(weights: dict[str, torch.Tensor]) -> None:
+    """The layer matrices as a block-quantized FP8 checkpoint keeps them: e4m3 values and a scale per 128x128."""
+    for name in [n for n in weights if n.startswith("model.layers.") and n.endswith("proj.weight")]:
+        weight = weights[name]
+        scale = weight.abs().max() / 448.0
+        weights[name] = (weight / scale).to(torch.float8_e4m3fn)
+        weights[name.replace(".weight", ".weight_scale_inv")] = torch.full(
+            ((weight.shape[0] + 127) // 128, (weight.shape[1] + 127) // 128), float(scale))
+
+
+def test_a_pre_quantized_checkpoint_is_refused_naming_its_quant_method(tiny_model: Callable[..., str],
+                                                                       tmp_path: Path) -> None:
+    """Its scales and packed integers are no weights carpool reads: FP8 ones were cast without their scales (noise),
+    GPTQ ones failed on a missing tensor."""
+    def quantized(method: str) -> Callable[[dict[str, Any]], None]:
+        return lambda config: config.update(quantization_config={"quant_method": method, "bits": 4})
+
+    fp8 = edited_copy(tiny_model(), tmp_path / "fp8", config=quantized("fp8"), weights=_fp8_blocks)
+    gptq = edited_copy(tiny_model(), tmp_path / "gptq", config=quantized("gptq"))
+    for path, method in [(fp8, "fp8"), (gptq, "gptq")]:
+        for impl in ("auto", "transformers"):
+            assert _refusal(path, model_impl=impl) == (
+                f"model: LlamaForCausalLM's weights are pre-quantized (quantization_config.quant_method {method}); "
+                "carpool loads unquantized checkpoints (fp32, fp16 or bf16 weights) and quantizes them itself with "
+                "--quantization int8|fp8")
+    done = subprocess.run([sys.executable, "-m", "worker.cli", "generate", "hi", "--max-tokens", "2", "--model", fp8],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": child_pythonpath(ROOT)}, capture_output=True,
+                          text=True, timeout=120)
+    assert (done.returncode, done.stderr.strip()) == (2, "carpool generate: model: LlamaForCausalLM's weights are "
+                                                         "pre-quantized (quantization_config.quant_method fp8); "
+                                                         "carpool loads unquantized checkpoints (fp32, fp16 or bf16 "
+                                                         "weights) and quantizes them itself with --quantization "
+                                                         "int8|fp8"), done.stderr
