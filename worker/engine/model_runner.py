@@ -238,6 +238,10 @@ class ModelRunner:
         except Exception as e:
             raise ValueError(f"model: {architecture(self.config)} from {self.model_path!r} cannot run here "
                              f"({self.model_choice.impl.value} implementation): {one_line(e)}") from e
+        if logits.shape[-1] != self.vocab_size:  # the sampler's rows are vocab_size wide
+            raise ValueError(f"model: {architecture(self.config)} from {self.model_path!r} gives logits over "
+                             f"{logits.shape[-1]} tokens (its output embedding's rows), but its config's vocab_size "
+                             f"is {self.vocab_size}")
 
     def capture_decode_graphs(self, backend: CaptureBackend) -> bool:
         """Record decode steps, and verify steps when speculating, at every padded batch size; False (and a log

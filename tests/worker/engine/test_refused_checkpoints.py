@@ -84,3 +84,49 @@ def test_a_pre_quantized_checkpoint_is_refused_naming_its_quant_method(tiny_mode
                                                          "carpool loads unquantized checkpoints (fp32, fp16 or bf16 "
                                                          "weights) and quantizes them itself with --quantization "
                                                          "int8|fp8"), done.stderr
+
+
+def test_weights_whose_shapes_the_config_does_not_imply_are_refused_naming_tensor_and_fields(
+        tiny_model: Callable[..., str], tmp_path: Path) -> None:
+    """carpool's own model checks every tensor against its config before fusing any: a short matrix, or a config
+    field left out and so taken at transformers' default, failed deep in a kernel or crashed the first job."""
+    def short_q(weights: dict[str, torch.Tensor]) -> None:
+        name = "model.layers.0.self_attn.q_proj.weight"
+        weights[name] = weights[name][:32].contiguous()
+
+    def without(field: str) -> Callable[[dict[str, Any]], None]:
+        return lambda config: config.pop(field)
+
+    cases = [
+        (edited_copy(tiny_model(), tmp_path / "short_q", weights=short_q),
+         "model: layers.0.self_attn.q_proj.weight has shape [32, 64] where the config implies [64, 64] "
+         "(num_attention_heads 4 x head_dim 16, hidden_size 64)"),
+        (edited_copy(tiny_model(), tmp_path / "no_heads", config=without("num_attention_heads")),
+         "model: layers.0.self_attn.q_proj.weight has shape [64, 64] where the config implies [512, 64] "
+         "(num_attention_heads 32 x head_dim 16, hidden_size 64)"),
+        # transformers' default vocab_size, 32000, where the embedding has the tokenizer's 262 rows: the first
+        # job's logits were narrower than the sampler's rows, and the engine crashed.
+        (edited_copy(tiny_model(), tmp_path / "no_vocab", config=without("vocab_size")),
+         "model: embed_tokens.weight has shape [262, 64] where the config implies [32000, 64] "
+         "(vocab_size 32000, hidden_size 64)"),
+    ]
+    for path, refusal in cases:
+        assert _refusal(path) == refusal
+
+
+def test_a_missing_lm_head_is_refused_unless_the_config_ties_it(tiny_model: Callable[..., str],
+                                                               tmp_path: Path) -> None:
+    """Without `tie_word_embeddings` an absent lm_head was taken for the embedding table: other logits than the
+    model's, without a word."""
+    from scheduler.params import SamplingParams
+
+    def no_lm_head(weights: dict[str, torch.Tensor]) -> None:
+        del weights["lm_head.weight"]
+
+    untied = edited_copy(tiny_model(), tmp_path / "untied", weights=no_lm_head)
+    assert _refusal(untied) == ("model: the checkpoint has no lm_head.weight, which its config implies (vocab_size "
+                                "262, hidden_size 64; tie_word_embeddings false)")
+    tied = edited_copy(untied, tmp_path / "tied", config=lambda config: config.update(tie_word_embeddings=True))
+    (out,) = Engine(model=tied, num_blocks=8).generate(["hi"], SamplingParams(max_tokens=3, temperature=0,
+                                                                               ignore_eos=True))
+    assert len(out.token_ids) == 3

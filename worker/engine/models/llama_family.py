@@ -44,6 +44,7 @@ from worker.engine.attention import PagedAttentionMetadata, attend_cached, paged
 from worker.engine.kernel_checks import check_model_kernels
 from worker.engine.models.packed import PackedWeight, can_pack, pack_verified
 from worker.engine.models.matmul_choice import MatmulChoices, MatrixKind, cache_file, choose_matmuls, kind_of
+from worker.engine.models.llama_weights import check_weights
 from worker.engine.models.matmul_timing import Matrix
 from worker.engine.models.quantization import (
     LinearWeight,
@@ -133,6 +134,7 @@ class LlamaFamilyModel:
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        check_weights(config, weights, self.num_heads, self.num_kv_heads, self.head_dim)
         use_quantized_kernel = quantization is not None and wants_kernels and can_use_quantized_kernel(
             device, dtype, quantization, self._matrix_shapes(config.hidden_size, config.intermediate_size))
         self.eps: float = config.rms_norm_eps
@@ -192,7 +194,7 @@ class LlamaFamilyModel:
         self.norm = take("norm.weight")
         # A tied lm_head is the embedding table itself, which the embedding lookup reads plain: it is not packed.
         self.lm_head: LinearWeight
-        if getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights:
+        if getattr(config, "tie_word_embeddings", False):
             weights.pop("lm_head.weight", None)
             self.lm_head = self.embed
         else:
