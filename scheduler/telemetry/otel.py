@@ -58,10 +58,15 @@ class TelemetryConfig:
     metric_export_interval_ms: int = 15_000
     is_console_traces: bool = False  # one JSON line per finished span on stdout
     is_console_metrics: bool = False  # one JSON line per metric export on stdout, every export interval
+    otlp_timeout_s: float = 5.0
+    """How long one OTLP export may take, its retries included; a process's exit waits at most this long for each
+    signal's last export, so a collector that stopped answering delays a shutdown by at most twice this."""
 
     def __post_init__(self) -> None:
         if not self.service_name:
             raise ValueError("service_name: must be non-empty")
+        if not 0 < self.otlp_timeout_s <= 300:
+            raise ValueError(f"otlp_timeout_s: must be in (0, 300] seconds, got {self.otlp_timeout_s}")
         if self.metric_export_interval_ms < 100:
             raise ValueError(f"metric_export_interval_ms: must be at least 100, got {self.metric_export_interval_ms}")
         for name in ("otlp_traces_endpoint", "otlp_metrics_endpoint"):
@@ -128,6 +133,11 @@ def telemetry_config_from_env(
         interval_ms = int(interval)
     except ValueError as e:
         raise ValueError(f"OTEL_METRIC_EXPORT_INTERVAL: expected milliseconds, got {interval!r}") from e
+    timeout = env.get("OTEL_EXPORTER_OTLP_TIMEOUT", "5000")
+    try:
+        timeout_s = int(timeout) / 1000  # milliseconds, as the specification has it
+    except ValueError as e:
+        raise ValueError(f"OTEL_EXPORTER_OTLP_TIMEOUT: expected milliseconds, got {timeout!r}") from e
     return TelemetryConfig(
         service_name=env.get("OTEL_SERVICE_NAME") or service_name,
         service_instance_id=service_instance_id,
@@ -136,6 +146,7 @@ def telemetry_config_from_env(
         otlp_metrics_endpoint=metrics,
         otlp_headers=headers,
         metric_export_interval_ms=interval_ms,
+        otlp_timeout_s=timeout_s,
         is_console_traces="console" in traces_exporters,
         is_console_metrics="console" in metrics_exporters,
     )
@@ -169,7 +180,8 @@ class Telemetry:
         if config.otlp_metrics_endpoint:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
-            metric_exporter = OTLPMetricExporter(endpoint=config.otlp_metrics_endpoint, headers=config.otlp_headers)
+            metric_exporter = OTLPMetricExporter(endpoint=config.otlp_metrics_endpoint, headers=config.otlp_headers,
+                                                 timeout=config.otlp_timeout_s)
             readers.append(
                 PeriodicExportingMetricReader(metric_exporter, export_interval_millis=config.metric_export_interval_ms)
             )
@@ -186,7 +198,8 @@ class Telemetry:
         if config.otlp_traces_endpoint:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            span_exporter = OTLPSpanExporter(endpoint=config.otlp_traces_endpoint, headers=config.otlp_headers)
+            span_exporter = OTLPSpanExporter(endpoint=config.otlp_traces_endpoint, headers=config.otlp_headers,
+                                             timeout=config.otlp_timeout_s)
             self.tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
         if config.is_console_traces:
             console_spans = ConsoleSpanExporter(formatter=lambda span: span.to_json(indent=None) + "\n")
@@ -237,8 +250,10 @@ class Telemetry:
         if self._is_shut_down:
             return
         self._is_shut_down = True
+        # Each signal's last export is bounded by the exporters' timeout (`otlp_timeout_s`); the meter's shutdown
+        # also by its own, which would otherwise wait 30 s.
         self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
+        self.meter_provider.shutdown(timeout_millis=self.config.otlp_timeout_s * 1000)
 
 
 # W3C trace context ----------------------------------------------------------------
