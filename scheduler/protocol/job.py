@@ -206,13 +206,28 @@ class JobSpec:
         try:
             data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
         except Exception as e:  # msgpack raises several unrelated types for garbage
+            if (json_kind := _json_kind(raw)) is not None:
+                raise JobValidationError("job", f"{_NOT_A_MAP}; it is JSON, but {json_kind}, not an object") from e
             raise JobValidationError("job", f"{_NOT_A_MAP}; it is neither (msgpack: {decode_failure(e)})") from e
         if not isinstance(data, dict):
-            raise JobValidationError("job", f"{_NOT_A_MAP}; it is a msgpack {type(data).__name__}")
+            json_kind = _json_kind(raw)
+            raise JobValidationError("job", f"{_NOT_A_MAP}; it is " + (
+                f"a msgpack {type(data).__name__}" if json_kind is None else f"JSON, but {json_kind}, not an object"))
         return cls.from_wire(data)
 
 
 _JSON_OBJECT_START = re.compile(rb"\A(?:\xef\xbb\xbf)?[ \t\r\n]*\{")
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false",
+               type(None): "null"}
+
+
+def _json_kind(raw: bytes) -> str | None:
+    """What JSON value other than an object `raw` holds (``an array``...); None when it is no JSON."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return _JSON_KINDS.get(type(data))
 
 
 def looks_like_json(raw: bytes) -> bool:

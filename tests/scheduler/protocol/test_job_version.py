@@ -41,6 +41,18 @@ def test_a_message_neither_json_nor_msgpack_says_why_also_when_msgpack_gives_no_
     assert caught.value.message.rstrip(")").split("(msgpack: ")[1].strip()
 
 
+@pytest.mark.parametrize(("raw", "kind"), [(b"[1, 2]", "an array"), (b'"hello"', "a string"), (b"5", "a number"),
+                                         (b"12.5", "a number"), (b"true", "true or false"), (b"null", "null")])
+def test_json_that_is_no_object_is_named_as_json(raw: bytes, kind: str) -> None:
+    """What redis-cli producers send by mistake: named as the JSON it is, not as msgpack that went wrong."""
+    with pytest.raises(JobValidationError) as caught:
+        JobSpec.unpack(raw)
+    assert caught.value.message == f"must be a msgpack map or a JSON object; it is JSON, but {kind}, not an object"
+    # A msgpack value other than a map is still named as msgpack.
+    with pytest.raises(JobValidationError, match="it is a msgpack list"):
+        JobSpec.unpack(msgpack.packb([1, 2]))
+
+
 def test_odd_values_are_named_in_the_senders_terms() -> None:
     """A msgpack extension type is named as such (not walked into as the list msgpack hands it over as), an
     over-long JSON integer without Python's advice about the server's settings, deep msgpack as nesting."""
