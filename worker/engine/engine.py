@@ -464,6 +464,7 @@ class Engine:
                     del self._requests[seq.request_id]
                     self._release(seq.request_id)
                     if self.speculator is not None:
+                        self.speculator.cut_by_stop(len(tokens) - (i + 1))
                         self.speculator.release(seq.request_id)
                     break
             outputs.append(state.take_output())

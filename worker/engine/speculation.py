@@ -161,6 +161,12 @@ class Speculator:
         room = min(seq.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
         return max(0, min(state.k, room))
 
+    def cut_by_stop(self, num_tokens: int) -> None:
+        """A stop cut the last `num_tokens` tokens of a step's run from the output: accepted ones among them saved
+        no forward, and are not counted as accepted (the run's last token, drawn from the verify logits, is the
+        one not proposed, so `num_tokens` accepted ones go at most)."""
+        self.counters.num_accepted_tokens -= num_tokens
+
     def verified(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """A proposal of ``seq`` was verified; adapts its length and counts it."""
         if num_proposed == 0:

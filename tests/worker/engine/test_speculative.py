@@ -215,6 +215,25 @@ def test_stops_inside_an_accepted_run(cycling_model: str) -> None:
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_proposals_a_stop_cuts_are_not_counted_as_accepted(cycling_model: str) -> None:
+    """Long runs accepted whole, each cut by a stop three tokens in: the output is what decoding without proposals
+    gives, and the accepted count (what the acceptance metrics report) holds only proposals that reached it."""
+    prompts = cycle_prompts(6, seed=5)
+    plain = Engine(model=cycling_model, block_size=BLOCK_SIZE, num_blocks=128)
+    free = [c.token_ids for c in plain.generate(prompts, GREEDY)]
+    params = [SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, stop_token_ids=[tokens[2]])
+              for tokens in free]
+    expected = [c.token_ids for c in plain.generate(prompts, params)]
+    engine = Engine(model=cycling_model, block_size=BLOCK_SIZE, num_blocks=128, speculative="ngram",
+                    num_speculative_tokens=16)
+    actual = [c.token_ids for c in engine.generate(prompts, params)]
+    assert actual == expected
+    # Every output token is a prefill's, a verify step's own, or an accepted proposal's.
+    stats = engine.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_proposed_tokens > 2 * stats.spec_num_drafts, stats
+    assert stats.spec_accepted_tokens <= sum(len(t) for t in actual) - len(prompts), stats
+
+
 def test_a_job_opts_out(cycling_model: str) -> None:
     prompts = cycle_prompts(4)
     off = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True, speculative=False)
