@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import IO, Any
 
 from opentelemetry import context as otel_context
@@ -75,6 +76,8 @@ class JsonFormatter(logging.Formatter):
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""The lines of ``configure_logging(is_json=False)``."""
 
 
 def check_log_level(level: str) -> str:
@@ -91,7 +94,7 @@ def configure_logging(
     """Route the root logger to one handler on ``stream`` (default stderr), JSON lines unless ``is_json`` is false."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(
-        JsonFormatter(service=service) if is_json else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        JsonFormatter(service=service) if is_json else logging.Formatter(PLAIN_FORMAT)
     )
     root = logging.getLogger()
     for old in list(root.handlers):
@@ -99,3 +102,27 @@ def configure_logging(
     root.addHandler(handler)
     root.setLevel(level)
     return handler
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    """How a process logs, for a child process to log the same way (`configure_logging` takes them)."""
+
+    level: int
+    service: str | None
+    is_json: bool
+
+
+def current_log_settings() -> LogSettings | None:
+    """What `configure_logging` set up in this process (None where it was not called: a library user's own
+    logging, which a child leaves alone too)."""
+    root = logging.getLogger()
+    formatters = [h.formatter for h in root.handlers if isinstance(h, logging.StreamHandler)]
+    if len(root.handlers) != 1 or len(formatters) != 1:
+        return None
+    formatter = formatters[0]
+    if isinstance(formatter, JsonFormatter):
+        return LogSettings(root.level, formatter.service, True)
+    if formatter is not None and formatter._fmt == PLAIN_FORMAT:
+        return LogSettings(root.level, None, False)
+    return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -180,6 +181,30 @@ async def test_a_sigkilled_worker_leaves_no_engine_process_behind(redis_url, tin
             worker.kill()
             worker.wait()
         await client.aclose()
+
+
+async def test_the_engine_process_logs_json_lines_as_its_worker_does(redis_url, tiny_model):
+    """Its start-up lines (which implementation serves the model, the draft model's warnings) are the worker's
+    log too: JSON lines with the worker's service name, not lost nor printed bare."""
+    client = aioredis.Redis.from_url(redis_url)
+    worker = _worker(redis_url, tiny_model(), "logging")
+    try:
+        async def is_ready() -> bool:
+            assert worker.poll() is None, worker.stderr.read().decode() if worker.stderr else ""
+            return bool(await client.hexists(KEYS.workers, "logging"))
+
+        await wait_until(is_ready, "the worker ready")
+        worker.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.get_running_loop().run_in_executor(None, lambda: worker.communicate(timeout=WAIT_S))
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        await client.aclose()
+    lines = [line for line in stderr.decode().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line is JSON
+    chosen = [r for r in records if r["logger"] == "worker.engine.model_runner" and "implementation" in r["message"]]
+    assert chosen and chosen[0]["service"] == "carpool-worker" and chosen[0]["level"] == "info", records
 
 
 async def test_a_bad_model_path_fails_startup_with_a_clear_error(redis_url, tmp_path):
