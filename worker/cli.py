@@ -159,14 +159,20 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
     from scheduler.protocol.redis_client import RedisRefused, check_access, redacted_url
     from scheduler.protocol.redis_client import connect as connect_redis
 
-    from worker.service import WorkerNameTaken, WorkerService
+    from scheduler.protocol.keys import Keys
+    from worker.service import WorkerNameTaken, WorkerService, check_name_is_free
 
     # Before the model loads: wrong credentials or an ACL user without scripts are said at once, in one line.
+    # And a name another live worker has, before the model loads too.
     probe = connect_redis(config.redis_url, timeout_s=config.redis_timeout_s)
     try:
         await check_access(probe)
+        await check_name_is_free(probe, Keys(config.key_prefix), config.worker_name, config.heartbeat_interval_s)
     except RedisRefused as e:
         print(f"carpool worker: Redis at {redacted_url(config.redis_url)} refuses this worker: {e}", file=sys.stderr)
+        return 1
+    except WorkerNameTaken as e:
+        print(f"carpool worker: {e}", file=sys.stderr)
         return 1
     finally:
         await probe.aclose()
@@ -203,11 +209,6 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
         except RedisRefused as e:
             print(f"carpool worker: Redis at {redacted_url(config.redis_url)} refuses this worker: {e}",
                   file=sys.stderr)
-            return 1
-        try:
-            await service.check_name_is_free()
-        except WorkerNameTaken as e:
-            print(f"carpool worker: {e}", file=sys.stderr)
             return 1
         try:
             await service.start()

@@ -47,6 +47,31 @@ class WorkerNameTaken(Exception):
     """Another live worker under the same key prefix has this worker's name."""
 
 
+async def check_name_is_free(client: aioredis.Redis, keys: Keys, name: str, heartbeat_interval_s: float) -> None:
+    """Raise WorkerNameTaken when another live worker under `keys`' prefix is named `name`: both would read as one
+    consumer of the group, one heartbeat would hide the other's slots from autoscalers, and a dead one's jobs
+    would count as held by the live one. A heartbeat under the name may also be a killed worker's, left behind (a
+    restart under the same name): it is taken as a live worker's only when it is renewed within one and a half
+    heartbeat intervals (the longer of this worker's and the one it names). Clocks are not compared: hosts'
+    may differ. A Redis that cannot be reached now is not checked (the worker waits for it later)."""
+    try:
+        first = await heartbeat_time(client, keys.workers, name)
+        if first is None:
+            return
+        interval_s = max(heartbeat_interval_s, first.interval_s or 0.0)
+        await asyncio.sleep(1.5 * interval_s)
+        second = await heartbeat_time(client, keys.workers, name)
+    except REDIS_ERRORS as e:
+        if is_refusal(e):
+            raise
+        return
+    if second is not None and second.time != first.time:
+        raise WorkerNameTaken(
+            f"another live worker is named {name!r} under the key prefix {keys.prefix!r} (its heartbeat was "
+            f"renewed within {1.5 * interval_s:g}s): give each worker its own --worker-name (the default, "
+            "host-pid-random, is unique)")
+
+
 class WorkerService:
     def __init__(self, config: WorkerConfig, engine: EngineRunner, client: aioredis.Redis,
                  telemetry: Telemetry | None = None) -> None:
@@ -382,30 +407,10 @@ class WorkerService:
                 "max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
                 "builtin_model": self.config.engine.model is None,
                 "model": self.config.model_name, "lease_s": self.config.lease_s,
+                "heartbeat_interval_s": self.config.heartbeat_interval_s,
                 "draining": self.is_draining}))
             pipe.hset(self.keys.models, self.config.model_name, repr(now))
             await pipe.execute()
-
-    async def check_name_is_free(self) -> None:
-        """Raise WorkerNameTaken when another live worker under this key prefix has this worker's name: both
-        would read as one consumer of the group, one heartbeat would hide the other's slots from autoscalers, and
-        a dead one's jobs would count as held by the live one. A heartbeat under the name that is recent but not
-        this process's may be a killed worker's left behind (a restart under the same name): it is taken as a
-        live worker's only when it is renewed within one and a half heartbeat intervals."""
-        name = self.config.worker_name
-        first = await heartbeat_time(self.client, self.keys.workers, name)
-        max_age_s = 3 * self.config.heartbeat_interval_s + 1
-        if first is None or time.time() - first[0] > max_age_s:
-            return
-        await asyncio.sleep(1.5 * self.config.heartbeat_interval_s)
-        second = await heartbeat_time(self.client, self.keys.workers, name)
-        if second is not None and second[0] > first[0]:
-            started = second[1] if isinstance(second[1], (int, float)) and not isinstance(second[1], bool) else None
-            since = "" if started is None else f", started {time.time() - started:.0f}s ago"
-            raise WorkerNameTaken(
-                f"another live worker is named {name!r} under the key prefix {self.keys.prefix!r} (its heartbeat "
-                f"is being renewed{since}): give each worker its own --worker-name (the default, host-pid-random, "
-                "is unique)")
 
     async def _warn_of_other_workers(self) -> None:
         """Say so when live workers under this key prefix serve another model (the lanes are shared, so each

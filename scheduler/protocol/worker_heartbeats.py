@@ -10,6 +10,7 @@ workers' context length and vocabulary bound what the gateway admits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -32,12 +33,25 @@ async def recent_heartbeats(redis: aioredis.Redis, key: str, *, max_age_s: float
     return [beat for name, beat in (await _recent(redis, key, max_age_s, now)).items() if name != besides]
 
 
-async def heartbeat_time(redis: aioredis.Redis, key: str, name: str) -> tuple[float, Any] | None:
-    """(time, ``started``) of worker `name`'s heartbeat; None where it has none this process can read."""
+@dataclass(frozen=True)
+class BeatTime:
+    """When a worker's heartbeat was written (by its own clock), and how often it writes one."""
+
+    time: float
+    interval_s: float | None
+    """None for a worker that does not say (an older one)."""
+
+
+async def heartbeat_time(redis: aioredis.Redis, key: str, name: str) -> BeatTime | None:
+    """Worker `name`'s heartbeat's time and interval; None where it has none this process can read."""
     raw = await redis.hget(key, name)
     beat = None if raw is None else _decoded(raw if isinstance(raw, bytes) else raw.encode())
-    at = _time_of(beat) if isinstance(beat, dict) else None
-    return None if at is None else (at, beat.get("started"))  # type: ignore[union-attr]  # a dict when at is set
+    if not isinstance(beat, dict) or (at := _time_of(beat)) is None:
+        return None
+    interval = beat.get("heartbeat_interval_s")
+    if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval > 0:
+        return BeatTime(at, float(interval))
+    return BeatTime(at, None)
 
 
 async def recent_workers(redis: aioredis.Redis, key: str, *, max_age_s: float, now: float) -> set[str]:
