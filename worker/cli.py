@@ -21,7 +21,7 @@ from scheduler.runtime.flags import add_config_flags, config_from_args
 from scheduler.runtime.listen import LISTEN_ERRNOS, listen_error
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE, OFFLINE_ENV
 from scheduler.runtime.terminal import printable, prompt_argument
-from scheduler.telemetry.log_format import configure_logging
+from scheduler.telemetry.log_format import LogSettings, configure_logging
 from scheduler.telemetry.otel import Telemetry, TelemetryConfig, telemetry_config_from_env
 from worker.config import WorkerConfig
 from worker.engine.process import EngineProcess, EngineStartError
@@ -85,8 +85,14 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     if problem is not None:
         print(f"carpool worker: metrics server {problem}", file=sys.stderr)
         return 1
-    configure_logging(config.log_level.upper(), service="carpool-worker")
+    logging_settings = log_settings(config)
+    configure_logging(logging_settings.level, service=logging_settings.service, is_json=logging_settings.is_json)
     return asyncio.run(serve(config, telemetry_config))
+
+
+def log_settings(config: WorkerConfig) -> LogSettings:
+    """How a worker logs, and its engine process with it."""
+    return LogSettings(level=config.log_level.upper(), service="carpool-worker", is_json=True)
 
 
 def generate(config: WorkerConfig, prompt: str, params: SamplingParams) -> int:
@@ -116,7 +122,7 @@ async def start_engine(config: WorkerConfig) -> EngineRunner:
         model += f", speculative decoding by {engine_config.speculative}"
     if config.engine_process:
         log.info("loading model %s on %s in an engine process", model, engine_config.device)
-        return await EngineProcess.start(engine_config, config.torch_threads)
+        return await EngineProcess.start(engine_config, config.torch_threads, log_settings(config))
     from worker.engine.engine import Engine
 
     threads = apply_torch_threads(config.torch_threads, engine_config.device)

@@ -106,23 +106,9 @@ def configure_logging(
 
 @dataclass(frozen=True)
 class LogSettings:
-    """How a process logs, for a child process to log the same way (`configure_logging` takes them)."""
+    """How a process logs (what `configure_logging` takes), for a child process to log the same way."""
 
-    level: int
+    level: str | int
     service: str | None
-    is_json: bool
+    is_json: bool = True
 
-
-def current_log_settings() -> LogSettings | None:
-    """What `configure_logging` set up in this process (None where it was not called: a library user's own
-    logging, which a child leaves alone too)."""
-    root = logging.getLogger()
-    formatters = [h.formatter for h in root.handlers if isinstance(h, logging.StreamHandler)]
-    if len(root.handlers) != 1 or len(formatters) != 1:
-        return None
-    formatter = formatters[0]
-    if isinstance(formatter, JsonFormatter):
-        return LogSettings(root.level, formatter.service, True)
-    if formatter is not None and formatter._fmt == PLAIN_FORMAT:
-        return LogSettings(root.level, None, False)
-    return None

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 from scheduler.runtime.parent_death import die_with_parent
-from scheduler.telemetry.log_format import LogSettings, configure_logging, current_log_settings
+from scheduler.telemetry.log_format import LogSettings, configure_logging
 from worker.engine.config import EngineConfig
 from worker.engine.tick import run_tick
 from worker.engine.wire import Add, EngineError, EngineFailed, EngineMessage, EngineReady, Tick, TickRequest
@@ -116,14 +116,14 @@ class EngineProcess:
         return self.process.pid
 
     @classmethod
-    async def start(cls, config: EngineConfig, torch_threads: int) -> EngineProcess:
-        """Spawn the child and wait until its engine is built; raises ``EngineStartError`` if it cannot be."""
+    async def start(cls, config: EngineConfig, torch_threads: int, log: LogSettings | None = None) -> EngineProcess:
+        """Spawn the child and wait until its engine is built; raises ``EngineStartError`` if it cannot be. `log`:
+        how the child logs (None: Python's default, warnings and worse on stderr)."""
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair()
         context = multiprocessing.get_context("spawn")
-        # The child logs as this process does (JSON lines with the worker's service name, when the CLI set it up).
         process = context.Process(target=serve_engine, name="carpool-engine", daemon=True,
-                                  args=(theirs, config, torch_threads, os.getpid(), current_log_settings()))
+                                  args=(theirs, config, torch_threads, os.getpid(), log))
         # Started from the event loop's thread, the main one: Linux sends the death signal when the thread
         # that started the child ends, so a short-lived thread must not start it.
         try:
@@ -227,7 +227,7 @@ class EngineProcess:
 def serve_engine(sock: socket.socket, config: EngineConfig, torch_threads: int, parent_pid: int,
                  log: LogSettings | None = None) -> None:
     """The child's body: build the engine, report ready (or why not), then answer ticks until told to stop.
-    `log`: the parent's logging, set up here too."""
+    `log`: how to log (the worker's own settings)."""
     _die_with_parent(parent_pid)
     if log is not None:
         configure_logging(log.level, service=log.service, is_json=log.is_json)
