@@ -331,7 +331,8 @@ class BatchDriver:
                     code = "batch_cancelled" if b.get("outcome") == BatchStatus.CANCELLED.value else "batch_expired"
                     err.append(error_line(custom_id, code, f"line {n + 1}: the request never ran"))
                 else:
-                    renames = _renames(endpoint, lines[n - start]) if n - start < len(lines) else None
+                    is_failed = view.get("status") == "failed" and n - start < len(lines)
+                    renames = _renames(endpoint, lines[n - start]) if is_failed else None
                     line, is_output = result_line(endpoint, n, custom_id, view, renames)
                     (out if is_output else err).append(line)
             out_bytes += await self._files.append(out_id, out)

@@ -224,7 +224,7 @@ _JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a num
 def _json_kind(raw: bytes) -> str | None:
     """What JSON value other than an object `raw` holds (``an array``...); None when it is no JSON."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw.removeprefix(b"\xef\xbb\xbf"))  # after a UTF-8 byte order mark, as objects are read
     except (ValueError, RecursionError):
         return None
     return _JSON_KINDS.get(type(data))

@@ -48,6 +48,8 @@ def test_json_that_is_no_object_is_named_as_json(raw: bytes, kind: str) -> None:
     with pytest.raises(JobValidationError) as caught:
         JobSpec.unpack(raw)
     assert caught.value.message == f"must be a msgpack map or a JSON object; it is JSON, but {kind}, not an object"
+    with pytest.raises(JobValidationError, match=f"it is JSON, but {kind}, not an object"):
+        JobSpec.unpack(b"\xef\xbb\xbf" + raw)
     # A msgpack value other than a map is still named as msgpack.
     with pytest.raises(JobValidationError, match="it is a msgpack list"):
         JobSpec.unpack(msgpack.packb([1, 2]))
