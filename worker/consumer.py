@@ -191,14 +191,12 @@ class LaneConsumer:
 
     async def reclaim(self, free: int, *, handed_back_only: bool = False) -> list[Entry]:
         """Take over up to `free` entries whose owner stopped renewing them for longer than the lease,
-        from every stream of every lane (the tenants' streams stay active while they hold entries). Tenant
-        streams a producer filled behind the active set's back are found a slice of the key space a sweep.
+        from every stream of every lane (the tenants' streams stay active while they hold entries).
 
         `handed_back_only`: only entries handed back (made to look idle for `HANDBACK_IDLE_MS`), not those
         merely idle past the lease: right after a Redis outage every lease has lapsed, live workers' too."""
         min_idle_ms = HANDBACK_IDLE_MS // 2 if handed_back_only else self.lease_ms
         out: list[Entry] = []
-        await self.tenants.adopt_strays()
         sources = await self.tenants.sources(route=False)
         for source in [s for lane in LANES for s in sources[lane]]:
             if len(out) >= free:

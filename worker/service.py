@@ -97,6 +97,8 @@ class WorkerService:
         self.is_draining = False
         self.stopped = asyncio.Event()
         """Set when the worker should stop: a signal, or a background task that failed."""
+        self._stray_walk_failed = False
+        """Whether Redis refused this worker's walk for stray tenant streams (said once)."""
         self.reclaim_now = asyncio.Event()
         """A worker handed entries back (control message ``handback``): reclaim before reading new entries."""
         self.hand_back_now = asyncio.Event()
@@ -312,6 +314,8 @@ class WorkerService:
                              *self.job_loop.commits.retrying}
                     entries += await self.consumer.own_pending(free, known)
                     self._lost_reads = False
+                if time.monotonic() >= next_reclaim:
+                    await self._adopt_strays(reclaim_every_s)
                 if time.monotonic() >= next_reclaim or self.reclaim_now.is_set():
                     self.reclaim_now.clear()
                     after_outage = time.monotonic() - self._redis_down_at < self.config.lease_s
@@ -328,6 +332,20 @@ class WorkerService:
                 await self._redis_down("intake", e)  # entries already taken are still admitted below
             if entries:
                 self._admit(entries, admissions)
+
+    async def _adopt_strays(self, interval_s: float) -> None:
+        """This worker's slice, when it is its turn, of the fleet's walk for tenant streams outside the active sets.
+        An error Redis answers (an ACL without SCAN, say) is logged once and the walk left to the others: reading
+        and reclaiming go on."""
+        try:
+            await self.consumer.tenants.adopt_strays(self.config.worker_name, max(1, int(interval_s * 1000)))
+        except ResponseError as e:
+            if is_redis_down(e):
+                raise
+            if not self._stray_walk_failed:
+                log.warning("worker %s cannot walk the key space for tenant streams outside the active sets (%s); "
+                            "it leaves that to other workers", self.config.worker_name, e)
+            self._stray_walk_failed = True
 
     async def _intake_reserve(self, admissions: set[asyncio.Task[None]]) -> None:
         """Every slot is busy: take interactive entries only, for the engine to preempt a lower lane for.

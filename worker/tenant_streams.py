@@ -6,8 +6,9 @@ slots out over its tenants by weight (smooth weighted round-robin, state kept pe
 stream came up short is retired from the active set once its stream is empty.
 
 A producer may also XADD straight into a tenant's stream (its name is documented) without marking the tenant
-active: nobody would read it. `adopt_strays`, run with each reclaim sweep, walks the key space a slice at a
-time for tenant streams that hold entries while their tenant is out of the active set, and puts it back in.
+active: nobody would read it. `adopt_strays` walks the key space a slice at a time for tenant streams that hold
+entries while their tenant is out of the active set, and puts it back in; the fleet shares one walk (a cursor in
+Redis), one worker a sweep interval taking the next slice.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ log = logging.getLogger(__name__)
 STRAY_SCAN_COUNT = 1_000
 """Keys each SCAN call of `adopt_strays` looks at."""
 STRAY_SCAN_CALLS = 10
-"""SCAN calls per sweep: a million keys are walked in a hundred sweeps (minutes, at the default lease)."""
+"""SCAN calls per slice: the fleet walks a million keys in a hundred sweep intervals (12.5 minutes at the default
+lease of 30 s, a sweep every quarter lease)."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,7 @@ class TenantStreams:
         """Stream -> lane of every stream seen; grows by one per tenant stream."""
         self._route = client.register_script(state_machine.ROUTE_TO_TENANTS)
         self._deactivate = client.register_script(state_machine.RETIRE_TENANTS)
-        self._scan_cursor = 0
-        """Where `adopt_strays` goes on in the key space; 0 starts a new walk."""
+        self._stray_turn = client.register_script(state_machine.STRAY_SCAN_TURN)
 
     def lane_of(self, stream: str) -> Lane | None:
         return self._lane_of.get(stream)
@@ -98,22 +99,28 @@ class TenantStreams:
             await self._deactivate(keys=[self.keys.lane_tenants(lane), *(s.stream for s in named)],
                                    args=[s.tenant for s in named])
 
-    async def adopt_strays(self) -> list[Source]:
-        """Tenant streams holding entries whose tenant is out of its lane's active set (a producer XADDed into
-        the stream itself), found in the next slice of the key space: each gets its consumer group where it
-        has none, and its tenant goes back into the active set, with a wake for idle workers. Returns those."""
+    async def adopt_strays(self, worker: str, interval_ms: int) -> list[Source]:
+        """When it is this worker's turn (none took one within `interval_ms`): the next slice of the fleet's walk
+        of the key space for tenant streams holding entries whose tenant is out of its lane's active set (a
+        producer XADDed into the stream itself). Each gets its consumer group where it has none, and its tenant
+        goes back into the active set, with a wake for idle workers. Returns those."""
+        cursor = await self._stray_turn(keys=[self.keys.stray_scan, self.keys.stray_scan_turn], args=[worker, interval_ms])
+        if cursor is None:
+            return []
         prefixes = {self.keys.tenant_lane_prefix(lane): lane for lane in LANES}
         found: list[Source] = []
+        next_cursor = int(cursor)
         for _ in range(STRAY_SCAN_CALLS):
-            self._scan_cursor, names = await self.client.scan(
-                self._scan_cursor, match=self.keys.tenant_lanes_glob(), count=STRAY_SCAN_COUNT, _type="stream")
+            next_cursor, names = await self.client.scan(next_cursor, match=self.keys.tenant_lanes_glob(),
+                                                        count=STRAY_SCAN_COUNT, _type="stream")
             for raw in names:
                 name = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
                 for prefix, lane in prefixes.items():
                     if name.startswith(prefix) and named_tenants([name[len(prefix):]]):
                         found.append(Source(lane, name[len(prefix):], name))
-            if self._scan_cursor == 0:
+            if next_cursor == 0:
                 break
+        await self.client.set(self.keys.stray_scan, next_cursor)
         if not found:
             return []
         pipe = self.client.pipeline(transaction=False)
@@ -123,15 +130,15 @@ class TenantStreams:
         replies = await pipe.execute()
         strays = [s for s, is_member, length in zip(found, replies[::2], replies[1::2]) if not is_member and length]
         for source in strays:
-            try:
-                await self.client.xgroup_create(source.stream, CONSUMER_GROUP, id="0")
+            try:  # a stream deleted meanwhile comes back empty: its tenant retires as any empty one does
+                await self.client.xgroup_create(source.stream, CONSUMER_GROUP, id="0", mkstream=True)
             except ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
             await self.client.sadd(self.keys.lane_tenants(source.lane), source.tenant)
             await self.client.xadd(self.keys.wake, {"tenant": source.tenant}, maxlen=WAKE_MAXLEN, approximate=True)
-            log.warning("%s held entries while tenant %r was not active in lane %s (XADDed into the tenant's "
-                        "stream directly?); it is read again", source.stream, source.tenant, source.lane.value)
+            log.info("%s held entries while tenant %r was not active in lane %s (XADDed into the tenant's stream "
+                     "directly); it is read again", source.stream, source.tenant, source.lane.value)
         return strays
 
 

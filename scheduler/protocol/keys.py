@@ -122,6 +122,17 @@ class Keys:
         return f"{self.prefix}:wake"
 
     @property
+    def stray_scan(self) -> str:
+        """Where the fleet's walk of the key space for tenant streams outside the active sets has got to (a SCAN
+        cursor), shared by every worker."""
+        return f"{self.prefix}:stray-scan"
+
+    @property
+    def stray_scan_turn(self) -> str:
+        """Held (with a time to live of one sweep interval) by the worker whose turn it is to walk the next slice."""
+        return f"{self.prefix}:stray-scan:turn"
+
+    @property
     def tenant_weights(self) -> str:
         """Hash tenant -> weight (int) of its share inside a lane; a tenant not named weighs 1."""
         return f"{self.prefix}:tenant-weights"

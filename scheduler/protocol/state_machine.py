@@ -786,6 +786,16 @@ read, stay where they are, untouched and undelivered: nothing is taken out of th
 KEYS: lane stream, route cursor, the lane's active-tenant set, wake stream. ARGV: group, scan count, tenant
 stream prefix, wake maxlen. Returns the entries moved."""
 
+STRAY_SCAN_TURN = """
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return redis.call('GET', KEYS[1]) or '0'
+end
+return false
+"""
+"""Any worker, each sweep: take the fleet's turn to walk the next slice of the key space for stray tenant streams,
+unless another worker took it less than a sweep interval ago. KEYS: the shared cursor, the turn. ARGV: worker,
+interval ms. Returns the cursor to go on from (``0``: from the start), or nil when it is not this worker's turn."""
+
 RETIRE_TENANTS = """
 local n = 0
 for i = 1, #ARGV do

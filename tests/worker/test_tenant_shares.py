@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import msgpack
 import pytest
 import redis.asyncio as aioredis
@@ -197,25 +198,43 @@ async def test_a_json_job_after_whitespace_or_a_byte_order_mark_is_routed_to_its
 
 
 async def test_entries_xadded_straight_into_an_inactive_tenants_stream_are_found_and_read(redis_url: str) -> None:
+    """The fleet walks the key space a slice a turn, one worker a sweep interval, from a cursor they share."""
+    from worker.tenant_streams import STRAY_SCAN_CALLS, STRAY_SCAN_COUNT
+
     client = aioredis.Redis.from_url(redis_url)
     consumer = LaneConsumer(client, KEYS, "reader", BATCH_ONLY, lease_ms=60_000, read_block_ms=10, max_deliveries=5)
+    other = LaneConsumer(client, KEYS, "other", BATCH_ONLY, lease_ms=60_000, read_block_ms=10, max_deliveries=5)
     await consumer.ensure_groups()
     # A producer XADDs into the documented name of a tenant's stream: no consumer group, tenant not active.
     stream = KEYS.tenant_lane(Lane.BATCH, "direct")
     for i in range(3):
         await client.xadd(stream, {"job": f"direct-{i}".encode()})
     await client.xadd(f"{KEYS.lane(Lane.BATCH)}:tenant:no spaces", {"job": b"never a tenant's"})
-    for i in range(2500):  # enough other keys that the walk takes more than one slice of SCAN calls
-        await client.set(f"{KEYS.prefix}:filler:{i}", 1)
+    # Enough other keys that a walk takes three slices.
+    async with client.pipeline(transaction=False) as pipe:
+        for i in range(2 * STRAY_SCAN_CALLS * STRAY_SCAN_COUNT + 1):
+            pipe.set(f"{KEYS.prefix}:filler:{i}", 1)
+        await pipe.execute()
     assert await consumer.read(5) == []  # nobody reads it yet
-    reclaimed = []
-    for _ in range(5):
-        reclaimed += await consumer.reclaim(5)
-        if await client.sismember(KEYS.lane_tenants(Lane.BATCH), "direct"):
-            break
-    assert reclaimed == []  # nothing was pending: found, not reclaimed
-    assert await client.smembers(KEYS.lane_tenants(Lane.BATCH)) == {b"direct"}
+    turns = []
+    while not await client.sismember(KEYS.lane_tenants(Lane.BATCH), "direct"):
+        assert len(turns) < 4, turns
+        # Within one interval only the first worker walks; the next turn is free once the interval is over.
+        found = await consumer.tenants.adopt_strays("reader", 50)
+        assert await other.tenants.adopt_strays("other", 50) == []
+        turns.append(int(await client.get(KEYS.stray_scan)))
+        await asyncio.sleep(0.06)
+    assert [s.tenant for s in found] == ["direct"] and await client.smembers(KEYS.lane_tenants(Lane.BATCH)) == {
+        b"direct"}
     assert sorted(_names(await consumer.read(5))) == ["direct-0", "direct-1", "direct-2"]
-    # Once read, it is not found again; the wake entry it rang is no job.
-    assert await consumer.reclaim(5) == [] and _names(await consumer.read(5)) == []
+    # Active now, it is not found again in a whole walk; the wake entry it rang is no job.
+    await client.delete(KEYS.stray_scan)
+    again = []
+    for _ in range(6):
+        await asyncio.sleep(0.06)
+        again += await consumer.tenants.adopt_strays("reader", 50)
+        if int(await client.get(KEYS.stray_scan)) == 0:
+            break
+    assert int(await client.get(KEYS.stray_scan)) == 0 and again == []
+    assert _names(await consumer.read(5)) == []
     await client.aclose()
