@@ -14,6 +14,9 @@ from collections.abc import Callable
 
 OUTAGE_LOG_EVERY_S = 30.0
 """While an outage lasts, each place that meets it says so at most once in this many seconds."""
+LASTING_RETRIES = 4
+"""A new outage is said within that interval once it has lasted this many retries: one that ends at once, as
+when a Redis at maxmemory refuses some writes and takes other calls, waits for the interval."""
 
 
 def describe(error: BaseException) -> str:
@@ -40,14 +43,15 @@ class OutageLog:
 
     def warn(self, where: str, error: BaseException, detail: str = "") -> None:
         """`where` met Redis unavailable (`error`); `detail` names what waits (a job, an entry). A place that
-        warned less than `every_s` ago is not heard again, whether this is the same outage or a new one: a Redis
-        that refuses some writes and takes others (at maxmemory, say) ends and starts an outage many times a
-        second."""
+        warned less than `every_s` ago is heard again only for a new outage that has lasted `LASTING_RETRIES`
+        retries: a Redis that refuses some writes and takes others (at maxmemory, say) ends and starts an
+        outage many times a second, and is said once an interval."""
         now = self._clock()
         if self._since is None:
             self._since = now
         last = self._last.get(where)
-        if last is not None and now - last < self._every_s:
+        is_lasting_news = not self._is_said and now - self._since >= LASTING_RETRIES * self._retry_s
+        if last is not None and now - last < self._every_s and not is_lasting_news:
             self._left_out[where] += 1
             return
         self._last[where] = now
@@ -65,8 +69,9 @@ class OutageLog:
             return
         if self._is_said:
             left_out = sum(self._left_out.values())
-            # Counted from the first warning, which a silent Redis delays by the timeout of the call that met it.
-            self._logger.info("Redis available again, %.0fs after the first warning%s", self._clock() - self._since,
+            # Counted from the first call that met it, which a silent Redis delays by that call's timeout.
+            self._logger.info("Redis available again, %.0fs after it was first found unavailable%s",
+                              self._clock() - self._since,
                               f" ({left_out} warning{'s' if left_out > 1 else ''} left out)" if left_out else "")
             self._left_out.clear()
         self._since = None

@@ -31,7 +31,7 @@ def test_each_place_says_an_outage_once_per_interval_and_counts_the_rest(caplog:
     assert all(r.levelno == logging.WARNING for r in caplog.records)
 
 
-def test_the_end_of_an_outage_is_said_once_and_the_next_outage_is_logged_once_the_interval_is_over(
+def test_the_end_of_an_outage_is_said_once_and_a_new_one_once_it_lasts(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     now = [0.0]
@@ -45,16 +45,21 @@ def test_the_end_of_an_outage_is_said_once_and_the_next_outage_is_logged_once_th
         outages.recovered()
         outages.recovered()
         now[0] += 5.0
-        outages.warn("heartbeat", error)  # a new outage 5 s later: within the interval, counted
+        outages.warn("heartbeat", error)  # a new outage 5 s later that ends at once: within the interval, counted
         outages.recovered()  # and its end not said, as its start was not
-        now[0] += 30.0
-        outages.warn("heartbeat", error)  # said once the interval is over, with the one left out
+        now[0] += 5.0
+        for _ in range(4):  # another, 10 s after the first ended, that lasts: said once it has lasted 4 retries
+            outages.warn("heartbeat", error)
+            now[0] += 0.5
+        outages.warn("heartbeat", error)
+        outages.recovered()
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
         "heartbeat: Redis unavailable (Connection refused); retrying every 0.5s, said again at most every 30s",
-        "Redis available again, 10s after the first warning (19 warnings left out)",
+        "Redis available again, 10s after it was first found unavailable (19 warnings left out)",
         "heartbeat: Redis unavailable (Connection refused); retrying every 0.5s, said again at most every 30s; "
-        "1 more such since the last of these",
+        "5 more such since the last of these",
+        "Redis available again, 2s after it was first found unavailable",
     ]
 
 
