@@ -43,6 +43,10 @@ RESERVE_POLL_S = 0.02
 """How often a worker with every slot busy looks for interactive entries for its reserve."""
 
 
+MAX_NAME_CHECK_INTERVAL_S = 60.0
+"""The longest heartbeat interval of another worker the name check waits out (a value read from Redis)."""
+
+
 class WorkerNameTaken(Exception):
     """Another live worker under the same key prefix has this worker's name."""
 
@@ -58,7 +62,9 @@ async def check_name_is_free(client: aioredis.Redis, keys: Keys, name: str, hear
         first = await heartbeat_time(client, keys.workers, name)
         if first is None:
             return
-        interval_s = max(heartbeat_interval_s, first.interval_s or 0.0)
+        interval_s = max(heartbeat_interval_s, min(first.interval_s or 0.0, MAX_NAME_CHECK_INTERVAL_S))
+        log.info("a heartbeat under this worker's name %r is in Redis: waiting %gs to see whether its worker is "
+                 "alive", name, 1.5 * interval_s)
         await asyncio.sleep(1.5 * interval_s)
         second = await heartbeat_time(client, keys.workers, name)
     except REDIS_ERRORS as e:
