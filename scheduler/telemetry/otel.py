@@ -15,6 +15,7 @@ with ``OTEL_TRACES_EXPORTER=console``, as one JSON line each to stdout.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,10 @@ INSTRUMENTATION_SCOPE = "carpool"
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+MAX_OTLP_TIMEOUT_S = 600.0
+DEFAULT_OTLP_TIMEOUT_S = 5.0
+
+
 class OtlpProtocol(str, Enum):
     HTTP_PROTOBUF = "http/protobuf"
 
@@ -58,15 +63,17 @@ class TelemetryConfig:
     metric_export_interval_ms: int = 15_000
     is_console_traces: bool = False  # one JSON line per finished span on stdout
     is_console_metrics: bool = False  # one JSON line per metric export on stdout, every export interval
-    otlp_timeout_s: float = 5.0
-    """How long one OTLP export may take, its retries included; a process's exit waits at most this long for each
-    signal's last export, so a collector that stopped answering delays a shutdown by at most twice this."""
+    otlp_traces_timeout_s: float = DEFAULT_OTLP_TIMEOUT_S
+    """How long one OTLP export of spans may take, its retries included; a process's exit waits at most this long
+    for its last one, so a collector that stopped answering delays a shutdown by at most the two timeouts."""
+    otlp_metrics_timeout_s: float = DEFAULT_OTLP_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.service_name:
             raise ValueError("service_name: must be non-empty")
-        if not 0 < self.otlp_timeout_s <= 300:
-            raise ValueError(f"otlp_timeout_s: must be in (0, 300] seconds, got {self.otlp_timeout_s}")
+        for name in ("otlp_traces_timeout_s", "otlp_metrics_timeout_s"):
+            if not 0 < getattr(self, name) <= MAX_OTLP_TIMEOUT_S:
+                raise ValueError(f"{name}: must be in (0, {MAX_OTLP_TIMEOUT_S:g}] seconds, got {getattr(self, name)}")
         if self.metric_export_interval_ms < 100:
             raise ValueError(f"metric_export_interval_ms: must be at least 100, got {self.metric_export_interval_ms}")
         for name in ("otlp_traces_endpoint", "otlp_metrics_endpoint"):
@@ -103,6 +110,22 @@ def _exporters(env: Mapping[str, str], variable: str, known: tuple[str, ...]) ->
     return names
 
 
+def _timeout_s(env: Mapping[str, str], signal_variable: str) -> float:
+    """A signal's OTLP export timeout: its own variable, else ``OTEL_EXPORTER_OTLP_TIMEOUT``, in seconds as
+    OpenTelemetry's Python exporters read them (an empty one is unset); default 5."""
+    for variable in (signal_variable, "OTEL_EXPORTER_OTLP_TIMEOUT"):
+        if raw := env.get(variable, "").strip():
+            try:
+                value = float(raw)
+            except ValueError:
+                value = math.nan
+            if not 0 < value <= MAX_OTLP_TIMEOUT_S:
+                raise ValueError(f"{variable}: expected seconds in (0, {MAX_OTLP_TIMEOUT_S:g}] (as OpenTelemetry's "
+                                 f"Python exporters read it), got {raw!r}")
+            return value
+    return DEFAULT_OTLP_TIMEOUT_S
+
+
 def telemetry_config_from_env(
     env: Mapping[str, str], *, service_name: str, service_instance_id: str | None = None
 ) -> TelemetryConfig:
@@ -133,11 +156,8 @@ def telemetry_config_from_env(
         interval_ms = int(interval)
     except ValueError as e:
         raise ValueError(f"OTEL_METRIC_EXPORT_INTERVAL: expected milliseconds, got {interval!r}") from e
-    timeout = env.get("OTEL_EXPORTER_OTLP_TIMEOUT", "5000")
-    try:
-        timeout_s = int(timeout) / 1000  # milliseconds, as the specification has it
-    except ValueError as e:
-        raise ValueError(f"OTEL_EXPORTER_OTLP_TIMEOUT: expected milliseconds, got {timeout!r}") from e
+    traces_timeout_s = _timeout_s(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
+    metrics_timeout_s = _timeout_s(env, "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT")
     return TelemetryConfig(
         service_name=env.get("OTEL_SERVICE_NAME") or service_name,
         service_instance_id=service_instance_id,
@@ -146,7 +166,8 @@ def telemetry_config_from_env(
         otlp_metrics_endpoint=metrics,
         otlp_headers=headers,
         metric_export_interval_ms=interval_ms,
-        otlp_timeout_s=timeout_s,
+        otlp_traces_timeout_s=traces_timeout_s,
+        otlp_metrics_timeout_s=metrics_timeout_s,
         is_console_traces="console" in traces_exporters,
         is_console_metrics="console" in metrics_exporters,
     )
@@ -181,7 +202,7 @@ class Telemetry:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
             metric_exporter = OTLPMetricExporter(endpoint=config.otlp_metrics_endpoint, headers=config.otlp_headers,
-                                                 timeout=config.otlp_timeout_s)
+                                                 timeout=config.otlp_metrics_timeout_s)
             readers.append(
                 PeriodicExportingMetricReader(metric_exporter, export_interval_millis=config.metric_export_interval_ms)
             )
@@ -199,7 +220,7 @@ class Telemetry:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             span_exporter = OTLPSpanExporter(endpoint=config.otlp_traces_endpoint, headers=config.otlp_headers,
-                                             timeout=config.otlp_timeout_s)
+                                             timeout=config.otlp_traces_timeout_s)
             self.tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
         if config.is_console_traces:
             console_spans = ConsoleSpanExporter(formatter=lambda span: span.to_json(indent=None) + "\n")
@@ -250,10 +271,10 @@ class Telemetry:
         if self._is_shut_down:
             return
         self._is_shut_down = True
-        # Each signal's last export is bounded by the exporters' timeout (`otlp_timeout_s`); the meter's shutdown
-        # also by its own, which would otherwise wait 30 s.
+        # Each signal's last export is bounded by its exporter's timeout; the meter's shutdown also by its own,
+        # which would otherwise wait 30 s.
         self.tracer_provider.shutdown()
-        self.meter_provider.shutdown(timeout_millis=self.config.otlp_timeout_s * 1000)
+        self.meter_provider.shutdown(timeout_millis=self.config.otlp_metrics_timeout_s * 1000)
 
 
 # W3C trace context ----------------------------------------------------------------

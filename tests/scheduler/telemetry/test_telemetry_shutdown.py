@@ -43,7 +43,8 @@ def silent_collector():
 
 def test_the_exit_waits_for_a_silent_collector_only_as_long_as_the_export_timeout(silent_collector) -> None:
     config = TelemetryConfig(service_name="carpool-test", otlp_traces_endpoint=f"{silent_collector}/v1/traces",
-                             otlp_metrics_endpoint=f"{silent_collector}/v1/metrics", otlp_timeout_s=0.5)
+                             otlp_metrics_endpoint=f"{silent_collector}/v1/metrics", otlp_traces_timeout_s=0.5,
+                             otlp_metrics_timeout_s=0.5)
     telemetry = Telemetry(config)
     telemetry.meter.create_counter("carpool_test_total").add(1, {A_LANE: "batch"})
     with telemetry.tracer.start_as_current_span("job"):
@@ -54,9 +55,14 @@ def test_the_exit_waits_for_a_silent_collector_only_as_long_as_the_export_timeou
     assert time.monotonic() - started < 5
 
 
-def test_the_export_timeout_is_read_in_milliseconds_and_refused_when_not_a_number() -> None:
-    assert telemetry_config_from_env({}, service_name="s").otlp_timeout_s == 5.0
-    assert telemetry_config_from_env({"OTEL_EXPORTER_OTLP_TIMEOUT": "2500"}, service_name="s").otlp_timeout_s == 2.5
-    for bad in ("soon", "0", "-1"):
-        with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TIMEOUT|otlp_timeout_s"):
-            telemetry_config_from_env({"OTEL_EXPORTER_OTLP_TIMEOUT": bad}, service_name="s")
+def test_the_export_timeouts_are_read_in_seconds_as_the_python_exporters_read_them() -> None:
+    def timeouts(env: dict[str, str]) -> tuple[float, float]:
+        config = telemetry_config_from_env(env, service_name="s")
+        return config.otlp_traces_timeout_s, config.otlp_metrics_timeout_s
+
+    assert timeouts({}) == timeouts({"OTEL_EXPORTER_OTLP_TIMEOUT": ""}) == (5.0, 5.0)  # empty: unset
+    assert timeouts({"OTEL_EXPORTER_OTLP_TIMEOUT": "2.5"}) == (2.5, 2.5)
+    assert timeouts({"OTEL_EXPORTER_OTLP_TIMEOUT": "10", "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT": "3"}) == (10.0, 3.0)
+    for bad in ("soon", "0", "-1", "nan", "100000"):
+        with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_TIMEOUT: expected seconds"):
+            telemetry_config_from_env({"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": bad}, service_name="s")
