@@ -51,6 +51,9 @@ class PagedAttentionMetadata:
     """A step recorded once and replayed (a decode or a speculative verify step): every sequence has
     `max_query_len` rows, its padding rows before its tokens, padding sequences follow the real ones, and nothing
     may be read on the host or planned from host lengths."""
+    checks_arguments: bool = False
+    """The start-up forward: each attention module's keyword arguments are checked for what paged attention does
+    not compute (`unapplied_arguments`); they are the module's configuration, the same at every later forward."""
     backend_hints: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments for this backend's attention only (the torch backend's decode groups and
     gather workspace, the Triton kernel's most splits and split buffers), passed as they are."""
@@ -76,7 +79,7 @@ def paged_attention_forward(
         raise RuntimeError(
             f"{ATTN_IMPLEMENTATION} attention needs `{METADATA_KWARG}` passed through the model's forward"
         )
-    if unapplied := unapplied_arguments(attention_mask, dropout, kwargs):
+    if metadata.checks_arguments and (unapplied := unapplied_arguments(attention_mask, dropout, kwargs)):
         raise ValueError(f"{type(module).__name__} asks for attention that carpool's paged attention does not "
                          f"compute ({'; '.join(unapplied)}): this architecture is not supported")
     assert query.shape[0] == 1, "the runner flattens every sequence into one batch row"

@@ -216,6 +216,8 @@ class ModelRunner:
         """Steps that replayed a recorded graph, decode or verify."""
         self.num_replayed_verify_steps = 0
         """Of those, the ones that replayed a verify graph."""
+        self._is_first_forward = False
+        """While the start-up forward runs: its attention checks what the model's modules ask of it."""
         self._check_first_forward()
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and self.backend.name == "triton"
@@ -229,6 +231,7 @@ class ModelRunner:
         transformers code does not hand carpool's paged attention what it needs, say) is refused at start, in
         one line, instead of failing the first job and stopping the worker. The token's KV lands in block 0,
         which is zeroed again after: the cache starts as it was made."""
+        self._is_first_forward = True
         try:
             with torch.inference_mode():
                 logits = self.execute([StepSeq(token_ids=[0], start_pos=0, block_table=[0], needs_logits=True)])
@@ -238,6 +241,8 @@ class ModelRunner:
         except Exception as e:
             raise ValueError(f"model: {architecture(self.config)} from {self.model_path!r} cannot run here "
                              f"({self.model_choice.impl.value} implementation): {one_line(e)}") from e
+        finally:
+            self._is_first_forward = False
         if logits.shape[-1] != self.vocab_size:  # the sampler's rows are vocab_size wide
             raise ValueError(f"model: {architecture(self.config)} from {self.model_path!r} gives logits over "
                              f"{logits.shape[-1]} tokens (its output embedding's rows), but its config's vocab_size "
@@ -418,6 +423,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             max_query_len=shape.max_query_len,
             max_seq_len=shape.max_seq_len,
+            checks_arguments=self._is_first_forward,
             backend_hints=self._backend_hints(batch, block_tables, cu_seqlens_q, seq_lens, shape),
         )
         # Only the rows sampled from go through lm_head (all of them: None).
