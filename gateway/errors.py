@@ -22,11 +22,13 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_urldispatcher import MatchInfoError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from scheduler.protocol.redis_client import is_out_of_memory, is_refusal
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
+from scheduler.runtime.outage_log import describe
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +84,19 @@ def error_middleware(retry_after_s: int, max_body_bytes: int) -> Middleware:
                 return openai_error_response(e.status, message, code=code, headers=headers or None)
             kind = _TYPE_OF_STATUS.get(e.status, "server_error" if e.status >= 500 else "invalid_request")
             return error_response(e.status, kind, message, **headers)
-        except REDIS_UNAVAILABLE as e:
-            return _redis_unavailable(request, e, retry_after_s, is_openai)
+        except RequestPayloadError as e:  # a body aiohttp cannot decode (a Content-Encoding it does not match)
+            if _is_client_gone(request):
+                return web.Response(status=CLIENT_CLOSED_REQUEST)
+            message = f"the request body cannot be read: {e}"
+            if is_openai:
+                return openai_error_response(400, f"body: {message}", param="body", code="invalid_body")
+            return error_response(400, "invalid_request", message, field="body")
         except Exception as e:
-            if is_out_of_memory(e) or is_refusal(e):
+            if _is_client_gone(request):
+                # Nobody reads the answer (a client that hung up, mid-body or mid-stream): no server fault either.
+                log.debug("%s %s: client gone: %s", request.method, request.path, describe(e))
+                return web.Response(status=CLIENT_CLOSED_REQUEST)
+            if isinstance(e, REDIS_UNAVAILABLE) or is_out_of_memory(e) or is_refusal(e):
                 return _redis_unavailable(request, e, retry_after_s, is_openai)
             log.exception("%s %s failed", request.method, request.path)
             if is_openai:
@@ -93,6 +104,14 @@ def error_middleware(retry_after_s: int, max_body_bytes: int) -> Middleware:
             return error_response(500, "server_error", "internal error; it has been logged")
 
     return errors
+
+
+CLIENT_CLOSED_REQUEST = 499
+"""The status a request whose client went away is logged and counted with (no client reads it)."""
+
+
+def _is_client_gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
 
 
 def _redis_unavailable(request: web.Request, error: Exception, retry_after_s: int, is_openai: bool) -> web.Response:
@@ -104,10 +123,7 @@ def _redis_unavailable(request: web.Request, error: Exception, retry_after_s: in
         reason = f"Redis refuses this gateway's user a command it needs ({error})"
     else:
         reason = str(error) or type(error).__name__
-    if request.transport is None or request.transport.is_closing():
-        # The client has gone (an event stream closed mid-write): nobody reads the answer.
-        log.debug("%s %s: client gone: %s", request.method, request.path, reason)
-    elif is_refusal(error):
+    if is_refusal(error):
         log.error("%s %s: %s", request.method, request.path, reason)
     else:
         log.warning("%s %s: Redis unavailable: %s", request.method, request.path, reason)

@@ -5,7 +5,9 @@ headers, a charset that names no text encoding, multipart bodies without or past
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import re
 
 import pytest
 
@@ -39,6 +41,11 @@ CASES = [
                                       b"Content-Transfer-Encoding: base64", b"!!!"), 400, "purpose"),
     ("POST", "/v1/files", FORM, _part(b'Content-Disposition: form-data; name="file"; filename="\xff.jsonl"',
                                       b"{}"), 400, "purpose"),
+    # A body that is not what its Content-Encoding says.
+    ("POST", "/v1/jobs", b"Content-Type: application/json\r\nContent-Encoding: gzip", b"garbage", 400, "body"),
+    ("POST", "/v1/chat/completions", b"Content-Type: application/json\r\nContent-Encoding: deflate",
+     gzip.compress(b"{}"), 400, "cannot be read"),
+    ("POST", "/v1/files", FORM + b"\r\nContent-Encoding: gzip", b"garbage", 400, "cannot be read"),
 ]
 
 
@@ -71,3 +78,21 @@ async def test_a_request_no_client_sends_gets_a_4xx_naming_the_fault(gateway_por
     # The gateway goes on serving.
     got, answer = await _send(gateway_port, "POST", "/v1/jobs", b"Content-Type: application/json", JOB)
     assert got == 202, answer
+
+
+async def test_a_client_that_hangs_up_mid_body_is_counted_as_gone_not_as_a_server_fault(gateway_port) -> None:
+    for path in ("/v1/jobs", "/v1/chat/completions"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", gateway_port)
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100"
+                     "\r\n\r\n{\"prompt\"".encode())
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.close()
+        await writer.wait_closed()
+    await asyncio.sleep(0.3)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway_port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    exposition = (await reader.read()).decode()
+    writer.close()
+    statuses = set(re.findall(r'http_response_status_code="(\d+)"', exposition))
+    assert "499" in statuses and not any(s.startswith("5") for s in statuses), statuses
