@@ -15,6 +15,10 @@ from typing import Any
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 1_000
+"""Stop strings a job may give, and characters each: every generated token is checked against them all, on the
+worker every job of the batch shares, and a stop's length is text held back from streams until it cannot match."""
 
 
 NULL_MEANS_ITSELF = frozenset({"max_tokens"})
@@ -92,9 +96,13 @@ class SamplingParams:
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=MAX_SEED)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidParam("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidParam("stop", "must be a string or a list of strings, each non-empty")
+            if len(s) > MAX_STOP_LENGTH:
+                raise InvalidParam("stop", f"each stop string at most {MAX_STOP_LENGTH} characters, got {len(s)}")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 got = t if isinstance(t, int) and not isinstance(t, bool) else json_type(t)

@@ -50,12 +50,18 @@ def first_bad_value(data: dict[str, object]) -> tuple[str, str] | None:
                     if not is_text(key):
                         return path, "map keys must be valid UTF-8 text (one holds a lone surrogate)"
                     stack.append((key_path(path, key), item, depth + 1))
-            else:
+            elif not _is_int_list(value):  # a long list of token ids is checked in C, not item by item
                 stack += [(f"{path}[{i}]", item, depth + 1) for i, item in reversed(list(enumerate(value)))]
         else:
             kind = "bytes" if isinstance(value, (bytes, bytearray)) else type(value).__name__
             return path, f"must be JSON data (text, number, boolean, null, list or map), got {kind}"
     return None
+
+
+def _is_int_list(values: list[object] | tuple[object, ...]) -> bool:
+    """Whether `values` holds only integers (no booleans), all in the 64-bit range."""
+    return (bool(values) and set(map(type, values)) == {int}
+            and MIN_INT <= min(values) and max(values) <= MAX_INT)  # type: ignore[type-var, operator]
 
 
 def is_text(text: str) -> bool:

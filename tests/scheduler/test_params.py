@@ -34,3 +34,14 @@ def test_top_k_takes_minus_one_or_zero_for_none_and_says_so_of_other_negatives()
     assert SamplingParams(top_k=-1).top_k == SamplingParams(top_k=0).top_k == 0
     with pytest.raises(InvalidParam, match=r"^top_k: must be 0 or -1 \(no top-k\) or a positive count, got -5$"):
         SamplingParams(top_k=-5)
+
+
+def test_stop_strings_are_bounded_in_number_and_length() -> None:
+    """Every token of the batch is checked against every job's stops: a job may not bring thousands."""
+    from scheduler.params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
+
+    assert len(SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)]).stop) == MAX_STOP_STRINGS
+    with pytest.raises(InvalidParam, match=f"at most {MAX_STOP_STRINGS} stop strings, got 250000"):
+        SamplingParams.from_dict({"stop": [f"ab{i}" for i in range(250_000)]})
+    with pytest.raises(InvalidParam, match=f"each stop string at most {MAX_STOP_LENGTH} characters"):
+        SamplingParams(stop=["x" * (MAX_STOP_LENGTH + 1)])

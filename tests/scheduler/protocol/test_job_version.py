@@ -66,3 +66,18 @@ def test_odd_values_are_named_in_the_senders_terms() -> None:
     assert "too many digits" in caught.value.message and "sys." not in caught.value.message
     with pytest.raises(JobValidationError, match=r"\(msgpack: nested too deeply\)"):
         JobSpec.unpack(b"\x91" * 200_000 + b"\x90")
+
+
+@pytest.mark.parametrize(("ids", "field", "message"), [
+    ([1, True, 2], "prompt_token_ids", "every token id must be a non-negative integer"),
+    ([1, -1], "prompt_token_ids", "every token id must be a non-negative integer"),
+    ([1, 2.0], "prompt_token_ids", "every token id must be a non-negative integer"),
+    ([1, 2**64], "prompt_token_ids[1]", "integer out of the 64-bit range"),
+    ([3] * 100_000 + ["x"], "prompt_token_ids", "every token id must be a non-negative integer"),
+])
+def test_token_ids_are_checked_whole_and_the_odd_one_named(ids: list[object], field: str, message: str) -> None:
+    """Long lists of ids are checked in one pass; what is wrong is named as for a short one."""
+    with pytest.raises(JobValidationError) as caught:
+        JobSpec.from_wire({"id": "j1", "prompt_token_ids": ids})
+    assert (caught.value.field, caught.value.message) == (field, message)
+    assert JobSpec.from_wire({"id": "j1", "prompt_token_ids": [0, 5, 2**63]}).prompt_token_ids == [0, 5, 2**63]
