@@ -24,6 +24,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_urldispatcher import MatchInfoError
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from scheduler.protocol.redis_client import is_out_of_memory, is_refusal
@@ -106,6 +107,9 @@ def error_middleware(retry_after_s: int, max_body_bytes: int) -> Middleware:
     return errors
 
 
+POOL_EXHAUSTED = "No connection available"
+"""What redis-py says when no pooled connection came free in time."""
+
 CLIENT_CLOSED_REQUEST = 499
 """The status a request whose client went away is logged and counted with (no client reads it)."""
 
@@ -121,6 +125,10 @@ def _redis_unavailable(request: web.Request, error: Exception, retry_after_s: in
     elif is_refusal(error):
         # No wait mends it: the operator must give the gateway's Redis user what it needs.
         reason = f"Redis refuses this gateway's user a command it needs ({error})"
+    elif isinstance(error, RedisConnectionError) and POOL_EXHAUSTED in str(error):
+        # Redis is fine: this gateway has more requests waiting on it than connections to carry them.
+        reason = ("every one of this gateway's pooled Redis connections stayed busy past --redis-pool-timeout-s "
+                  "(--redis-max-connections bounds them)")
     else:
         reason = str(error) or type(error).__name__
     if is_refusal(error):
