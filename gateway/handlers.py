@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import time
 from urllib.parse import quote
 
@@ -37,6 +38,8 @@ routes = web.RouteTableDef()
 _dumps = functools.partial(json.dumps, default=json_default)
 
 _REFUSALS = (InvalidJob, QuotaExceeded, LaneFull, IdempotencyInFlight)
+_SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?|\.[0-9]+")
+"""A ``?wait=`` in seconds: ``30``, ``2.5``, ``.5``, ``1e9``."""
 """What `Admission.enqueue` raises having enqueued nothing, so the request's reservation goes back."""
 
 
@@ -122,12 +125,11 @@ async def get_job(request: web.Request) -> web.Response:
     job_id = request.match_info["id"]
     wait_s = 0.0
     if "wait" in request.query:
-        try:
-            wait_s = float(request.query["wait"])
-        except ValueError:
-            return error_response(400, "invalid_request", "must be a number of seconds", field="wait")
-        if not 0 <= wait_s < float("inf"):
+        raw = request.query["wait"].strip()
+        # Digits as a number is written (no `1_0`, no `nan`); any length of wait is capped below, `inf` too.
+        if not _SECONDS.fullmatch(raw) and raw.lower() not in ("inf", "infinity"):
             return error_response(400, "invalid_request", "must be a non-negative number of seconds", field="wait")
+        wait_s = float(raw)
     wait_s = min(wait_s, app[appkeys.CONFIG].max_wait_s)
     if not await _is_visible(request, job_id):
         return _no_job(job_id)
