@@ -36,6 +36,10 @@ from scheduler.protocol.tenants import DEFAULT_TENANT, tenant_of
 routes = web.RouteTableDef()
 
 PAGE_LINES = 1000
+STAGED_LINES = 10 * PAGE_LINES
+"""Lines of an upload written to Redis per round trip."""
+STAGING_TTL_S = 3600
+"""How long an upload's staging list lives without a write (a gateway stopped midway)."""
 """Lines per LRANGE / RPUSH when reading or writing a file."""
 PURPOSES = ("batch",)
 MAX_LIST_LIMIT = 10_000
@@ -50,18 +54,26 @@ class FileStore:
         self._delete = redis.register_script(state_machine.FILE_DELETE)
         self._release = redis.register_script(state_machine.FILE_RELEASE)
 
-    async def write(self, file_id: str, filename: str, purpose: str, lines: Sequence[str],
+    async def write(self, file_id: str, filename: str, purpose: str, lines: Sequence[bytes],
                     tenant: str = DEFAULT_TENANT, ttl_s: int | None = None) -> dict[str, Any]:
-        """Store (or replace) a whole file of `tenant`'s in one transaction, to expire after `ttl_s` (default
-        ``--file-ttl-s``); returns its view.
+        """Store (or replace) a whole file of `tenant`'s, to expire after `ttl_s` (default ``--file-ttl-s``);
+        returns its view.
 
-        `lines` keep their line endings (`split_lines`): joined, they are the file."""
-        lines_key = self._keys.file_lines(file_id)
+        `lines` keep their line endings (`split_lines`): joined, they are the file. They go to a staging list a
+        few pages a round trip (so no command holding the whole file is built), which one transaction then renames
+        into place and lists: readers see the whole file or none of it."""
+        lines_key, staging = self._keys.file_lines(file_id), self._keys.file_staging(file_id)
+        await self._redis.delete(staging)
+        for start in range(0, len(lines), STAGED_LINES):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.rpush(staging, *lines[start:start + STAGED_LINES])
+                pipe.expire(staging, STAGING_TTL_S)  # a gateway that dies midway leaves nothing for long
+                await pipe.execute()
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(lines_key)
-            for start in range(0, len(lines), PAGE_LINES):
-                pipe.rpush(lines_key, *lines[start:start + PAGE_LINES])
-            return await self._publish(pipe, file_id, filename, purpose, sum(len(line.encode()) for line in lines),
+            if lines:
+                pipe.rename(staging, lines_key)
+            return await self._publish(pipe, file_id, filename, purpose, sum(len(line) for line in lines),
                                        tenant, ttl_s)
 
     async def append(self, file_id: str, lines: Sequence[str]) -> int:
@@ -166,17 +178,21 @@ class FileStore:
                 "purpose": meta[b"purpose"].decode(), "status": "processed", "status_details": None}
 
 
-def split_lines(text: str) -> list[str]:
-    r"""The lines of `text`, each keeping its ending: ``"a\r\n\nb"`` -> ``["a\r\n", "\n", "b"]``.
+def split_lines(data: bytes) -> list[bytes]:
+    r"""The lines of `data`, each keeping its ending: ``b"a\r\n\nb"`` -> ``[b"a\r\n", b"\n", b"b"]``.
 
-    Only ``\n`` ends a line (as JSONL has it), so the lines joined are `text` again."""
-    parts = text.split("\n")
-    return [part + "\n" for part in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+    Only ``\n`` ends a line (as JSONL has it), so the lines joined are `data` again."""
+    if b"\r" not in data:  # bytes' splitlines ends lines at \r too; without one it splits as JSONL does
+        return data.splitlines(keepends=True)
+    parts = data.split(b"\n")
+    return [part + b"\n" for part in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
 
 
-def is_blank(line: str) -> bool:
+def is_blank(line: str | bytes) -> bool:
     """Whether a line holds only JSON whitespace (after a first line's byte-order mark): not a request, skipped,
     but still counted in line numbers."""
+    if isinstance(line, bytes):
+        return not line.removeprefix(b"\xef\xbb\xbf").strip(b" \t\r\n")
     return not line.removeprefix("\ufeff").strip(" \t\r\n")
 
 
@@ -209,7 +225,7 @@ def file_store(app: web.Application) -> FileStore:
 
 
 async def _read_form(request: web.Request,
-                     max_file_bytes: int) -> tuple[str | None, str | None, bytes | None, dict[str, str]]:
+                     max_file_bytes: int) -> tuple[str | None, str | None, bytearray | None, dict[str, str]]:
     """(purpose, file name, file bytes, expires_after's fields) of an upload's form; raises ValueError for a
     body that is no multipart/form-data (RuntimeError for a part's unknown transfer encoding), OpenAIError for
     fields refused."""
@@ -249,11 +265,14 @@ async def upload(request: web.Request) -> web.Response:
     ttl_s = expiry_seconds("expires_after", expires_after, config.file_ttl_s) if expires_after else None
     if data is None or filename is None:
         raise invalid("file", "required")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise invalid("file", f"must be UTF-8 JSONL: {e}") from e
-    lines = split_lines(text)
+    # Kept as bytes, line by line, and the whole file let go at once: an upload holds about twice its size at most.
+    lines = split_lines(bytes(data))
+    del data
+    for number, line in enumerate(lines, start=1):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise invalid("file", f"must be UTF-8 JSONL: line {number}: {e}") from e
     num_requests = sum(not is_blank(line) for line in lines)
     if not num_requests:
         raise invalid("file", "holds no requests (no line but blank ones)")
@@ -272,15 +291,14 @@ async def _read_text(part: BodyPartReader) -> str:
     return (await part.read(decode=True)).decode("utf-8", "replace").strip()
 
 
-async def _read_limited(part: BodyPartReader, max_bytes: int) -> bytes:
-    chunks, size = [], 0
+async def _read_limited(part: BodyPartReader, max_bytes: int) -> bytearray:
+    data = bytearray()  # grown in place: one copy of the file, not its chunks and their join
     while chunk := await part.read_chunk(64 * 1024):
-        size += len(chunk)
-        if size > max_bytes:
+        if len(data) + len(chunk) > max_bytes:
             raise OpenAIError(413, f"the file is larger than this server's limit of {max_bytes} bytes",
                               param="file", code="file_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        data += chunk
+    return data
 
 
 @routes.get("/v1/files")

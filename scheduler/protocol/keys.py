@@ -238,6 +238,10 @@ class Keys:
         """List of the file's lines in order, one element per line with its line ending (joined: the file's bytes)."""
         return f"{self.prefix}:file:{file_id}:lines"
 
+    def file_staging(self, file_id: str) -> str:
+        """An upload's lines while they are written, renamed to ``file_lines`` once all are there."""
+        return f"{self.prefix}:file:{file_id}:staging"
+
     def file_readers(self, file_id: str) -> str:
         """Set of the batches still to read the file's lines: a delete or expiry of the file leaves its lines to
         them, and the last one to finish reading drops them."""

@@ -41,6 +41,10 @@ CASES = [
                                       b"Content-Transfer-Encoding: base64", b"!!!"), 400, "purpose"),
     ("POST", "/v1/files", FORM, _part(b'Content-Disposition: form-data; name="file"; filename="\xff.jsonl"',
                                       b"{}"), 400, "purpose"),
+    # A file that is no UTF-8 is named with the line where it stops being so.
+    ("POST", "/v1/files", FORM, b'--abc\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+     + _part(b'Content-Disposition: form-data; name="file"; filename="b.jsonl"', b'{"a": 1}\r\n{"b": "\xff"}\n'),
+     400, "must be UTF-8 JSONL: line 2: "),
     # A body that is not what its Content-Encoding says.
     ("POST", "/v1/jobs", b"Content-Type: application/json\r\nContent-Encoding: gzip", b"garbage", 400, "body"),
     ("POST", "/v1/chat/completions", b"Content-Type: application/json\r\nContent-Encoding: deflate",
