@@ -51,7 +51,8 @@ def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.A
     metrics = GatewayMetrics(telemetry, config.max_tenant_labels)
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[telemetry_middleware(metrics), error_middleware(config.retry_after_s, config.max_body_bytes),
+        middlewares=[telemetry_middleware(metrics), error_middleware(config.retry_after_s, config.max_body_bytes,
+                                                                        config.max_batch_file_bytes),
                      auth_middleware(config.api_keys)],
     )
     app[appkeys.CONFIG] = config

@@ -62,8 +62,13 @@ def unavailable_response(retry_after_s: int, reason: str) -> web.Response:
                           **{"Retry-After": str(retry_after_s)})
 
 
-def error_middleware(retry_after_s: int, max_body_bytes: int) -> Middleware:
-    """The middleware, with the ``Retry-After`` seconds it sends with a 503 and the body limit a 413 names.
+FORM_OVERHEAD_BYTES = 64 * 1024
+"""What an upload's multipart body may hold beside its file (the boundaries, the purpose and expiry fields)."""
+
+
+def error_middleware(retry_after_s: int, max_body_bytes: int, max_file_bytes: int | None = None) -> Middleware:
+    """The middleware, with the ``Retry-After`` seconds it sends with a 503 and the body limit a 413 names; a
+    body announced larger than the limit (`max_file_bytes` for an upload) is refused before any of it is read.
 
     On the OpenAI routes every error takes OpenAI's shape instead (``{"error": {"message", "type",
     "param", "code"}}``), and their handlers may raise `OpenAIError`.
@@ -72,7 +77,15 @@ def error_middleware(retry_after_s: int, max_body_bytes: int) -> Middleware:
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         is_openai = is_openai_path(request.path)
+        announced = request.content_length
         try:
+            if announced is not None:
+                if request.path == "/v1/files" and max_file_bytes is not None:
+                    if announced > max_file_bytes + FORM_OVERHEAD_BYTES:
+                        raise OpenAIError(413, f"the file is larger than this server's limit of {max_file_bytes} "
+                                               "bytes", param="file", code="file_too_large")
+                elif announced > max_body_bytes:
+                    raise web.HTTPRequestEntityTooLarge(max_size=max_body_bytes, actual_size=announced)
             return await handler(request)
         except OpenAIError as e:
             return e.response()

@@ -100,3 +100,18 @@ async def test_a_client_that_hangs_up_mid_body_is_counted_as_gone_not_as_a_serve
     writer.close()
     statuses = set(re.findall(r'http_response_status_code="(\d+)"', exposition))
     assert "499" in statuses and not any(s.startswith("5") for s in statuses), statuses
+
+
+@pytest.mark.parametrize(("path", "named"), [("/v1/jobs", "limit of"), ("/v1/chat/completions", "limit of"),
+                                             ("/v1/files", "file_too_large")])
+async def test_a_body_announced_past_the_limit_is_refused_before_it_is_sent(gateway_port, path, named) -> None:
+    """Nothing of it is read: the answer comes while the client has sent only its headers."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway_port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 "Content-Length: 99999999999\r\n\r\n".encode())
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = int(re.search(rb"Content-Length: (\d+)", head, re.IGNORECASE).group(1))
+    body = await asyncio.wait_for(reader.readexactly(length), 10)
+    writer.close()
+    assert head.split()[1] == b"413" and named.encode() in body, (head, body)
