@@ -8,9 +8,10 @@ tenant at its maximum of queued jobs, refuses with 429. The body never names
 the tenant: the caller's is written into the message. Idempotency keys and job
 ids are the tenant's own: another tenant's key is another key, and a job id
 that another tenant's job holds is refused without saying anything of that
-job. The idempotency key's claim, those checks' outcome, the record and the
-lane entry are one atomic script, so a crash anywhere leaves either all of
-them or none.
+job. The idempotency key's claim, the lane's and the tenant's counts, the
+record and the lane entry are one atomic script, so a crash anywhere leaves
+either all of them or none, and requests admitted at once cannot together
+take a lane past its maximum depth.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from scheduler.protocol.job_record import (
 from scheduler.protocol.keys import CONSUMER_GROUP, WAKE_MAXLEN, Keys
 from scheduler.protocol.lanes import LANES, Lane
 from scheduler.protocol.redis_replies import as_bytes, as_optional_bytes
-from scheduler.protocol.tenants import DEFAULT_TENANT, named_tenants
+from scheduler.protocol.tenants import DEFAULT_TENANT
 
 MAX_IDEMPOTENCY_KEY_LEN = 255
 
@@ -255,39 +256,11 @@ class Admission:
         record = {} if packed is None else {F_SPEC.encode(): as_bytes(packed)}
         return None if status is None else as_bytes(status).decode(), tenant_of_record(record)
 
-    async def lane_depth(self, lane: Lane) -> int:
-        """Jobs in a lane that are waiting or running: in the lane stream, and in its tenants' streams
-        (whose length is the depth, as workers delete the entries they acknowledge).
-
-        With Redis 7 the consumer group reports entries not yet delivered (`lag`) and
-        delivered-but-unacknowledged ones (`pending`). Older servers have no lag; there
-        the stream length is the depth because workers delete entries they acknowledge.
-        """
-        stream = self._keys.lane(lane)
-        tenants = named_tenants(await self._redis.smembers(self._keys.lane_tenants(lane)))
-        in_tenants = 0
-        if tenants:
-            pipe = self._redis.pipeline(transaction=False)
-            for tenant in tenants:
-                pipe.xlen(self._keys.tenant_lane(lane, tenant))
-            in_tenants = sum(int(n) for n in await pipe.execute())
-        try:
-            groups = await self._redis.xinfo_groups(stream)
-        except aioredis.ResponseError:  # no stream yet
-            return in_tenants
-        for group in groups:
-            name = group.get("name")
-            name = name.decode() if isinstance(name, bytes) else name
-            if name == CONSUMER_GROUP and group.get("lag") is not None:
-                return in_tenants + int(group["lag"]) + int(group.get("pending", 0))
-        return in_tenants + int(await self._redis.xlen(stream))
-
     async def _enqueue_once(self, spec: JobSpec, idem: str | None, caller: Caller,
                             reservation: Reservation | None, num_following: int,
                             linked_trace: str | None, is_batch_line: bool) -> tuple[str, str]:
         """Run the enqueue script once: (verdict, detail) as it returns them; raises LaneFull, QuotaExceeded."""
         max_depth = self._config.max_lane_depth[spec.lane.value]
-        depth = await self.lane_depth(spec.lane)
         record = {
             F_ID: spec.id,
             F_STATUS: JobStatus.QUEUED.value,
@@ -303,11 +276,11 @@ class Admission:
             named = spec.tenant != DEFAULT_TENANT
             max_queued = caller.limits.max_queued
             args: list[str | bytes | int] = [
+                self._config.queued_ttl_s, max_depth, "1" if idem is not None else "", spec.id, packed,
+                spec.tenant if named else "", "" if max_queued is None or not named else max_queued, CONSUMER_GROUP,
                 # A request's choices are all admitted or none: the first needs room for those that follow it.
-                self._config.queued_ttl_s, "1" if depth + num_following >= max_depth else "",
-                "1" if idem is not None else "", spec.id, packed, spec.tenant if named else "",
-                "" if max_queued is None or not named else max_queued, CONSUMER_GROUP, WAKE_MAXLEN, 1 + num_following,
-                "1" if is_batch_line else "", F_SPEC, packed,
+                WAKE_MAXLEN, 1 + num_following, "1" if is_batch_line else "", self._keys.tenant_lane_prefix(spec.lane),
+                F_SPEC, packed,
             ]
             for name, value in record.items():
                 args += [name, value]
@@ -315,10 +288,10 @@ class Admission:
             reply = await self._enqueue(keys=[
                 job_key, self._keys.tenant_lane(spec.lane, spec.tenant), idem or job_key,
                 self._keys.lane_tenants(spec.lane), self._keys.wake, self._keys.tenant_batch_lines(spec.tenant),
-                *tenant_streams], args=args)
+                self._keys.lane(spec.lane), *tenant_streams], args=args)
         verdict = as_bytes(reply[0]).decode()
         if verdict == "full":
-            raise LaneFull(spec.lane, depth, max_depth, 1 + num_following)
+            raise LaneFull(spec.lane, int(as_bytes(reply[1])), max_depth, 1 + num_following)
         if verdict == "quota":
             assert max_queued is not None
             raise QuotaExceeded(spec.tenant, int(as_bytes(reply[1])), max_queued, 1 + num_following)

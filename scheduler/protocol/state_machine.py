@@ -117,9 +117,16 @@ def _job_script(source: str) -> str:
     return _PLACEHOLDER.sub(name, source)
 
 
+# Whether a name is a tenant with streams of its own (``tenants.is_tenant_name``, but not the default tenant).
+_IS_NAMED = """
+local function is_named(tenant)
+  return tenant and tenant ~= '@default@' and #tenant <= @maxlen@ and string.match(tenant, '^[%w][%w%._%-]*$') ~= nil
+end
+""".replace("@default@", DEFAULT_TENANT).replace("@maxlen@", str(MAX_TENANT_LEN))
+
 # The tenant a packed job message (msgpack, or JSON from a direct producer) names: '' for the default tenant,
 # as ``tenants.tenant_of`` reads it.
-_NAMED_TENANT = """
+_NAMED_TENANT = _IS_NAMED + """
 local function named_tenant(raw)
   local tenant = nil
   if raw then
@@ -132,16 +139,34 @@ local function named_tenant(raw)
     else ok, job = pcall(cmsgpack.unpack, raw) end
     if ok and type(job) == 'table' and type(job['tenant']) == 'string' then tenant = job['tenant'] end
   end
-  if tenant and tenant ~= '@default@' and #tenant <= @maxlen@ and string.match(tenant, '^[%w][%w%._%-]*$') then
-    return tenant
-  end
+  if is_named(tenant) then return tenant end
   return ''
 end
-""".replace("@default@", DEFAULT_TENANT).replace("@maxlen@", str(MAX_TENANT_LEN))
+"""
+
+# A lane's jobs waiting or running: its tenants' streams (workers delete the entries they acknowledge, so a
+# stream's length is its depth) and the lane stream, whose consumer group on Redis 7+ tells the entries not
+# yet delivered (``lag``, unknown after some deletions) and delivered but unacknowledged (``pending``); where
+# it cannot, the stream's length. Tenant streams are named here from the lane's active set, as workers read it.
+_LANE_DEPTH = """
+local function lane_depth(lane, tenants, tenant_prefix, group)
+  local depth = 0
+  for _, name in ipairs(redis.call('SMEMBERS', tenants)) do
+    if is_named(name) then depth = depth + redis.call('XLEN', tenant_prefix .. name) end
+  end
+  if redis.call('TYPE', lane)['ok'] ~= 'stream' then return depth end
+  for _, reply in ipairs(redis.call('XINFO', 'GROUPS', lane)) do
+    local info = {}
+    for i = 1, #reply, 2 do info[reply[i]] = reply[i + 1] end
+    if info['name'] == group and info['lag'] then return depth + info['lag'] + info['pending'] end
+  end
+  return depth + redis.call('XLEN', lane)
+end
+"""
 
 # ---- job record: gateway ---------------------------------------------------------------------------
 
-ENQUEUE = _job_script(_TERMINAL + _NAMED_TENANT + """
+ENQUEUE = _job_script(_TERMINAL + _NAMED_TENANT + _LANE_DEPTH + """
 local has_key = ARGV[3] == '1'
 if has_key then
   local owner = redis.call('GET', KEYS[3])
@@ -164,14 +189,16 @@ if status then
   end
   return {'exists', status}
 end
-if ARGV[2] == '1' then return {'full'} end
+-- Counted here, not before the script: requests admitted at once must each see the others' jobs.
+local depth = lane_depth(KEYS[7], KEYS[4], ARGV[12], ARGV[8])
+if depth + tonumber(ARGV[10]) > tonumber(ARGV[2]) then return {'full', tostring(depth)} end
 local is_batch_line = ARGV[11] == '1'
 if tenant ~= '' and ARGV[7] ~= '' and not is_batch_line then
   -- The tenant's jobs waiting or running, but for its Batch API lines: they are paced by the lane, and count
   -- apart (KEYS[6]); never more of them than the streams hold (a count left high by a line whose record
   -- vanished is brought back down here).
   local queued = 0
-  for i = 7, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
+  for i = 8, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
   local lines = tonumber(redis.call('GET', KEYS[6]) or '0')
   if lines > queued then
     redis.call('SET', KEYS[6], queued)
@@ -189,7 +216,7 @@ if tenant ~= '' and redis.call('SADD', KEYS[4], tenant) == 1 then
   redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', 'tenant', tenant)
 end
 local fields = {}
-for i = 12, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 13, #ARGV do fields[#fields + 1] = ARGV[i] end
 fields[#fields + 1] = '@stream_entry@'
 fields[#fields + 1] = KEYS[2] .. ' ' .. entry
 if is_batch_line and tenant ~= '' then
@@ -214,22 +241,24 @@ No failure (a killed gateway, a lost connection) can leave an idempotency key na
 enqueued: the key is claimed together with the record and lane entry. A named tenant's job goes to the
 tenant's stream of the lane, created with the consumer group if new, and the tenant joins the lane's active
 set in the same step (a newly active tenant rings the wake stream), so no worker can retire the tenant
-between the two. Its queued-jobs quota is counted here too, over its streams in every lane (workers delete
-what they acknowledge, so a stream's length is waiting + running), with room for the jobs of the same
-request still to come. A job id is one tenant's: a record of another tenant's under this id is neither
-returned nor named by the key, and its status is not told.
+between the two. The lane's depth is counted here, in the same step as the entry is added, so requests
+admitted at once never take the lane past its maximum; so is the tenant's queued-jobs quota, over its streams
+in every lane (workers delete what they acknowledge, so a stream's length is waiting + running); both with
+room for the jobs of the same request still to come. A job id is one tenant's: a record of another tenant's
+under this id is neither returned nor named by the key, and its status is not told.
 
 KEYS: job record, lane stream (the tenant's), idempotency key (the tenant's; the job record again when the
 request has none), the lane's active-tenant set, wake stream, the tenant's count of Batch API lines waiting or
-running, then the tenant's stream in every lane.
-ARGV: queued ttl_s (the record's and the key's until the job ends), '1' when the lane is full, '1' when KEYS[3] is an idempotency key, job id, packed spec, tenant
-('' for the default tenant, whose stream is the lane stream), max queued jobs|'', group, wake maxlen, jobs
-the quota must have room for (this one and the request's next ones), '1' for a Batch API line (not held to
-the quota, counted in KEYS[6] until it ends), then the record's field/value pairs.
+running, the lane stream (the default tenant's), then the tenant's stream in every lane.
+ARGV: queued ttl_s (the record's and the key's until the job ends), the lane's maximum depth, '1' when KEYS[3]
+is an idempotency key, job id, packed spec, tenant ('' for the default tenant, whose stream is the lane
+stream), max queued jobs|'', group, wake maxlen, jobs the lane and the quota must have room for (this one and
+the request's next ones), '1' for a Batch API line (not held to the quota, counted in KEYS[6] until it ends),
+the prefix of the lane's tenant streams (the tenant's name follows), then the record's field/value pairs.
 Returns {'claimed', id} when the idempotency key already names a job, {'exists', status} when a record of
 this tenant's exists for this id (the key, if any, then names it), {'taken'} when the record is another
-tenant's, {'full'} when the lane refuses, {'quota', n} when the tenant already has n jobs waiting or running
-and no room for the request's, {'enqueued', entry id}."""
+tenant's, {'full', depth} when the lane, holding depth jobs, has no room for the request's, {'quota', n} when
+the tenant already has n jobs waiting or running and no room for the request's, {'enqueued', entry id}."""
 
 RELEASE_KEY = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
