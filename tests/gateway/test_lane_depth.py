@@ -4,36 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import redis.asyncio as aioredis
 from aiohttp import ClientSession, TCPConnector
 
 from gateway.api_keys import KeyStore
-from gateway.app import init_app
-from gateway.config import GatewayConfig
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.tenants import TenantLimits
-from tests.harness.gateway_server import GatewayTestServer
+from tests.harness.openai_support import gateway_server
 
 KEYS = Keys()
 MAX_DEPTH = 5
 NUM_REQUESTS = 300
 
 
-@asynccontextmanager
-async def _gateway(redis_url: str, **settings: Any) -> AsyncIterator[str]:
+def _gateway(redis_url: str, **settings: Any) -> AbstractAsyncContextManager[str]:
     """A gateway (no worker) on a free 127.0.0.1 port whose lanes hold MAX_DEPTH jobs; yields its base URL."""
-    depths = {"standard": MAX_DEPTH, "batch": MAX_DEPTH}
-    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, max_lane_depth=depths, retry_after_s=3, **settings)
-    server = GatewayTestServer(init_app(config), host="127.0.0.1")
-    await server.start_server()
-    try:
-        yield str(server.make_url("")).rstrip("/")
-    finally:
-        await server.close()
+    return gateway_server(redis_url, max_lane_depth={"standard": MAX_DEPTH, "batch": MAX_DEPTH}, retry_after_s=3,
+                          **settings)
 
 
 async def _post_jobs(url: str, auths: list[str | None]) -> list[tuple[int, str | None, str]]:

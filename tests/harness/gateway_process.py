@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.harness.child_env import child_pythonpath
+from tests.harness.child_env import child_pythonpath, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,9 +64,4 @@ def gateway_process(redis_url: str, log_path: Path, *flags: str, ready_timeout_s
                 time.sleep(0.1)
         yield GatewayProcess(url, log_path, proc)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)

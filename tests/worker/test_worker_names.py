@@ -4,7 +4,6 @@ the name of one that was killed (its heartbeat left behind) starts."""
 from __future__ import annotations
 
 import signal
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
+from tests.harness.child_env import stop_process
 from tests.harness.worker_harness import KEYS, start_worker_process, wait_until
 
 
@@ -52,11 +52,5 @@ async def test_a_second_live_worker_of_the_same_name_is_refused_and_a_killed_one
         assert third.poll() is None, (tmp_path / "third.log").read_text()
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_process(proc, 30)
         await client.aclose()
