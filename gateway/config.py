@@ -49,6 +49,8 @@ class GatewayConfig:
     redis_timeout_s: float = field(default=REDIS_TIMEOUT_S, metadata={"help": "longest wait for Redis to connect or to answer one command; past it the request is answered 503"})
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "largest accepted request body"})
     shutdown_grace_s: float = field(default=5.0, metadata={"help": "seconds open requests get to finish at shutdown"})
+    keepalive_timeout_s: float = field(default=75.0, metadata={"help": (
+        "seconds an idle keep-alive connection stays open (a client that sends nothing holds no connection longer)")})
     model_heartbeat_max_age_s: float = field(default=DEFAULT_HEARTBEAT_MAX_AGE_S, metadata={"help": (
         "workers heard from within this many seconds are live: they name the models GET /v1/models lists, are "
         "the workers /readyz shows (an older heartbeat, of a worker that died, is removed), and their context "
@@ -90,6 +92,6 @@ class GatewayConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
         for name in ("max_wait_s", "sse_heartbeat_s", "shutdown_grace_s", "redis_pool_timeout_s", "redis_timeout_s",
-                     "model_heartbeat_max_age_s", "batch_poll_interval_s"):
+                     "model_heartbeat_max_age_s", "batch_poll_interval_s", "keepalive_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")

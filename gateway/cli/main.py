@@ -191,7 +191,7 @@ def run_gateway(config: GatewayConfig, log_level: str, telemetry_config: Telemet
     try:
         web.run_app(
             init_app(config, telemetry), host=config.host, port=config.port, shutdown_timeout=config.shutdown_grace_s,
-            access_log_class=AccessLogger,
+            access_log_class=AccessLogger, keepalive_timeout=config.keepalive_timeout_s,
             # A log line like every other (one JSON object a line on stderr): aiohttp's "==== Running on ... ====
             # (Press CTRL+C to quit)" banner would be the one line a log shipper cannot parse.
             print=lambda banner: logging.getLogger("gateway").info("carpool gateway: %s",

@@ -197,7 +197,7 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
         webhooks=webhooks, api_keys=config.api_keys, key_prefix=config.key_prefix,
     )
     runner = web.AppRunner(init_app(gateway_config, telemetry), shutdown_timeout=gateway_config.shutdown_grace_s,
-                           access_log_class=AccessLogger)
+                           access_log_class=AccessLogger, keepalive_timeout=gateway_config.keepalive_timeout_s)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port).start()

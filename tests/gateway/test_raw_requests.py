@@ -115,3 +115,25 @@ async def test_a_body_announced_past_the_limit_is_refused_before_it_is_sent(gate
     body = await asyncio.wait_for(reader.readexactly(length), 10)
     writer.close()
     assert head.split()[1] == b"413" and named.encode() in body, (head, body)
+
+
+def test_connections_that_send_nothing_more_are_closed_after_the_keepalive_timeout(redis_url: str, tmp_path) -> None:
+    """An idle connection, one that sent half its headers, and one whose request was answered: each is closed once
+    it has been idle for --keepalive-timeout-s, so clients that hold sockets open hold them only that long."""
+    import socket
+
+    from tests.harness.gateway_process import gateway_process
+
+    with gateway_process(redis_url, tmp_path / "gateway.log", "--keepalive-timeout-s", "1") as gateway:
+        host, port = gateway.url.removeprefix("http://").split(":")
+        idle = socket.create_connection((host, int(port)))
+        partial = socket.create_connection((host, int(port)))
+        partial.sendall(b"GET /healthz HTTP/1.1\r\n")
+        answered = socket.create_connection((host, int(port)))
+        answered.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answered.recv(100).startswith(b"HTTP/1.1 200")
+        for sock in (idle, partial, answered):
+            sock.settimeout(30)  # far past the timeout: the server closes it first
+            while sock.recv(65536):
+                pass  # what the server says before closing (a 400 for the half request, say)
+            sock.close()
