@@ -7,6 +7,10 @@ line finds every other line about that job, the worker's included; its ``trace_i
 
 Probes and scrapes (``/healthz``, ``/readyz``, ``/metrics``) log at debug: every few seconds from every
 prober, they would be most of the log.
+
+A request aiohttp's own HTTP parser refuses (a header line too long, an encoding it cannot decode) is answered
+400 before any route sees it, and aiohttp logs it as an error with a traceback: a client's fault, which any
+client could repeat to fill the log. `log_parse_errors_as_client_errors` makes those one info line each.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
+from aiohttp.http_exceptions import HttpProcessingError
 
 # aiohttp 3.14 types a request's own keys (and warns of plain strings); older releases take a string.
 _FIELDS: Any = web.RequestKey("log_fields", dict) if hasattr(web, "RequestKey") else "carpool.log_fields"
@@ -67,3 +72,21 @@ class AccessLogger(AbstractAccessLogger):
         fields.update(request.get(_FIELDS) or {})
         self.logger.log(level, "%s %s %d %.1f ms", request.method, request.path, response.status, duration_ms,
                         extra=fields)
+
+
+def _client_parse_error(record: logging.LogRecord) -> bool:
+    """A filter of aiohttp's server logger: a request its parser refused becomes one info line, without a
+    traceback; every other record passes as it is."""
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, HttpProcessingError):
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            "%s: refused by the HTTP parser (400): %s", (record.getMessage(), str(error.message)[:200]), None, None)
+    return True
+
+
+def log_parse_errors_as_client_errors() -> None:
+    """Called once by a gateway's CLI, beside ``configure_logging``: see the module's docstring."""
+    server_log = logging.getLogger("aiohttp.server")
+    if _client_parse_error not in server_log.filters:
+        server_log.addFilter(_client_parse_error)

@@ -168,10 +168,12 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
         parser.exit(2, f"carpool {args.verb}: error: {e}\n")
     if args.verb == "up":
         data_dir = Path(up.data_dir).expanduser() if up.data_dir else default_data_dir(Path.home())
+        from gateway.access_log import log_parse_errors_as_client_errors
         from scheduler.telemetry.log_format import configure_logging
 
         # The same JSON logs as `carpool gateway`.
         configure_logging(log_level, service=telemetry_config.service_name)
+        log_parse_errors_as_client_errors()
         return run_up(up, WorkerChild(worker_config, ENGINE_FLAGS, log_level), webhooks, data_dir, telemetry_config)
     return run_gateway(gateway, log_level, telemetry_config)
 
@@ -181,12 +183,13 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
 def run_gateway(config: GatewayConfig, log_level: str, telemetry_config: TelemetryConfig) -> int:
     from aiohttp import web
 
-    from gateway.access_log import AccessLogger
+    from gateway.access_log import AccessLogger, log_parse_errors_as_client_errors
     from gateway.app import init_app
     from scheduler.telemetry.log_format import configure_logging
     from scheduler.telemetry.otel import Telemetry
 
     configure_logging(log_level.upper(), service=telemetry_config.service_name)
+    log_parse_errors_as_client_errors()
     telemetry = Telemetry(telemetry_config)
     try:
         web.run_app(

@@ -137,3 +137,30 @@ def test_connections_that_send_nothing_more_are_closed_after_the_keepalive_timeo
             while sock.recv(65536):
                 pass  # what the server says before closing (a 400 for the half request, say)
             sock.close()
+
+
+def test_requests_aiohttps_parser_refuses_are_logged_as_client_errors_not_server_errors(redis_url: str,
+                                                                                         tmp_path) -> None:
+    """A header line past 8,190 bytes, a body in an encoding aiohttp cannot decode: a 400 each, and one info line in
+    the log, not an error with a traceback that any client could repeat to fill the log."""
+    import socket
+    import time
+
+    from tests.harness.gateway_process import gateway_process
+
+    log_path = tmp_path / "gateway.log"
+    with gateway_process(redis_url, log_path) as gateway:
+        host, port = gateway.url.removeprefix("http://").split(":")
+        for request in (b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Encoding: br\r\nContent-Length: 1\r\n\r\nx",
+                        b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n"):
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(request)
+                assert sock.recv(100).split()[1] == b"400"
+        deadline = time.monotonic() + 10
+        while log_path.read_text().count("refused by the HTTP parser") < 2:
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+    parser = [r for r in records if r["logger"] == "aiohttp.server"]
+    assert len(parser) == 2 and all(r["level"] == "info" and "exc" not in r for r in parser), parser
+    assert all(len(r["message"]) < 400 for r in parser), parser  # the long header is not copied whole
