@@ -20,6 +20,7 @@ from redis.typing import XReadGroupResponse
 from scheduler.protocol import state_machine
 from scheduler.protocol.keys import CONSUMER_GROUP, Keys
 from scheduler.protocol.lanes import LANES, Lane
+from scheduler.protocol.redis_client import ensure_group
 from scheduler.protocol.redis_replies import stream_entries
 from worker.job_store import EntryRef
 from worker.tenant_streams import Source, TenantStreams
@@ -78,11 +79,7 @@ class LaneConsumer:
 
     async def ensure_groups(self) -> None:
         for stream in [*self.keys.lanes(), self.keys.wake]:
-            try:
-                await self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
-            except ResponseError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
+            await ensure_group(self.client, stream, CONSUMER_GROUP)
 
     async def read(self, free: int) -> list[Entry]:
         """At most `free` new entries: the slots are shared over the lanes by weight, and inside a lane over
@@ -127,13 +124,9 @@ class LaneConsumer:
         """Give back its consumer group to a stream that lost it (deleted from outside); an empty new stream
         for one that is gone. Its tenant then retires as any empty one does."""
         for stream in streams:
-            try:
-                await self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+            if await ensure_group(self.client, stream, CONSUMER_GROUP):
                 log.warning("stream %s had no consumer group %s (deleted from outside?); made it again",
                             stream, CONSUMER_GROUP)
-            except ResponseError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
 
     async def read_interactive(self, count: int) -> list[Entry]:
         """At most `count` new interactive entries, without waiting (the reserve beyond the free slots)."""

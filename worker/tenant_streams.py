@@ -17,11 +17,11 @@ import logging
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from scheduler.protocol import state_machine
 from scheduler.protocol.keys import CONSUMER_GROUP, ROUTE_SCAN_COUNT, WAKE_MAXLEN, Keys
 from scheduler.protocol.lanes import LANES, Lane
+from scheduler.protocol.redis_client import ensure_group
 from scheduler.protocol.tenants import DEFAULT_TENANT, DEFAULT_WEIGHT, MAX_WEIGHT, TenantShares, named_tenants
 
 log = logging.getLogger(__name__)
@@ -130,11 +130,8 @@ class TenantStreams:
         replies = await pipe.execute()
         strays = [s for s, is_member, length in zip(found, replies[::2], replies[1::2]) if not is_member and length]
         for source in strays:
-            try:  # a stream deleted meanwhile comes back empty: its tenant retires as any empty one does
-                await self.client.xgroup_create(source.stream, CONSUMER_GROUP, id="0", mkstream=True)
-            except ResponseError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
+            # A stream deleted meanwhile comes back empty: its tenant retires as any empty one does.
+            await ensure_group(self.client, source.stream, CONSUMER_GROUP)
             await self.client.sadd(self.keys.lane_tenants(source.lane), source.tenant)
             await self.client.xadd(self.keys.wake, {"tenant": source.tenant}, maxlen=WAKE_MAXLEN, approximate=True)
             log.info("%s held entries while tenant %r was not active in lane %s (XADDed into the tenant's stream "

@@ -17,10 +17,10 @@ import logging
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from scheduler.protocol import state_machine
 from scheduler.protocol.keys import DEFAULT_DEAD_MAXLEN, WEBHOOK_GROUP, Keys
+from scheduler.protocol.redis_client import ensure_group
 from scheduler.protocol.webhooks import AttemptOutcome, AttemptRecord, Decision
 
 log = logging.getLogger(__name__)
@@ -54,11 +54,7 @@ class DeliveryStore:
 
     async def ensure_group(self) -> None:
         # From id 0: entries XADDed before any dispatcher ever ran are delivered too.
-        try:
-            await self._redis.xgroup_create(self._keys.webhooks, WEBHOOK_GROUP, id="0", mkstream=True)
-        except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        await ensure_group(self._redis, self._keys.webhooks, WEBHOOK_GROUP)
 
     async def ingest(self, consumer: str, *, count: int, now: float) -> int:
         """Move new stream entries into delivery hashes and job chains; returns how many were new."""

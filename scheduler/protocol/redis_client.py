@@ -115,6 +115,18 @@ async def check_access(client: aioredis.Redis) -> None:
         pass
 
 
+async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> bool:
+    """Give `stream` the consumer group `group`, reading from its first entry (so entries XADDed before any
+    reader are delivered too), making the stream where it is missing; False when the group was there already."""
+    try:
+        await client.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+        return False
+    return True
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is Redis refusing a write because it is at its ``maxmemory`` (``noeviction``).
 
