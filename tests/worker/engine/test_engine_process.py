@@ -162,15 +162,21 @@ def _worker(redis_url: str, model: str, name: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
+async def _wait_ready(client: aioredis.Redis, worker: subprocess.Popen[bytes], name: str) -> None:
+    """Until worker `name` (a `_worker` process) has written its first heartbeat; fails, with its stderr, if it
+    exits first."""
+    async def is_ready() -> bool:
+        assert worker.poll() is None, worker.stderr.read().decode() if worker.stderr else ""
+        return bool(await client.hexists(KEYS.workers, name))
+
+    await wait_until(is_ready, f"worker {name} ready")
+
+
 async def test_a_sigkilled_worker_leaves_no_engine_process_behind(redis_url, tiny_model):
     client = aioredis.Redis.from_url(redis_url)
     worker = _worker(redis_url, tiny_model(), "short-lived")
     try:
-        async def is_ready() -> bool:
-            assert worker.poll() is None, worker.stderr.read().decode() if worker.stderr else ""
-            return bool(await client.hexists(KEYS.workers, "short-lived"))
-
-        await wait_until(is_ready, "the worker ready")
+        await _wait_ready(client, worker, "short-lived")
         children = _children(worker.pid)  # the engine, and multiprocessing's resource tracker
         assert any(b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes() for c in children)
         worker.send_signal(signal.SIGKILL)
@@ -189,11 +195,7 @@ async def test_the_engine_process_logs_json_lines_as_its_worker_does(redis_url, 
     client = aioredis.Redis.from_url(redis_url)
     worker = _worker(redis_url, tiny_model(), "logging")
     try:
-        async def is_ready() -> bool:
-            assert worker.poll() is None, worker.stderr.read().decode() if worker.stderr else ""
-            return bool(await client.hexists(KEYS.workers, "logging"))
-
-        await wait_until(is_ready, "the worker ready")
+        await _wait_ready(client, worker, "logging")
         worker.send_signal(signal.SIGTERM)
         _, stderr = await asyncio.get_running_loop().run_in_executor(None, lambda: worker.communicate(timeout=WAIT_S))
     finally:
