@@ -170,7 +170,10 @@ def profile_batch(model: str, device: str, dtype: str, batch: int, mode: str, ti
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     kernel_us = sum(end - start for start, end in intervals)
-    matmul_us = sum(e.time_range.end - e.time_range.start for e in kernels if is_matmul_kernel(e.name))
+    # The products' time is the union of their kernels' intervals: a dependent launch starts while the kernel
+    # before it ends (a product before it too), and its time before the wait counts once.
+    matmul_us = _merged_length_us([(e.time_range.start, e.time_range.end) for e in kernels
+                                   if is_matmul_kernel(e.name)])
     busy_us = _merged_length_us(intervals)
     launches = sum(1 for e in prof.events() if e.name in LAUNCH_EVENTS)
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=8)

@@ -18,7 +18,8 @@ at all.
 On a Hopper GPU or later a plan may read the weight through a tensor descriptor instead (`tma`): its tensor
 memory accelerator copies each `[BLOCK_N, BLOCK_K]` tile, zeros past N and K, without the threads computing
 addresses; the descriptor is made on the host at each launch and travels in the launch's arguments, so a
-recorded graph keeps it.
+recorded graph keeps it. A plan may also be `dependent`: launched to start while the kernel before it ends,
+it asks the L2 cache for the first bytes of its weight rows, then waits for x (`kernels/dependent_launch.py`).
 
 A launch's blocks and split are a `MatmulPlan`, known before a CUDA graph records the launch; every buffer is
 sized from shapes alone. `plan_decode_matmul` gives one from a fixed table by M and the multiprocessor count;
@@ -36,6 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dependent_launch import (
+    PREFETCH_ALIGNMENT,
+    gdc_launch_dependents,
+    gdc_wait,
+    launches_dependents,
+    prefetch_l2,
+)
 from kernels.interpret import check_launchable, is_interpreted
 
 try:
@@ -55,6 +63,10 @@ MAX_SPLIT_K = 16
 MIN_K_BLOCKS_PER_SPLIT = 2
 # Programs to aim for per multiprocessor when splitting, so one program's loads overlap another's.
 PROGRAMS_PER_MULTIPROCESSOR = 2
+# A dependent launch's prefetch, per weight row: a 2048-wide bf16 product's 4 KiB rows half fetched ahead, the
+# short rows of a split product whole; a few tens of MB over a launch, within the L2 cache of the GPUs that
+# have the prefetch.
+PREFETCH_BYTES = 2048
 
 
 @triton.jit
@@ -72,6 +84,9 @@ def _decode_matmul_kernel(
     USE_TMA: tl.constexpr,
     GATED: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+    PREFETCH_BYTES: tl.constexpr,
+    W_BYTES: tl.constexpr,
 ):
     # Grid: (output tile along N, K range). Every row of x is in the one row tile.
     pid_n = tl.program_id(0)
@@ -88,6 +103,15 @@ def _decode_matmul_kernel(
     # (K a multiple of BLOCK_K) every block of every range lies inside K.
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if DEPENDENT:
+        # Launched to start while the kernel before it ends (`kernels/dependent_launch.py`): the weight depends
+        # on no earlier kernel, so the first PREFETCH_BYTES of each of this program's weight rows are asked of
+        # the L2 cache before the wait for x. Then the kernel after this one may start.
+        if PREFETCH_BYTES > 0:
+            row_bytes = tl.minimum(k_end - k_start, PREFETCH_BYTES // W_BYTES) * W_BYTES
+            prefetch_l2(w_ptr + cols * stride_wn + k_start, tl.zeros((BLOCK_N,), dtype=tl.int32) + row_bytes)
+        gdc_launch_dependents()
+        gdc_wait()
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_start + offs_k)[None, :]
     # The weight tile read in its storage type, as [BLOCK_K, BLOCK_N] (K contiguous), and widened in registers.
     w_ptrs = w_ptr + cols[None, :] * stride_wn + (k_start + offs_k)[:, None]
@@ -174,11 +198,14 @@ class MatmulPlan:
     num_stages: int
     tma: bool = False
     """The weight read through a tensor descriptor (the tensor memory accelerator of Hopper GPUs and later)."""
+    dependent: bool = False
+    """Launched to start while the kernel before it ends, its weight rows' first bytes fetched into the L2 cache
+    before it waits for x (programmatic dependent launch, Hopper GPUs and later: `kernels/dependent_launch.py`)."""
 
     def describe(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} blocks, {self.split_k} K range"
                 f"{'s' if self.split_k > 1 else ''}, {self.num_warps} warps, {self.num_stages} stages"
-                f"{', TMA' if self.tma else ''}")
+                f"{', TMA' if self.tma else ''}{', dependent launch' if self.dependent else ''}")
 
 
 @dataclass(frozen=True)
@@ -318,6 +345,12 @@ def decode_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
     partial = torch.empty((plan.split_k, m, n) if is_split else (1, 1, 1), dtype=torch.float32, device=x.device)
     scale_arg = scales if scales is not None else out  # never read without HAS_SCALES
     bias_arg = bias if bias is not None else out  # nor this without HAS_BIAS
+    if plan.dependent:
+        assert launches_dependents(x.device), f"{x.device} cannot launch a kernel's dependents early"
+    # The bulk prefetch takes 16-byte-aligned rows; elsewhere a dependent launch still starts early, prefetching
+    # nothing.
+    prefetch = (plan.dependent and weight.data_ptr() % PREFETCH_ALIGNMENT == 0
+                and k * weight.element_size() % PREFETCH_ALIGNMENT == 0)
     descriptor = None
     if plan.tma:
         assert TensorDescriptor is not None and can_use_tma(k, weight.element_size()), (k, weight.dtype)
@@ -329,7 +362,9 @@ def decode_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, IS_SPLIT=is_split,
         HAS_SCALES=scales is not None, HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0, USE_TMA=plan.tma,
         GATED=gated,
-        DOT_IN_FP32=dot_in_fp32, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        DOT_IN_FP32=dot_in_fp32, DEPENDENT=plan.dependent, PREFETCH_BYTES=PREFETCH_BYTES if prefetch else 0,
+        W_BYTES=weight.element_size(), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **({"launch_pdl": True} if plan.dependent else {}),
     )
     if is_split:
         # Short column tiles: a few more programs to spread the (small) reduction over.

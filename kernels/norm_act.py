@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.dependent_launch import gdc_launch_dependents, launches_dependents
 from kernels.interpret import check_launchable
 
 
@@ -31,7 +32,11 @@ def _add_rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        # The matrix product after this kernel may start and fetch its weight (`kernels/dependent_launch.py`).
+        gdc_launch_dependents()
     # One program per row.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -65,6 +70,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             x, residual if residual is not None else x, weight, out, residual_out, eps,
             x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0), residual_out.stride(0),
             HIDDEN=x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]), HAS_RESIDUAL=residual is not None,
+            LAUNCH_DEPENDENTS=launches_dependents(x.device),
         )
     return out, residual_out
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.dependent_launch import gdc_launch_dependents, launches_dependents
 from kernels.interpret import check_launchable, is_interpreted
 from kernels.split_kv import MIN_TOKENS_PER_SPLIT, combine_splits, num_multiprocessors, plan_kv_splits
 from kernels.workspace import Workspace
@@ -68,7 +69,11 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        # The output projection after this kernel may start and fetch its weight (`kernels/dependent_launch.py`).
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     q_tile = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
@@ -333,6 +338,7 @@ def launch_paged_attention(
         NUM_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or dot_in_fp32 else "tf32",
         DOT_IN_FP32=dot_in_fp32,
+        LAUNCH_DEPENDENTS=launches_dependents(q.device),
         **_pipeline(is_fp32, head_dim),
     )
     if num_kv_splits > 1:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dependent_launch import gdc_launch_dependents, launches_dependents
+
 # Slices shorter than this spend more on the merge than they win in parallelism.
 MIN_TOKENS_PER_SPLIT = 1024  # a context splits only from 2 * this tokens on
 MAX_SPLITS = 16
@@ -39,7 +41,11 @@ def _combine_splits_kernel(
     MAX_NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        # The output projection after this kernel may start and fetch its weight (`kernels/dependent_launch.py`).
+        gdc_launch_dependents()
     # One program per (sequence, head): merge its decode token's partial results over the splits.
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -100,6 +106,7 @@ def combine_splits(part_out: torch.Tensor, part_ml: torch.Tensor, out: torch.Ten
         MAX_NUM_SPLITS=max_splits,
         BLOCK_S=max(2, triton.next_power_of_2(max_splits)),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        LAUNCH_DEPENDENTS=launches_dependents(out.device),
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ from triton.runtime.errors import OutOfResources
 import kernels.decode_matmul as qm
 from kernels.decode_matmul import MAX_ROWS, MatmulPlan, candidate_plans, decode_matmul, plan_decode_matmul
 from kernels.decode_matmul import decode_matmul_reference as reference
+from kernels.dependent_launch import launches_dependents
+from kernels.split_kv import num_multiprocessors
 from worker.engine.models import quantization as quantization_module
 from worker.engine.models.matmul_choice import (
     ROW_BUCKETS,
@@ -319,8 +322,6 @@ def test_the_timed_choice_keeps_the_fastest_by_a_margin(caplog: pytest.LogCaptur
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the choice is timed with CUDA graphs")
 def test_the_timed_choice_runs_on_the_gpu() -> None:
     """Timed by CUDA graphs on the GPU itself: a choice for every bucket of each kind, each kept plan checked."""
-    from kernels.split_kv import num_multiprocessors
-
     cuda = torch.device("cuda")
     generator = torch.Generator(device=cuda).manual_seed(8)
     weights = [(0.02 * torch.randn((1024, 512), generator=generator, device=cuda)).to(torch.bfloat16)
@@ -450,6 +451,74 @@ def test_a_kept_tma_launch_is_timed_again_where_the_gpu_has_no_tma(tmp_path: Pat
     assert "does not fit" in caplog.text
     replan = again.plans[(8, kind)]
     assert replan is not None and not replan.tma
+
+
+def test_a_kept_dependent_launch_is_timed_again_where_the_device_has_none(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A dependent launch kept by a worker on a Hopper GPU is never launched where programmatic dependent launch
+    is missing (here, off CUDA): the file's choice is timed again; a plan without the field is not read."""
+    generator = torch.Generator().manual_seed(15)
+    plain: list[tuple[torch.Tensor, torch.Tensor | None]] = [(torch.randn((40, 64), generator=generator).to(DEVICE),
+                                                               None)]
+    kind = kind_of(plain[0][0])
+    path = tmp_path / "choices.json"
+
+    def plans_faster(call: object) -> float:
+        plan = call.args[2]  # type: ignore[attr-defined]
+        assert plan is None or not plan.dependent or launches_dependents(DEVICE), "a dependent launch timed here"
+        return 10.0 if plan is None else 5.0 + plan.split_k
+
+    first = choose_matmuls({kind: plain}, torch.float32, DEVICE, 0, plans_faster, (8,), path)
+    chosen = first.plans[(8, kind)]
+    assert chosen is not None and '"dependent": false' in path.read_text()
+    if launches_dependents(DEVICE):
+        pytest.skip("this GPU launches dependents: a kept dependent launch fits it")
+    path.write_text(path.read_text().replace('"dependent": false', '"dependent": true'))
+    with caplog.at_level(logging.WARNING):
+        again = choose_matmuls({kind: plain}, torch.float32, DEVICE, 0, plans_faster, (8,), path)
+    assert "does not fit" in caplog.text and again.plans == first.plans
+    caplog.clear()
+    path.write_text(re.sub(r',\s*"dependent": false', "", path.read_text()))
+    with caplog.at_level(logging.WARNING):
+        assert choose_matmuls({kind: plain}, torch.float32, DEVICE, 0, plans_faster, (8,), path).plans == first.plans
+    assert "not readable" in caplog.text
+
+
+@pytest.mark.skipif(not launches_dependents(DEVICE), reason="programmatic dependent launch: a Hopper GPU or later")
+@pytest.mark.parametrize(("n", "k", "split_k"), [(2560, 2048, 6), (2048, 5632, 9), (1000, 2000, 1), (40, 36, 3)])
+def test_a_dependent_launch_gives_the_same_bits(n: int, k: int, split_k: int) -> None:
+    """Started while the kernels before it end, prefetching its weight (rows of 16-byte multiples, or not), the
+    product is bit for bit the ordinary launch's, eagerly and replayed from a CUDA graph after the fused norm
+    and another dependent product whose result it reads."""
+    from kernels.norm_act import add_rms_norm
+
+    generator = torch.Generator(device=DEVICE).manual_seed(n + k)
+    weight = (0.02 * torch.randn((n, k), generator=generator, device=DEVICE)).to(torch.bfloat16)
+    square = (0.02 * torch.randn((k, n), generator=generator, device=DEVICE)).to(torch.bfloat16)
+    x = torch.randn((24, k), generator=generator, device=DEVICE).to(torch.bfloat16)
+    residual = torch.randn_like(x)
+    norm_weight = torch.rand(k, generator=generator, device=DEVICE).to(torch.bfloat16)
+    block_k = 128 if k % 128 == 0 else 16
+    num_k_blocks = -(-k // block_k)
+    per_split = -(-num_k_blocks // split_k)
+    plan = MatmulPlan(block_m=32, block_n=64, block_k=block_k, split_k=-(-num_k_blocks // per_split),
+                      k_per_split=block_k * per_split, num_warps=4, num_stages=3)
+    back = plan_decode_matmul(24, k, n, num_multiprocessors(DEVICE))
+
+    def chain(dependent: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, _ = add_rms_norm(x, residual, norm_weight, 1e-6)
+        out = decode_matmul(normed, weight, None, dataclasses.replace(plan, dependent=dependent))
+        return out, decode_matmul(out, square, None, dataclasses.replace(back, dependent=dependent))
+
+    want = chain(False)
+    _assert_close(want[0], reference(add_rms_norm(x, residual, norm_weight, 1e-6)[0], weight))
+    torch.testing.assert_close(chain(True), want, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recorded = chain(True)
+    x.copy_(torch.randn(x.shape, generator=generator, device=DEVICE).to(torch.bfloat16))
+    graph.replay()
+    torch.testing.assert_close(recorded, chain(False), rtol=0, atol=0)
 
 
 def test_a_down_projection_reads_its_activation_in_where_that_is_faster(tmp_path: Path) -> None:

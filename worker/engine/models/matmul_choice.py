@@ -55,6 +55,7 @@ from kernels.decode_matmul import (
     plan_decode_matmul,
     silu_and_mul_rounded,
 )
+from kernels.dependent_launch import launches_dependents
 from worker.engine.models.matmul_timing import (
     Matrix,
     Timer,
@@ -143,8 +144,10 @@ def cache_file(directory: Path, device: torch.device, dtype: torch.dtype, num_mu
     return directory / f"{slug}-{str(dtype).removeprefix('torch.')}-{tag}.json"
 
 
-_PLAN_FIELDS = ("block_m", "block_n", "block_k", "split_k", "k_per_split", "num_warps", "num_stages", "tma")
-_PLAN_INTS = _PLAN_FIELDS[:-1]
+_PLAN_FIELDS = ("block_m", "block_n", "block_k", "split_k", "k_per_split", "num_warps", "num_stages", "tma",
+                "dependent")
+_PLAN_INTS = _PLAN_FIELDS[:-2]
+_PLAN_BOOLS = _PLAN_FIELDS[-2:]
 
 
 def _entry_key(bucket: int, kind: MatrixKind, gated: bool = False) -> str:
@@ -174,22 +177,27 @@ def _read_cache(path: Path) -> dict[str, MatmulPlan | None]:
 def _plan_from(value: Any) -> MatmulPlan:
     if not isinstance(value, dict) or set(value) != set(_PLAN_FIELDS):
         raise ValueError(f"a plan has the fields {', '.join(_PLAN_FIELDS)}, got {value!r}")
-    if not all(type(value[name]) is int and value[name] > 0 for name in _PLAN_INTS) or type(value["tma"]) is not bool:
-        raise ValueError(f"a plan's fields are positive integers and a true/false tma, got {value!r}")
+    if (not all(type(value[name]) is int and value[name] > 0 for name in _PLAN_INTS)
+            or not all(type(value[name]) is bool for name in _PLAN_BOOLS)):
+        raise ValueError(f"a plan's fields are positive integers and a true/false tma and dependent, got {value!r}")
     return MatmulPlan(**value)
 
 
-def _fits(plan: MatmulPlan | None, bucket: int, kind: MatrixKind, num_multiprocessors: int, with_tma: bool) -> bool:
+def _fits(plan: MatmulPlan | None, bucket: int, kind: MatrixKind, num_multiprocessors: int, with_tma: bool,
+          with_dependents: bool) -> bool:
     """Whether `plan` (None: torch's product) is one this code would time for `bucket` rows by a matrix of `kind`
-    on this GPU (`with_tma`: it has the tensor memory accelerator): a file edited by hand, or written by other
-    code, never launches what the kernel was not planned for."""
+    on this GPU (`with_tma`: it has the tensor memory accelerator; `with_dependents`: programmatic dependent
+    launch): a file edited by hand, or written by other code, never launches what the kernel was not planned
+    for."""
     if plan is None:
         return True
     n, k, storage = kind
     if plan.tma and not (with_tma and can_use_tma(k, storage.itemsize)):
         return False
-    return dataclasses.replace(plan, tma=False) in candidate_plans(bucket, n, k, num_multiprocessors,
-                                                                  storage.itemsize)
+    if plan.dependent and not with_dependents:
+        return False
+    return dataclasses.replace(plan, tma=False, dependent=False) in candidate_plans(
+        bucket, n, k, num_multiprocessors, storage.itemsize)
 
 
 def _write_cache(path: Path, entries: Mapping[str, MatmulPlan | None]) -> None:
@@ -227,6 +235,7 @@ def choose_matmuls(groups: Mapping[MatrixKind, Sequence[Matrix]], dtype: torch.d
     its tensor memory accelerator)."""
     if with_tma is None:
         with_tma = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    with_dependents = launches_dependents(device)
     started = time.perf_counter()
     kept = _read_cache(cache) if cache is not None else {}
     plans: dict[tuple[int, MatrixKind], MatmulPlan | None] = {}
@@ -235,7 +244,7 @@ def choose_matmuls(groups: Mapping[MatrixKind, Sequence[Matrix]], dtype: torch.d
     timed: list[str] = []
 
     def take_kept(key: str, bucket: int, kind: MatrixKind) -> bool:
-        if key in kept and _fits(kept[key], bucket, kind, num_multiprocessors, with_tma):
+        if key in kept and _fits(kept[key], bucket, kind, num_multiprocessors, with_tma, with_dependents):
             return True
         if key in kept:
             log.warning("the kept matmul choice %s does not fit %s: timing it again", kept[key], key)
@@ -273,7 +282,8 @@ def choose_matmuls(groups: Mapping[MatrixKind, Sequence[Matrix]], dtype: torch.d
         for table, is_gated in ((plans, False), (gated, True)):
             for (bucket, kind), plan in table.items():
                 key = _entry_key(bucket, kind, is_gated)
-                if key in now and _fits(now[key], bucket, kind, num_multiprocessors, with_tma):
+                if key in now and _fits(now[key], bucket, kind, num_multiprocessors, with_tma,
+                                                   with_dependents):
                     table[(bucket, kind)] = now[key]
                 elif plan is not None or is_gated or kind[2] == dtype:
                     # (A quantized kind that no plan served, out of memory, say, is not kept: timed again.)
