@@ -19,7 +19,7 @@ On a Hopper GPU or later a plan may read the weight through a tensor descriptor 
 memory accelerator copies each `[BLOCK_N, BLOCK_K]` tile, zeros past N and K, without the threads computing
 addresses; the descriptor is made on the host at each launch and travels in the launch's arguments, so a
 recorded graph keeps it. A plan may also be `dependent`: launched to start while the kernel before it ends,
-it asks the L2 cache for the first bytes of its weight rows, then waits for x (`kernels/dependent_launch.py`).
+it waits for x before it reads or writes anything (`kernels/dependent_launch.py`).
 
 A launch's blocks and split are a `MatmulPlan`, known before a CUDA graph records the launch; every buffer is
 sized from shapes alone. `plan_decode_matmul` gives one from a fixed table by M and the multiprocessor count;
@@ -37,13 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dependent_launch import (
-    PREFETCH_ALIGNMENT,
-    gdc_launch_dependents,
-    gdc_wait,
-    launches_dependents,
-    prefetch_l2,
-)
+from kernels.dependent_launch import gdc_launch_dependents, gdc_wait, launches_dependents
 from kernels.interpret import check_launchable, is_interpreted
 
 try:
@@ -63,10 +57,6 @@ MAX_SPLIT_K = 16
 MIN_K_BLOCKS_PER_SPLIT = 2
 # Programs to aim for per multiprocessor when splitting, so one program's loads overlap another's.
 PROGRAMS_PER_MULTIPROCESSOR = 2
-# A dependent launch's prefetch, per weight row: a 2048-wide bf16 product's 4 KiB rows half fetched ahead, the
-# short rows of a split product whole; a few tens of MB over a launch, within the L2 cache of the GPUs that
-# have the prefetch.
-PREFETCH_BYTES = 2048
 
 
 @triton.jit
@@ -85,8 +75,6 @@ def _decode_matmul_kernel(
     GATED: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     DEPENDENT: tl.constexpr,
-    PREFETCH_BYTES: tl.constexpr,
-    W_BYTES: tl.constexpr,
 ):
     # Grid: (output tile along N, K range). Every row of x is in the one row tile.
     pid_n = tl.program_id(0)
@@ -104,12 +92,8 @@ def _decode_matmul_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if DEPENDENT:
-        # Launched to start while the kernel before it ends (`kernels/dependent_launch.py`): the weight depends
-        # on no earlier kernel, so the first PREFETCH_BYTES of each of this program's weight rows are asked of
-        # the L2 cache before the wait for x. Then the kernel after this one may start.
-        if PREFETCH_BYTES > 0:
-            row_bytes = tl.minimum(k_end - k_start, PREFETCH_BYTES // W_BYTES) * W_BYTES
-            prefetch_l2(w_ptr + cols * stride_wn + k_start, tl.zeros((BLOCK_N,), dtype=tl.int32) + row_bytes)
+        # Launched to start while the kernel before it ends (`kernels/dependent_launch.py`): the kernel after
+        # this one may start in turn, and this one waits for x before it reads or writes anything.
         gdc_launch_dependents()
         gdc_wait()
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_start + offs_k)[None, :]
@@ -199,8 +183,8 @@ class MatmulPlan:
     tma: bool = False
     """The weight read through a tensor descriptor (the tensor memory accelerator of Hopper GPUs and later)."""
     dependent: bool = False
-    """Launched to start while the kernel before it ends, its weight rows' first bytes fetched into the L2 cache
-    before it waits for x (programmatic dependent launch, Hopper GPUs and later: `kernels/dependent_launch.py`)."""
+    """Launched to start while the kernel before it ends, waiting for x before it reads or writes anything
+    (programmatic dependent launch, Hopper GPUs and later: `kernels/dependent_launch.py`)."""
 
     def describe(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} blocks, {self.split_k} K range"
@@ -347,10 +331,6 @@ def decode_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
     bias_arg = bias if bias is not None else out  # nor this without HAS_BIAS
     if plan.dependent:
         assert launches_dependents(x.device), f"{x.device} cannot launch a kernel's dependents early"
-    # The bulk prefetch takes 16-byte-aligned rows; elsewhere a dependent launch still starts early, prefetching
-    # nothing.
-    prefetch = (plan.dependent and weight.data_ptr() % PREFETCH_ALIGNMENT == 0
-                and k * weight.element_size() % PREFETCH_ALIGNMENT == 0)
     descriptor = None
     if plan.tma:
         assert TensorDescriptor is not None and can_use_tma(k, weight.element_size()), (k, weight.dtype)
@@ -362,8 +342,7 @@ def decode_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, IS_SPLIT=is_split,
         HAS_SCALES=scales is not None, HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0, USE_TMA=plan.tma,
         GATED=gated,
-        DOT_IN_FP32=dot_in_fp32, DEPENDENT=plan.dependent, PREFETCH_BYTES=PREFETCH_BYTES if prefetch else 0,
-        W_BYTES=weight.element_size(), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        DOT_IN_FP32=dot_in_fp32, DEPENDENT=plan.dependent, num_warps=plan.num_warps, num_stages=plan.num_stages,
         **({"launch_pdl": True} if plan.dependent else {}),
     )
     if is_split:

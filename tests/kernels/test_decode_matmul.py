@@ -487,9 +487,9 @@ def test_a_kept_dependent_launch_is_timed_again_where_the_device_has_none(tmp_pa
 @pytest.mark.skipif(not launches_dependents(DEVICE), reason="programmatic dependent launch: a Hopper GPU or later")
 @pytest.mark.parametrize(("n", "k", "split_k"), [(2560, 2048, 6), (2048, 5632, 9), (1000, 2000, 1), (40, 36, 3)])
 def test_a_dependent_launch_gives_the_same_bits(n: int, k: int, split_k: int) -> None:
-    """Started while the kernels before it end, prefetching its weight (rows of 16-byte multiples, or not), the
-    product is bit for bit the ordinary launch's, eagerly and replayed from a CUDA graph after the fused norm
-    and another dependent product whose result it reads."""
+    """Started while the kernels before it end, the product is bit for bit the ordinary launch's, split or not,
+    eagerly and replayed from a CUDA graph after the fused norm and another dependent product whose result it
+    reads."""
     from kernels.norm_act import add_rms_norm
 
     generator = torch.Generator(device=DEVICE).manual_seed(n + k)
