@@ -147,8 +147,7 @@ def time_launches(matrices: Sequence[Matrix], bucket: int, dtype: torch.dtype, d
         fastest = sorted(timed, key=lambda item: item[0])[:TMA_TRIES]
         timed += time_plans(x, matrices, [dataclasses.replace(plan, tma=True) for _, plan in fastest], want, timer)
     if launches_dependents(device):
-        # Started while the product before it ends, its weight's first bytes fetched ahead: the fastest few
-        # again, as with the tensor descriptor.
+        # Started while the product before it ends: the fastest few again, as with the tensor descriptor.
         fastest = sorted(timed, key=lambda item: item[0])[:TMA_TRIES]
         timed += time_plans(x, matrices, [dataclasses.replace(plan, dependent=True) for _, plan in fastest], want,
                             timer)
