@@ -110,7 +110,7 @@ class EngineConfig:
     quantization: Quantization | None = field(default=None, metadata=help_text(
         "int8 or fp8: hold the model's linear weights (carpool's models: qkv, o, gate_up, down; transformers' "
         "models: every nn.Linear) quantized per output channel, from an ordinary checkpoint at load; the KV cache "
-        "and lm_head stay in --dtype; fp8 on CUDA needs "
+        "and lm_head stay in --dtype; a --draft-model's weights are held alike; fp8 on CUDA needs "
         "compute capability 8.9+; default: unquantized"))
     speculative: str | None = field(default=None, metadata=help_text(
         "speculative decoding: ngram (prompt lookup: propose what followed the sequence's last tokens earlier in "

@@ -43,7 +43,10 @@ class DraftModel:
             self.runner = ModelRunner(path, device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
                                       block_size=target.block_size, num_blocks=target.num_blocks,
                                       max_num_seqs=max_num_seqs, max_num_batched_tokens=target.max_num_batched_tokens,
-                                      matmul_tuning=target.matmul_tuning)
+                                      matmul_tuning=target.matmul_tuning,
+                                      # Held as the model's weights are: a full-width draft beside a quantized
+                                      # model would cost a larger share of its step than the user chose.
+                                      quantization=target.quantization.value if target.quantization else None)
         except ValueError as e:  # its faults are the draft's, not the model's: named as --draft-model's
             message = str(e)
             raise ValueError(f"draft_model: {message.removeprefix('model: ')}" if message.startswith("model: ")

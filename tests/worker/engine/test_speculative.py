@@ -24,6 +24,7 @@ from scheduler import SamplingParams
 from tests.harness.model_reference import transformers_greedy
 from worker import Engine
 from worker.engine.graph_runner import ReplayCapture
+from worker.engine.models.quantization import Quantization
 from worker.engine.step_inputs import StepSeq
 
 BLOCK_SIZE = 8
@@ -337,6 +338,20 @@ def test_a_draft_with_a_smaller_embedding_skips_the_tokens_it_lacks(tiny_model: 
     assert engine.speculator is not None and engine.speculator.draft is not None
     draft = engine.speculator.draft
     assert draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
+
+
+def test_a_quantized_model_quantizes_its_draft_too(cycling_model: str, draft_model: str) -> None:
+    """`--quantization` holds the draft's linear weights as it holds the model's, and the outputs are still
+    the quantized model's own."""
+    prompts = cycle_prompts(3)
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    engine, actual = run(cycling_model, prompts, params, speculative="draft", draft_model=draft_model,
+                         quantization="int8")
+    _, plain = run(cycling_model, prompts, params, speculative=None, quantization="int8")
+    assert_same(plain, actual)
+    assert engine.speculator is not None and engine.speculator.draft is not None
+    assert engine.speculator.draft.runner.quantization is Quantization.INT8
+    assert engine.runner.quantization is Quantization.INT8
 
 
 def test_a_draft_that_cannot_help_is_named_at_start_up(tiny_model: Callable[..., str],
