@@ -218,6 +218,9 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
             return 1
         try:
             await service.start()
+        except WorkerNameTaken as e:  # started at the same moment as another of its name: both passed the check
+            print(f"carpool worker: {e}", file=sys.stderr)
+            return 1
         except OSError as e:
             if e.errno not in LISTEN_ERRNOS:
                 raise

@@ -51,6 +51,47 @@ class WorkerNameTaken(Exception):
     """Another live worker under the same key prefix has this worker's name."""
 
 
+# Deletes the claim only while it is still this worker's (KEYS[1] the claim, ARGV[1] the worker's token).
+_RELEASE_CLAIM = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+def claim_ttl_ms(heartbeat_interval_s: float) -> int:
+    """How long a worker's claim on its name outlives its last heartbeat: one and a half intervals, as long as
+    `check_name_is_free` waits to see a heartbeat renewed."""
+    return max(1, round(1500 * heartbeat_interval_s))
+
+
+async def claim_name(client: aioredis.Redis, keys: Keys, name: str, token: str, heartbeat_interval_s: float) -> None:
+    """Take the claim on `name` for the worker holding `token`, or raise WorkerNameTaken where another live
+    worker holds it. `check_name_is_free` (before the model loads) reads heartbeats, so two workers started under
+    one name at the same moment both pass it; the claim, set only where absent, lets one through. A claim held
+    by another is waited out once: a killed worker's lapses (its heartbeats renewed it), a live one's does not."""
+    key = keys.worker_claim(name)
+    ttl_ms = claim_ttl_ms(heartbeat_interval_s)
+    if await client.set(key, token, nx=True, px=ttl_ms):
+        return
+    left_ms = await client.pttl(key)
+    log.info("another worker holds the claim on this worker's name %r: waiting %.1fs to see whether it is alive",
+             name, max(left_ms, 0) / 1000)
+    await asyncio.sleep(max(left_ms, 0) / 1000 + 0.05)
+    if await client.set(key, token, nx=True, px=ttl_ms):
+        return
+    raise WorkerNameTaken(
+        f"another live worker is named {name!r} under the key prefix {keys.prefix!r} (it holds the name's claim, "
+        f"renewed by its heartbeats): give each worker its own --worker-name (the default, host-pid-random, is "
+        "unique)")
+
+
+async def release_name(client: aioredis.Redis, keys: Keys, name: str, token: str) -> None:
+    """Give the claim on `name` back, if it is still the worker's holding `token`."""
+    await client.eval(_RELEASE_CLAIM, 1, keys.worker_claim(name), token)
+
+
 async def check_name_is_free(client: aioredis.Redis, keys: Keys, name: str, heartbeat_interval_s: float) -> None:
     """Raise WorkerNameTaken when another live worker under `keys`' prefix is named `name`: both would read as one
     consumer of the group, one heartbeat would hide the other's slots from autoscalers, and a dead one's jobs
@@ -128,10 +169,17 @@ class WorkerService:
         renewed (they renew every lease / 3)."""
         self._pubsub: Any = None
         self._http: web.AppRunner | None = None
+        self._claim_token = os.urandom(16).hex()
+        self._has_claim = False
+        """Whether this worker holds its name's claim (`claim_name`): only then are the name's heartbeat and claim
+        its own to renew and to remove."""
 
     # --- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
+        await claim_name(self.client, self.keys, self.config.worker_name, self._claim_token,
+                         self.config.heartbeat_interval_s)
+        self._has_claim = True
         await self.consumer.ensure_groups()
         self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         # Subscribe before reading any entry: a cancel published after admission is then never missed.
@@ -173,8 +221,10 @@ class WorkerService:
             if self._pubsub is not None:
                 await self._pubsub.aclose()
             try:
-                async with asyncio.timeout(self.config.lease_s):
-                    await self.client.hdel(self.keys.workers, self.config.worker_name)
+                if self._has_claim:  # else the heartbeat under this name is another live worker's
+                    async with asyncio.timeout(self.config.lease_s):
+                        await self.client.hdel(self.keys.workers, self.config.worker_name)
+                        await release_name(self.client, self.keys, self.config.worker_name, self._claim_token)
             except REDIS_ERRORS as e:
                 log.warning("worker %s: could not leave %s (%s)", self.config.worker_name, self.keys.workers,
                             describe(e))
@@ -434,6 +484,8 @@ class WorkerService:
                 "heartbeat_interval_s": self.config.heartbeat_interval_s,
                 "draining": self.is_draining}))
             pipe.hset(self.keys.models, self.config.model_name, repr(now))
+            pipe.set(self.keys.worker_claim(self.config.worker_name), self._claim_token,
+                     px=claim_ttl_ms(self.config.heartbeat_interval_s))
             await pipe.execute()
 
     async def _warn_of_other_workers(self) -> None:

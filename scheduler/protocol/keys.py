@@ -222,6 +222,11 @@ class Keys:
         """Hash of live workers: name -> msgpack heartbeat (time, running, capacity)."""
         return f"{self.prefix}:workers"
 
+    def worker_claim(self, name: str) -> str:
+        """String holding the token of the live worker that goes by `name`, set only where absent and renewed by
+        its heartbeats: of two workers started under one name at the same moment, one has it."""
+        return f"{self.prefix}:worker-claim:{name}"
+
     @property
     def models(self) -> str:
         """Hash of the models workers have served: name -> unix time of the last heartbeat naming it (kept after

@@ -1,8 +1,9 @@
-"""Two live workers may not share a name: the second is refused at start with one line. A worker restarted under
-the name of one that was killed (its heartbeat left behind) starts."""
+"""Two live workers may not share a name: the second is refused at start with one line, also where both start at
+the same moment. A worker restarted under the name of one that was killed (its heartbeat left behind) starts."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ import redis.asyncio as aioredis
 
 from tests.harness.child_env import stop_process
 from tests.harness.worker_harness import KEYS, start_worker_process, wait_until
+from worker.service import WorkerNameTaken, claim_name, claim_ttl_ms, release_name
 
 
 async def _beat_time(client: aioredis.Redis, name: str) -> float | None:
@@ -26,16 +28,26 @@ async def test_a_second_live_worker_of_the_same_name_is_refused_and_a_killed_one
 ) -> None:
     model = tiny_model()
     client = aioredis.Redis.from_url(redis_url)
-    first = start_worker_process(redis_url, model, "twin", tmp_path / "first.log", "--heartbeat-interval-s", "0.5")
-    procs = [first]
+    # Two started together both pass the heartbeat check (neither has beaten yet): the name's claim lets one on,
+    # and the other leaves the running one's heartbeat alone.
+    procs = [start_worker_process(redis_url, model, "twin", tmp_path / f"together-{i}.log", "--heartbeat-interval-s",
+                                  "0.5") for i in range(2)]
     try:
+        await wait_until(lambda: any(proc.poll() is not None for proc in procs), "one of the two to exit", 120)
+        refused = next(i for i, proc in enumerate(procs) if proc.poll() is not None)
+        assert procs[refused].wait() == 1
+        said = (tmp_path / f"together-{refused}.log").read_text()
+        assert "carpool worker: another live worker is named 'twin' under the key prefix 'carpool'" in said, said
+        first = procs[1 - refused]
         await wait_until(lambda: client.hexists(KEYS.workers, "twin"), "the first worker's heartbeat", 120)
+        # One started later is refused before its model loads, by the heartbeat.
         second = start_worker_process(redis_url, model, "twin", tmp_path / "second.log", "--heartbeat-interval-s", "0.5")
         procs.append(second)
         assert second.wait(timeout=120) == 1
         said = (tmp_path / "second.log").read_text()
         assert "carpool worker: another live worker is named 'twin' under the key prefix 'carpool'" in said, said
         assert first.poll() is None  # the first goes on
+        assert await client.hexists(KEYS.workers, "twin")
         # Killed, it leaves a recent heartbeat behind: a worker restarted under its name is not refused for it.
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)
@@ -53,4 +65,42 @@ async def test_a_second_live_worker_of_the_same_name_is_refused_and_a_killed_one
     finally:
         for proc in procs:
             stop_process(proc, 30)
+        await client.aclose()
+
+
+async def test_of_two_claims_on_one_name_at_once_one_is_had_and_a_lapsed_claim_is_taken_over(redis_url: str) -> None:
+    """The claim that the heartbeat check cannot give: of two workers claiming one name at the same moment, one
+    gets it and the other is refused while the holder renews it (as its heartbeats do); a claim that nothing
+    renews any more (a killed worker's) is waited out and taken; giving it back deletes only one's own."""
+    client = aioredis.Redis.from_url(redis_url)
+    interval_s = 0.2
+    key = KEYS.worker_claim("pair")
+
+    async def renew_the_holders() -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            holder = await client.get(key)
+            if holder is not None:
+                await client.set(key, holder, xx=True, px=claim_ttl_ms(interval_s))
+
+    try:
+        renewing = asyncio.create_task(renew_the_holders())
+        try:
+            outcomes = await asyncio.gather(*(claim_name(client, KEYS, "pair", token, interval_s)
+                                              for token in ("a", "b")), return_exceptions=True)
+        finally:
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
+        assert sorted(type(outcome).__name__ for outcome in outcomes) == ["NoneType", "WorkerNameTaken"], outcomes
+        assert "another live worker is named 'pair'" in str(next(o for o in outcomes if o is not None))
+        assert await client.get(key) == (b"a" if outcomes[0] is None else b"b")
+        # Its holder gone (nothing renews it): lapses within its time to live, and the next one takes the name.
+        await claim_name(client, KEYS, "pair", "successor", interval_s)
+        assert await client.get(key) == b"successor"
+        await release_name(client, KEYS, "pair", "someone else")
+        assert await client.get(key) == b"successor", "another's token gives nothing back"
+        await release_name(client, KEYS, "pair", "successor")
+        assert await client.exists(key) == 0
+    finally:
+        await client.delete(key)
         await client.aclose()
