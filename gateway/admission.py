@@ -63,13 +63,14 @@ class InvalidJob(Exception):
 
 
 def check_vocabulary(spec: JobSpec, vocab_size: int) -> None:
-    """Refuse prompt token ids the model has no embedding for (the worker would fail the job)."""
-    if spec.prompt_token_ids is None:
-        return
-    for i, token_id in enumerate(spec.prompt_token_ids):
-        if token_id >= vocab_size:
-            raise InvalidJob("prompt_token_ids", f"token id {token_id} (at {i}) is outside the model's vocabulary "
-                                                 f"(0..{vocab_size - 1})")
+    """Refuse prompt token ids the model has no embedding for (the worker would fail the job), and stop token ids
+    it can never generate (the job would run as if they were not given)."""
+    for name, ids, why in (("prompt_token_ids", spec.prompt_token_ids or (), ""),
+                           ("params.stop_token_ids", spec.params.stop_token_ids, ": it is never generated")):
+        for i, token_id in enumerate(ids):
+            if token_id >= vocab_size:
+                raise InvalidJob(name, f"token id {token_id} (at {i}) is outside the model's vocabulary "
+                                       f"(0..{vocab_size - 1}){why}")
 
 
 def check_fits(spec: JobSpec, max_len: int) -> None:

@@ -136,8 +136,9 @@ def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 def completion_logprobs(entries: list[dict[str, Any]], text: str) -> dict[str, Any]:
     """The legacy shape; ``text_offset`` is each token's first character in the text (a token that starts inside
-    a character starts where that character does)."""
-    tokens = [bytes(_named(e)[1] or b"") for e in entries]
+    a character starts where that character does; a special token, which the text leaves out, where the next
+    token does)."""
+    tokens = [b"" if e.get("special") else bytes(_named(e)[1] or b"") for e in entries]
     stream = b"".join(tokens)
     offsets, num_chars, start = [], 0, 0
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -164,17 +165,18 @@ def _legacy_top(entry: dict[str, Any]) -> dict[str, float]:
 
 def _replaced_before(held: bytes, following: bytes) -> int:
     """Characters that the bytes a UTF-8 decoder holds back (the start of a character) turn into before the
-    next token's bytes: none when those bytes complete the character (the next token starts inside it), one
-    U+FFFD when they cannot."""
+    next token's bytes: none when the next byte carries the character on (the next token starts inside it, be
+    the character completed or, cut short later, one U+FFFD), one U+FFFD when it cannot or none follows (the
+    text's end)."""
     if not held:
         return 0
-    lead = held[0]
-    size = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
-    character = held + following[:size - len(held)]
+    if not following:
+        return 1
     try:
-        return 0 if len(character) == size and character.decode("utf-8") else 1
+        codecs.getincrementaldecoder("utf-8")("strict").decode(held + following[:1])
     except UnicodeDecodeError:
         return 1
+    return 0
 
 
 def job_error(view: dict[str, Any], renames: Mapping[str, str] | None = None) -> OpenAIError:

@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Any
 
 from gateway.errors import invalid, unsupported
-from scheduler.params import MAX_SEED, InvalidParam, SamplingParams
+from scheduler.params import MAX_SEED, InvalidParam, SamplingParams, json_type
 from scheduler.protocol.lanes import Lane
 from scheduler.protocol.wire_values import is_text
 
@@ -52,11 +52,16 @@ _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "meta
 KNOWN = {
     Endpoint.COMPLETIONS: _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of", "logit_bias"},
     Endpoint.CHAT: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias", "store",
-                              "response_format"},
+                              "response_format", "tools", "tool_choice", "parallel_tool_calls", "functions",
+                              "function_call"},
 }
-# Accepted only at their default, which is what carpool does anyway.
+# Accepted only at their default, which is what carpool does anyway: no tools, so none called, in parallel or not
+# (clients send these with every request).
 _ONLY_DEFAULT: dict[str, tuple[object, ...]] = {"echo": (False,), "suffix": ("",), "logit_bias": ({},),
-                                                "store": (False,), "response_format": ({"type": "text"},)}
+                                                "store": (False,), "response_format": ({"type": "text"},),
+                                                "tools": ([],), "tool_choice": ("none",),
+                                                "parallel_tool_calls": (True, False), "functions": ([],),
+                                                "function_call": ("none",)}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -82,8 +87,11 @@ def parse_request(endpoint: Endpoint, body: object, *, default_lane: Lane, is_ba
         if name in _ONLY_DEFAULT and given[name] not in _ONLY_DEFAULT[name]:
             raise unsupported(name, "is supported only at its default")
     model = given.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None:
         raise invalid("model", "required: the name of a model this server serves (GET /v1/models)")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", f"must be the name of a model this server serves (GET /v1/models), got "
+                               f"{json_type(model) if not isinstance(model, str) else 'an empty string'}")
     n = _int(given, "n", 1, low=1, high=MAX_CHOICES)
     if given.get("best_of", n) != n:
         raise unsupported("best_of", "is supported only equal to n")

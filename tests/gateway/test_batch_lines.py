@@ -52,7 +52,7 @@ def test_a_batch_line_with_several_prompts_is_told_to_split_them_into_lines() ->
 
 
 @pytest.mark.parametrize(("body", "code", "param"), [
-    ({**BODY, "tools": []}, "unsupported_parameter", "tools"),
+    ({**BODY, "tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter", "tools"),
     ({**BODY, "top_p": 10**400}, "invalid_value", "top_p"),
     ({**BODY, "messages": [{"role": ["user"], "content": "hi"}]}, "invalid_value", "messages[0].role"),
     ({**BODY, "metadata": {"k": "\ud800"}}, "invalid_value", "metadata.k"),

@@ -244,6 +244,11 @@ async def test_prompt_token_ids_past_the_workers_vocabulary_are_refused(make_cli
     assert "token id 262 (at 2) is outside the model's vocabulary (0..261)" in reply["error"]["message"]
     status, _ = await submit(client, {"prompt_token_ids": [5, 261]})
     assert status == 202
+    status, reply = await submit(client, {"prompt": "hi", "params": {"stop_token_ids": [2, 300]}})
+    assert status == 400, reply
+    assert reply["error"]["field"] == "params.stop_token_ids"
+    assert "token id 300 (at 1) is outside the model's vocabulary (0..261): it is never generated" in \
+        reply["error"]["message"]
 
 
 async def test_a_record_and_its_idempotency_key_get_the_results_time_to_live_when_the_job_ends(

@@ -40,7 +40,8 @@ BAD_LINES = {
     "wrong url": json.dumps({**chat_line(1003), "url": "/v1/embeddings"}),
     "wrong method": json.dumps({**chat_line(1004), "method": "GET"}),
     "bad value": json.dumps({**chat_line(1005), "body": {**chat_line(1005)["body"], "temperature": -1}}),
-    "unsupported parameter": json.dumps({**chat_line(1006), "body": {**chat_line(1006)["body"], "tools": []}}),
+    "unsupported parameter": json.dumps({**chat_line(1006), "body": {**chat_line(1006)["body"],
+                                                                     "tools": [{"type": "function", "function": {"name": "f"}}]}}),
     "no messages": json.dumps({**chat_line(1007), "body": {"model": MODEL_NAME}}),
 }
 EXPECTED_CODES = ["invalid_json", "model_not_found", "missing_custom_id", "missing_custom_id", "duplicate_custom_id",

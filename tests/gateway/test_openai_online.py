@@ -120,6 +120,17 @@ async def test_n_choices_logprobs_lanes_and_refusals(redis_url, model, engine, r
                                                      tools=[{"type": "function", "function": {"name": "f"}}])
         assert refused.value.status_code == 400 and refused.value.param == "tools"
         assert "tools" in refused.value.message
+        # Clients that send the tool fields with every request, asking for none, are answered.
+        no_tools = await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
+                                                            tools=[], tool_choice="none", parallel_tool_calls=False,
+                                                            **GREEDY)
+        assert no_tools.choices[0].message.tool_calls is None and no_tools.usage.completion_tokens == 2
+        with pytest.raises(openai.BadRequestError) as refused:
+            await svc.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tool_choice="auto")
+        assert refused.value.param == "tool_choice" and refused.value.code == "unsupported_parameter"
+        with pytest.raises(openai.BadRequestError) as refused:
+            await svc.client.chat.completions.create(model=5, messages=MESSAGES)  # type: ignore[arg-type]
+        assert refused.value.param == "model" and "got integer" in refused.value.message
         with pytest.raises(openai.BadRequestError) as refused:
             await svc.client.completions.create(model=MODEL_NAME, prompt="x", extra_body={"beam_width": 2})
         assert refused.value.param == "beam_width"

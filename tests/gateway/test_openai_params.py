@@ -54,6 +54,9 @@ def test_a_message_sent_back_as_the_client_dumped_it_is_taken() -> None:
     ([b"a", b"\xe8", b"\xbc\x96", b"b"], [0, 1, 1, 2]),  # one character over two tokens: both start where it does
     ([b"a", b"\xef\xbf", b"\xbd", b"c"], [0, 1, 1, 2]),  # a real U+FFFD split the same way
     ([b"a", b"\xf4\x8f", b"x"], [0, 1, 2]),
+    # A character cut short after its second byte is one U+FFFD: that byte's token starts inside it.
+    ([b"\xe9", b"\xa9", b"\xc1", b"\x86", b"R"], [0, 0, 1, 2, 3]),
+    ([b"\xf0", b"\x9f", b"\x98", b"!"], [0, 0, 0, 1]),
 ])
 def test_text_offsets_follow_the_text_also_around_bytes_that_are_not_utf8(parts: list[bytes],
                                                                            offsets: list[int]) -> None:
@@ -62,6 +65,21 @@ def test_text_offsets_follow_the_text_also_around_bytes_that_are_not_utf8(parts:
     text = b"".join(parts).decode("utf-8", "replace")
     entries = [{"token": f"bytes:{p!r}", "bytes": list(p), "logprob": -1.0} for p in parts]
     assert completion_logprobs(entries, text)["text_offset"] == offsets, text
+
+
+def test_a_special_token_takes_no_place_in_the_texts_offsets() -> None:
+    """A special token sampled mid-output (a BOS, a chat marker) is left out of the text, though its entry shows
+    its piece: the tokens after it start where the text goes on."""
+    from gateway.openai.responses import completion_logprobs
+
+    entries = [{"token": "ab", "bytes": list(b"ab"), "logprob": -1.0},
+               {"token": "<|bos|>", "bytes": list(b"<|bos|>"), "logprob": -1.0, "special": True},
+               {"token": "R", "bytes": list(b"R"), "logprob": -1.0},
+               {"token": "bytes:\\xe4", "bytes": [0xE4], "logprob": -1.0},
+               {"token": "<|im_start|>", "bytes": list(b"<|im_start|>"), "logprob": -1.0, "special": True}]
+    legacy = completion_logprobs(entries, "abR\ufffd")
+    assert legacy["text_offset"] == [0, 2, 2, 3, 4]
+    assert legacy["tokens"] == ["ab", "<|bos|>", "R", "bytes:\\xe4", "<|im_start|>"]
 
 
 @pytest.mark.parametrize("temperature", [-1, -0.001, 2.5])

@@ -238,7 +238,10 @@ def _logprob_entry(sampled: SampledToken, names: TokenStrings | None) -> dict[st
         if names is None:
             return {"token_id": token_id, "logprob": logprob}
         token, data = names.get(token_id)
-        return {"token_id": token_id, "token": token, "bytes": data, "logprob": logprob}
+        entry = {"token_id": token_id, "token": token, "bytes": data, "logprob": logprob}
+        if names.is_special(token_id):
+            entry["special"] = True  # not in the output text: its bytes take no place there
+        return entry
 
     top = sampled.top_logprobs or {}
     return {**one(sampled.token_id, sampled.logprob), "top_logprobs": [one(t, lp) for t, lp in top.items()]}

@@ -5,7 +5,8 @@ a ``<0xNN>`` byte-fallback piece (SentencePiece), or else from its decoded
 text. Its string is those bytes as text when they are valid UTF-8 on their
 own, and otherwise ``bytes:`` followed by the bytes escaped
 (``bytes:\\xe2\\x80``), as OpenAI names a piece of a multi-byte character.
-Special tokens (EOS) show as their own piece (``</s>``). The vocabulary's
+Special tokens (EOS) show as their own piece (``</s>``), marked ``special`` in
+a logprobs entry since the output text leaves them out. The vocabulary's
 table is built on the first request for logprobs, once per engine.
 """
 
@@ -34,6 +35,7 @@ class TokenStrings:
         self._table: list[bytes] | None = None
         self._is_table_built = False
         self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._special: frozenset[int] | None = None
 
     def get(self, token_id: int) -> tuple[str, list[int]]:
         """(token string, its UTF-8 bytes) of one id."""
@@ -42,6 +44,13 @@ class TokenStrings:
             data = self._bytes(token_id)
             found = self._cache[token_id] = (token_string(data), list(data))
         return found
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether the id is a special token, which the output text leaves out (its string and bytes are still
+        its own piece's)."""
+        if self._special is None:
+            self._special = frozenset(self._tokenizer.all_special_ids)
+        return token_id in self._special
 
     def _bytes(self, token_id: int) -> bytes:
         if not self._is_table_built:

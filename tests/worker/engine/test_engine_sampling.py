@@ -281,3 +281,22 @@ def test_padded_modes_match_continuous_with_uneven_lengths(model_path: str, batc
     assert num_seq_steps > sum(p.max_tokens for p in params)
     assert padded.block_manager.num_free_blocks == padded.block_manager.num_blocks
     assert not padded.has_unfinished_requests()
+
+
+def test_a_special_token_in_the_output_is_marked_in_its_logprobs(tiny_model: Callable[..., str],
+                                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A special token sampled mid-output shows its piece in the logprobs but is left out of the text: its entry
+    says so (`special`), so that the text offsets computed from the entries' bytes skip it."""
+    from bench.repetitive import make_cycling_model
+
+    bos = 256  # `<|bos|>` in the byte-level tokenizer of the tiny models
+    path = make_cycling_model(tiny_model(), tmp_path_factory.mktemp("special") / "m",
+                              successor_of={ord("a"): bos, bos: ord("b"), ord("b"): ord("a")})
+    engine = Engine(model=str(path), num_blocks=32)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    result = engine.generate([[ord("a")]], params)[0]
+    assert result.token_ids == [bos, ord("b"), ord("a"), bos]
+    assert result.text == "ba"
+    assert result.logprobs is not None
+    assert [entry.get("special", False) for entry in result.logprobs] == [True, False, False, True]
+    assert result.logprobs[0]["token"] == "<|bos|>" and bytes(result.logprobs[0]["bytes"]) == b"<|bos|>"
