@@ -168,6 +168,12 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
     from scheduler.protocol.keys import Keys
     from worker.service import WorkerNameTaken, WorkerService, check_name_is_free
 
+    # A stop signal from the start on: one that comes while the model loads stops the worker before it takes a job
+    # (as PID 1 in a container, a process without a handler would not even see it).
+    loop = asyncio.get_running_loop()
+    stop_asked = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_asked.set)
     # Before the model loads: wrong credentials or an ACL user without scripts are said at once, in one line.
     # And a name another live worker has, before the model loads too.
     probe = connect_redis(config.redis_url, timeout_s=config.redis_timeout_s)
@@ -182,14 +188,23 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
         return 1
     finally:
         await probe.aclose()
+    starting = asyncio.ensure_future(start_engine(config))
+    stopping = asyncio.ensure_future(stop_asked.wait())
+    await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not starting.done():
+        starting.cancel()  # an engine process being built is killed
+        await asyncio.gather(starting, stopping, return_exceptions=True)
+        log.info("stopped while the model loaded: no job was taken")
+        return 0
+    await asyncio.gather(stopping, return_exceptions=True)
     try:
-        runner = await start_engine(config)
+        runner = starting.result()
     except EngineStartError as e:
         model = config.engine.model or "the built-in model"
         log.error("cannot start the engine on %s: %s", model, e)
         print(f"carpool worker: cannot start the engine on {model}: {e}", file=sys.stderr)
         return 1
-    loop = asyncio.get_running_loop()
     try:
         client = connect_redis(config.redis_url, max_block_ms=config.read_block_ms, timeout_s=config.redis_timeout_s)
         telemetry = Telemetry(telemetry_config or TelemetryConfig(service_name="carpool-worker"))
@@ -206,6 +221,8 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    if stop_asked.is_set():  # between the engine's start and the handler above
+        service.stopped.set()
     has_failed = False
     try:
         # Redis down when the worker starts (a cluster coming up in any order): wait for it, as for any outage.

@@ -300,6 +300,32 @@ def test_a_worker_started_before_its_redis_waits_for_it_then_serves(tiny_model, 
         assert "Traceback" not in (tmp_path / log).read_text()
 
 
+def test_a_signal_while_the_model_loads_stops_the_worker_before_it_takes_a_job(redis_url, tiny_model, tmp_path):
+    """A pod deleted while its worker loads the model: the signal is not lost (as PID 1, a process without a
+    handler would not see it), the engine's start is cut short, and the worker exits 0 having taken nothing."""
+    worker = start_worker_process(redis_url, tiny_model(), "loading", tmp_path / "loading.log")
+    try:
+        wait_until_text(tmp_path / "loading.log", "loading model")
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0, (tmp_path / "loading.log").read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
+    said = (tmp_path / "loading.log").read_text()
+    assert "stopped while the model loaded: no job was taken" in said and "Traceback" not in said, said
+    assert "ready (capacity" not in said
+
+    async def heartbeat() -> bool:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            return bool(await client.hexists(KEYS.workers, "loading"))
+        finally:
+            await client.aclose()
+
+    assert not asyncio.run(heartbeat())
+
+
 def wait_until_text(path, text: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not (path.exists() and text in path.read_text()):
