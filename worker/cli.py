@@ -225,6 +225,18 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
         service.stopped.set()
     has_failed = False
     try:
+        try:
+            # Answering /healthz (and /readyz, 503) from here on: while Redis is waited for, a container's startup
+            # probe sees a live worker, and times the model's load rather than an outage.
+            if config.metrics_port:
+                await service.start_http(config.metrics_host, config.metrics_port)
+        except OSError as e:
+            if e.errno not in LISTEN_ERRNOS:
+                raise
+            # Taken since the check at start.
+            print(f"carpool worker: metrics server cannot listen on {config.metrics_host}:{config.metrics_port}: "
+                  f"{os.strerror(e.errno)}", file=sys.stderr)
+            return 1
         # Redis down when the worker starts (a cluster coming up in any order): wait for it, as for any outage.
         try:
             if not await wait_for_redis(client, service.stopped, config.redis_url):
@@ -237,13 +249,6 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
             await service.start()
         except WorkerNameTaken as e:  # started at the same moment as another of its name: both passed the check
             print(f"carpool worker: {e}", file=sys.stderr)
-            return 1
-        except OSError as e:
-            if e.errno not in LISTEN_ERRNOS:
-                raise
-            # Taken since the check at start.
-            print(f"carpool worker: metrics server cannot listen on {config.metrics_host}:{config.metrics_port}: "
-                  f"{os.strerror(e.errno)}", file=sys.stderr)
             return 1
         await service.stopped.wait()
         has_failed = service.has_failed

@@ -193,8 +193,9 @@ class WorkerService:
         # (GET /v1/models, /readyz) then knows this worker and its model.
         await self._beat()
         self._spawn("heartbeat", self._heartbeat())
-        # Listening before any entry is read: a port that cannot be had stops the worker holding no job.
-        if self.config.metrics_port:
+        # Listening before any entry is read: a port that cannot be had stops the worker holding no job. (The
+        # worker's CLI starts it earlier, before it waits for Redis.)
+        if self.config.metrics_port and self._http is None:
             await self.start_http(self.config.metrics_host, self.config.metrics_port)
         self._spawn("intake", self._intake())
         self.is_ready = True

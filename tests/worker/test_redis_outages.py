@@ -7,6 +7,8 @@ import asyncio
 import logging
 import signal
 import time
+import urllib.error
+import urllib.request
 
 import msgpack
 import pytest
@@ -263,19 +265,24 @@ async def test_an_admission_waiting_out_maxmemory_holds_up_no_other_entry(engine
 
 
 def test_a_worker_started_before_its_redis_waits_for_it_then_serves(tiny_model, tmp_path):
-    """A cluster coming up in any order: the worker says it waits (no traceback), and takes jobs once Redis is up;
-    a signal while it waits ends it at once, cleanly."""
+    """A cluster coming up in any order: the worker says it waits (no traceback), answers its health checks
+    meanwhile (alive, not ready: a startup probe does not count the outage), and takes jobs once Redis is up; a
+    signal while it waits ends it at once, cleanly."""
     from gateway.cli.embedded_redis import free_port
 
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
-    early = start_worker_process(url, tiny_model(), "early", tmp_path / "early.log")
+    metrics_port = free_port()
+    early = start_worker_process(url, tiny_model(), "early", tmp_path / "early.log", "--metrics-port",
+                                 str(metrics_port))
     waiting = start_worker_process(f"redis://127.0.0.1:{free_port()}/0", tiny_model(), "stopped-waiting",
                                    tmp_path / "stopped.log")
     server = None
     try:
         for log in ("early.log", "stopped.log"):
             wait_until_text(tmp_path / log, "the worker waits for it before reading any job")
+        assert _http_status(metrics_port, "/healthz") == 200
+        assert _http_status(metrics_port, "/readyz") == 503
         waiting.send_signal(signal.SIGTERM)
         assert waiting.wait(timeout=60) == 0
         server = EmbeddedRedis(tmp_path / "redis", port=port, is_persistent=False).start()
@@ -289,6 +296,7 @@ def test_a_worker_started_before_its_redis_waits_for_it_then_serves(tiny_model, 
                 await client.aclose()
 
         assert asyncio.run(run_one())["status"] == "succeeded"
+        assert _http_status(metrics_port, "/readyz") == 200
     finally:
         for proc in (early, waiting):
             if proc.poll() is None:
@@ -324,6 +332,15 @@ def test_a_signal_while_the_model_loads_stops_the_worker_before_it_takes_a_job(r
             await client.aclose()
 
     assert not asyncio.run(heartbeat())
+
+
+def _http_status(port: int, path: str) -> int:
+    """The status of a GET of the worker's health server."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
 
 
 def wait_until_text(path, text: str, timeout_s: float = 120) -> None:
