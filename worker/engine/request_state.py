@@ -185,23 +185,33 @@ class RequestState:
             elif params.stop_token_ids and token in params.stop_token_ids:
                 decision = StopDecision(FinishReason.STOP, token)
             if decision is not None:
-                self.detokenizer.flush()
-                return decision
+                # The end's held bytes come out as U+FFFD, which a stop string may hold.
+                return self._stop_string_in(self.detokenizer.flush()) or decision
         new_text = self.detokenizer.push_one(token)
-        if can_stop and params.stop and new_text:
-            # A stop ending in the new text starts in the text not shown yet: what came before it was held back
-            # as a possible start of a stop.
-            found = find_stop(self.detokenizer.buffer.recent, params.stop, len(new_text))
-            if found is not None:
-                index, stop = found
-                start = self.text_reported + index
-                end = start + len(stop) if params.include_stop_str_in_output else start
-                self.final_text = self.detokenizer.text[:end]
-                return StopDecision(FinishReason.STOP, stop)
+        if can_stop:
+            found_stop = self._stop_string_in(new_text)
+            if found_stop is not None:
+                return found_stop
         if num_output >= self.max_tokens:
-            self.detokenizer.flush()
-            return StopDecision(FinishReason.LENGTH)
+            flushed = self.detokenizer.flush()
+            return (self._stop_string_in(flushed) if can_stop else None) or StopDecision(FinishReason.LENGTH)
         return None
+
+    def _stop_string_in(self, new_text: str) -> StopDecision | None:
+        """The stop for a stop string that ends in `new_text` (the text just added), the text cut at it."""
+        params = self.seq.params
+        if not params.stop or not new_text:
+            return None
+        # A stop ending in the new text starts in the text not shown yet: what came before it was held back as
+        # a possible start of a stop.
+        found = find_stop(self.detokenizer.buffer.recent, params.stop, len(new_text))
+        if found is None:
+            return None
+        index, stop = found
+        start = self.text_reported + index
+        end = start + len(stop) if params.include_stop_str_in_output else start
+        self.final_text = self.detokenizer.text[:end]
+        return StopDecision(FinishReason.STOP, stop)
 
     def take_output(self) -> RequestOutput:
         """The output for this step; clears the new tokens."""

@@ -300,3 +300,23 @@ def test_a_special_token_in_the_output_is_marked_in_its_logprobs(tiny_model: Cal
     assert result.logprobs is not None
     assert [entry.get("special", False) for entry in result.logprobs] == [True, False, False, True]
     assert result.logprobs[0]["token"] == "<|bos|>" and bytes(result.logprobs[0]["bytes"]) == b"<|bos|>"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_in_the_ends_replacement_character_stops(tiny_model: Callable[..., str],
+                                                               tmp_path_factory: pytest.TempPathFactory,
+                                                               include: bool) -> None:
+    """The bytes of a character cut short by max_tokens come out as U+FFFD at the end: a stop string ending in it
+    stops the request there, as anywhere else in the text, and the text never holds the stop string."""
+    from bench.repetitive import make_cycling_model
+
+    path = make_cycling_model(tiny_model(), tmp_path_factory.mktemp("cut") / "m",
+                              successor_of={ord("a"): ord("b"), ord("b"): 0xE4, 0xE4: ord("a")})
+    engine = Engine(model=str(path), num_blocks=32)
+    plain = engine.generate([[ord("a")]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
+    assert (plain.text, plain.finish_reason) == ("b\ufffd", "length")
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, stop=["b\ufffd"],
+                            include_stop_str_in_output=include)
+    stopped = engine.generate([[ord("a")]], params)[0]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", "b\ufffd")
+    assert stopped.text == ("b\ufffd" if include else "")
