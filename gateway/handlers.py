@@ -26,7 +26,7 @@ from scheduler.protocol.job_record import job_view, json_default, tenant_of_reco
 from scheduler.protocol.lanes import LANES
 from scheduler.protocol.redis_client import is_out_of_memory, is_refusal
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE, read_hash
-from scheduler.protocol.wire_values import decode_failure
+from scheduler.protocol.wire_values import decode_failure, loads_json
 from scheduler.protocol.worker_heartbeats import live_workers
 from scheduler.telemetry.log_format import job_context
 from scheduler.telemetry.stream_stats import read_stream_counts
@@ -49,7 +49,7 @@ async def post_job(request: web.Request) -> web.Response:
     metrics, admission, limiter = app[appkeys.METRICS], app[appkeys.ADMISSION], app[appkeys.LIMITER]
     caller = caller_of(request)
     try:
-        body = await request.json(loads=json.loads)
+        body = await request.json(loads=loads_json)
     # JSONDecodeError and UnicodeDecodeError are ValueErrors; an unknown charset, a LookupError.
     except (ValueError, RecursionError, LookupError) as e:
         metrics.job_rejected("invalid")

@@ -209,7 +209,10 @@ class BatchDriver:
                     custom_ids.append(custom_id)
                 except LineError as e:
                     bad.append((number, e))
-                    custom_ids.append(_loose_custom_id(line) or "")
+                    loose = _loose_custom_id(line)
+                    custom_ids.append(loose or "")
+                    if loose is not None:  # taken too: a later line with it is a duplicate, whatever this one was
+                        seen.add(loose)
                     if len(listed) < MAX_LISTED_ERRORS:
                         listed.append({"code": e.code, "message": f"line {number + 1}: {e.message}",
                                        "param": _batch_param(e), "line": number + 1})

@@ -15,6 +15,7 @@ from gateway.openai import responses
 from gateway.openai.responses import renamed_in
 from gateway.openai.schema import Endpoint, parse_request
 from scheduler.protocol.lanes import Lane
+from scheduler.protocol.wire_values import is_text, loads_json
 
 ID_PREFIXES = {Endpoint.CHAT: "chatcmpl-", Endpoint.COMPLETIONS: "cmpl-"}
 
@@ -24,6 +25,9 @@ class LineError(Exception):
     the online route would refuse, that answer's ``status`` and ``param`` (the body's field at fault)."""
 
     def __init__(self, code: str, message: str, *, param: str | None = None, status: int | None = None) -> None:
+        # A line's text quoted in the message (a key, a model's name) may hold a lone surrogate, which JSON's
+        # escapes allow and no UTF-8 can carry: written escaped, so the error itself can be kept.
+        message, param = _escaped(message), None if param is None else _escaped(param)
         super().__init__(message)
         self.code = code
         self.message = message
@@ -38,6 +42,10 @@ class LineError(Exception):
         if self.param is not None or self.status is not None:
             out[answer_field(number)] = msgpack.packb([self.param, self.status])
         return out
+
+
+def _escaped(text: str) -> str:
+    return text if is_text(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def answer_field(number: int) -> str:
@@ -55,7 +63,7 @@ def unpack_error(raw: bytes, answer: bytes | None) -> LineError:
 def load_line(line: str) -> Any:
     """One input line's JSON; raises ValueError. A byte-order mark, which some editors write at the start of a
     UTF-8 file (so before its first line), is not part of it."""
-    return json.loads(line.removeprefix("\ufeff"))
+    return loads_json(line.removeprefix("\ufeff"))
 
 
 def parse_line(line: str, endpoint: Endpoint) -> tuple[str, dict[str, Any], dict[str, str]]:
@@ -73,6 +81,8 @@ def parse_line(line: str, endpoint: Endpoint) -> tuple[str, dict[str, Any], dict
     custom_id = custom_id_of(data)
     if custom_id is None:
         given = "" if "custom_id" not in data else f", got {json.dumps(data['custom_id'])[:100]}"
+        if isinstance(data.get("custom_id"), str) and data["custom_id"]:
+            raise LineError("invalid_custom_id", f"custom_id must be Unicode text (it holds a lone surrogate){given}")
         raise LineError("missing_custom_id", f"custom_id is required (a non-empty string){given}")
     if data.get("method", "POST") != "POST":
         raise LineError("invalid_method", f"method must be POST, got {json.dumps(data.get('method'))[:100]}")
@@ -91,7 +101,7 @@ def parse_line(line: str, endpoint: Endpoint) -> tuple[str, dict[str, Any], dict
 
 def custom_id_of(data: object) -> str | None:
     custom_id = data.get("custom_id") if isinstance(data, dict) else None
-    return custom_id if isinstance(custom_id, str) and custom_id else None
+    return custom_id if isinstance(custom_id, str) and custom_id and is_text(custom_id) else None
 
 
 def _line_id() -> str:

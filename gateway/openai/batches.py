@@ -42,6 +42,7 @@ from scheduler.protocol.keys import Keys
 from scheduler.protocol.redis_replies import as_bytes, read_hash
 from scheduler.protocol.tenants import DEFAULT_TENANT, tenant_of
 from scheduler.protocol.webhooks import BatchEvent, batch_delivery_fields
+from scheduler.protocol.wire_values import is_text
 from scheduler.telemetry.otel import traceparent_of
 
 routes = web.RouteTableDef()
@@ -196,7 +197,7 @@ async def create_batch(request: web.Request) -> web.Response:
     if not isinstance(file_id, str):
         raise invalid("input_file_id", "must be a string: the id of a file uploaded with purpose batch")
     files = file_store(request.app)
-    file = await files.get(file_id)
+    file = await files.get(file_id) if is_text(file_id) else None  # (a lone surrogate names no file)
     if file is None or not may_see(request, await files.tenant(file_id)):
         raise invalid("input_file_id", f"no such file: {file_id!r}")
     if file["purpose"] != "batch":

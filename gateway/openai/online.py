@@ -10,7 +10,6 @@ stream or while waiting for a whole answer) leaves no orphaned compute.
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from typing import Any
@@ -27,7 +26,7 @@ from gateway.openai.schema import Endpoint, parse_request
 from gateway.openai.streaming import stream_choices
 from gateway.sse import CLIENT_CHECK_S, client_gone
 from scheduler.protocol.lanes import Lane
-from scheduler.protocol.wire_values import decode_failure
+from scheduler.protocol.wire_values import decode_failure, loads_json
 
 routes = web.RouteTableDef()
 
@@ -64,7 +63,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def read_json(request: web.Request) -> Any:
     try:
-        return await request.json(loads=json.loads)
+        return await request.json(loads=loads_json)
     except (ValueError, RecursionError, LookupError) as e:  # LookupError: an unknown charset
         raise invalid("body", f"not valid JSON: {decode_failure(e)}") from e
 

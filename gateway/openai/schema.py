@@ -92,6 +92,8 @@ def parse_request(endpoint: Endpoint, body: object, *, default_lane: Lane, is_ba
     if not isinstance(model, str) or not model:
         raise invalid("model", f"must be the name of a model this server serves (GET /v1/models), got "
                                f"{json_type(model) if not isinstance(model, str) else 'an empty string'}")
+    if not is_text(model):
+        raise invalid("model", "must be Unicode text: it holds half of a surrogate pair")
     n = _int(given, "n", 1, low=1, high=MAX_CHOICES)
     if given.get("best_of", n) != n:
         raise unsupported("best_of", "is supported only equal to n")

@@ -11,7 +11,9 @@ so no message can exhaust the stack.
 
 from __future__ import annotations
 
+import json
 import math
+from typing import Any, NoReturn
 
 from msgpack import ExtType
 
@@ -78,6 +80,16 @@ def key_path(path: str, key: str) -> str:
     if key and is_text(key) and key.isprintable() and not any(c in key for c in ".[]"):
         return f"{path}.{key}" if path else key
     return f"{path}[{ascii(key)}]"
+
+
+def _refuse_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON (numbers are finite)")
+
+
+def loads_json(text: str | bytes) -> Any:
+    """JSON text's value, strictly: Python's parser also takes ``NaN``, ``Infinity`` and ``-Infinity``, which no
+    JSON holds; here they raise ValueError, as any other text that is not JSON does."""
+    return json.loads(text, parse_constant=_refuse_constant)
 
 
 def decode_failure(error: Exception) -> str:

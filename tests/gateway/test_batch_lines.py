@@ -39,6 +39,13 @@ def line(**fields: object) -> str:
      'url must be the batch\'s endpoint /v1/chat/completions; got "/v1/embeddings"'),
     (line(body=[1]), "invalid_value", "body: must be a JSON object"),
     (line(body={**BODY, "temperature": -1}), "invalid_value", "body: temperature: must be in [0, 2], got -1"),
+    # JSON's escapes can name half a surrogate pair, which no UTF-8 (nor Redis) can carry.
+    (line(custom_id="\ud83d"), "invalid_custom_id",
+     'custom_id must be Unicode text (it holds a lone surrogate), got "\\ud83d"'),
+    # Python's parser takes these; JSON has no such numbers.
+    (line()[:-1] + ', "extra": NaN}', "invalid_json", "the line is not valid JSON: NaN is not JSON (numbers are finite)"),
+    (line(body={**BODY, "temperature": 1})[:-2] + ', "top_p": -Infinity}}', "invalid_json",
+     "the line is not valid JSON: -Infinity is not JSON (numbers are finite)"),
 ])
 def test_a_line_that_cannot_run_says_why_once(text: str, code: str, message: str) -> None:
     assert refusal(text) == (code, message)
@@ -64,6 +71,21 @@ def test_a_request_refused_in_a_line_keeps_the_online_answers_code_and_param(bod
     with pytest.raises(LineError) as refused:
         parse_line(line(body=body), CHAT)
     assert (refused.value.code, refused.value.param, refused.value.status) == (code, param, 400)
+
+
+def test_a_lone_surrogate_quoted_in_an_error_is_kept_escaped() -> None:
+    """A body key holding half a surrogate pair is refused like any other unknown key, and so is a model's name
+    holding one (by the batch's driver); the refusal, which quotes it, can still be written (msgpack, like Redis,
+    takes UTF-8 only)."""
+    with pytest.raises(LineError) as refused:
+        parse_line(line(body={**BODY, "\ud800x": 1}), CHAT)
+    assert refused.value.code == "unsupported_parameter" and "\\ud800x" in refused.value.message
+    assert refused.value.param == "\\ud800x"
+    unknown_model = LineError("model_not_found", "body: model 'm\udc00' is not served here", param="model",
+                              status=404)
+    for error in (refused.value, unknown_model):
+        assert msgpack.unpackb(error.fields(0)["0"]) == [error.code, error.message]  # type: ignore[arg-type]
+    assert unknown_model.message == "body: model 'm\\udc00' is not served here"
 
 
 def test_an_error_is_kept_so_gateways_before_and_after_read_it() -> None:

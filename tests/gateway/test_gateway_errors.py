@@ -79,6 +79,17 @@ async def test_an_integer_of_too_many_digits_is_400_in_the_senders_terms(client:
         assert resp.status == 400 and "too many digits" in message and "sys." not in message, message
 
 
+async def test_nan_and_infinity_are_no_json(client: TestClient) -> None:
+    """Python's parser takes NaN and Infinity; no JSON holds them, and a body with one is refused as not JSON,
+    whatever field it is in (one a job would ignore too)."""
+    for route, body in (("/v1/jobs", b'{"prompt": "x", "metadata": {"score": NaN}}'),
+                        ("/v1/completions", b'{"model": "m", "prompt": "x", "temperature": Infinity}')):
+        resp = await client.post(route, data=body, headers={"Content-Type": "application/json"})
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and "is not JSON (numbers are finite)" in error["message"], error
+        assert error.get("field", error.get("param")) == "body"
+
+
 async def test_aiohttp_errors_answer_in_the_json_shape(client: TestClient) -> None:
     resp = await client.get("/no/such/route")
     assert resp.status == 404

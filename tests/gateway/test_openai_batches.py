@@ -285,6 +285,37 @@ async def test_a_batch_with_no_line_that_can_run_fails_and_lists_why(redis_url) 
 
 
 
+async def test_lines_with_lone_surrogates_or_a_reused_custom_id_fail_alone(redis_url) -> None:
+    """Half a surrogate pair in a custom_id, a body key or a model (which JSON's escapes allow and Redis cannot
+    hold) fails its line rather than holding the batch in validating; a custom_id already taken by an earlier
+    line is a duplicate whether or not that line could run; NaN is no JSON."""
+    wrong_url = {**chat_line(1), "custom_id": "taken", "url": "/v1/embeddings"}
+    lines = [json.dumps({**chat_line(0), "custom_id": "\ud83d"}),
+             json.dumps({**chat_line(1), "body": {**chat_line(1)["body"], "\ud800": 1}}),
+             json.dumps({**chat_line(2), "body": {**chat_line(2)["body"], "model": "m\udc00"}}),
+             json.dumps(wrong_url),
+             json.dumps({**chat_line(3), "custom_id": "taken"}),
+             json.dumps(chat_line(4))[:-1] + ', "extra": NaN}']
+    async with openai_service(redis_url, None, batch_poll_interval_s=0.05) as svc:
+        # (json.dumps escapes it; the openai client cannot send it at all.)
+        body = json.dumps({"endpoint": CHAT, "completion_window": "24h", "input_file_id": "\ud800"})
+        async with aiohttp.ClientSession() as http, http.post(f"{svc.url}/v1/batches", data=body,
+                                                              headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+        assert error["param"] == "input_file_id" and "no such file" in error["message"]
+        batch = await svc.client.batches.create(input_file_id=await upload(svc.client, lines), endpoint=CHAT,
+                                                completion_window="24h")
+        batch = await wait_batch(svc.client, batch.id, {"completed", "failed", "expired", "cancelled"})
+        assert batch.status == "failed" and batch.request_counts.failed == 6
+        errors = await read_lines(svc.client, batch.error_file_id)
+        assert [line_error(e)["code"] for e in errors] == ["invalid_custom_id", "unsupported_parameter",
+                                                           "invalid_value", "invalid_url", "duplicate_custom_id",
+                                                           "invalid_json"]
+        assert [e["custom_id"] for e in errors] == [None, "req-1", "req-2", "taken", "taken", None]
+        assert "\\ud800" in line_error(errors[1])["message"] and "surrogate" in line_error(errors[2])["message"]
+
+
 async def test_a_batch_whose_step_fails_holds_up_no_other_batch(redis_url, redis, caplog) -> None:
     """A batch the driver cannot move on (its hash damaged in Redis: an in-progress batch with no cursors) is tried
     again every round, logged once, and every other batch goes on meanwhile."""
