@@ -64,3 +64,16 @@ def test_a_device_this_machine_has_not_is_refused_before_starting_anything(verb:
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith(f"carpool {verb}: device: cuda:99 asked for, but torch sees "), done.stderr
     assert not (tmp_path / "data").exists()  # no Redis was started
+
+
+@pytest.mark.parametrize("model", ["meta-llama/Llama-3.2-1B", "/path/to/hf-checkpoint"])
+def test_the_python_engine_refuses_a_hub_id_or_missing_path_too(model: str) -> None:
+    """`Engine(model=...)` in a program of the user's own (no CLI to set HF_HUB_OFFLINE): the same one line,
+    raised before transformers is asked, so no network attempt and no hub error."""
+    from worker import Engine
+
+    with pytest.raises(ValueError) as refused:
+        Engine(model=model, device="cpu")
+    assert str(refused.value) == (f"model: not a local checkpoint directory: {model} (no such directory); {ONE_LINE}")
+    with pytest.raises(ValueError, match=f"^draft_model: not a local checkpoint directory: {model} "):
+        Engine(speculative="draft", draft_model=model, device="cpu")
