@@ -42,11 +42,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smoke test: tiny model, few short requests (seconds)")
     p.add_argument("--model", default=default("model", None),
                    help="checkpoint directory; default: the built-in model (--quick: a tiny one built in OUTPUT)")
-    p.add_argument("--max-num-seqs", type=int, default=int(default("max-num-seqs", str(base.max_num_seqs))),
-                   help="batch slots for every system")
-    p.add_argument("--seed", type=int, default=int(default("seed", str(base.seed))))
-    p.add_argument("--threads", type=int, default=int(default("threads", str(base.threads))),
-                   help="torch CPU threads for every system, worker included (default 1: steady numbers on a shared CPU)")
+    p.add_argument("--max-num-seqs", type=int, default=default("max-num-seqs", str(base.max_num_seqs)),
+                   help=f"batch slots for every system (default {base.max_num_seqs}) [env CARPOOL_BENCH_MAX_NUM_SEQS]")
+    p.add_argument("--seed", type=int, default=default("seed", str(base.seed)),
+                   help=f"seed of the workloads and the sampling (default {base.seed}) [env CARPOOL_BENCH_SEED]")
+    p.add_argument("--threads", type=int, default=default("threads", str(base.threads)),
+                   help="torch CPU threads for every system, worker included (default 1: steady numbers on a shared "
+                        "CPU) [env CARPOOL_BENCH_THREADS]")
     p.add_argument("--device", default=default("device", base.device),
                    help="cpu, cuda or cuda:N, for every system, worker included (default: cpu)")
     p.add_argument("--dtype", default=default("dtype", None), choices=MODEL_DTYPES,

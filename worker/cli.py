@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from scheduler.params import SamplingParams
-from scheduler.runtime.flags import add_config_flags, config_from_args
+from scheduler.runtime.flags import add_config_flags, config_from_args, parse_verb_args
 from scheduler.runtime.listen import LISTEN_ERRNOS, listen_error
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE, OFFLINE_ENV
 from scheduler.runtime.terminal import printable, prompt_argument
@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     os.environ.update(OFFLINE_ENV)  # before anything imports transformers; the engine process inherits it
     environ = os.environ if env is None else env
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(environ, verb=argv[0] if argv else "").parse_args(argv)
+    args = parse_verb_args(build_parser(environ, verb=argv[0] if argv else ""), argv)
     if args.verb == "generate":
         try:
             config = config_from_args(WorkerConfig, args, exclude=_service_fields())

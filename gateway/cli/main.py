@@ -26,7 +26,7 @@ from gateway.cli.up_worker import WorkerChild, check_worker_device
 from gateway.config import GatewayConfig
 from gateway.webhooks.config import WebhookConfig
 from scheduler.protocol.redis_client import RedisRefused, redacted_url
-from scheduler.runtime.flags import add_config_flags, config_from_args
+from scheduler.runtime.flags import add_config_flags, config_from_args, parse_verb_args
 from scheduler.runtime.listen import LISTEN_ERRNOS
 from scheduler.runtime.model_path import OFFLINE_ENV
 
@@ -49,6 +49,7 @@ def build_parser(env: Mapping[str, str], verb: str | None = None) -> argparse.Ar
     stops only the verb that takes it, and the error names that verb.
     """
     parser = argparse.ArgumentParser(prog="carpool", description="Queue-fed LLM inference over Redis Streams.")
+    parser.add_argument("--version", action="version", version=f"carpool {_version()}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     def env_of(name: str) -> Mapping[str, str]:
@@ -86,6 +87,15 @@ def build_parser(env: Mapping[str, str], verb: str | None = None) -> argparse.Ar
     verbs.add_parser("bench", help="benchmark the batching modes and transformers peers; writes a report", add_help=False)
     verbs.add_parser("redis-cli", help="the bundled redis-cli, connected to carpool up's Redis", add_help=False)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("carpool")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 def _service_fields(worker_config: type[WorkerConfig], engine_flags: tuple[str, ...]) -> set[str]:
@@ -137,7 +147,7 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
 
         return bench_main(args_list[1:], environ)
     parser = build_parser(environ, verb=args_list[0] if args_list else "")
-    args = parser.parse_args(args_list)
+    args = parse_verb_args(parser, args_list)
     if args.verb == "submit":
         return run_submit(args)
     if args.verb == "batch":

@@ -50,7 +50,7 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespac
     parser.add_argument("--metrics-host", default=env.get("CARPOOL_METRICS_HOST", "127.0.0.1"),
                         help="address of the /metrics and /healthz server (default 127.0.0.1: loopback unless set; the "
                              "gateway image sets 0.0.0.0) [env CARPOOL_METRICS_HOST]")
-    parser.add_argument("--metrics-port", type=int, default=int(env.get("CARPOOL_METRICS_PORT", DEFAULT_METRICS_PORT)),
+    parser.add_argument("--metrics-port", type=int, default=env.get("CARPOOL_METRICS_PORT", str(DEFAULT_METRICS_PORT)),
                         help=f"port of /metrics and /healthz; 0 turns the server off (default {DEFAULT_METRICS_PORT}) "
                              "[env CARPOOL_METRICS_PORT]")
     add_config_flags(parser, WebhookConfig, env)

@@ -229,3 +229,16 @@ def config_argv(config: Any, names: Iterable[str]) -> list[str]:
 def env_names(cls: type, exclude: Iterable[str] = ()) -> dict[str, str]:
     """flag -> env variable for every flag `add_config_flags` adds for `cls`."""
     return {flag_name(f.name): env_name(f.name) for f, _ in _flag_fields(cls, exclude)}
+
+
+def parse_verb_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`parser.parse_args(argv)` for a parser of verbs (subparsers whose `dest` is ``verb``), but an argument no
+    parser knows is refused with the usage of the verb it was given to, not the top level's (a misspelt flag of
+    `carpool submit` then shows `submit`'s flags)."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        verbs = next((action for action in parser._actions  # argparse keeps its subparsers among its actions
+                      if isinstance(action, argparse._SubParsersAction)), None)
+        verb_parser = None if verbs is None else verbs.choices.get(getattr(args, "verb", None) or "")
+        (verb_parser or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args

@@ -81,6 +81,39 @@ def test_bad_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None
     assert "invalid comma-separated list value: '-1,abc'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "unknown"), [(["submit", "hi", "--wiat"], "--wiat"),
+                                                (["up", "--prot", "7400"], "--prot 7400"),
+                                                (["generate", "x", "--foo"], "--foo"),
+                                                (["worker", "--foo"], "--foo")])
+def test_a_misspelt_flag_shows_its_verbs_usage(argv: list[str], unknown: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv, env={})
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(f"usage: carpool {argv[0]} "), err
+    assert f"carpool {argv[0]}: error: unrecognized arguments: {unknown}" in err
+
+
+def test_version_and_malformed_variables_of_the_other_verbs(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"], env={})
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"carpool {version('carpool')}\n"
+    # Not a traceback: the verb's usage error naming the flag, as for any other verb.
+    for argv, env, flag in ((["webhooks"], {"CARPOOL_METRICS_PORT": "abc"}, "--metrics-port"),
+                            (["bench", "--quick"], {"CARPOOL_BENCH_SEED": "abc"}, "--seed")):
+        with pytest.raises(SystemExit) as exit_info:
+            os.environ.update(env)
+            try:
+                main(argv, env=env)
+            finally:
+                for name in env:
+                    os.environ.pop(name)
+        assert exit_info.value.code == 2
+        assert f"error: argument {flag}: invalid int value: 'abc'" in capsys.readouterr().err
+
+
 @pytest.fixture
 async def gateway_url(redis_url: str) -> AsyncIterator[str]:
     server = GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1")
