@@ -42,11 +42,15 @@ def build_parser(env: Mapping[str, str], verb: str | None = None) -> argparse.Ar
     add_config_flags(worker, WorkerConfig, env if verb in (None, "worker") else {})
     gen = verbs.add_parser("generate", help="run the offline engine once on a prompt and print the text")
     gen.add_argument("prompt", help="prompt text; - reads it from standard input")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    job_default = SamplingParams()
+    gen.add_argument("--max-tokens", type=int, default=job_default.max_tokens,
+                     help=f"most tokens to generate (default {job_default.max_tokens}, a job's default, as for "
+                          "carpool submit)")
     gen.add_argument("--temperature", type=float, default=0.0,
                      help="0 is greedy (default, as for carpool submit; a job's own default is 1.0)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=job_default.top_p,
+                     help=f"nucleus sampling's probability mass (default {job_default.top_p:g})")
+    gen.add_argument("--seed", type=int, default=None, help="seed of a sampled draw (default: none, unseeded)")
     add_config_flags(gen, WorkerConfig, env if verb in (None, "generate") else {}, exclude=_service_fields())
     return parser
 

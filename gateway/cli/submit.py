@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.cli import EXIT_INTERRUPTED
+from scheduler.params import SamplingParams
 from scheduler.protocol.job import JobStatus
 from scheduler.protocol.lanes import DEFAULT_LANE, LANES
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE
@@ -31,13 +32,15 @@ EXIT_READER_GONE = 141
 
 def add_submit_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     parser.add_argument("text", help="prompt text; - reads it from standard input")
-    parser.add_argument("--lane", choices=[lane.value for lane in LANES], default=DEFAULT_LANE.value)
+    parser.add_argument("--lane", choices=[lane.value for lane in LANES], default=DEFAULT_LANE.value,
+                        help=f"the priority lane (default {DEFAULT_LANE.value})")
     parser.add_argument("--wait", action="store_true", help="wait for the job to finish and print its text")
-    parser.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"most tokens to generate (default {SamplingParams().max_tokens}, a job's default)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 is greedy (default, as for carpool generate: the same prompt prints the same text; "
                              "a job's own default is 1.0)")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="seed of a sampled draw (default: none, unseeded)")
     parser.add_argument("--priority", type=int, default=None, help="within the lane; lower runs first")
     parser.add_argument("--id", dest="job_id", default=None, help="job id (default: the gateway makes one)")
     parser.add_argument("--idempotency-key", default=None, help="sent as the Idempotency-Key header")

@@ -94,6 +94,22 @@ def test_a_misspelt_flag_shows_its_verbs_usage(argv: list[str], unknown: str,
     assert f"carpool {argv[0]}: error: unrecognized arguments: {unknown}" in err
 
 
+def test_generate_and_submit_default_to_a_jobs_length_and_say_so() -> None:
+    """The same prompt prints the same text from `generate` and `submit --wait`: both greedy, both a job's
+    default length, and their help says what it is."""
+    from scheduler.params import SamplingParams
+    from worker.cli import build_parser as worker_parser
+
+    generate = worker_parser({}).parse_args(["generate", "x"])
+    submit = build_parser({}).parse_args(["submit", "x"])
+    assert (generate.max_tokens, generate.temperature) == (SamplingParams().max_tokens, 0.0)
+    assert (submit.max_tokens, submit.temperature) == (None, 0.0)  # None: the job's default
+    for parser, verb in ((worker_parser({}), "generate"), (build_parser({}), "submit")):
+        help_text = " ".join(next(action for action in parser._actions if action.dest == "verb")
+                             .choices[verb].format_help().split())
+        assert f"most tokens to generate (default {SamplingParams().max_tokens}" in help_text, help_text
+
+
 def test_version_and_malformed_variables_of_the_other_verbs(capsys: pytest.CaptureFixture[str]) -> None:
     from importlib.metadata import version
 
