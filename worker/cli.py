@@ -196,9 +196,13 @@ async def serve(config: WorkerConfig, telemetry_config: TelemetryConfig | None =
     stopping = asyncio.ensure_future(stop_asked.wait())
     await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
-    if not starting.done():
-        starting.cancel()  # an engine process being built is killed
+    if stop_asked.is_set():
+        # An engine process being built is killed (one on a thread of this process finishes its load first: a
+        # thread cannot be stopped); one built meanwhile is closed. A failed start a stop raced is no failure.
+        starting.cancel()
         await asyncio.gather(starting, stopping, return_exceptions=True)
+        if not starting.cancelled() and starting.exception() is None:
+            await starting.result().aclose()
         log.info("stopped while the model loaded: no job was taken")
         return 0
     await asyncio.gather(stopping, return_exceptions=True)

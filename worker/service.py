@@ -51,6 +51,16 @@ class WorkerNameTaken(Exception):
     """Another live worker under the same key prefix has this worker's name."""
 
 
+# Renews the claim only while it is this worker's or lapsed (KEYS[1] the claim, ARGV[1] the worker's token,
+# ARGV[2] its time to live in ms): 1, or 0 where another worker holds it.
+_RENEW_CLAIM = """
+local held = redis.call('GET', KEYS[1])
+if held == false or held == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
 # Deletes the claim only while it is still this worker's (KEYS[1] the claim, ARGV[1] the worker's token).
 _RELEASE_CLAIM = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -60,19 +70,18 @@ return 0
 """
 
 
-def claim_ttl_ms(heartbeat_interval_s: float) -> int:
-    """How long a worker's claim on its name outlives its last heartbeat: one and a half intervals, as long as
-    `check_name_is_free` waits to see a heartbeat renewed."""
-    return max(1, round(1500 * heartbeat_interval_s))
+def claim_ttl_ms(heartbeat_interval_s: float, redis_timeout_s: float) -> int:
+    """How long a worker's claim on its name outlives its last renewal: three heartbeat intervals, and at least
+    one interval and a Redis timeout, so that a slow beat does not let it lapse under a live worker."""
+    return max(1, round(1000 * max(3 * heartbeat_interval_s, heartbeat_interval_s + redis_timeout_s)))
 
 
-async def claim_name(client: aioredis.Redis, keys: Keys, name: str, token: str, heartbeat_interval_s: float) -> None:
+async def claim_name(client: aioredis.Redis, keys: Keys, name: str, token: str, ttl_ms: int) -> None:
     """Take the claim on `name` for the worker holding `token`, or raise WorkerNameTaken where another live
     worker holds it. `check_name_is_free` (before the model loads) reads heartbeats, so two workers started under
     one name at the same moment both pass it; the claim, set only where absent, lets one through. A claim held
     by another is waited out once: a killed worker's lapses (its heartbeats renewed it), a live one's does not."""
     key = keys.worker_claim(name)
-    ttl_ms = claim_ttl_ms(heartbeat_interval_s)
     if await client.set(key, token, nx=True, px=ttl_ms):
         return
     left_ms = await client.pttl(key)
@@ -85,6 +94,14 @@ async def claim_name(client: aioredis.Redis, keys: Keys, name: str, token: str, 
         f"another live worker is named {name!r} under the key prefix {keys.prefix!r} (it holds the name's claim, "
         f"renewed by its heartbeats): give each worker its own --worker-name (the default, host-pid-random, is "
         "unique)")
+
+
+async def renew_name(client: aioredis.Redis, keys: Keys, name: str, token: str, ttl_ms: int) -> None:
+    """Renew the claim on `name` of the worker holding `token`; raise WorkerNameTaken where another holds it now
+    (this worker's claim lapsed, a Redis outage say, and another took the name meanwhile)."""
+    if not await client.eval(_RENEW_CLAIM, 1, keys.worker_claim(name), token, ttl_ms):
+        raise WorkerNameTaken(f"another worker took the name {name!r} under the key prefix {keys.prefix!r} while "
+                              "this one's claim had lapsed: stopping, to leave it the name")
 
 
 async def release_name(client: aioredis.Redis, keys: Keys, name: str, token: str) -> None:
@@ -150,8 +167,9 @@ class WorkerService:
         """A worker handed entries back (control message ``handback``): reclaim before reading new entries."""
         self.hand_back_now = asyncio.Event()
         """Set to end the shutdown's grace period at once: running jobs are checkpointed and handed back."""
-        self.is_redis_writable = True
-        """Whether the last heartbeat was written: not while Redis is unreachable or at maxmemory (``/readyz``)."""
+        self.is_redis_writable = False
+        """Whether the last heartbeat was written: not before the first, nor while Redis is unreachable or at
+        maxmemory (``/readyz``)."""
         self.has_stranded_jobs = False
         """The shutdown could not hand its running jobs back (Redis unavailable): they wait for the lease."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -170,6 +188,7 @@ class WorkerService:
         self._pubsub: Any = None
         self._http: web.AppRunner | None = None
         self._claim_token = os.urandom(16).hex()
+        self._claim_ttl_ms = claim_ttl_ms(config.heartbeat_interval_s, config.redis_timeout_s)
         self._has_claim = False
         """Whether this worker holds its name's claim (`claim_name`): only then are the name's heartbeat and claim
         its own to renew and to remove."""
@@ -177,8 +196,7 @@ class WorkerService:
     # --- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        await claim_name(self.client, self.keys, self.config.worker_name, self._claim_token,
-                         self.config.heartbeat_interval_s)
+        await claim_name(self.client, self.keys, self.config.worker_name, self._claim_token, self._claim_ttl_ms)
         self._has_claim = True
         await self.consumer.ensure_groups()
         self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
@@ -192,6 +210,7 @@ class WorkerService:
         # The first heartbeat is in Redis before the worker says it is ready: a gateway asked right after
         # (GET /v1/models, /readyz) then knows this worker and its model.
         await self._beat()
+        self.is_redis_writable = True
         self._spawn("heartbeat", self._heartbeat())
         # Listening before any entry is read: a port that cannot be had stops the worker holding no job. (The
         # worker's CLI starts it earlier, before it waits for Redis.)
@@ -473,6 +492,11 @@ class WorkerService:
                 self.job_loop.cancel(body["id"])  # a job not running here is no concern of this worker
 
     async def _beat(self) -> None:
+        try:
+            await renew_name(self.client, self.keys, self.config.worker_name, self._claim_token, self._claim_ttl_ms)
+        except WorkerNameTaken:
+            self._has_claim = False  # the name's heartbeat and claim are the other worker's now
+            raise
         now = time.time()
         # `async with`: a beat cut short (a Redis stall past the heartbeat's timeout) still gives its connection back.
         async with self.client.pipeline(transaction=False) as pipe:
@@ -485,8 +509,6 @@ class WorkerService:
                 "heartbeat_interval_s": self.config.heartbeat_interval_s,
                 "draining": self.is_draining}))
             pipe.hset(self.keys.models, self.config.model_name, repr(now))
-            pipe.set(self.keys.worker_claim(self.config.worker_name), self._claim_token,
-                     px=claim_ttl_ms(self.config.heartbeat_interval_s))
             await pipe.execute()
 
     async def _warn_of_other_workers(self) -> None:

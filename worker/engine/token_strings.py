@@ -49,7 +49,11 @@ class TokenStrings:
         """Whether the id is a special token, which the output text leaves out (its string and bytes are still
         its own piece's)."""
         if self._special is None:
-            self._special = frozenset(self._tokenizer.all_special_ids)
+            # What decoding with skip_special_tokens leaves out: the named special tokens, and every added token
+            # marked special (a Llama 3 header or reserved token, which the first list need not hold).
+            added = getattr(self._tokenizer, "added_tokens_decoder", None) or {}
+            self._special = frozenset(self._tokenizer.all_special_ids) | frozenset(
+                token_id for token_id, token in added.items() if getattr(token, "special", False))
         return token_id in self._special
 
     def _bytes(self, token_id: int) -> bytes:
