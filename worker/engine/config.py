@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from scheduler.runtime.flags import help_text
-from scheduler.runtime.model_path import check_local_checkpoint
 from scheduler.scheduler_config import (
     DEFAULT_BATCHING,
     DEFAULT_POLICY,
@@ -131,10 +130,6 @@ class EngineConfig:
     the worker sets it from ``--lower-lane-prefill-tokens``."""
 
     def __post_init__(self) -> None:
-        # A hub id or a missing path fails here, in one line, not in transformers after a network attempt.
-        for setting in ("model", "draft_model"):
-            if getattr(self, setting) is not None:
-                check_local_checkpoint(getattr(self, setting), setting)
         # Plain strings naming a mode, policy, implementation or quantization are kept as their enum members.
         object.__setattr__(self, "batching", batching_mode(self.batching))
         object.__setattr__(self, "policy", policy(self.policy))

@@ -25,6 +25,7 @@ from typing_extensions import TypeIs
 
 from scheduler.block_manager import BlockManager
 from scheduler.params import SamplingParams
+from scheduler.runtime.model_path import check_local_checkpoint
 from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
 from scheduler.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -91,6 +92,10 @@ class Engine:
             config = EngineConfig(**settings)
         elif settings:
             raise TypeError("Engine: give an EngineConfig or keyword settings, not both")
+        # A hub id or a missing path fails here, in one line, not in transformers after a network attempt.
+        for setting in ("model", "draft_model"):
+            if getattr(config, setting) is not None:
+                check_local_checkpoint(getattr(config, setting), setting)
         if config.model is None:
             from worker.engine.default_model import default_model_path, models_cache_dir
 
