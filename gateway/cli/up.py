@@ -32,6 +32,7 @@ from gateway.cli.up_worker import StackError, WorkerChild, child_environ, stop_w
 from gateway.config import GatewayConfig
 from gateway.webhooks.config import WebhookConfig
 from scheduler.protocol.keys import DEFAULT_PREFIX, check_key_prefix
+from scheduler.protocol.redis_client import redacted_url
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE
 from scheduler.runtime.parent_death import die_with_parent
 from scheduler.runtime.tasks import cancel_and_reap
@@ -221,7 +222,9 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
     exit_code = 0
     try:
         readyz = f"http://127.0.0.1:{metrics_port}/readyz"
-        is_ready = await wait_ready(worker, readyz, config.ready_timeout_s, stop)
+        is_ready = await wait_ready(worker, readyz, config.ready_timeout_s, stop, lambda: _say(
+            f"carpool: waiting    the worker's model is loaded; it waits for Redis at {redacted_url(redis_url)}, "
+            "which does not answer (or is full), and goes on once it does"))
         if is_ready:
             if config.api_keys:  # every /v1 route needs a key: the plain hint would be refused
                 prefix_flag = "" if config.key_prefix == DEFAULT_PREFIX else f" --key-prefix {config.key_prefix}"

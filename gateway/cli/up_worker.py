@@ -11,7 +11,7 @@ import asyncio
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -79,8 +79,10 @@ def child_environ(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in environ.items() if not name.startswith("CARPOOL_")}
 
 
-async def wait_ready(worker: asyncio.subprocess.Process, url: str, timeout_s: float, stop: asyncio.Event) -> bool:
-    """True once the worker answers ready; False if it exited or we were told to stop first.
+async def wait_ready(worker: asyncio.subprocess.Process, url: str, timeout_s: float, stop: asyncio.Event,
+                     on_redis_wait: Callable[[], None] | None = None) -> bool:
+    """True once the worker answers ready; False if it exited or we were told to stop first. `on_redis_wait` is
+    called once if the worker, its model loaded, answers that it waits for Redis.
 
     Only an answer that names the worker's pid counts: another server on its port (or the gateway's own /readyz)
     may answer 200 too."""
@@ -90,8 +92,12 @@ async def wait_ready(worker: asyncio.subprocess.Process, url: str, timeout_s: fl
         while not stop.is_set() and worker.returncode is None:
             try:
                 async with session.get(url) as resp:
-                    if resp.status == 200 and _is_own(await resp.json(content_type=None), worker.pid):
+                    readyz = await resp.json(content_type=None)
+                    if resp.status == 200 and _is_own(readyz, worker.pid):
                         return True
+                    if on_redis_wait is not None and _is_own(readyz, worker.pid) and readyz.get("redis") != "ok":
+                        on_redis_wait()
+                        on_redis_wait = None
             except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
                 pass  # not listening yet: the model is still loading
             if loop.time() > deadline:

@@ -29,9 +29,10 @@ async def test_a_second_live_worker_of_the_same_name_is_refused_and_a_killed_one
     model = tiny_model()
     client = aioredis.Redis.from_url(redis_url)
     # Two started together both pass the heartbeat check (neither has beaten yet): the name's claim lets one on,
-    # and the other leaves the running one's heartbeat alone (its next beat is seconds away).
+    # and the other leaves the running one's heartbeat alone (its next beat is a second away). A short Redis timeout
+    # keeps the claim's time to live short (three intervals), for the restart below.
     procs = [start_worker_process(redis_url, model, "twin", tmp_path / f"together-{i}.log", "--heartbeat-interval-s",
-                                  "3") for i in range(2)]
+                                  "1", "--redis-timeout-s", "1") for i in range(2)]
     try:
         await wait_until(lambda: any(proc.poll() is not None for proc in procs), "one of the two to exit", 120)
         refused = next(i for i, proc in enumerate(procs) if proc.poll() is not None)

@@ -89,3 +89,20 @@ def test_a_second_up_on_the_same_data_dir_is_refused(stack: UpStack) -> None:
     assert code == 1, second.log()
     assert f"another carpool up (pid {stack.proc.pid}) is running with its Redis data in {stack.data_dir}" in second.log()
     assert stack.proc.poll() is None  # the first one runs on
+
+
+@pytest.mark.slow
+def test_up_says_so_when_its_worker_waits_for_a_redis_that_does_not_answer(tmp_path: Path) -> None:
+    """`--redis-url` naming a Redis that is down: once the model is loaded, up's own output says that the worker
+    waits for it (where before nothing did), and a stop meanwhile ends up cleanly."""
+    from gateway.cli.embedded_redis import free_port
+
+    url = f"redis://:pw-xq7z@127.0.0.1:{free_port()}/0"
+    stack = start_up(tmp_path, "--redis-url", url, wait="carpool: waiting")
+    try:
+        said = stack.log()
+        assert f"it waits for Redis at redis://:***@127.0.0.1:" in said, said
+        assert "pw-xq7z" not in said and "Traceback" not in said
+    finally:
+        code = stack.stop()
+    assert code == 0, stack.log()
