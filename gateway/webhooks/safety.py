@@ -86,10 +86,19 @@ def _unmapped(ip: IPAddress) -> IPAddress:
     return ip
 
 
+SIX_TO_FOUR_RELAY = ipaddress.ip_network("192.88.99.0/24")
+"""The deprecated 6to4 relay anycast block (RFC 7526), which Python still counts as global."""
+
+
 def is_public(ip: IPAddress) -> bool:
-    """Globally routable unicast: not loopback, private, link-local, shared, reserved or multicast."""
+    """Globally routable unicast: not loopback, private, link-local, shared, reserved or multicast. Python counts
+    some reserved IPv6 blocks as global: ``::/8``, where the IPv4-compatible (``::10.0.0.1``) and IPv4-translated
+    (``::ffff:0:10.0.0.1``) forms and the local-use NAT64 prefix ``64:ff9b:1::/48`` lie, and the deprecated
+    site-local ``fec0::/10``; those are refused too."""
     ip = _unmapped(ip)
-    return ip.is_global and not ip.is_multicast and not ip.is_unspecified
+    if isinstance(ip, ipaddress.IPv6Address) and (ip.is_reserved or ip.is_site_local):
+        return False
+    return ip.is_global and not ip.is_multicast and not ip.is_unspecified and ip not in SIX_TO_FOUR_RELAY
 
 
 def check_address(host: str, ip: IPAddress, allow: Allowlist) -> None:
