@@ -11,14 +11,17 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping, Sequence
 
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from gateway.webhooks.config import WebhookConfig
 from gateway.webhooks.dispatcher import WebhookDispatcher
 from gateway.webhooks.metrics import WebhookMetrics, dispatcher_http_app
 from gateway.webhooks.signing import generate_secret
+from gateway.webhooks.store import DeliveryStore
 from scheduler.protocol.keys import DEFAULT_PREFIX, Keys, check_key_prefix
 from scheduler.protocol.redis_client import REDIS_TIMEOUT_S, RedisRefused, check_access, check_redis_url, redacted_url
 from scheduler.protocol.redis_client import connect as connect_redis
@@ -46,6 +49,10 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespac
     parser.add_argument("--key-prefix", default=env.get("CARPOOL_KEY_PREFIX", DEFAULT_PREFIX),
                         help="prefix of every Redis key [env CARPOOL_KEY_PREFIX]")
     parser.add_argument("--generate-secret", action="store_true", help="print a new whsec_ signing secret and exit")
+    parser.add_argument("--replay-dead", metavar="IDS",
+                        help="put dead-lettered deliveries (`carpool:webhooks:dead`) back on the webhook stream, each "
+                             "under its own webhook-id, and exit: `all`, or delivery ids (msg_...) separated by commas; "
+                             "a running dispatcher sends them")
     parser.add_argument("--log-level", default=env.get("CARPOOL_LOG_LEVEL", "INFO"), help="[env CARPOOL_LOG_LEVEL]")
     parser.add_argument("--metrics-host", default=env.get("CARPOOL_METRICS_HOST", "127.0.0.1"),
                         help="address of the /metrics and /healthz server (default 127.0.0.1: loopback unless set; the "
@@ -99,6 +106,43 @@ async def serve(redis_url: str, keys: Keys, config: WebhookConfig, telemetry: Te
         await client.aclose()
 
 
+def replay_dead(args: argparse.Namespace, config: WebhookConfig) -> int:
+    """`--replay-dead`: 0 when every delivery asked for went back on the stream, 1 when some were not in the dead
+    stream (or live again), 2 for a malformed setting."""
+    wanted = None if args.replay_dead.strip() == "all" else {i.strip() for i in args.replay_dead.split(",") if i.strip()}
+    if wanted is not None and not wanted:
+        print("carpool webhooks: --replay-dead: give `all` or delivery ids separated by commas", file=sys.stderr)
+        return 2
+    try:
+        check_redis_url(args.redis_url)
+        check_key_prefix(args.key_prefix)
+    except ValueError as e:
+        print(f"carpool webhooks: {e}", file=sys.stderr)
+        return 2
+
+    async def run() -> list[str]:
+        client = connect_redis(args.redis_url, timeout_s=args.redis_timeout_s)
+        try:
+            store = DeliveryStore(client, Keys(args.key_prefix), ttl_s=config.webhook_ttl_s)
+            return await store.replay_dead(wanted, now=time.time())
+        finally:
+            await client.aclose()
+
+    try:
+        moved = asyncio.run(run())
+    except (RedisRefused, RedisError, OSError) as e:
+        print(f"carpool webhooks: Redis at {redacted_url(args.redis_url)}: {e}", file=sys.stderr)
+        return 1
+    print(f"replayed {len(moved)} dead-lettered deliver{'y' if len(moved) == 1 else 'ies'}"
+          + (f": {', '.join(moved)}" if moved else ""))
+    missing = sorted(wanted - set(moved)) if wanted is not None else []
+    if missing:
+        print(f"carpool webhooks: not in {Keys(args.key_prefix).webhooks_dead} as dead deliveries: "
+              f"{', '.join(missing)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv, os.environ)
     if args.generate_secret:
@@ -113,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"carpool webhooks: {e}", file=sys.stderr)
         return 2
+    if args.replay_dead is not None:
+        return replay_dead(args, config)
     if config.webhook_secret is None:
         print("carpool webhooks: --webhook-secret (or CARPOOL_WEBHOOK_SECRET) is required", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from scheduler.protocol import state_machine
 from scheduler.protocol.keys import DEFAULT_DEAD_MAXLEN, WEBHOOK_GROUP, Keys
 from scheduler.protocol.redis_client import ensure_group
+from scheduler.protocol.redis_replies import as_bytes, bytes_hash
 from scheduler.protocol.webhooks import AttemptOutcome, AttemptRecord, Decision
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,29 @@ class DeliveryStore:
             args=[claimed.delivery_id, claimed.token, decision.outcome.value, repr(next_at or 0.0), record.pack(),
                   repr(now), self._ttl_s, self._dead_maxlen, decision.reason or "", k.webhook_delivery("")],
         ))
+
+    async def replay_dead(self, delivery_ids: set[str] | None, *, now: float) -> list[str]:
+        """Put the dead-lettered deliveries named (None: every one) back on the webhook stream, each under its
+        own id; the ids moved, in the dead stream's order. Entries that record a malformed stream entry, not a
+        delivery, stay."""
+        k = self._keys
+        replay = self._redis.register_script(state_machine.WEBHOOK_REPLAY)
+        moved: list[str] = []
+        cursor = "-"
+        while True:
+            page = [(as_bytes(entry_id), bytes_hash(fields or {}))
+                    for entry_id, fields in await self._redis.xrange(k.webhooks_dead, min=cursor, count=500) or []
+                    if entry_id is not None]
+            for entry_id, fields in page:
+                raw_id = fields.get(b"id")
+                delivery_id = None if raw_id is None else raw_id.decode(errors="replace")
+                if delivery_id is None or (delivery_ids is not None and delivery_id not in delivery_ids):
+                    continue
+                if await replay(keys=[k.webhooks, k.webhooks_dead], args=[entry_id, repr(now), k.webhook_delivery("")]):
+                    moved.append(delivery_id)
+            if len(page) < 500:
+                return moved
+            cursor = "(" + page[-1][0].decode()
 
     async def release(self, claimed: Claimed, *, now: float) -> bool:
         """Hand an unfinished attempt back so the next dispatcher poll retries it at once."""

@@ -687,6 +687,27 @@ return 1
 """Dispatcher holding the claim, shutting down: ``sending`` → ``pending``, due again at once.
 KEYS: delivery, retry zset. ARGV: id, claim token, now. Returns 0 when the claim lapsed."""
 
+WEBHOOK_REPLAY = """
+local entry = redis.call('XRANGE', KEYS[2], ARGV[1], ARGV[1])[1]
+if not entry then return 0 end
+local flat, f = entry[2], {}
+for i = 1, #flat, 2 do f[flat[i]] = flat[i + 1] end
+if not f['id'] or not f['payload'] then return 0 end
+local dkey = ARGV[3] .. f['id']
+local state = redis.call('HGET', dkey, 'state')
+if state and state ~= 'dead' then return 0 end
+redis.call('DEL', dkey)
+redis.call('XADD', KEYS[1], '*', 'id', f['id'], 'job_id', f['job_id'], 'event', f['event'], 'url', f['url'],
+  'payload', f['payload'], 'created_at', ARGV[2])
+redis.call('XDEL', KEYS[2], ARGV[1])
+return 1
+"""
+"""Operator: a dead-lettered delivery (the dead stream's entry ARGV[1]) back on the webhook stream under its own
+id, so the receiver sees the same ``webhook-id``; its dead delivery hash is dropped first (ingest keeps an id it
+has seen), and the dead entry goes. An entry that is no delivery (a malformed stream entry's record) or whose
+delivery lives again is left alone.
+KEYS: webhook stream, webhook dead stream. ARGV: dead entry id, now, delivery key prefix. Returns 1 when moved."""
+
 # ---- batches: the gateway's batch routes and driver -----------------------------------------------
 
 FILE_DELETE = """

@@ -305,3 +305,34 @@ async def test_a_stored_delivery_with_a_field_that_is_not_utf8_is_dead_lettered_
     ((_, dead),) = await redis_client.xrange(KEYS.webhooks_dead)
     assert dead[b"id"] == bad and b"not UTF-8" in dead[b"reason"]
     assert await redis_client.hget(KEYS.webhook_delivery("").encode() + bad, "state") == b"dead"
+
+
+async def test_a_dead_letter_is_replayed_under_its_own_webhook_id(redis_client, redis_url, receiver_factory,
+                                                                  secret, capsys) -> None:
+    """`carpool webhooks --replay-dead` puts a dead-lettered delivery back on the stream under its own id (the
+    receiver's dedupe knows it), and the dispatcher sends it; the dead stream's record of a malformed stream entry
+    stays, an id not there is said, and a second replay finds nothing."""
+    from gateway.webhooks.cli import main as webhooks_main
+
+    receiver = await receiver_factory(script=[Answer(500)] * 4, then=Answer(200))
+    async with WebhookDispatcher(redis_client, KEYS, fast_config(secret)):
+        delivery_id = await enqueue(redis_client, "job1", "completed", receiver.url)
+        await redis_client.xadd(KEYS.webhooks, {"id": "msg_x", "job_id": "job1", "event": "started"})
+        await wait_for(lambda: _dead_count(redis_client, 2))
+        assert receiver.accepted_count() == 0
+        argv = ["--redis-url", redis_url, "--key-prefix", KEYS.prefix, "--replay-dead"]
+        assert await asyncio.to_thread(webhooks_main, [*argv, f"{delivery_id},msg_nowhere"]) == 1
+        out, err = capsys.readouterr()
+        assert out == f"replayed 1 dead-lettered delivery: {delivery_id}\n"
+        assert "not in whtest:webhooks:dead as dead deliveries: msg_nowhere" in err
+        await asyncio.wait_for(receiver.accepted.wait(), WAIT_S)
+    assert [r.headers["webhook-id"] for r in receiver.received] == [delivery_id] * 5
+    assert receiver.received[-1].body == receiver.received[0].body
+    ((_, left),) = await redis_client.xrange(KEYS.webhooks_dead)
+    assert left[b"reason"] == b"invalid webhook delivery entry: missing field url"
+    assert await asyncio.to_thread(webhooks_main, [*argv, "all"]) == 0
+    assert capsys.readouterr().out == "replayed 0 dead-lettered deliveries\n"
+
+
+async def _dead_count(client: aioredis.Redis, n: int) -> bool:
+    return await client.xlen(KEYS.webhooks_dead) >= n
