@@ -95,14 +95,22 @@ class KeyStore:
         return sorted(out, key=lambda k: (k.tenant, k.created_at))
 
     async def revoke(self, key_id: str) -> bool:
-        """Delete a key by id; False when no such key exists."""
+        """Delete a key by id; False when no such key exists. The tenant's latest key left sets its fair-share
+        weight again (the revoked one may have set it); with none left, its jobs still waiting keep the last."""
         hashed = await self._redis.hget(self._keys.api_keys, key_id)
         if hashed is None:
             return False
+        record_key = self._keys.api_key(as_bytes(hashed).decode())
+        revoked = _record(await read_hash(self._redis, record_key))
         pipe = self._redis.pipeline(transaction=True)
-        pipe.delete(self._keys.api_key(as_bytes(hashed).decode()))
+        pipe.delete(record_key)
         pipe.hdel(self._keys.api_keys, key_id)
         await pipe.execute()
+        if revoked is not None:
+            left = [key for key in await self.list() if key.tenant == revoked.tenant]
+            if left:
+                latest = max(left, key=lambda key: key.created_at)
+                await self._redis.hset(self._keys.tenant_weights, revoked.tenant, latest.limits.weight)
         return True
 
 

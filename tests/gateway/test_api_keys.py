@@ -121,6 +121,23 @@ async def test_a_revoked_key_stops_working_on_every_gateway_within_a_second(keye
     await other.close()
 
 
+async def test_revoking_a_tenants_latest_key_gives_it_back_the_weight_of_the_one_left(redis_url: str) -> None:
+    """The tenant's latest key sets its fair-share weight; revoking that key hands the weight back to the latest
+    key left (what `keys list` and /v1/usage show), and with no key left the last weight stays for its jobs."""
+    client = aioredis.Redis.from_url(redis_url)
+    store = KeyStore(client, KEYS)
+    try:
+        _, heavy = await store.create("weighted", TenantLimits(weight=6))
+        _, light = await store.create("weighted", TenantLimits(weight=1))
+        assert await client.hget(KEYS.tenant_weights, "weighted") == b"1"
+        assert await store.revoke(light.id)
+        assert await client.hget(KEYS.tenant_weights, "weighted") == b"6"
+        assert await store.revoke(heavy.id)
+        assert await client.hget(KEYS.tenant_weights, "weighted") == b"6"
+    finally:
+        await client.aclose()
+
+
 async def test_a_tenant_sees_and_cancels_only_its_own_jobs_files_and_batches(keyed) -> None:
     url, key_a, key_b, client = keyed
     a, b = {"Authorization": f"Bearer {key_a}"}, {"Authorization": f"Bearer {key_b}"}
