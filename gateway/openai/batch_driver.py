@@ -86,12 +86,14 @@ class BatchDriver:
         """The fault each batch whose last step failed met (logged once while it repeats)."""
 
     async def run(self) -> None:
+        rounds = 0
         while True:
             try:
-                for raw in await self._redis.smembers(self._keys.batches_active):
-                    batch_id = as_bytes(raw).decode()
+                active = sorted(as_bytes(raw).decode() for raw in await self._redis.smembers(self._keys.batches_active))
+                for batch_id in in_turn(active, rounds):
                     if await self._lock(batch_id):
                         await self._step_apart(batch_id)
+                rounds += 1
             except REDIS_UNAVAILABLE as e:
                 self._outages.warn("batch driver", e)
             except Exception as e:
@@ -366,6 +368,16 @@ def _renames(endpoint: Endpoint, line: str) -> dict[str, str] | None:
         return parse_line(line, endpoint)[2]
     except LineError:
         return None
+
+
+def in_turn(batch_ids: list[str], round_number: int) -> list[str]:
+    """The active batches in the order round `round_number` steps them: each batch first in turn. With the batch
+    lane full, the first batch of a round takes the slots the finished jobs freed; were the order the same
+    every round, one batch (one tenant) would take them all while the others waited behind it."""
+    if not batch_ids:
+        return []
+    start = round_number % len(batch_ids)
+    return batch_ids[start:] + batch_ids[:start]
 
 
 def _loose_custom_id(line: str) -> str | None:

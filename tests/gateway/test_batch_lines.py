@@ -104,3 +104,15 @@ def test_an_error_is_kept_so_gateways_before_and_after_read_it() -> None:
     line_fault = LineError("invalid_json", "the line is not valid JSON")
     assert list(line_fault.fields(3)) == ["3"]
     assert unpack_error(line_fault.fields(3)["3"], None).status is None
+
+
+def test_every_active_batch_is_stepped_first_in_turn() -> None:
+    """With the batch lane full, the first batch a round steps takes the slots freed since the last: each round
+    starts with the next batch, so every batch (every tenant's) gets its turn at them."""
+    from gateway.openai.batch_driver import in_turn
+
+    batches = ["batch_a", "batch_b", "batch_c"]
+    firsts = [in_turn(batches, n)[0] for n in range(6)]
+    assert firsts == ["batch_a", "batch_b", "batch_c"] * 2
+    assert all(sorted(in_turn(batches, n)) == batches for n in range(6)), "each round steps every batch once"
+    assert in_turn([], 7) == []
