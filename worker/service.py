@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 from aiohttp import web
 
+from scheduler.protocol import state_machine
 from scheduler.protocol.keys import Keys
 from scheduler.protocol.lanes import Lane
 from scheduler.protocol.redis_client import is_refusal
@@ -49,25 +50,6 @@ MAX_NAME_CHECK_INTERVAL_S = 60.0
 
 class WorkerNameTaken(Exception):
     """Another live worker under the same key prefix has this worker's name."""
-
-
-# Renews the claim only while it is this worker's or lapsed (KEYS[1] the claim, ARGV[1] the worker's token,
-# ARGV[2] its time to live in ms): 1, or 0 where another worker holds it.
-_RENEW_CLAIM = """
-local held = redis.call('GET', KEYS[1])
-if held == false or held == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-return 0
-"""
-# Deletes the claim only while it is still this worker's (KEYS[1] the claim, ARGV[1] the worker's token).
-_RELEASE_CLAIM = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
 
 
 def claim_ttl_ms(heartbeat_interval_s: float, redis_timeout_s: float) -> int:
@@ -99,14 +81,14 @@ async def claim_name(client: aioredis.Redis, keys: Keys, name: str, token: str, 
 async def renew_name(client: aioredis.Redis, keys: Keys, name: str, token: str, ttl_ms: int) -> None:
     """Renew the claim on `name` of the worker holding `token`; raise WorkerNameTaken where another holds it now
     (this worker's claim lapsed, a Redis outage say, and another took the name meanwhile)."""
-    if not await client.eval(_RENEW_CLAIM, 1, keys.worker_claim(name), token, ttl_ms):
+    if not await client.eval(state_machine.RENEW_CLAIM, 1, keys.worker_claim(name), token, ttl_ms):
         raise WorkerNameTaken(f"another worker took the name {name!r} under the key prefix {keys.prefix!r} while "
                               "this one's claim had lapsed: stopping, to leave it the name")
 
 
 async def release_name(client: aioredis.Redis, keys: Keys, name: str, token: str) -> None:
     """Give the claim on `name` back, if it is still the worker's holding `token`."""
-    await client.eval(_RELEASE_CLAIM, 1, keys.worker_claim(name), token)
+    await client.eval(state_machine.RELEASE_KEY, 1, keys.worker_claim(name), token)
 
 
 async def check_name_is_free(client: aioredis.Redis, keys: Keys, name: str, heartbeat_interval_s: float) -> None:

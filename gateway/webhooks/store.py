@@ -52,6 +52,7 @@ class DeliveryStore:
         self._claim = redis.register_script(state_machine.WEBHOOK_CLAIM)
         self._settle = redis.register_script(state_machine.WEBHOOK_SETTLE)
         self._release = redis.register_script(state_machine.WEBHOOK_RELEASE)
+        self._replay = redis.register_script(state_machine.WEBHOOK_REPLAY)
 
     async def ensure_group(self) -> None:
         # From id 0: entries XADDed before any dispatcher ever ran are delivered too.
@@ -115,7 +116,6 @@ class DeliveryStore:
         own id; the ids moved, in the dead stream's order. Entries that record a malformed stream entry, not a
         delivery, stay."""
         k = self._keys
-        replay = self._redis.register_script(state_machine.WEBHOOK_REPLAY)
         moved: list[str] = []
         cursor = "-"
         while True:
@@ -127,7 +127,8 @@ class DeliveryStore:
                 delivery_id = None if raw_id is None else raw_id.decode(errors="replace")
                 if delivery_id is None or (delivery_ids is not None and delivery_id not in delivery_ids):
                     continue
-                if await replay(keys=[k.webhooks, k.webhooks_dead], args=[entry_id, repr(now), k.webhook_delivery("")]):
+                if await self._replay(keys=[k.webhooks, k.webhooks_dead],
+                                      args=[entry_id, repr(now), k.webhook_delivery("")]):
                     moved.append(delivery_id)
             if len(page) < 500:
                 return moved

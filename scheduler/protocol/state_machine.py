@@ -264,8 +264,20 @@ RELEASE_KEY = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-"""Gateway: forget an idempotency key only if it still names the job whose record has gone.
-KEYS: idempotency key. ARGV: job id."""
+"""Delete a string key only while it still holds the given value. Gateway: forget an idempotency key only if it
+still names the job whose record has gone; worker: give back its name's claim only if it still holds its token.
+KEYS: the key. ARGV: the value (job id, claim token)."""
+
+RENEW_CLAIM = """
+local held = redis.call('GET', KEYS[1])
+if held == false or held == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+"""Worker: renew the claim on its name while it is its own or has lapsed.
+KEYS: the name's claim. ARGV: the worker's token, time to live in ms. Returns 0 where another worker holds it."""
 
 # Count a decided job once in its tenant's usage, and settle its tokens/min reservation while the window it
 # was reserved in is still open: the reservation is replaced by the tokens really used.
