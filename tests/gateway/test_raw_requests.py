@@ -48,7 +48,7 @@ CASES = [
     # A body that is not what its Content-Encoding says.
     ("POST", "/v1/jobs", b"Content-Type: application/json\r\nContent-Encoding: gzip", b"garbage", 400, "body"),
     ("POST", "/v1/chat/completions", b"Content-Type: application/json\r\nContent-Encoding: deflate",
-     gzip.compress(b"{}"), 400, "cannot be read"),
+     gzip.compress(b"{}", mtime=0), 400, "cannot be read"),
     ("POST", "/v1/files", FORM + b"\r\nContent-Encoding: gzip", b"garbage", 400, "cannot be read"),
 ]
 
