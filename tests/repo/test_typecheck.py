@@ -20,7 +20,7 @@ STRICT = [
 
 def test_packages_type_check(monkeypatch: pytest.MonkeyPatch) -> None:
     # The packages named in [tool.mypy] resolve from the repository root, and its .mypy_cache keeps
-    # later runs incremental (a cold run reads all of torch's and transformers' types: tens of seconds).
+    # later runs incremental (a cold run reads all of torch's types: over ten seconds).
     monkeypatch.chdir(ROOT)
     report, errors, status = api.run(["--config-file", str(ROOT / "pyproject.toml")])
     assert status == 0, f"mypy found errors:\n{report}{errors}"
