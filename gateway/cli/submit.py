@@ -125,10 +125,14 @@ def report_interrupt(verb: str, what_goes_on: str | None) -> int:
 
 
 class GatewayError(Exception):
-    def __init__(self, status: int, body: dict[str, Any]) -> None:
+    """The gateway's refusal: its status, the field it names and its message, and when to try again where it
+    says so (``Retry-After``, with a 429 or a 503)."""
+
+    def __init__(self, status: int, body: dict[str, Any], retry_after: str | None = None) -> None:
         error = body.get("error", {}) if isinstance(body, dict) else {}
         where = f" ({error['field']})" if error.get("field") else ""
-        super().__init__(f"HTTP {status}{where}: {error.get('message', body)}")
+        again = f" (try again in {retry_after} s)" if retry_after is not None and retry_after.isdigit() else ""
+        super().__init__(f"HTTP {status}{where}: {error.get('message', body)}{again}")
         self.status = status
 
 
@@ -145,7 +149,7 @@ def _send(method: str, url: str, body: dict[str, Any] | None, headers: dict[str,
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status, read_json(resp.read(), url)
     except urllib.error.HTTPError as e:
-        raise GatewayError(e.code, error_answer(e, url)) from e
+        raise GatewayError(e.code, error_answer(e, url), e.headers.get("Retry-After")) from e
 
 
 def error_answer(error: urllib.error.HTTPError, url: str) -> dict[str, Any]:

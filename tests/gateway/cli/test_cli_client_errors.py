@@ -17,10 +17,13 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.app import init_app
 from gateway.cli.main import main
+from gateway.config import GatewayConfig
 from scheduler.protocol.keys import Keys
 from tests.harness.child_env import child_pythonpath
 from tests.harness.fixed_answer import answering
+from tests.harness.gateway_server import GatewayTestServer
 from tests.harness.worker_harness import wait_until
 
 REPO = Path(__file__).resolve().parents[3]
@@ -214,3 +217,22 @@ def test_the_built_in_model_note_reads_any_json_readyz_answers(answer: bytes) ->
 
     with answering(200, answer) as url:
         assert _is_builtin_model(url, "worker-1") is False
+
+
+async def test_a_full_lane_says_when_to_submit_again(redis_url: str, capsys) -> None:
+    """A 429 (and a 503) carries ``Retry-After``: `carpool submit` says it in its one line, so a script or a person
+    knows how long to wait rather than trying again at once."""
+    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, max_lane_depth={"batch": 1}, retry_after_s=7)
+    server = GatewayTestServer(init_app(config), host="127.0.0.1")
+    await server.start_server()
+    try:
+        url = str(server.make_url("")).rstrip("/")
+        argv = ["submit", "x", "--lane", "batch", "--gateway", url]
+        assert await asyncio.to_thread(main, argv, {}) == 0  # queued: no worker reads it
+        capsys.readouterr()
+        assert await asyncio.to_thread(main, argv, {}) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("carpool submit: refused: HTTP 429 (lane): lane batch is full"), err
+        assert err.rstrip().endswith("(try again in 7 s)"), err
+    finally:
+        await server.close()
