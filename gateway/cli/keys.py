@@ -13,7 +13,7 @@ from pathlib import Path
 import redis
 
 from gateway.api_keys import KeyStore
-from gateway.cli.redis_cli import choose_redis_url
+from gateway.cli.redis_cli import cannot_reach, choose_redis_url
 from scheduler.protocol.keys import DEFAULT_PREFIX, Keys
 from scheduler.protocol.redis_client import connect as connect_redis
 from scheduler.protocol.redis_client import redacted_url, refusal_reason
@@ -61,8 +61,7 @@ def run_keys(args: argparse.Namespace, env: Mapping[str, str], default_data_dir:
         print(f"carpool keys: Redis at {redacted_url(redis_url)} refuses it: {refusal_reason(e)}", file=sys.stderr)
         return 1
     except (redis.ConnectionError, redis.TimeoutError) as e:
-        print(f"carpool keys: cannot reach Redis at {redacted_url(redis_url)} ({e}); is `carpool up` running, or is it another "
-              "deployment's Redis (--redis-url)?", file=sys.stderr)
+        print(f"carpool keys: {cannot_reach(redis_url, e)}", file=sys.stderr)
         return 1
     except redis.RedisError as e:  # something answered, but not as a Redis that takes these commands
         print(f"carpool keys: Redis at {redacted_url(redis_url)} failed: {type(e).__name__}: {e}; is that address a Redis server "

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from gateway.cli.embedded_redis import DEFAULT_REDIS_URL, REDIS_URL_FILE
+from gateway.cli.embedded_redis import DEFAULT_REDIS_PORT, DEFAULT_REDIS_URL, REDIS_URL_FILE
+from scheduler.protocol.redis_client import redacted_url
 
 USAGE = "usage: carpool redis-cli [--redis-url URL] [--data-dir DIR] [redis-cli arguments…]"
 
@@ -87,8 +89,36 @@ def main(argv: Sequence[str], env: Mapping[str, str], default_data_dir: Path) ->
     except ValueError as e:
         print(f"carpool redis-cli: {e}", file=sys.stderr)
         return 2
+    unreachable = tcp_unreachable(url)
+    if unreachable is not None:
+        # redis-cli's own "Could not connect" would not say which Redis it was meant to be, or where the URL came from.
+        print(f"carpool redis-cli: {cannot_reach(url, unreachable)}", file=sys.stderr)
+        return 1
     url, auth_env = redis_cli_connection(url)
     return subprocess.run([binary, "-u", url, *args], env={**os.environ, **auth_env}).returncode
+
+
+def cannot_reach(redis_url: str, error: object) -> str:
+    """What a client verb says of a Redis it cannot connect to: where it looked, and where else it might be."""
+    return (f"cannot reach Redis at {redacted_url(redis_url)} ({error}); is `carpool up` running, or is it another "
+            "deployment's Redis (--redis-url)?")
+
+
+def tcp_unreachable(redis_url: str, timeout_s: float = 5.0) -> OSError | None:
+    """Why nothing accepts a TCP connection at a ``redis://`` or ``rediss://`` URL's address (None: something
+    does, or the URL is another kind, a Unix socket's, or one redis-cli is left to refuse)."""
+    try:
+        parts = urlsplit(redis_url)
+        host, port = parts.hostname, parts.port or DEFAULT_REDIS_PORT
+    except ValueError:
+        return None
+    if parts.scheme not in ("redis", "rediss") or not host:
+        return None
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        return e
+    return None
 
 
 def redis_cli_connection(redis_url: str) -> tuple[str, dict[str, str]]:

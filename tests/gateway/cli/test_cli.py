@@ -190,6 +190,22 @@ def test_keys_reports_an_unreachable_redis(capsys: pytest.CaptureFixture[str]) -
     assert len(err.strip().splitlines()) == 1
 
 
+def test_redis_cli_names_the_redis_it_cannot_reach_and_where_to_look(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """redis-cli's own "Could not connect" names an address only: whichever way the URL was found (a flag, the
+    environment, a data directory's `carpool up`), `carpool redis-cli` says it in one line, as `carpool keys` does."""
+    from gateway.cli.redis_cli import REDIS_URL_FILE
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    (tmp_path / REDIS_URL_FILE).write_text(url)  # a `carpool up` that has stopped
+    for argv, env in [(["redis-cli", "--redis-url", url, "PING"], {}), (["redis-cli", "PING"], {"CARPOOL_REDIS_URL": url}),
+                      (["redis-cli", "--data-dir", str(tmp_path), "PING"], {})]:
+        assert main(argv, env=env) == 1
+        err = capsys.readouterr().err
+        assert err == (f"carpool redis-cli: cannot reach Redis at {url} ([Errno 111] Connection refused); is `carpool "
+                       "up` running, or is it another deployment's Redis (--redis-url)?\n"), err
+
+
 def test_keys_reports_a_server_that_is_not_redis(capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as listener:  # answers every connection with an HTTP error, as a web server would
         listener.bind(("127.0.0.1", 0))
