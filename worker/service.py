@@ -164,9 +164,11 @@ class WorkerService:
         """A read may have been delivered entries whose reply never came (a read failed), or an earlier process
         of this worker's name left some: look for this consumer's own pending entries before the next read."""
         self._redis_down_at = -math.inf
-        """When a loop last found Redis unavailable (monotonic): for a lease after it, only handed-back entries
-        are reclaimed, since every other worker's leases lapsed during the outage too and need a lease to be
-        renewed (they renew every lease / 3)."""
+        """When a loop last found Redis unavailable (monotonic)."""
+        self._redis_back_at = -math.inf
+        """When the intake's loop first reached Redis again after `_redis_down_at` (monotonic): for a lease after
+        that, only handed-back entries are reclaimed, since every other worker's leases lapsed during the outage
+        too and each worker renews them within `REDIS_RETRY_S` of reaching Redis again (`_leases`)."""
         self._pubsub: Any = None
         self._http: web.AppRunner | None = None
         self._claim_token = os.urandom(16).hex()
@@ -376,7 +378,7 @@ class WorkerService:
                     await self._adopt_strays(reclaim_every_s)
                 if time.monotonic() >= next_reclaim or self.reclaim_now.is_set():
                     self.reclaim_now.clear()
-                    after_outage = time.monotonic() - self._redis_down_at < self.config.lease_s
+                    after_outage = time.monotonic() - self._reached_redis_after_outage() < self.config.lease_s
                     reclaimed = await self.consumer.reclaim(free, handed_back_only=after_outage)
                     self.metrics.leases_reclaimed(e.lane.value for e in reclaimed)
                     entries += reclaimed
@@ -390,6 +392,13 @@ class WorkerService:
                 await self._redis_down("intake", e)  # entries already taken are still admitted below
             if entries:
                 self._admit(entries, admissions)
+
+    def _reached_redis_after_outage(self) -> float:
+        """When this loop first reached Redis after the last outage any loop found (monotonic; now, the first
+        time after it): the start of the lease in which the other workers' lapsed leases are theirs to renew."""
+        if self._redis_back_at < self._redis_down_at:
+            self._redis_back_at = time.monotonic()
+        return self._redis_back_at
 
     async def _adopt_strays(self, interval_s: float) -> None:
         """This worker's slice, when it is its turn, of the fleet's walk for tenant streams outside the active sets.
@@ -431,9 +440,12 @@ class WorkerService:
     # --- leases, cancellation, heartbeat ----------------------------------------------------------
 
     async def _leases(self) -> None:
+        retrying = False
         while True:
             raise_if_cancelled()
-            await asyncio.sleep(self.config.lease_s / 3)
+            if not retrying:
+                await asyncio.sleep(self.config.lease_s / 3)
+            retrying = False
             by_entry = {job.entry: job_id for job_id, job in self.job_loop.jobs.items()}
             # Also the entries whose admission or commit waits for an unavailable Redis.
             waiting = self.intake.admitting | self.job_loop.commits.retrying
@@ -442,7 +454,10 @@ class WorkerService:
             try:
                 lost = await self.consumer.renew({*by_entry, *waiting})
             except REDIS_ERRORS as e:
+                # Tried again `REDIS_RETRY_S` later, not a third of a lease: the leases lapsed in the outage are
+                # renewed as soon as Redis is back, before another worker's grace after it (`_redis_back_at`) ends.
                 await self._redis_down("lease renewal", e)
+                retrying = True
                 continue
             for ref in lost:
                 if ref in by_entry:
