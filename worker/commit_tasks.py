@@ -10,7 +10,7 @@ from scheduler.telemetry.log_format import job_context
 from scheduler.telemetry.otel import span_of_traceparent
 from worker.job_store import EntryRef, JobStore, Outcome
 from worker.metrics import WorkerMetrics
-from worker.redis_errors import REDIS_RETRY_S, is_redis_down, outage_log
+from worker.redis_errors import RetryDelay, is_redis_down, outage_log
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class CommitTasks:
         another worker took the entry while Redis was away: whichever result is written first decides the job,
         and the other worker drops its run at its next renewal."""
         entry = outcome.entry
+        delay = RetryDelay()
         try:
             while True:
                 try:
@@ -67,7 +68,10 @@ class CommitTasks:
                         self.num_given_up += 1
                         raise
                     self._outages.warn("commits", e, f"job {outcome.job_id} waits to be written")
-                await asyncio.sleep(REDIS_RETRY_S)
+                    wait_s = delay.after(e)
+                    if self.give_up_at is not None:  # not past the shutdown's deadline for commits
+                        wait_s = min(wait_s, max(self.give_up_at - time.monotonic(), 0.0))
+                await asyncio.sleep(wait_s)
         finally:
             if entry is not None:
                 self.retrying.discard(entry)

@@ -47,7 +47,7 @@ from worker.consumer import Entry
 from worker.job_loop import JobLoop
 from worker.job_store import EntryRef, JobStart, JobStore, Outcome, checkpoint_outcome, pack
 from worker.metrics import WorkerMetrics
-from worker.redis_errors import REDIS_RETRY_S, is_redis_down, outage_log
+from worker.redis_errors import RetryDelay, is_redis_down, outage_log
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ class EntryIntake:
         stays here, its lease renewed (``admitting``), instead of going back to be redelivered and counted
         against max_deliveries. Every move of admission is safe to repeat (START by `start_token`, which makes a
         repeat answer as the first did). Given up when the worker stops or the entry is no longer ours."""
+        delay = RetryDelay()
         while True:
             try:
                 await self._take_one(entry, start_token)
@@ -124,7 +125,8 @@ class EntryIntake:
                 if not is_redis_down(e) or self.is_draining or entry.ref not in self.admitting:
                     raise
                 self._outages.warn("admissions", e, f"entry {entry.ref} waits to start")
-            await asyncio.sleep(REDIS_RETRY_S)
+                wait_s = delay.after(e)
+            await asyncio.sleep(wait_s)
 
     async def _dead_letter_unadmittable(self, entry: Entry, error: Exception) -> None:
         """The last resort for an entry whose start keeps failing: fail its job if its id can be read,

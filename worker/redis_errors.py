@@ -28,6 +28,28 @@ REDIS_RETRY_S = 0.5
 """How long a loop that found Redis unavailable waits before it tries again."""
 
 
+MAXMEMORY_RETRY_MAX_S = 4.0
+"""The longest wait between tries of a write Redis keeps refusing at maxmemory (`RetryDelay`)."""
+
+
+class RetryDelay:
+    """How long a write Redis refused for now (`is_redis_down`) waits before its next try: `REDIS_RETRY_S` while
+    Redis cannot be reached, and, for a write refused at maxmemory, twice as long with each refusal in a row up to
+    `MAXMEMORY_RETRY_MAX_S`. Every try of a refused write holds its arguments in Redis's memory while Redis reads
+    and refuses them: a 2 MB job start tried every half second keeps memory over the limit much of the time, and
+    with it every smaller write out, the worker's own reads and heartbeats too."""
+
+    def __init__(self) -> None:
+        self._refusals = 0
+
+    def after(self, error: BaseException) -> float:
+        if not is_out_of_memory(error):
+            self._refusals = 0
+            return REDIS_RETRY_S
+        self._refusals += 1
+        return min(REDIS_RETRY_S * 2 ** min(self._refusals - 1, 16), MAXMEMORY_RETRY_MAX_S)
+
+
 def is_redis_down(error: BaseException) -> bool:
     """Whether ``error`` says Redis is unavailable for now: unreachable, or at maxmemory refusing writes."""
     return isinstance(error, REDIS_DOWN) or is_out_of_memory(error)

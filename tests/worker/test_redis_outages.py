@@ -257,6 +257,34 @@ async def test_an_admission_waiting_out_maxmemory_holds_up_no_other_entry(engine
         server.stop()
 
 
+async def test_a_write_refused_at_maxmemory_is_tried_ever_less_often_and_an_unreachable_redis_every_half_second(
+        tmp_path) -> None:
+    """Each try of a refused write holds its arguments in Redis while Redis refuses them: refused at maxmemory,
+    the tries back off (0.5, 1, 2, then every 4 s), and a Redis that cannot be reached, whose tries cost it
+    nothing, is tried every 0.5 s again."""
+    from gateway.cli.embedded_redis import free_port
+    from worker.redis_errors import REDIS_DOWN, RetryDelay, is_redis_down
+
+    server = EmbeddedRedis(tmp_path / "redis", is_persistent=False).start()
+    client = aioredis.Redis.from_url(server.url)
+    gone = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        await client.config_set("maxmemory", 1)
+        with pytest.raises(aioredis.OutOfMemoryError) as refused:
+            await client.set("x", "y" * 1000)
+        with pytest.raises(REDIS_DOWN) as unreachable:
+            await gone.ping()
+    finally:
+        await gone.aclose()
+        await client.aclose()
+        server.stop()
+    assert is_redis_down(refused.value) and is_redis_down(unreachable.value)
+    delay = RetryDelay()
+    assert [delay.after(refused.value) for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    assert delay.after(unreachable.value) == 0.5
+    assert delay.after(refused.value) == 0.5  # a new run of refusals starts over
+
+
 def test_a_worker_started_before_its_redis_waits_for_it_then_serves(tiny_model, tmp_path):
     """A cluster coming up in any order: the worker says it waits (no traceback), answers its health checks
     meanwhile (alive, not ready: a startup probe does not count the outage), and takes jobs once Redis is up; a
