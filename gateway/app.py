@@ -52,7 +52,8 @@ def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.A
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[telemetry_middleware(metrics), error_middleware(config.retry_after_s, config.max_body_bytes,
-                                                                        config.max_batch_file_bytes),
+                                                                        config.max_batch_file_bytes,
+                                                                        config.body_timeout_s),
                      auth_middleware(config.api_keys)],
     )
     app[appkeys.CONFIG] = config

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from gateway.webhooks.config import WebhookConfig
@@ -48,6 +50,9 @@ class GatewayConfig:
     redis_pool_timeout_s: float = field(default=10.0, metadata={"help": "longest wait for a free pooled Redis connection before the request is answered 503"})
     redis_timeout_s: float = field(default=REDIS_TIMEOUT_S, metadata={"help": "longest wait for Redis to connect or to answer one command; past it the request is answered 503"})
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "largest accepted request body"})
+    body_timeout_s: float = field(default=30.0, metadata={"help": (
+        "a request whose body stops arriving (no byte of it for this many seconds) is answered 408 and its "
+        "connection closed; a body that keeps coming, however slowly, is waited for")})
     shutdown_grace_s: float = field(default=5.0, metadata={"help": "seconds open requests get to finish at shutdown"})
     keepalive_timeout_s: float = field(default=75.0, metadata={"help": (
         "seconds an idle keep-alive connection stays open (a client that sends nothing holds no connection longer)")})
@@ -95,3 +100,5 @@ class GatewayConfig:
                      "model_heartbeat_max_age_s", "batch_poll_interval_s", "keepalive_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if not 0 < self.body_timeout_s < math.inf:
+            raise ValueError(f"body_timeout_s: must be a positive number of seconds, got {self.body_timeout_s}")

@@ -16,11 +16,12 @@ endpoint carpool lacks (``POST /v1/embeddings``) gets OpenAI's shape and
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 from aiohttp.typedefs import Middleware
 from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_urldispatcher import MatchInfoError
@@ -66,9 +67,11 @@ FORM_OVERHEAD_BYTES = 64 * 1024
 """What an upload's multipart body may hold beside its file (the boundaries, the purpose and expiry fields)."""
 
 
-def error_middleware(retry_after_s: int, max_body_bytes: int, max_file_bytes: int | None = None) -> Middleware:
+def error_middleware(retry_after_s: int, max_body_bytes: int, max_file_bytes: int | None = None,
+                     body_timeout_s: float | None = None) -> Middleware:
     """The middleware, with the ``Retry-After`` seconds it sends with a 503 and the body limit a 413 names; a
-    body announced larger than the limit (`max_file_bytes` for an upload) is refused before any of it is read.
+    body announced larger than the limit (`max_file_bytes` for an upload) is refused before any of it is read,
+    and one that stops arriving (no byte of it for `body_timeout_s`) is answered 408 and its connection closed.
 
     On the OpenAI routes every error takes OpenAI's shape instead (``{"error": {"message", "type",
     "param", "code"}}``), and their handlers may raise `OpenAIError`.
@@ -86,7 +89,22 @@ def error_middleware(retry_after_s: int, max_body_bytes: int, max_file_bytes: in
                                                "bytes", param="file", code="file_too_large")
                 elif announced > max_body_bytes:
                     raise web.HTTPRequestEntityTooLarge(max_size=max_body_bytes, actual_size=announced)
-            return await handler(request)
+            if body_timeout_s is None or not request.body_exists:
+                return await handler(request)
+            return await _handle_while_the_body_arrives(request, handler, body_timeout_s)
+        except BodyStalled as e:
+            message = f"the request body stopped arriving: no byte of it for {e.timeout_s:g} s (--body-timeout-s)"
+            if is_openai:
+                response = openai_error_response(408, f"body: {message}", param="body", code="request_timeout")
+            else:
+                response = error_response(408, "request_timeout", message, field="body")
+            # Sent now and the connection closed after it: aiohttp would otherwise go on reading the rest of the
+            # body for its lingering time (10 s) before closing.
+            response.force_close()
+            await response.prepare(request)
+            await response.write_eof()
+            request.protocol.force_close()
+            return response
         except OpenAIError as e:
             return e.response()
         except web.HTTPException as e:
@@ -118,6 +136,47 @@ def error_middleware(retry_after_s: int, max_body_bytes: int, max_file_bytes: in
             return error_response(500, "server_error", "internal error; it has been logged")
 
     return errors
+
+
+class BodyStalled(Exception):
+    """A request's body stopped arriving before all of it came: no byte of it for `timeout_s`."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"no byte of the request body for {timeout_s:g} s")
+        self.timeout_s = timeout_s
+
+
+async def _handle_while_the_body_arrives(request: web.Request, handler: Handler, timeout_s: float) -> web.StreamResponse:
+    """The handler's answer, or `BodyStalled` where the request's body stops arriving: whatever the handler awaits
+    then (the body, mostly) is cancelled once no byte of it came for `timeout_s`. A body that keeps coming,
+    however slowly, is waited for; once all of it is in, the handler has no deadline (a long poll, a stream)."""
+    deadline = asyncio.timeout(None)
+    try:
+        async with deadline:
+            watch = asyncio.create_task(_watch_body(request.content, deadline, timeout_s), name="request body watch")
+            try:
+                return await handler(request)
+            finally:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
+    except TimeoutError:
+        if deadline.expired():
+            raise BodyStalled(timeout_s) from None
+        raise
+
+
+async def _watch_body(content: StreamReader, deadline: asyncio.Timeout, timeout_s: float) -> None:
+    """Keep `deadline` `timeout_s` (and a check's interval) past the last time the body grew, until all of it is
+    in; then lift it."""
+    loop = asyncio.get_running_loop()
+    check_s = timeout_s / 4
+    received = -1
+    while not content.is_eof():
+        if content.total_bytes != received:
+            received = content.total_bytes
+            deadline.reschedule(loop.time() + timeout_s + check_s)
+        await asyncio.sleep(check_s)
+    deadline.reschedule(None)
 
 
 POOL_EXHAUSTED = "No connection available"

@@ -102,6 +102,55 @@ async def test_a_client_that_hangs_up_mid_body_is_counted_as_gone_not_as_a_serve
     assert "499" in statuses and not any(s.startswith("5") for s in statuses), statuses
 
 
+@pytest.fixture
+async def impatient_gateway_port(redis_url: str):
+    """A gateway that waits 1 s for the next byte of a request's body."""
+    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, body_timeout_s=1.0)
+    server = GatewayTestServer(init_app(config), host="127.0.0.1")
+    await server.start_server()
+    yield server.port
+    await server.close()
+
+
+@pytest.mark.parametrize(("path", "headers", "start"), [
+    ("/v1/jobs", b"Content-Type: application/json", b'{"prompt"'),
+    ("/v1/chat/completions", b"Content-Type: application/json", b'{"model"'),
+    ("/v1/files", FORM, b'--abc\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{"cus'),
+])
+async def test_a_body_that_stops_arriving_is_answered_408_and_its_connection_closed(impatient_gateway_port, path,
+                                                                                     headers, start) -> None:
+    """A client that announces a body and stops sending it (a stalled or hostile one) holds no connection or
+    handler beyond --body-timeout-s: it gets a 408 naming the body, in its route's error shape, and the
+    connection is closed; the gateway goes on serving."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", impatient_gateway_port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n".encode() + headers + b"\r\n\r\n"
+                 + start)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 30)  # read to the end: the server closes the connection
+    writer.close()
+    head, _, content = answer.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"408", answer
+    error = json.loads(content)["error"]
+    assert "the request body stopped arriving: no byte of it for 1 s" in error["message"], error
+    assert error.get("param", error.get("field")) == "body", error
+    got, answer = await _send(impatient_gateway_port, "POST", "/v1/jobs", b"Content-Type: application/json", JOB)
+    assert got == 202, answer
+
+
+async def test_a_slow_body_that_keeps_coming_is_waited_for(impatient_gateway_port) -> None:
+    """The timeout is between bytes, not for the whole body: one that trickles in over longer than it is taken."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", impatient_gateway_port)
+    writer.write(f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(JOB)}"
+                 "\r\nConnection: close\r\n\r\n".encode())
+    for i in range(0, len(JOB), 4):  # 2.4 s in all, 0.6 s between pieces
+        await asyncio.sleep(0.6)
+        writer.write(JOB[i:i + 4])
+        await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 30)
+    writer.close()
+    assert answer.split()[1] == b"202", answer
+
+
 @pytest.mark.parametrize(("path", "named"), [("/v1/jobs", "limit of"), ("/v1/chat/completions", "limit of"),
                                              ("/v1/files", "file_too_large")])
 async def test_a_body_announced_past_the_limit_is_refused_before_it_is_sent(gateway_port, path, named) -> None:
