@@ -163,6 +163,10 @@ async def test_submit_dash_reads_the_prompt_from_standard_input(
     assert await asyncio.to_thread(main, ["submit", "-", "--gateway", gateway_url], {}) == 2
     err = capsys.readouterr().err
     assert err == "carpool submit: the prompt read from standard input is not valid UTF-8 text\n", err
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"")))
+    assert await asyncio.to_thread(main, ["submit", "-", "--gateway", gateway_url], {}) == 2
+    err = capsys.readouterr().err
+    assert err == "carpool submit: prompt: standard input held no text (a job's prompt must be a non-empty string)\n", err
     client = aioredis.Redis.from_url(redis_url)
     try:
         (entry,) = await client.xrange(Keys().lane("standard"))

@@ -156,6 +156,13 @@ def test_generate_dash_reads_the_prompt_from_standard_input(tiny_model, capsys, 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff")))
     assert worker_main(["generate", "-", "--model", model], {}) == 2
     assert capsys.readouterr().err == "carpool generate: the prompt read from standard input is not valid UTF-8 text\n"
+    # An empty prompt is refused as a job's is (`carpool submit ""`), not run on the model.
+    assert worker_main(["generate", "", "--model", model], {}) == 2
+    assert capsys.readouterr().err == "carpool generate: prompt: must be a non-empty string (- reads it from standard input)\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"")))
+    assert worker_main(["generate", "-", "--model", model], {}) == 2
+    assert capsys.readouterr().err == ("carpool generate: prompt: standard input held no text (a job's prompt must be a "
+                                       "non-empty string)\n")
 
 
 @pytest.mark.parametrize("data_dir", ["/dev/null/sub", "{file}"])
