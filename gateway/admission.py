@@ -110,7 +110,7 @@ class JobIdTaken(InvalidJob):
 class LaneFull(Exception):
     def __init__(self, lane: Lane, depth: int, max_depth: int, num_needed: int = 1) -> None:
         room = f"lane {lane.value} is full" if num_needed == 1 else f"lane {lane.value} has no room for {num_needed} jobs"
-        super().__init__(f"{room} ({depth} jobs, at most {max_depth})")
+        super().__init__(f"{room} ({depth} {'job' if depth == 1 else 'jobs'}, at most {max_depth})")
         self.lane = lane
 
 

@@ -278,7 +278,7 @@ async def test_choices_are_admitted_to_a_lane_all_or_none(redis_url, redis) -> N
             await asyncio.sleep(0.05)
         with pytest.raises(openai.RateLimitError) as full:
             await svc.client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3, n=2)
-        assert full.value.code == "lane_full" and "no room for 2 jobs (1 jobs, at most 2)" in full.value.message
+        assert full.value.code == "lane_full" and "no room for 2 jobs (1 job, at most 2)" in full.value.message
         first.cancel()
         assert len([k async for k in redis.scan_iter(match=KEYS.job("cmpl-*"))]) == 1  # the first request's only
 

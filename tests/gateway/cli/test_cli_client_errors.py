@@ -240,6 +240,6 @@ async def test_a_full_lane_says_when_to_submit_again(redis_url: str, capsys) -> 
         assert await asyncio.to_thread(main, argv, {}) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("carpool submit: refused: HTTP 429 (lane): lane batch is full"), err
-        assert err.rstrip().endswith("(try again in 7 s)"), err
+        assert err.rstrip().endswith("lane batch is full (1 job, at most 1) (try again in 7 s)"), err
     finally:
         await server.close()
