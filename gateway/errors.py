@@ -28,7 +28,7 @@ from aiohttp.web_urldispatcher import MatchInfoError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from scheduler.protocol.redis_client import is_out_of_memory, is_refusal
+from scheduler.protocol.redis_client import is_out_of_memory, is_refusal, is_wrong_type
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 from scheduler.runtime.outage_log import describe
 
@@ -128,7 +128,7 @@ def error_middleware(retry_after_s: int, max_body_bytes: int, max_file_bytes: in
                 # Nobody reads the answer (a client that hung up, mid-body or mid-stream): no server fault either.
                 log.debug("%s %s: client gone: %s", request.method, request.path, describe(e))
                 return web.Response(status=CLIENT_CLOSED_REQUEST)
-            if isinstance(e, REDIS_UNAVAILABLE) or is_out_of_memory(e) or is_refusal(e):
+            if isinstance(e, REDIS_UNAVAILABLE) or is_out_of_memory(e) or is_refusal(e) or is_wrong_type(e):
                 return _redis_unavailable(request, e, retry_after_s, is_openai)
             log.exception("%s %s failed", request.method, request.path)
             if is_openai:
@@ -197,13 +197,17 @@ def _redis_unavailable(request: web.Request, error: Exception, retry_after_s: in
     elif is_refusal(error):
         # No wait mends it: the operator must give the gateway's Redis user what it needs.
         reason = f"Redis refuses this gateway's user a command it needs ({error})"
+    elif is_wrong_type(error):
+        # Nor this: a key of carpool's was overwritten with another type (a lane RPUSHed to, say).
+        reason = ("a key this request needs holds another Redis type than carpool's (WRONGTYPE: a lane stream "
+                  "overwritten with a list, say); an operator must delete or mend it (the workers' log names it)")
     elif isinstance(error, RedisConnectionError) and POOL_EXHAUSTED in str(error):
         # Redis is fine: this gateway has more requests waiting on it than connections to carry them.
         reason = ("every one of this gateway's pooled Redis connections stayed busy past --redis-pool-timeout-s "
                   "(--redis-max-connections bounds them)")
     else:
         reason = str(error) or type(error).__name__
-    if is_refusal(error):
+    if is_refusal(error) or is_wrong_type(error):
         log.error("%s %s: %s", request.method, request.path, reason)
     else:
         log.warning("%s %s: Redis unavailable: %s", request.method, request.path, reason)

@@ -20,7 +20,7 @@ from redis.typing import XReadGroupResponse
 from scheduler.protocol import state_machine
 from scheduler.protocol.keys import CONSUMER_GROUP, Keys
 from scheduler.protocol.lanes import LANES, Lane
-from scheduler.protocol.redis_client import ensure_group
+from scheduler.protocol.redis_client import ensure_group, is_wrong_type
 from scheduler.protocol.redis_replies import stream_entries
 from worker.job_store import EntryRef
 from worker.tenant_streams import Source, TenantStreams
@@ -78,8 +78,14 @@ class LaneConsumer:
         self._hand_back = client.register_script(state_machine.HAND_BACK)
 
     async def ensure_groups(self) -> None:
-        for stream in [*self.keys.lanes(), self.keys.wake]:
-            await ensure_group(self.client, stream, CONSUMER_GROUP)
+        streams = [*self.keys.lanes(), self.keys.wake]
+        for stream in streams:
+            try:
+                await ensure_group(self.client, stream, CONSUMER_GROUP)
+            except ResponseError as e:
+                if not is_wrong_type(e):
+                    raise
+        await self.tenants.check_types(streams)  # says which key is another type, and leaves it out
 
     async def read(self, free: int) -> list[Entry]:
         """At most `free` new entries: the slots are shared over the lanes by weight, and inside a lane over
@@ -114,6 +120,9 @@ class LaneConsumer:
                 count=max(1, free // (len(streams) + 1)), block=self.read_block_ms,
             )
         except ResponseError as e:
+            if is_wrong_type(e):
+                await self.tenants.check_types([*streams, self.keys.wake])
+                return []
             if "NOGROUP" not in str(e):
                 raise
             await self._repair([*streams, self.keys.wake])
@@ -153,6 +162,10 @@ class LaneConsumer:
         for (source, n), reply in zip(plan, await pipe.execute(raise_on_error=False)):
             if isinstance(reply, ResponseError) and "NOGROUP" in str(reply):
                 await self._repair([source.stream])
+                empty.append(source)
+                continue
+            if is_wrong_type(reply):  # made another type since the sources were learnt
+                await self.tenants.check_types([source.stream])
                 empty.append(source)
                 continue
             if isinstance(reply, Exception):
@@ -199,6 +212,9 @@ class LaneConsumer:
                 reply = await self.client.xautoclaim(stream, CONSUMER_GROUP, self.name, min_idle_ms,
                                                      start_id="0-0", count=free - len(out))
             except ResponseError as e:
+                if is_wrong_type(e):
+                    await self.tenants.check_types([stream])
+                    continue
                 if "NOGROUP" not in str(e):
                     raise
                 await self._repair([stream])
@@ -233,7 +249,9 @@ class LaneConsumer:
                 pending = await self.client.xpending_range(source.stream, CONSUMER_GROUP, min="-", max="+",
                                                            count=free + len(known), consumername=self.name)
             except ResponseError as e:
-                if "NOGROUP" not in str(e):
+                if is_wrong_type(e):
+                    await self.tenants.check_types([source.stream])
+                elif "NOGROUP" not in str(e):
                     raise
                 continue
             found = [(_text(p["message_id"]), int(p["times_delivered"])) for p in pending]
@@ -257,7 +275,15 @@ class LaneConsumer:
             by_stream.setdefault(ref.stream, []).append(ref)
         lost: set[EntryRef] = set()
         for stream, wanted in by_stream.items():
-            gone = await self._renew(keys=[stream], args=[CONSUMER_GROUP, self.name, *(r.entry_id for r in wanted)])
+            try:
+                gone = await self._renew(keys=[stream],
+                                         args=[CONSUMER_GROUP, self.name, *(r.entry_id for r in wanted)])
+            except ResponseError as e:
+                if not is_wrong_type(e):
+                    raise
+                # The stream was replaced by a key of another type: nothing of it is left to renew (or take).
+                await self.tenants.check_types([stream])
+                continue
             lost |= {EntryRef(stream, eid.decode() if isinstance(eid, bytes) else eid) for eid in gone}
         return lost
 

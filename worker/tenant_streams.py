@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from scheduler.protocol import state_machine
 from scheduler.protocol.keys import CONSUMER_GROUP, ROUTE_SCAN_COUNT, WAKE_MAXLEN, Keys
 from scheduler.protocol.lanes import LANES, Lane
-from scheduler.protocol.redis_client import ensure_group
+from scheduler.protocol.redis_client import ensure_group, is_wrong_type
 from scheduler.protocol.tenants import DEFAULT_TENANT, DEFAULT_WEIGHT, MAX_WEIGHT, TenantShares, named_tenants
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,9 @@ class TenantStreams:
         self._weights: dict[str, int] = {}
         self._lane_of = {keys.lane(lane): lane for lane in LANES}
         """Stream -> lane of every stream seen; grows by one per tenant stream."""
+        self.wrong_type: dict[str, str] = {}
+        """Streams this worker reads whose key holds another Redis type (a list a producer RPUSHed, say), with that
+        type: left out of every read until the key is a stream again or gone (`check_types`)."""
         self._route = client.register_script(state_machine.ROUTE_TO_TENANTS)
         self._deactivate = client.register_script(state_machine.RETIRE_TENANTS)
         self._stray_turn = client.register_script(state_machine.STRAY_SCAN_TURN)
@@ -58,30 +61,62 @@ class TenantStreams:
         return self._lane_of.get(stream)
 
     async def sources(self, *, route: bool = True) -> dict[Lane, list[Source]]:
-        """Each lane's streams, the lane stream first. One round trip; routes first unless told not to."""
+        """Each lane's streams, the lane stream first (streams of the wrong type left out). One round trip;
+        routes first unless told not to."""
+        if self.wrong_type:
+            await self.check_types(list(self.wrong_type))
+        routed = [lane for lane in LANES if route and self.keys.lane(lane) not in self.wrong_type
+                  and self.keys.wake not in self.wrong_type]
         pipe = self.client.pipeline(transaction=False)
-        if route:
-            for lane in LANES:
-                await self._route(
-                    keys=[self.keys.lane(lane), self.keys.lane_route_cursor(lane), self.keys.lane_tenants(lane),
-                          self.keys.wake],
-                    args=[CONSUMER_GROUP, ROUTE_SCAN_COUNT, self.keys.tenant_lane_prefix(lane), WAKE_MAXLEN],
-                    client=pipe)
+        for lane in routed:
+            await self._route(
+                keys=[self.keys.lane(lane), self.keys.lane_route_cursor(lane), self.keys.lane_tenants(lane),
+                      self.keys.wake],
+                args=[CONSUMER_GROUP, ROUTE_SCAN_COUNT, self.keys.tenant_lane_prefix(lane), WAKE_MAXLEN],
+                client=pipe)
         for lane in LANES:
             pipe.smembers(self.keys.lane_tenants(lane))
         pipe.hgetall(self.keys.tenant_weights)
-        replies = await pipe.execute()
-        replies = replies[len(LANES) if route else 0:]
+        replies = await pipe.execute(raise_on_error=False)
+        failed = [r for r in replies if isinstance(r, Exception)]
+        if any(is_wrong_type(r) for r in failed):
+            # A lane stream or the wake stream is another type (a routing script met it): found, said, left out.
+            await self.check_types([self.keys.lane(lane) for lane in LANES] + [self.keys.wake])
+        for reply in failed:
+            if not is_wrong_type(reply):
+                raise reply
+        replies = replies[len(routed):]
         self._weights = _weights(replies[-1])
         out: dict[Lane, list[Source]] = {}
         for lane, members in zip(LANES, replies[:-1]):
             streams = [Source(lane, DEFAULT_TENANT, self.keys.lane(lane))]
-            streams += [Source(lane, t, self.keys.tenant_lane(lane, t)) for t in named_tenants(members)]
+            if not isinstance(members, Exception):  # the active set is another type: its tenants wait
+                streams += [Source(lane, t, self.keys.tenant_lane(lane, t)) for t in named_tenants(members)]
             for source in streams:
                 self._lane_of[source.stream] = lane
             self._shares[lane].keep({s.tenant for s in streams})
-            out[lane] = streams
+            out[lane] = [s for s in streams if s.stream not in self.wrong_type]
         return out
+
+    async def check_types(self, streams: list[str]) -> None:
+        """Learn which of these keys hold another Redis type than a stream: each newly found is said once, as an
+        error naming the key and how to mend it, and left out of reads; one that is a stream again, or gone (made
+        again as an empty stream with its group), is read again."""
+        pipe = self.client.pipeline(transaction=False)
+        for stream in streams:
+            pipe.type(stream)
+        for stream, kind in zip(streams, await pipe.execute()):
+            kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+            if kind in ("stream", "none"):
+                if self.wrong_type.pop(stream, None) is not None:
+                    await ensure_group(self.client, stream, CONSUMER_GROUP)
+                    log.warning("stream %s is a stream again (or gone, and made again): reading it", stream)
+            elif stream not in self.wrong_type:
+                self.wrong_type[stream] = kind
+                log.error("key %s holds a Redis %s, not the stream carpool reads jobs from: no job is read from "
+                          "it (other streams are) until it is deleted or made a stream again; what it holds is "
+                          "no job (jobs are XADDed to it, see the README)", stream, kind,
+                          extra={"stream": stream, "redis_type": kind})
 
     def plan(self, lane: Lane, slots: int, sources: list[Source]) -> list[tuple[Source, int]]:
         """`slots` of `lane` shared over `sources` by their tenants' weights; only sources given a slot."""

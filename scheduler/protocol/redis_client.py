@@ -127,6 +127,11 @@ async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> bool:
     return True
 
 
+def is_wrong_type(error: BaseException) -> bool:
+    """Whether ``error`` is Redis refusing a command on a key that holds another type (``WRONGTYPE``)."""
+    return isinstance(error, ResponseError) and "WRONGTYPE" in str(error)  # inside a script's error too
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is Redis refusing a write because it is at its ``maxmemory`` (``noeviction``).
 

@@ -1,0 +1,79 @@
+"""A key carpool reads as a stream that holds another Redis type (a producer used to list queues RPUSHes to a
+lane's name): the worker says which key, leaves it out and serves every other lane; once the key is deleted it
+reads the lane again. The gateway answers a submission to that lane 503 naming the fault, not 500."""
+
+from __future__ import annotations
+
+import logging
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.app import init_app
+from gateway.config import GatewayConfig
+from scheduler.params import SamplingParams
+from scheduler.protocol.job import JobSpec
+from scheduler.protocol.lanes import Lane
+from tests.harness.gateway_server import GatewayTestServer
+from tests.harness.worker_harness import KEYS, running_worker, wait_terminal, wait_until, xadd_job
+
+PARAMS = SamplingParams(max_tokens=2, temperature=0)
+
+
+@pytest.fixture
+def engine(tiny_model):
+    from worker.engine.engine import Engine
+
+    return Engine(model=tiny_model(), max_num_seqs=4)
+
+
+async def test_a_lane_of_another_type_is_left_out_and_every_other_lane_served(redis_url, engine, caplog) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.rpush(KEYS.lane(Lane.BATCH), "oops")  # before the worker starts: its group cannot be made
+        with caplog.at_level(logging.INFO):
+            async with running_worker(redis_url, engine) as service:
+                await xadd_job(client, JobSpec(id="standard-1", prompt="served", params=PARAMS))
+                assert (await wait_terminal(client, ["standard-1"]))["standard-1"]["status"] == "succeeded"
+                # Made another type while the worker runs: said, left out, and the other lanes go on.
+                await client.delete(KEYS.lane(Lane.STANDARD))
+                await client.rpush(KEYS.lane(Lane.STANDARD), "oops")
+                await xadd_job(client, JobSpec(id="interactive-1", prompt="served", params=PARAMS,
+                                               lane=Lane.INTERACTIVE))
+                assert (await wait_terminal(client, ["interactive-1"]))["interactive-1"]["status"] == "succeeded"
+                await wait_until(lambda: KEYS.lane(Lane.STANDARD) in service.consumer.tenants.wrong_type,
+                                 "the standard lane found to be a list")
+                # Deleted, the lane is a stream again (made with its group) and read.
+                await client.delete(KEYS.lane(Lane.BATCH), KEYS.lane(Lane.STANDARD))
+                await wait_until(lambda: not service.consumer.tenants.wrong_type, "both lanes read again")
+                await xadd_job(client, JobSpec(id="batch-1", prompt="served", params=PARAMS, lane=Lane.BATCH))
+                await xadd_job(client, JobSpec(id="standard-2", prompt="served", params=PARAMS))
+                views = await wait_terminal(client, ["batch-1", "standard-2"])
+                assert {v["status"] for v in views.values()} == {"succeeded"}, views
+                assert not service.stopped.is_set()
+    finally:
+        await client.aclose()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    for lane in (Lane.BATCH, Lane.STANDARD):
+        [line] = [m for m in said if m.startswith(f"key {KEYS.lane(lane)} holds a Redis list, not the stream")]
+        assert "no job is read from it (other streams are) until it is deleted" in line
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+async def test_a_submission_to_a_lane_of_another_type_is_a_503_naming_the_fault(redis_url) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    server = GatewayTestServer(init_app(GatewayConfig(redis_url=redis_url, no_webhooks=True)), host="127.0.0.1")
+    await server.start_server()
+    try:
+        await client.rpush(KEYS.lane(Lane.BATCH), "oops")
+        async with aiohttp.ClientSession() as session:
+            async with session.post(str(server.make_url("/v1/jobs")), json={"prompt": "x", "lane": "batch"}) as resp:
+                assert resp.status == 503, await resp.text()
+                error = (await resp.json())["error"]
+            async with session.post(str(server.make_url("/v1/jobs")), json={"prompt": "x"}) as ok:
+                assert ok.status == 202, await ok.text()
+        assert error["type"] == "unavailable" and "holds another Redis type" in error["message"], error
+    finally:
+        await server.close()
+        await client.aclose()
