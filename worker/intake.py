@@ -370,7 +370,8 @@ def _loose_map(raw: bytes) -> dict[Any, Any]:
     """An invalid ``job`` field read as loosely as possible: JSON (redis-cli producers) or msgpack; empty when
     it holds no map at all."""
     try:
-        data = json.loads(raw) if looks_like_json(raw) else msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        data = json.loads(raw) if looks_like_json(raw) else msgpack.unpackb(
+            raw, raw=False, strict_map_key=False, unicode_errors="surrogateescape")  # as `JobSpec.unpack` reads it
     except Exception:
         return {}
     return data if isinstance(data, dict) else {}

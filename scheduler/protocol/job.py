@@ -204,7 +204,9 @@ class JobSpec:
                 raise JobValidationError("job", f"{_NOT_A_MAP}; it is JSON nested too deeply") from e
             return cls.from_wire(data)
         try:
-            data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+            # Text that is no UTF-8 keeps its bad bytes as lone surrogates, which `from_wire` refuses naming the
+            # field (a message whose id can be read then gets its failed record, as one in JSON does).
+            data = msgpack.unpackb(raw, raw=False, strict_map_key=False, unicode_errors="surrogateescape")
         except Exception as e:  # msgpack raises several unrelated types for garbage
             if (json_kind := _json_kind(raw)) is not None:
                 raise JobValidationError("job", f"{_NOT_A_MAP}; it is JSON, but {json_kind}, not an object") from e

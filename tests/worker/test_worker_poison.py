@@ -59,6 +59,9 @@ async def test_poison_entries_end_in_a_record_or_dead_and_the_worker_keeps_servi
         "bytes-metadata": msgpack.packb({"id": "bytes-metadata", "prompt": "x", "metadata": {"blob": b"\x00\xff"},
                                          "webhook": {"url": "https://hooks.example/x"}}, use_bin_type=True),
         "surrogate-key": b'{"id": "surrogate-key", "prompt": "x", "\\ud800": 1}',
+        # A msgpack map whose prompt is no UTF-8 (a producer that packs bytes as text): failed naming the field.
+        "not-utf8": msgpack.packb({"id": "not-utf8", "prompt": "ab\udcffcd", "reply_to": "replies:not-utf8"},
+                                  unicode_errors="surrogateescape"),
         "squatted": msgpack.packb({"id": "squatted", "prompt": "x", "params": {"max_tokens": 2}}),
     }
     async with running_worker(redis_url, engine, lease_s=0.3, max_deliveries=2) as service:
@@ -67,13 +70,16 @@ async def test_poison_entries_end_in_a_record_or_dead_and_the_worker_keeps_servi
         await wait_settled(client, num_dead=len(poison), timeout_s=30)
         after = JobSpec(id="after", prompt="still serving", params=SamplingParams(max_tokens=3, temperature=0))
         await xadd_job(client, after)
-        views = await wait_terminal(client, ["after", "bytes-metadata", "surrogate-key"], timeout_s=30)
+        views = await wait_terminal(client, ["after", "bytes-metadata", "surrogate-key", "not-utf8"], timeout_s=30)
         assert not service.has_failed
 
     assert views["after"]["status"] == "succeeded"
     assert views["bytes-metadata"]["status"] == "failed"
     assert views["bytes-metadata"]["error"]["field"] == "metadata.blob"
     assert views["surrogate-key"]["status"] == "failed"
+    assert views["not-utf8"]["status"] == "failed" and views["not-utf8"]["error"]["field"] == "prompt", views["not-utf8"]
+    [(_, reply)] = await client.xrange("replies:not-utf8")  # its producer, waiting on its reply stream, hears of it
+    assert msgpack.unpackb(reply[b"result"], raw=False)["status"] == "failed"
     dead = {fields[b"job"]: fields[b"reason"].decode() for _, fields in await client.xrange(KEYS.dead)}
     assert set(dead) == set(poison.values())
     assert "too deeply" in dead[poison["deep-json"]]
