@@ -259,10 +259,12 @@ class JobStore:
         dead stream, with its job's id when it has one, and let it go from the lane."""
         pipe = self.client.pipeline(transaction=True)
         dead: dict[FieldT, EncodableT] = {
-            "reason": reason, "stream": entry.stream, "entry_id": entry.entry_id, "worker": self.worker,
-            **({"job_id": job_id} if job_id is not None else {})}
+            b"reason": reason, b"stream": entry.stream, b"entry_id": entry.entry_id, b"worker": self.worker,
+            **({b"job_id": job_id} if job_id is not None else {})}
         for k, v in raw_fields.items():
-            dead.setdefault(k, v)
+            # The entry's own fields are copied as they are; one named as one of carpool's is kept as `entry.NAME`,
+            # so what a reader of the dead stream takes for the reason (a dict keeps one value a name) is carpool's.
+            dead[b"entry." + k if k in dead else k] = v
         pipe.xadd(self.keys.dead, dead, maxlen=self.dead_maxlen, approximate=True)
         pipe.xack(entry.stream, CONSUMER_GROUP, entry.entry_id)
         pipe.xdel(entry.stream, entry.entry_id)

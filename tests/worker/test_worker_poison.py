@@ -185,3 +185,24 @@ def _job_id(raw: bytes) -> str | None:
             continue
         return job.get("id") if isinstance(job, dict) and isinstance(job.get("id"), str) else None
     return None
+
+
+async def test_an_entry_naming_its_fields_as_the_dead_streams_own_cannot_hide_carpools(redis_url: str,
+                                                                                        engine) -> None:
+    """The dead stream's `reason`, `stream`, `entry_id` and `worker` are carpool's, read raw or as a dict; the
+    entry's own fields of those names are kept beside them as `entry.NAME`."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        async with running_worker(redis_url, engine):
+            await client.xadd(LANE, {"reason": "all good", "stream": "fake", "worker": "me", "note": "kept"})
+            await wait_settled(client, num_dead=1, timeout_s=30)
+        [(_, dead)] = await client.xrange(KEYS.dead)
+        raw = await client.eval("return redis.call('XRANGE', KEYS[1], '-', '+')", 1, KEYS.dead)  # unparsed
+    finally:
+        await client.aclose()
+    assert dead[b"stream"] == LANE.encode() and dead[b"worker"] != b"me"
+    assert b"job" in dead[b"reason"] and dead[b"reason"] != b"all good", dead
+    assert (dead[b"entry.reason"], dead[b"entry.stream"], dead[b"entry.worker"], dead[b"note"]) == (
+        b"all good", b"fake", b"me", b"kept")
+    names = raw[0][1][::2]
+    assert len(names) == len(set(names)), names  # no field twice in the entry itself
