@@ -51,8 +51,9 @@ class TenantStreams:
         self._lane_of = {keys.lane(lane): lane for lane in LANES}
         """Stream -> lane of every stream seen; grows by one per tenant stream."""
         self.wrong_type: dict[str, str] = {}
-        """Streams this worker reads whose key holds another Redis type (a list a producer RPUSHed, say), with that
-        type: left out of every read until the key is a stream again or gone (`check_types`)."""
+        """Keys this worker reads (streams, and the sets, cursors and hash routing keeps) that hold another Redis
+        type than theirs (a list a producer RPUSHed to a lane's name, say), with that type: left out until the key
+        is of its type again or gone (`check_types`)."""
         self._route = client.register_script(state_machine.ROUTE_TO_TENANTS)
         self._deactivate = client.register_script(state_machine.RETIRE_TENANTS)
         self._stray_turn = client.register_script(state_machine.STRAY_SCAN_TURN)
@@ -64,14 +65,12 @@ class TenantStreams:
         """Each lane's streams, the lane stream first (streams of the wrong type left out). One round trip;
         routes first unless told not to."""
         if self.wrong_type:
-            await self.check_types(list(self.wrong_type))
-        routed = [lane for lane in LANES if route and self.keys.lane(lane) not in self.wrong_type
-                  and self.keys.wake not in self.wrong_type]
+            await self.check_types({key: self._types().get(key, "stream") for key in self.wrong_type})
+        routed = [lane for lane in LANES if route and not any(key in self.wrong_type for key in self._route_keys(lane))]
         pipe = self.client.pipeline(transaction=False)
         for lane in routed:
             await self._route(
-                keys=[self.keys.lane(lane), self.keys.lane_route_cursor(lane), self.keys.lane_tenants(lane),
-                      self.keys.wake],
+                keys=self._route_keys(lane),
                 args=[CONSUMER_GROUP, ROUTE_SCAN_COUNT, self.keys.tenant_lane_prefix(lane), WAKE_MAXLEN],
                 client=pipe)
         for lane in LANES:
@@ -79,14 +78,13 @@ class TenantStreams:
         pipe.hgetall(self.keys.tenant_weights)
         replies = await pipe.execute(raise_on_error=False)
         failed = [r for r in replies if isinstance(r, Exception)]
-        if any(is_wrong_type(r) for r in failed):
-            # A lane stream or the wake stream is another type (a routing script met it): found, said, left out.
-            await self.check_types([self.keys.lane(lane) for lane in LANES] + [self.keys.wake])
         for reply in failed:
             if not is_wrong_type(reply):
                 raise reply
+        if failed:  # a key of routing's is another type: found, said, left out
+            await self.check_types(self._types())
         replies = replies[len(routed):]
-        self._weights = _weights(replies[-1])
+        self._weights = {} if isinstance(replies[-1], Exception) else _weights(replies[-1])
         out: dict[Lane, list[Source]] = {}
         for lane, members in zip(LANES, replies[:-1]):
             streams = [Source(lane, DEFAULT_TENANT, self.keys.lane(lane))]
@@ -98,25 +96,39 @@ class TenantStreams:
             out[lane] = [s for s in streams if s.stream not in self.wrong_type]
         return out
 
-    async def check_types(self, streams: list[str]) -> None:
-        """Learn which of these keys hold another Redis type than a stream: each newly found is said once, as an
-        error naming the key and how to mend it, and left out of reads; one that is a stream again, or gone (made
-        again as an empty stream with its group), is read again."""
+    def _route_keys(self, lane: Lane) -> list[str]:
+        return [self.keys.lane(lane), self.keys.lane_route_cursor(lane), self.keys.lane_tenants(lane), self.keys.wake]
+
+    def _types(self) -> dict[str, str]:
+        """The Redis type of every key routing and reading keep, bar the tenants' streams."""
+        types = {self.keys.wake: "stream", self.keys.tenant_weights: "hash"}
+        for lane in LANES:
+            types |= {self.keys.lane(lane): "stream", self.keys.lane_route_cursor(lane): "string",
+                      self.keys.lane_tenants(lane): "set"}
+        return types
+
+    async def check_types(self, expected: dict[str, str] | list[str]) -> None:
+        """Learn which of these keys (key -> its type; a list: streams) hold another Redis type: each newly found
+        is said once, as an error naming the key, and left out; one of its type again, or gone (a stream made
+        again, empty, with its group), is used again."""
+        wanted = dict.fromkeys(expected, "stream") if isinstance(expected, list) else expected
         pipe = self.client.pipeline(transaction=False)
-        for stream in streams:
-            pipe.type(stream)
-        for stream, kind in zip(streams, await pipe.execute()):
+        for key in wanted:
+            pipe.type(key)
+        for (key, want), kind in zip(wanted.items(), await pipe.execute()):
             kind = kind.decode() if isinstance(kind, bytes) else str(kind)
-            if kind in ("stream", "none"):
-                if self.wrong_type.pop(stream, None) is not None:
-                    await ensure_group(self.client, stream, CONSUMER_GROUP)
-                    log.warning("stream %s is a stream again (or gone, and made again): reading it", stream)
-            elif stream not in self.wrong_type:
-                self.wrong_type[stream] = kind
-                log.error("key %s holds a Redis %s, not the stream carpool reads jobs from: no job is read from "
-                          "it (other streams are) until it is deleted or made a stream again; what it holds is "
-                          "no job (jobs are XADDed to it, see the README)", stream, kind,
-                          extra={"stream": stream, "redis_type": kind})
+            if kind in (want, "none"):
+                if self.wrong_type.pop(key, None) is not None:
+                    if want == "stream":
+                        await ensure_group(self.client, key, CONSUMER_GROUP)
+                    log.warning("key %s is a Redis %s again (or gone): using it", key, want)
+            elif key not in self.wrong_type:
+                self.wrong_type[key] = kind
+                what = ("no job is read from it (other streams are)" if want == "stream" else
+                        "what it keeps for the tenants' streams is not read or written (jobs in the lane streams "
+                        "still are)")
+                log.error("key %s holds a Redis %s, not the %s carpool keeps there: %s until it is deleted or "
+                          "of its type again", key, kind, want, what, extra={"key": key, "redis_type": kind})
 
     def plan(self, lane: Lane, slots: int, sources: list[Source]) -> list[tuple[Source, int]]:
         """`slots` of `lane` shared over `sources` by their tenants' weights; only sources given a slot."""

@@ -47,6 +47,15 @@ async def test_a_lane_of_another_type_is_left_out_and_every_other_lane_served(re
                 # Deleted, the lane is a stream again (made with its group) and read.
                 await client.delete(KEYS.lane(Lane.BATCH), KEYS.lane(Lane.STANDARD))
                 await wait_until(lambda: not service.consumer.tenants.wrong_type, "both lanes read again")
+                # A key routing keeps (the lane's active tenants, a set) made another type: said, and the lanes'
+                # own streams are still read.
+                await client.set(KEYS.lane_tenants(Lane.STANDARD), "oops")
+                await xadd_job(client, JobSpec(id="standard-3", prompt="served", params=PARAMS))
+                assert (await wait_terminal(client, ["standard-3"]))["standard-3"]["status"] == "succeeded"
+                await wait_until(lambda: KEYS.lane_tenants(Lane.STANDARD) in service.consumer.tenants.wrong_type,
+                                 "the active-tenant set found to be a string")
+                await client.delete(KEYS.lane_tenants(Lane.STANDARD))
+                await wait_until(lambda: not service.consumer.tenants.wrong_type, "the set used again")
                 await xadd_job(client, JobSpec(id="batch-1", prompt="served", params=PARAMS, lane=Lane.BATCH))
                 await xadd_job(client, JobSpec(id="standard-2", prompt="served", params=PARAMS))
                 views = await wait_terminal(client, ["batch-1", "standard-2"])
@@ -58,6 +67,8 @@ async def test_a_lane_of_another_type_is_left_out_and_every_other_lane_served(re
     for lane in (Lane.BATCH, Lane.STANDARD):
         [line] = [m for m in said if m.startswith(f"key {KEYS.lane(lane)} holds a Redis list, not the stream")]
         assert "no job is read from it (other streams are) until it is deleted" in line
+    assert [m for m in said if m.startswith(f"key {KEYS.lane_tenants(Lane.STANDARD)} holds a Redis string, not the "
+                                            "set carpool keeps there")]
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
 
 
