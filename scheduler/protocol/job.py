@@ -106,10 +106,11 @@ class JobSpec:
         bad = first_bad_value(data)
         if bad is not None:
             raise JobValidationError(*bad)
-        v = data.get("v", SCHEMA_VERSION)
+        # A field sent as null is that field left out, everywhere in the message.
+        v = SCHEMA_VERSION if data.get("v") is None else data["v"]
         if isinstance(v, bool) or not isinstance(v, int) or v != SCHEMA_VERSION:  # not true, nor 1.0
             raise JobValidationError("v", f"unsupported schema version {v!r}; this server speaks {SCHEMA_VERSION}")
-        job_id = data.get("id", default_id)
+        job_id = default_id if data.get("id") is None else data["id"]
         if job_id is None:
             raise JobValidationError("id", "required")
         if not isinstance(job_id, str) or not job_id or len(job_id) > MAX_ID_LEN:
@@ -140,10 +141,10 @@ class JobSpec:
             raise JobValidationError("params", str(e)) from e
 
         try:
-            lane = Lane(data.get("lane", DEFAULT_LANE.value))
+            lane = Lane(DEFAULT_LANE.value if data.get("lane") is None else data["lane"])
         except ValueError as e:
             raise JobValidationError("lane", f"must be one of {[l.value for l in Lane]}") from e
-        priority = data.get("priority", 0)
+        priority = 0 if data.get("priority") is None else data["priority"]
         if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
             raise JobValidationError("priority", "must be an integer in [-1000, 1000]")
         deadline = data.get("deadline")
