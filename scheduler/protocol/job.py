@@ -95,6 +95,9 @@ class JobSpec:
         """Validate a wire map. Raises ``JobValidationError`` naming the first bad field."""
         if not isinstance(data, dict):
             raise JobValidationError("body", "must be a map (JSON object / msgpack map)")
+        strange = next((k for k in data if not isinstance(k, (str, bytes))), None)
+        if strange is not None:  # a msgpack map keyed by a number, say: named as such, not as an unknown field
+            raise JobValidationError("body", f"map keys must be strings, got {type(strange).__name__} {strange!r}")
         data = {_as_str_key(k): v for k, v in data.items()}
         known = {
             "v", "id", "prompt", "prompt_token_ids", "messages", "params", "lane", "priority",

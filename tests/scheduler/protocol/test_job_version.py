@@ -96,3 +96,9 @@ def test_a_field_sent_as_null_is_that_field_left_out() -> None:
         with pytest.raises(JobValidationError) as caught:
             JobSpec.from_wire({"id": "j1", "prompt": "x", field: value})
         assert caught.value.field == field
+
+
+def test_a_message_keyed_by_a_number_is_told_its_keys_must_be_strings() -> None:
+    with pytest.raises(JobValidationError) as caught:
+        JobSpec.unpack(msgpack.packb({"id": "j1", "prompt": "x", 1: "one"}))
+    assert (caught.value.field, caught.value.message) == ("body", "map keys must be strings, got int 1")
