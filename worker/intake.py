@@ -39,6 +39,7 @@ from scheduler.protocol.redis_replies import as_optional_bytes
 from scheduler.protocol.state_machine import StartVerdict
 from scheduler.protocol.tenants import DEFAULT_TENANT, tenant_of
 from scheduler.protocol.webhooks import delivery_fields
+from scheduler.protocol.wire_values import is_text
 from scheduler.runtime.outage_log import describe
 from scheduler.telemetry.log_format import job_context
 from scheduler.telemetry.otel import span_of_traceparent
@@ -381,7 +382,7 @@ def _recover_traceparent(data: dict[Any, Any]) -> str | None:
     """The ``traceparent`` of an invalid message (`_loose_map`), when it has one, so its lines join the
     producer's trace."""
     traceparent = data.get("traceparent")
-    return traceparent if isinstance(traceparent, str) else None
+    return traceparent if isinstance(traceparent, str) and is_text(traceparent) else None
 
 
 def _recover_id(data: dict[Any, Any]) -> str | None:

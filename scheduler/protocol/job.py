@@ -22,7 +22,7 @@ from scheduler.params import InvalidParam, SamplingParams
 from scheduler.protocol.lanes import DEFAULT_LANE, Lane
 from scheduler.protocol.tenants import DEFAULT_TENANT, tenant_of
 from scheduler.protocol.webhook_url import WebhookUrlError, parse_webhook_url
-from scheduler.protocol.wire_values import decode_failure, first_bad_value, key_path
+from scheduler.protocol.wire_values import decode_failure, first_bad_value, is_text, key_path
 
 SCHEMA_VERSION = 1
 MAX_ID_LEN = 128
@@ -244,7 +244,7 @@ def looks_like_json(raw: bytes) -> bool:
 
 def is_stream_name(value: object) -> bool:
     """Whether a ``reply_to`` value has a stream name's shape (which keys it may name is `Keys.check_reply_to`'s)."""
-    return isinstance(value, str) and 0 < len(value) <= 256
+    return isinstance(value, str) and 0 < len(value) <= 256 and is_text(value)  # a key name Redis can be sent
 
 
 def new_job_id() -> str:

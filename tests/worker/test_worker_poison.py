@@ -62,6 +62,9 @@ async def test_poison_entries_end_in_a_record_or_dead_and_the_worker_keeps_servi
         # A msgpack map whose prompt is no UTF-8 (a producer that packs bytes as text): failed naming the field.
         "not-utf8": msgpack.packb({"id": "not-utf8", "prompt": "ab\udcffcd", "reply_to": "replies:not-utf8"},
                                   unicode_errors="surrogateescape"),
+        # Its reply stream and trace no UTF-8: failed as well, with no reply stream a key could not be written to.
+        "not-utf8-reply": msgpack.packb({"id": "not-utf8-reply", "prompt": "x", "reply_to": "replies:\udcff",
+                                        "traceparent": "\udcff"}, unicode_errors="surrogateescape"),
         "squatted": msgpack.packb({"id": "squatted", "prompt": "x", "params": {"max_tokens": 2}}),
     }
     async with running_worker(redis_url, engine, lease_s=0.3, max_deliveries=2) as service:
@@ -70,7 +73,8 @@ async def test_poison_entries_end_in_a_record_or_dead_and_the_worker_keeps_servi
         await wait_settled(client, num_dead=len(poison), timeout_s=30)
         after = JobSpec(id="after", prompt="still serving", params=SamplingParams(max_tokens=3, temperature=0))
         await xadd_job(client, after)
-        views = await wait_terminal(client, ["after", "bytes-metadata", "surrogate-key", "not-utf8"], timeout_s=30)
+        views = await wait_terminal(client, ["after", "bytes-metadata", "surrogate-key", "not-utf8", "not-utf8-reply"],
+                                    timeout_s=30)
         assert not service.has_failed
 
     assert views["after"]["status"] == "succeeded"
@@ -78,6 +82,8 @@ async def test_poison_entries_end_in_a_record_or_dead_and_the_worker_keeps_servi
     assert views["bytes-metadata"]["error"]["field"] == "metadata.blob"
     assert views["surrogate-key"]["status"] == "failed"
     assert views["not-utf8"]["status"] == "failed" and views["not-utf8"]["error"]["field"] == "prompt", views["not-utf8"]
+    assert views["not-utf8-reply"]["status"] == "failed", views["not-utf8-reply"]
+    assert views["not-utf8-reply"]["error"]["field"] in ("reply_to", "traceparent"), views["not-utf8-reply"]
     [(_, reply)] = await client.xrange("replies:not-utf8")  # its producer, waiting on its reply stream, hears of it
     assert msgpack.unpackb(reply[b"result"], raw=False)["status"] == "failed"
     dead = {fields[b"job"]: fields[b"reason"].decode() for _, fields in await client.xrange(KEYS.dead)}
