@@ -9,6 +9,7 @@ than the lease with ``XAUTOCLAIM``, which counts a delivery.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -114,14 +115,20 @@ class LaneConsumer:
         # Idle: block on every stream at once, and on the wake stream that a newly active tenant rings;
         # the reply carries only the stream that woke us, so a share per stream keeps a wake-up within `free`.
         streams = [s.stream for lane in LANES for s in sources[lane]]
+        wake = [] if self.keys.wake in self.tenants.wrong_type else [self.keys.wake]
+        if not streams and not wake:  # every stream is another type: nothing to block on, so wait as long
+            await asyncio.sleep(self.read_block_ms / 1000)
+            return []
         try:
             reply = await self.client.xreadgroup(
-                CONSUMER_GROUP, self.name, {**{s: ">" for s in streams}, self.keys.wake: ">"},
-                count=max(1, free // (len(streams) + 1)), block=self.read_block_ms,
+                CONSUMER_GROUP, self.name, {s: ">" for s in [*streams, *wake]},
+                count=max(1, free // (len(streams) + len(wake))), block=self.read_block_ms,
             )
         except ResponseError as e:
             if is_wrong_type(e):
                 await self.tenants.check_types([*streams, self.keys.wake])
+                # A read that fails at once is no blocking read: wait as long as one, not to spin on Redis.
+                await asyncio.sleep(self.read_block_ms / 1000)
                 return []
             if "NOGROUP" not in str(e):
                 raise

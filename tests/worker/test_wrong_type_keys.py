@@ -4,6 +4,7 @@ reads the lane again. The gateway answers a submission to that lane 503 naming t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import aiohttp
@@ -88,3 +89,26 @@ async def test_a_submission_to_a_lane_of_another_type_is_a_503_naming_the_fault(
     finally:
         await server.close()
         await client.aclose()
+
+
+async def test_a_wake_stream_of_another_type_does_not_turn_the_idle_read_into_a_busy_loop(redis_url, engine,
+                                                                                          caplog) -> None:
+    """The idle read blocks on the lanes without the wake stream, instead of failing at once and trying again;
+    jobs are still served."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        with caplog.at_level(logging.INFO):
+            async with running_worker(redis_url, engine, read_block_ms=500):
+                await client.delete(KEYS.wake)
+                await client.rpush(KEYS.wake, "oops")
+                await xadd_job(client, JobSpec(id="served", prompt="served", params=PARAMS))
+                assert (await wait_terminal(client, ["served"]))["served"]["status"] == "succeeded"
+                await client.config_resetstat()
+                await asyncio.sleep(2.0)  # idle: four blocking reads' worth
+                stats = await client.info("commandstats")
+                reads = stats.get("cmdstat_xreadgroup", {}).get("calls", 0)
+                assert reads < 60, f"{reads} XREADGROUPs in 2 s of idling"
+    finally:
+        await client.aclose()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert [m for m in said if m.startswith(f"key {KEYS.wake} holds a Redis list, not the stream")], said
