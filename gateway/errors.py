@@ -200,7 +200,8 @@ def _redis_unavailable(request: web.Request, error: Exception, retry_after_s: in
     elif is_wrong_type(error):
         # Nor this: a key of carpool's was overwritten with another type (a lane RPUSHed to, say).
         reason = ("a key this request needs holds another Redis type than carpool's (WRONGTYPE: a lane stream "
-                  "overwritten with a list, say); an operator must delete or mend it (the workers' log names it)")
+                  "overwritten with a list, say); an operator must delete or mend it (a worker's log names a lane "
+                  "it reads, this gateway's log the request)")
     elif isinstance(error, RedisConnectionError) and POOL_EXHAUSTED in str(error):
         # Redis is fine: this gateway has more requests waiting on it than connections to carry them.
         reason = ("every one of this gateway's pooled Redis connections stayed busy past --redis-pool-timeout-s "

@@ -302,8 +302,14 @@ class LaneConsumer:
         for ref, job_id in jobs.items():
             by_stream.setdefault(ref.stream, []).extend([ref.entry_id, self.keys.job(job_id)])
         for stream, pairs in by_stream.items():
-            await self._hand_back(keys=[stream], args=[CONSUMER_GROUP, self.name, HANDBACK_IDLE_MS,
-                                                       "1" if is_clean else "", *pairs])
+            try:
+                await self._hand_back(keys=[stream], args=[CONSUMER_GROUP, self.name, HANDBACK_IDLE_MS,
+                                                           "1" if is_clean else "", *pairs])
+            except ResponseError as e:
+                if not is_wrong_type(e):
+                    raise
+                # Replaced by a key of another type: no entry of it is left to hand back; the other streams' are.
+                await self.tenants.check_types([stream])
 
 
 def _text(reply: object) -> str:

@@ -112,3 +112,24 @@ async def test_a_wake_stream_of_another_type_does_not_turn_the_idle_read_into_a_
         await client.aclose()
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert [m for m in said if m.startswith(f"key {KEYS.wake} holds a Redis list, not the stream")], said
+
+
+async def test_a_stop_hands_back_every_job_whose_stream_is_still_a_stream(redis_url, engine) -> None:
+    """One lane stream replaced by a list while its job runs: the stop still hands back the job of another lane
+    (its checkpoint kept, its entry made idle for the next worker), instead of failing the whole hand-back."""
+    client = aioredis.Redis.from_url(redis_url)
+    held = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    try:
+        async with running_worker(redis_url, engine, checkpoint_tokens=2, shutdown_grace_s=0.0):
+            await xadd_job(client, JobSpec(id="kept", prompt="a held job", params=held))
+            await xadd_job(client, JobSpec(id="gone", prompt="a held job", params=held, lane=Lane.BATCH))
+            for job_id in ("kept", "gone"):
+                await wait_until(lambda job_id=job_id: client.hget(KEYS.job(job_id), "checkpoint"),
+                                 f"{job_id} running")
+            await client.delete(KEYS.lane(Lane.BATCH))
+            await client.rpush(KEYS.lane(Lane.BATCH), "oops")
+        handbacks = await client.hget(KEYS.job("kept"), "handbacks")
+        [pending] = await client.xpending_range(KEYS.lane(Lane.STANDARD), "carpool-workers", "-", "+", 1)
+    finally:
+        await client.aclose()
+    assert handbacks == b"1" and pending["time_since_delivered"] > 60_000, (handbacks, pending)
