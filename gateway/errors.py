@@ -166,13 +166,16 @@ async def _handle_while_the_body_arrives(request: web.Request, handler: Handler,
 
 
 async def _watch_body(content: StreamReader, deadline: asyncio.Timeout, timeout_s: float) -> None:
-    """Keep `deadline` `timeout_s` (and a check's interval) past the last time the body grew, until all of it is
-    in; then lift it."""
+    """Keep `deadline` `timeout_s` (and a check's interval) past the last time the body grew or held bytes the
+    handler had not read yet, until all of it is in; then lift it. Bytes waiting unread are the gateway's wait,
+    not the client's: aiohttp stops reading the socket while they fill its buffer, and the handler may be busy
+    before it reads (a key looked up in a slow Redis)."""
     loop = asyncio.get_running_loop()
     check_s = timeout_s / 4
     received = -1
     while not content.is_eof():
-        if content.total_bytes != received:
+        # `_size`: the bytes buffered and not yet read; aiohttp has no public name for it.
+        if content.total_bytes != received or getattr(content, "_size", 0):
             received = content.total_bytes
             deadline.reschedule(loop.time() + timeout_s + check_s)
         await asyncio.sleep(check_s)

@@ -213,3 +213,35 @@ def test_requests_aiohttps_parser_refuses_are_logged_as_client_errors_not_server
     parser = [r for r in records if r["logger"] == "aiohttp.server"]
     assert len(parser) == 2 and all(r["level"] == "info" and "exc" not in r for r in parser), parser
     assert all(len(r["message"]) < 400 for r in parser), parser  # the long header is not copied whole
+
+
+async def test_a_body_the_gateway_is_slow_to_read_is_not_taken_for_a_stalled_client() -> None:
+    """A large body sent at once fills the server's buffer, and aiohttp stops reading the socket until the handler
+    reads: a handler busy for longer than the timeout before it reads (a key looked up in a slow Redis) gets the
+    whole body, not a 408."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from gateway.errors import error_middleware
+
+    async def slow_then_read(request: web.Request) -> web.Response:
+        await asyncio.sleep(1.5)
+        return web.json_response({"read": len(await request.read())})
+
+    app = web.Application(client_max_size=16 * 1024 * 1024,
+                          middlewares=[error_middleware(2, 16 * 1024 * 1024, body_timeout_s=0.4)])
+    app.router.add_post("/slow", slow_then_read)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    body = b"x" * (8 * 1024 * 1024)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(f"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                     .encode() + body)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+    finally:
+        await server.close()
+    head, _, content = answer.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"200" and json.loads(content) == {"read": len(body)}, answer[:300]
