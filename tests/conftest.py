@@ -21,11 +21,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # whose tests load torch set it up in their own conftest (tests/harness/torch_setup.py).
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """`-n auto`: a process more than the cores (up to `--maxprocesses`): about a fifth of the suite's time is
     spent waiting (on leases, timeouts, Redis, child processes starting), which the extra process fills. On
-    two cores, three processes ran the suite in 355 s where two took 395 s."""
-    return len(os.sched_getaffinity(0)) + 1
+    two cores, three processes ran the suite in 355 s where two took 395 s. `-n logical` and
+    PYTEST_XDIST_AUTO_NUM_WORKERS keep their meaning (None: xdist decides)."""
+    if config.option.numprocesses != "auto" or os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores + 1
 
 
 @pytest.fixture(scope="session")
