@@ -174,8 +174,8 @@ async def _watch_body(content: StreamReader, deadline: asyncio.Timeout, timeout_
     check_s = timeout_s / 4
     received = -1
     while not content.is_eof():
-        # `_size`: the bytes buffered and not yet read; aiohttp has no public name for it.
-        if content.total_bytes != received or getattr(content, "_size", 0):
+        unread: int = getattr(content, "_size", 0)  # the bytes buffered, not yet read: aiohttp has no public name
+        if content.total_bytes != received or unread > 0:
             received = content.total_bytes
             deadline.reschedule(loop.time() + timeout_s + check_s)
         await asyncio.sleep(check_s)
