@@ -89,7 +89,9 @@ def main(argv: Sequence[str], env: Mapping[str, str], default_data_dir: Path) ->
     except ValueError as e:
         print(f"carpool redis-cli: {e}", file=sys.stderr)
         return 2
-    unreachable = tcp_unreachable(url)
+    # Not when redis-cli is given an address of its own (`-h`, `-p`, `-s`, `-u`), which beats ours.
+    names_address = any(arg in ("-h", "-p", "-s", "-u") for arg in args)
+    unreachable = None if names_address else tcp_unreachable(url)
     if unreachable is not None:
         # redis-cli's own "Could not connect" would not say which Redis it was meant to be, or where the URL came from.
         print(f"carpool redis-cli: {cannot_reach(url, unreachable)}", file=sys.stderr)

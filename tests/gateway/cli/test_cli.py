@@ -210,6 +210,14 @@ def test_redis_cli_names_the_redis_it_cannot_reach_and_where_to_look(tmp_path: P
                        "up` running, or is it another deployment's Redis (--redis-url)?\n"), err
 
 
+def test_redis_cli_given_an_address_of_its_own_reaches_it(redis_url: str, capfd: pytest.CaptureFixture[str]) -> None:
+    """redis-cli's own -h/-p beat the URL carpool finds: no Redis at that URL refuses the command."""
+    port = redis_url.rsplit(":", 1)[1].split("/")[0]
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    assert main(["redis-cli", "--redis-url", nowhere, "-p", port, "PING"], env={}) == 0
+    assert capfd.readouterr().out.strip() == "PONG"
+
+
 def test_keys_reports_a_server_that_is_not_redis(capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as listener:  # answers every connection with an HTTP error, as a web server would
         listener.bind(("127.0.0.1", 0))
