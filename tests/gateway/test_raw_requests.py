@@ -137,17 +137,23 @@ async def test_a_body_that_stops_arriving_is_answered_408_and_its_connection_clo
     assert got == 202, answer
 
 
-async def test_a_slow_body_that_keeps_coming_is_waited_for(impatient_gateway_port) -> None:
+async def test_a_slow_body_that_keeps_coming_is_waited_for(redis_url: str) -> None:
     """The timeout is between bytes, not for the whole body: one that trickles in over longer than it is taken."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", impatient_gateway_port)
-    writer.write(f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(JOB)}"
-                 "\r\nConnection: close\r\n\r\n".encode())
-    for i in range(0, len(JOB), 4):  # 2.4 s in all, 0.6 s between pieces
-        await asyncio.sleep(0.6)
-        writer.write(JOB[i:i + 4])
-        await writer.drain()
-    answer = await asyncio.wait_for(reader.read(), 30)
-    writer.close()
+    config = GatewayConfig(redis_url=redis_url, no_webhooks=True, body_timeout_s=2.0)
+    server = GatewayTestServer(init_app(config), host="127.0.0.1")
+    await server.start_server()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(JOB)}\r\nConnection: close\r\n\r\n".encode())
+        for i in range(0, len(JOB), 3):  # 3.6 s in all, 0.6 s between pieces
+            await asyncio.sleep(0.6)
+            writer.write(JOB[i:i + 3])
+            await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+    finally:
+        await server.close()
     assert answer.split()[1] == b"202", answer
 
 
