@@ -65,7 +65,8 @@ class TenantStreams:
         """Each lane's streams, the lane stream first (streams of the wrong type left out). One round trip;
         routes first unless told not to."""
         if self.wrong_type:
-            await self.check_types({key: self._types().get(key, "stream") for key in self.wrong_type})
+            types = self._types()  # a tenant's stream is none of these: a stream
+            await self.check_types({key: types.get(key, "stream") for key in self.wrong_type})
         routed = [lane for lane in LANES if route and not any(key in self.wrong_type for key in self._route_keys(lane))]
         pipe = self.client.pipeline(transaction=False)
         for lane in routed:
