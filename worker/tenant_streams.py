@@ -84,6 +84,9 @@ class TenantStreams:
                 raise reply
         if failed:  # a key of routing's is another type: found, said, left out
             await self.check_types(self._types())
+        blocked = [s.decode(errors="replace") for r in replies[:len(routed)] if isinstance(r, list) for s in r[1:]]
+        if blocked:  # a tenant's stream is another type: its jobs stay in the lane, served from there
+            await self.check_types([s for s in blocked if s not in self.wrong_type])
         replies = replies[len(routed):]
         self._weights = {} if isinstance(replies[-1], Exception) else _weights(replies[-1])
         out: dict[Lane, list[Source]] = {}
@@ -125,9 +128,11 @@ class TenantStreams:
                     log.warning("key %s is a Redis %s again (or gone): using it", key, want)
             elif key not in self.wrong_type:
                 self.wrong_type[key] = kind
-                what = ("no job is read from it (other streams are)" if want == "stream" else
-                        "what it keeps for the tenants' streams is not read or written (jobs in the lane streams "
-                        "still are)")
+                what = ("what it keeps for the tenants' streams is not read or written (jobs in the lane streams "
+                        "still are)" if want != "stream" else
+                        "no job is read from it (other streams are)" if key in self.keys.lanes() else
+                        "its tenant's jobs stay in the lane stream and are served from there, outside the "
+                        "tenants' fair share,")
                 log.error("key %s holds a Redis %s, not the %s carpool keeps there: %s until it is deleted or "
                           "of its type again", key, kind, want, what, extra={"key": key, "redis_type": kind})
 

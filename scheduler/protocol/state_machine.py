@@ -802,7 +802,7 @@ end
 ROUTE_TO_TENANTS = _STREAM_IDS + _NAMED_TENANT + """
 local last = nil
 local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
-if not ok then return 0 end
+if not ok then return {0} end
 for _, g in ipairs(groups) do
   for j = 1, #g, 2 do
     if g[j] == 'name' and g[j + 1] == ARGV[1] then
@@ -810,19 +810,23 @@ for _, g in ipairs(groups) do
     end
   end
 end
-if not last then return 0 end
+if not last then return {0} end
 local start = redis.call('GET', KEYS[2]) or '0-0'
 if id_after(last, start) then start = last end
 local entries = redis.call('XRANGE', KEYS[1], '(' .. start, '+', 'COUNT', tonumber(ARGV[2]))
 local moved = 0
+local blocked = {}
 for _, entry in ipairs(entries) do
   local id, fields = entry[1], entry[2]
   local raw = nil
   for j = 1, #fields, 2 do if fields[j] == 'job' then raw = fields[j + 1] end end
   local tenant = named_tenant(raw)
-  if tenant ~= '' then
-    local stream = ARGV[3] .. tenant
-    if redis.call('EXISTS', stream) == 0 then
+  local stream = ARGV[3] .. tenant
+  local kind = tenant ~= '' and redis.call('TYPE', stream)['ok'] or 'none'
+  if kind ~= 'none' and kind ~= 'stream' then
+    blocked[stream] = true
+  elseif tenant ~= '' then
+    if kind == 'none' then
       redis.call('XGROUP', 'CREATE', stream, ARGV[1], '0', 'MKSTREAM')
     end
     local copy = {}
@@ -839,14 +843,18 @@ for _, entry in ipairs(entries) do
   start = id
 end
 redis.call('SET', KEYS[2], start)
-return moved
+local out = {moved}
+for stream in pairs(blocked) do out[#out + 1] = stream end
+return out
 """
 """Any worker, before reading a lane: move the lane stream's not-yet-delivered entries whose job names a
 tenant into that tenant's stream (same fields, plus ``routed_from`` = the original id, whose time is the
-job's enqueue time), and mark the tenant active. Entries for the default tenant, and entries that cannot be
-read, stay where they are, untouched and undelivered: nothing is taken out of the group's hands.
+job's enqueue time), and mark the tenant active. Entries for the default tenant, entries that cannot be
+read, and entries whose tenant's stream holds another Redis type stay where they are, untouched and
+undelivered: nothing is taken out of the group's hands, and the lane's readers serve them.
 KEYS: lane stream, route cursor, the lane's active-tenant set, wake stream. ARGV: group, scan count, tenant
-stream prefix, wake maxlen. Returns the entries moved."""
+stream prefix, wake maxlen. Returns {entries moved, then each tenant stream of another type that kept its
+entries in the lane}."""
 
 STRAY_SCAN_TURN = """
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then

@@ -133,3 +133,33 @@ async def test_a_stop_hands_back_every_job_whose_stream_is_still_a_stream(redis_
     finally:
         await client.aclose()
     assert handbacks == b"1" and pending["time_since_delivered"] > 60_000, (handbacks, pending)
+
+
+async def test_a_tenant_stream_of_another_type_keeps_its_jobs_in_the_lane_and_routing_going(redis_url, engine,
+                                                                                            caplog) -> None:
+    """A tenant's stream made another type: that tenant's jobs stay in the lane stream and are served from there
+    (said once, naming the key), other tenants' jobs behind them are still routed into their own streams; once
+    the key is deleted the tenant's jobs are routed again."""
+    client = aioredis.Redis.from_url(redis_url)
+    broken, other = KEYS.tenant_lane(Lane.STANDARD, "acme"), KEYS.tenant_lane(Lane.STANDARD, "globex")
+    try:
+        await client.set(broken, "oops")
+        with caplog.at_level(logging.INFO):
+            async with running_worker(redis_url, engine) as service:
+                await xadd_job(client, JobSpec(id="acme-1", prompt="served", params=PARAMS, tenant="acme"))
+                await xadd_job(client, JobSpec(id="globex-1", prompt="served", params=PARAMS, tenant="globex"))
+                views = await wait_terminal(client, ["acme-1", "globex-1"])
+                assert {v["status"] for v in views.values()} == {"succeeded"}, views
+                assert await client.xlen(other) == 0 and await client.exists(other), "globex's job was routed"
+                await wait_until(lambda: broken in service.consumer.tenants.wrong_type, "acme's stream found")
+                await client.delete(broken)
+                await xadd_job(client, JobSpec(id="acme-2", prompt="served", params=PARAMS, tenant="acme"))
+                assert (await wait_terminal(client, ["acme-2"]))["acme-2"]["status"] == "succeeded"
+                assert await client.exists(broken), "acme's job was routed into its stream again"
+                await wait_until(lambda: not service.consumer.tenants.wrong_type, "acme's stream used again")
+                assert not service.stopped.is_set()
+    finally:
+        await client.aclose()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len([m for m in said if m.startswith(f"key {broken} holds a Redis string, not the stream")]) == 1, said
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
