@@ -21,12 +21,12 @@ from gateway.cli import EXIT_INTERRUPTED
 from gateway.cli.batch import add_batch_flags, run_batch
 from gateway.cli.keys import add_keys_flags, run_keys
 from gateway.cli.submit import EXIT_READER_GONE, add_submit_flags, run_submit
-from gateway.cli.up import UpConfig, default_data_dir, run_up
+from gateway.cli.up import GATEWAY_SET_BY_UP, WORKER_SET_BY_UP, UpConfig, default_data_dir, run_up
 from gateway.cli.up_worker import WorkerChild, check_worker_device
 from gateway.config import GatewayConfig
 from gateway.webhooks.config import WebhookConfig
 from scheduler.protocol.redis_client import RedisRefused, redacted_url
-from scheduler.runtime.flags import add_config_flags, config_from_args, parse_verb_args
+from scheduler.runtime.flags import add_config_flags, config_from_args, flag_fields, parse_verb_args
 from scheduler.runtime.listen import LISTEN_ERRNOS
 from scheduler.runtime.model_path import OFFLINE_ENV
 
@@ -58,10 +58,11 @@ def build_parser(env: Mapping[str, str], verb: str | None = None) -> argparse.Ar
     up = verbs.add_parser("up", help="start Redis (bundled unless --redis-url), the gateway and one worker")
     up_env = env_of("up")
     add_config_flags(up, UpConfig, up_env)
-    # `up` runs a worker, so it takes the worker's engine flags (worker.config imports no torch).
-    from worker.config import ENGINE_FLAGS, WorkerConfig
+    # `up` runs a worker and a gateway, so it takes their flags (worker.config imports no torch).
+    from worker.config import WorkerConfig
 
-    add_config_flags(up, WorkerConfig, up_env, exclude=_service_fields(WorkerConfig, ENGINE_FLAGS))
+    add_config_flags(up, WorkerConfig, up_env, exclude=WORKER_SET_BY_UP)
+    add_config_flags(up, GatewayConfig, up_env, exclude=_up_gateway_exclude(WorkerConfig))
     add_config_flags(up, WebhookConfig, up_env)
     up.add_argument("--log-level", default=up_env.get("CARPOOL_LOG_LEVEL", "WARNING"),
                     help="log level of the gateway and the worker (default: WARNING) [env CARPOOL_LOG_LEVEL]")
@@ -98,9 +99,9 @@ def _version() -> str:
         return "(not installed)"
 
 
-def _service_fields(worker_config: type[WorkerConfig], engine_flags: tuple[str, ...]) -> set[str]:
-    """The worker's settings that `up` does not take: all but its engine (``engine``) and ``engine_flags``."""
-    return {f.name for f in dataclasses.fields(worker_config)} - set(engine_flags) - {"engine"}
+def _up_gateway_exclude(worker_config: type[WorkerConfig]) -> set[str]:
+    """The gateway's settings that are no flags of their own in `up`: its own, and those the worker shares."""
+    return set(GATEWAY_SET_BY_UP) | set(flag_fields(worker_config, WORKER_SET_BY_UP))
 
 
 def _delegate(verb: str) -> Callable[[list[str], Mapping[str, str]], int]:
@@ -163,10 +164,12 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
         telemetry_config = telemetry_config_from_env(environ, service_name="carpool-gateway")
         webhooks = config_from_args(WebhookConfig, args)
         if args.verb == "up":
-            from worker.config import ENGINE_FLAGS, WorkerConfig
+            from worker.config import WorkerConfig
 
             up = config_from_args(UpConfig, args)
-            worker_config = config_from_args(WorkerConfig, args, exclude=_service_fields(WorkerConfig, ENGINE_FLAGS))
+            worker_config = config_from_args(WorkerConfig, args, exclude=WORKER_SET_BY_UP)
+            gateway = config_from_args(GatewayConfig, args, exclude=("redis_url", "shutdown_grace_s"),
+                                       webhooks=webhooks)
             worker_config.check_model()
             check_worker_device(worker_config.engine.device)
         else:
@@ -184,7 +187,8 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
         # The same JSON logs as `carpool gateway`.
         configure_logging(log_level, service=telemetry_config.service_name)
         log_parse_errors_as_client_errors()
-        return run_up(up, WorkerChild(worker_config, ENGINE_FLAGS, log_level), webhooks, data_dir, telemetry_config)
+        child = WorkerChild(worker_config, tuple(flag_fields(WorkerConfig, WORKER_SET_BY_UP)), log_level)
+        return run_up(up, gateway, child, data_dir, telemetry_config)
     return run_gateway(gateway, log_level, telemetry_config)
 
 

@@ -13,6 +13,7 @@ If up dies without that (SIGKILL), Linux ends both children with it (`scheduler.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fcntl
 import os
 import shlex
@@ -30,7 +31,6 @@ from gateway.app import init_app
 from gateway.cli.embedded_redis import DEFAULT_REDIS_PORT, REDIS_URL_FILE, EmbeddedRedis, free_port, is_port_free
 from gateway.cli.up_worker import StackError, WorkerChild, child_environ, stop_worker, wait_ready
 from gateway.config import GatewayConfig
-from gateway.webhooks.config import WebhookConfig
 from scheduler.protocol.keys import DEFAULT_PREFIX, check_key_prefix
 from scheduler.protocol.redis_client import redacted_url
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE
@@ -41,6 +41,16 @@ from scheduler.telemetry.otel import Telemetry, TelemetryConfig
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """What stops the stack in order: Ctrl-C, a supervisor's SIGTERM, a closed terminal's SIGHUP."""
+
+
+WORKER_SET_BY_UP = frozenset({"redis_url", "key_prefix", "metrics_host", "metrics_port", "shutdown_grace_s",
+                               "log_level"})
+"""The worker's settings up gives its worker itself (from ``--redis-url``, ``--key-prefix``,
+``--worker-metrics-port``, ``--worker-grace-s``, ``--log-level``); up takes every other worker flag and hands it on."""
+GATEWAY_SET_BY_UP = frozenset({"redis_url", "host", "port", "key_prefix", "api_keys", "shutdown_grace_s"})
+"""The gateway's settings that are up's own flags (or, for its ``shutdown_grace_s``, left at the default); up takes
+every other gateway flag. A setting both have (``--result-ttl-s``, ``--max-model-len``, …) is one flag of up's, given
+to both."""
 
 
 @dataclass
@@ -108,8 +118,9 @@ def default_data_dir(home: Path) -> Path:
     return home / ".local" / "share" / "carpool"
 
 
-def run_up(config: UpConfig, worker: WorkerChild, webhooks: WebhookConfig, data_dir: Path,
+def run_up(config: UpConfig, gateway: GatewayConfig, worker: WorkerChild, data_dir: Path,
            telemetry_config: TelemetryConfig) -> int:
+    """``gateway``: the gateway's settings, its Redis URL replaced by the one up finds or starts."""
     redis: EmbeddedRedis | None = None
     redis_url = config.redis_url
     url_file = data_dir / REDIS_URL_FILE
@@ -138,7 +149,7 @@ def run_up(config: UpConfig, worker: WorkerChild, webhooks: WebhookConfig, data_
     try:
         telemetry = Telemetry(telemetry_config)
         try:
-            return asyncio.run(_run_stack(config, worker, webhooks, redis_url, telemetry))
+            return asyncio.run(_run_stack(config, dataclasses.replace(gateway, redis_url=redis_url), worker, telemetry))
         finally:
             telemetry.shutdown()
     except StackError as e:
@@ -176,8 +187,8 @@ def _say(line: str, *, is_error: bool = False) -> None:
         _leave_terminal()
 
 
-async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConfig, redis_url: str,
-                     telemetry: Telemetry) -> int:
+async def _run_stack(config: UpConfig, gateway_config: GatewayConfig, child: WorkerChild, telemetry: Telemetry) -> int:
+    redis_url = gateway_config.redis_url
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     hurry = asyncio.Event()
@@ -193,10 +204,6 @@ async def _run_stack(config: UpConfig, child: WorkerChild, webhooks: WebhookConf
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_hangup if sig is signal.SIGHUP else on_signal)
 
-    gateway_config = GatewayConfig(
-        redis_url=redis_url, host=config.host, port=config.port, max_model_len=child.worker.engine.max_model_len,
-        webhooks=webhooks, api_keys=config.api_keys, key_prefix=config.key_prefix,
-    )
     runner = web.AppRunner(init_app(gateway_config, telemetry), shutdown_timeout=gateway_config.shutdown_grace_s,
                            access_log_class=AccessLogger, keepalive_timeout=gateway_config.keepalive_timeout_s)
     await runner.setup()

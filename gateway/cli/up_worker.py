@@ -36,11 +36,11 @@ class StackError(RuntimeError):
 
 @dataclass
 class WorkerChild:
-    """What `carpool up` hands its worker: the engine settings (`worker.config.ENGINE_FLAGS`) and the log level."""
+    """What `carpool up` hands its worker: the settings up took for it, and the log level."""
 
     worker: WorkerConfig
-    """The worker's settings; only ``engine_flags`` of them are handed on."""
-    engine_flags: tuple[str, ...]
+    """The worker's settings; only ``flags`` of them are handed on (those up took as flags of its own)."""
+    flags: tuple[str, ...]
     log_level: str
 
     def argv(self, redis_url: str, key_prefix: str, metrics_port: int, grace_s: float) -> list[str]:
@@ -48,7 +48,7 @@ class WorkerChild:
             sys.executable, "-m", "gateway.cli", "worker", "--redis-url", redis_url, "--key-prefix", key_prefix,
             "--log-level", self.log_level,
             "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--shutdown-grace-s", str(grace_s),
-            *config_argv(self.worker, self.engine_flags),
+            *config_argv(self.worker, self.flags),
         ]
 
 

@@ -212,7 +212,7 @@ def config_argv(config: Any, names: Iterable[str]) -> list[str]:
     values = _flat_values(config)
     for name in names:
         value, default = values[name]
-        if value is None or (isinstance(value, bool) and value == default):
+        if value is None or value == default:  # the child's default is the same
             continue
         if isinstance(value, bool):
             # A switch off by default is a plain `--flag`; one on by default is turned off with `--no-flag`.
@@ -224,6 +224,11 @@ def config_argv(config: Any, names: Iterable[str]) -> list[str]:
         else:
             argv += [flag_name(name), str(value)]
     return argv
+
+
+def flag_fields(cls: type, exclude: Iterable[str] = ()) -> list[str]:
+    """The field behind every flag `add_config_flags` adds for `cls` (nested config dataclasses flattened)."""
+    return [f.name for f, _ in _flag_fields(cls, exclude)]
 
 
 def env_names(cls: type, exclude: Iterable[str] = ()) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""`carpool up` takes the worker's engine flags and log level, its help says each default once, and the
-gateway admits against the context length the workers report."""
+"""`carpool up` takes the worker's and the gateway's flags and its log level, its help says each default once,
+and the gateway admits against the context length the workers report."""
 
 from __future__ import annotations
 
@@ -21,12 +21,15 @@ from tests.harness.fixed_answer import answering
 from tests.harness.up_stack import UpStack, carpool, carpool_env, start_up
 
 CONTEXT = 64
+MAX_BODY = 4096
+RESULT_TTL_S = 500
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_model: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
     up = start_up(tmp_path_factory.mktemp("up"), "--model", tiny_model("llama"), "--max-num-seqs", "3",
-                  "--max-model-len", str(CONTEXT), "--log-level", "warning")
+                  "--max-model-len", str(CONTEXT), "--log-level", "warning", "--served-model-name", "tiny-up",
+                  "--max-body-bytes", str(MAX_BODY), "--result-ttl-s", str(RESULT_TTL_S))
     yield up
     assert up.stop() == 0, up.log()
 
@@ -64,6 +67,23 @@ def test_up_passes_engine_flags_and_log_level_to_its_worker(stack: UpStack) -> N
 
 
 @pytest.mark.slow
+def test_up_hands_the_gateway_its_flags_and_a_shared_one_to_both(stack: UpStack) -> None:
+    with urllib.request.urlopen(f"{stack.base}/v1/models", timeout=30) as resp:
+        models = [m["id"] for m in json.loads(resp.read())["data"]]
+    assert models == ["tiny-up"], models  # the worker's --served-model-name
+    status, body = _post(stack.base, {"prompt": "x" * MAX_BODY})
+    assert status == 413, body  # the gateway's --max-body-bytes
+    status, body = _post(stack.base, {"id": "ttl", "prompt": "hi", "params": {"max_tokens": 2}})
+    assert status == 202 and _wait_final(stack.base, "ttl")["status"] == "succeeded", body
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        ttl = client.ttl("carpool:job:ttl")
+    finally:
+        client.close()
+    assert 0 < ttl <= RESULT_TTL_S, ttl  # --result-ttl-s, which the worker applies to the job it ends
+
+
+@pytest.mark.slow
 def test_the_gateway_admits_against_the_workers_context(stack: UpStack) -> None:
     status, body = _post(stack.base, {"prompt_token_ids": [5] * (CONTEXT + 6), "params": {"max_tokens": 4}})
     assert status == 400 and body["error"]["field"] == "prompt_token_ids", body
@@ -83,16 +103,17 @@ def test_an_over_long_text_prompt_fails_naming_the_prompt_with_its_length(stack:
     assert view["usage"]["prompt_tokens"] >= CONTEXT * 3
 
 
-def test_up_takes_every_engine_setting_of_the_worker() -> None:
-    import dataclasses
-
+def test_up_takes_every_setting_of_the_worker_and_the_gateway_but_those_it_sets_itself() -> None:
+    from gateway.cli.up import GATEWAY_SET_BY_UP, WORKER_SET_BY_UP
+    from gateway.config import GatewayConfig
+    from scheduler.runtime.flags import flag_fields
     from worker.config import ENGINE_FLAGS, WorkerConfig
 
-    engine_flags = {f.name for f in dataclasses.fields(WorkerConfig().engine) if f.metadata.get("flag", True)}
-    assert engine_flags <= set(ENGINE_FLAGS)
     up_help = carpool("up", "--help").stdout
-    for name in ENGINE_FLAGS:
-        assert "--" + name.replace("_", "-") in up_help, name
+    taken = set(flag_fields(WorkerConfig, WORKER_SET_BY_UP)) | set(flag_fields(GatewayConfig, GATEWAY_SET_BY_UP))
+    assert set(ENGINE_FLAGS) <= taken and {"served_model_name", "lease_s", "max_lane_depth"} <= taken
+    for name in taken:
+        assert re.search(rf"^  --{name.replace('_', '-')}\b", up_help, re.MULTILINE), name
 
 
 def test_help_says_each_default_once() -> None:
