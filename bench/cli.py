@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from bench.config import MODEL_DTYPES, QUICK_NOTE, SWEPT_MODES, BenchConfig
+from scheduler.runtime.flags import flag_error
 from scheduler.runtime.model_path import check_local_checkpoint
 
 
@@ -137,7 +138,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         try:
             check_local_checkpoint(args.model)
         except ValueError as e:
-            print(f"carpool bench: {e}", file=sys.stderr)
+            print(f"carpool bench: {flag_error(str(e), also=('model',))}", file=sys.stderr)
             return 2
     output = Path(args.output).expanduser()
     output.mkdir(parents=True, exist_ok=True)

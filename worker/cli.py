@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from scheduler.params import SamplingParams
-from scheduler.runtime.flags import add_config_flags, config_from_args, parse_verb_args
+from scheduler.runtime.flags import add_config_flags, config_from_args, flag_error, parse_verb_args
 from scheduler.runtime.listen import LISTEN_ERRNOS, listen_error
 from scheduler.runtime.model_path import BUILTIN_MODEL_NOTICE, OFFLINE_ENV
 from scheduler.runtime.terminal import printable, prompt_argument
@@ -55,6 +55,10 @@ def build_parser(env: Mapping[str, str], verb: str | None = None) -> argparse.Ar
     return parser
 
 
+GENERATE_PARAMS = ("max_tokens", "temperature", "top_p", "seed")
+"""`carpool generate`'s flags of the prompt's own, each a sampling parameter's name."""
+
+
 def _service_fields() -> list[str]:
     """What ``carpool generate`` does not take: everything but the engine's settings and the torch threads."""
     return [name for name in WorkerConfig.__dataclass_fields__ if name not in ("engine", "torch_threads")]
@@ -73,7 +77,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
                                     seed=args.seed)
             prompt = prompt_argument(args.prompt, sys.stdin.buffer)
         except ValueError as e:  # InvalidParam too: it names the setting
-            print(f"carpool generate: {e}", file=sys.stderr)
+            print(f"carpool generate: {flag_error(str(e), WorkerConfig, also=GENERATE_PARAMS)}", file=sys.stderr)
             return 2
         return generate(config, prompt, params)
     try:
@@ -82,7 +86,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         telemetry_config = telemetry_config_from_env(environ, service_name="carpool-worker",
                                                      service_instance_id=config.worker_name or None)
     except ValueError as e:
-        print(f"carpool worker: {e}", file=sys.stderr)
+        print(f"carpool worker: {flag_error(str(e), WorkerConfig)}", file=sys.stderr)
         return 2
     # Before the model loads: a port the worker will not get ends it now, not after minutes of loading.
     problem = listen_error(config.metrics_host, config.metrics_port) if config.metrics_port else None
@@ -108,7 +112,7 @@ def generate(config: WorkerConfig, prompt: str, params: SamplingParams) -> int:
         freeze_startup_heap()
         (completion,) = engine.generate([prompt], params)
     except ValueError as e:  # settings the model or machine cannot take, a prompt that does not fit: said in one line
-        print(f"carpool generate: {e}", file=sys.stderr)
+        print(f"carpool generate: {flag_error(str(e), WorkerConfig, also=GENERATE_PARAMS)}", file=sys.stderr)
         return 2
     if config.engine.model is None:
         print(f"carpool generate: {BUILTIN_MODEL_NOTICE}", file=sys.stderr)

@@ -26,7 +26,7 @@ from gateway.cli.up_worker import WorkerChild, check_worker_device
 from gateway.config import GatewayConfig
 from gateway.webhooks.config import WebhookConfig
 from scheduler.protocol.redis_client import RedisRefused, redacted_url
-from scheduler.runtime.flags import add_config_flags, config_from_args, flag_fields, parse_verb_args
+from scheduler.runtime.flags import add_config_flags, config_from_args, flag_error, flag_fields, parse_verb_args
 from scheduler.runtime.listen import LISTEN_ERRNOS
 from scheduler.runtime.model_path import OFFLINE_ENV
 
@@ -168,17 +168,22 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
 
             up = config_from_args(UpConfig, args)
             worker_config = config_from_args(WorkerConfig, args, exclude=WORKER_SET_BY_UP)
+            # Checked here, with up's --redis-url where it has one (the bundled Redis's URL replaces it later).
+            redis_url = {"redis_url": up.redis_url} if up.redis_url is not None else {}
             gateway = config_from_args(GatewayConfig, args, exclude=("redis_url", "shutdown_grace_s"),
-                                       webhooks=webhooks)
+                                       webhooks=webhooks, **redis_url)
             worker_config.check_model()
             check_worker_device(worker_config.engine.device)
         else:
             gateway = config_from_args(GatewayConfig, args, webhooks=webhooks)
     except ValueError as e:
         if args.verb == "up":
-            print(f"carpool up: {e}", file=sys.stderr)
+            from worker.config import WorkerConfig
+
+            print(f"carpool up: {flag_error(str(e), UpConfig, WorkerConfig, GatewayConfig, WebhookConfig)}",
+                  file=sys.stderr)
             return 2
-        parser.exit(2, f"carpool {args.verb}: error: {e}\n")
+        parser.exit(2, f"carpool {args.verb}: error: {flag_error(str(e), GatewayConfig, WebhookConfig)}\n")
     if args.verb == "up":
         data_dir = Path(up.data_dir).expanduser() if up.data_dir else default_data_dir(Path.home())
         from gateway.access_log import log_parse_errors_as_client_errors

@@ -73,10 +73,12 @@ class UpConfig:
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: must be a TCP port, got {getattr(self, name)}")
         if self.worker_metrics_port and self.worker_metrics_port == self.port:
-            raise ValueError(f"worker_metrics_port: must differ from port, the gateway's, got {self.port} for both")
+            raise ValueError(f"worker_metrics_port: must differ from the gateway's port, got {self.port} for both")
         check_key_prefix(self.key_prefix)
-        if not self.ready_timeout_s > 0 or not 0 <= self.worker_grace_s < float("inf"):
-            raise ValueError("ready_timeout_s must be positive and worker_grace_s not negative")
+        if not self.ready_timeout_s > 0:
+            raise ValueError(f"ready_timeout_s: must be positive, got {self.ready_timeout_s}")
+        if not 0 <= self.worker_grace_s < float("inf"):
+            raise ValueError(f"worker_grace_s: must be a finite number of seconds, not negative, got {self.worker_grace_s}")
 
 
 class DataDirLock:

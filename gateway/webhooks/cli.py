@@ -148,14 +148,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.generate_secret:
         print(generate_secret())
         return 0
-    from scheduler.runtime.flags import config_from_args
+    from scheduler.runtime.flags import config_from_args, flag_error
     from scheduler.telemetry.log_format import check_log_level, configure_logging
     from scheduler.telemetry.otel import telemetry_config_from_env
 
     try:
         config = config_from_args(WebhookConfig, args)
     except ValueError as e:
-        print(f"carpool webhooks: {e}", file=sys.stderr)
+        print(f"carpool webhooks: {flag_error(str(e), WebhookConfig)}", file=sys.stderr)
         return 2
     if args.replay_dead is not None:
         return replay_dead(args, config)
@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_level = check_log_level(args.log_level)
         telemetry_config = telemetry_config_from_env(os.environ, service_name="carpool-webhooks")
     except ValueError as e:
-        print(f"carpool webhooks: {e}", file=sys.stderr)
+        print(f"carpool webhooks: {flag_error(str(e), also=('redis_url', 'key_prefix', 'log_level'))}", file=sys.stderr)
         return 2
     configure_logging(log_level, service=telemetry_config.service_name)
     telemetry = Telemetry(telemetry_config)

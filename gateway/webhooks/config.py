@@ -55,10 +55,13 @@ class WebhookConfig:
             parse_secret(self.webhook_secret)
         self.allowlist()
         self.retry_policy()
-        if self.webhook_timeout_s <= 0 or self.webhook_poll_s <= 0 or self.webhook_drain_s < 0:
-            raise ValueError("webhook timeout and poll interval must be positive, drain not negative")
+        for name in ("webhook_timeout_s", "webhook_poll_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if not self.webhook_drain_s >= 0:
+            raise ValueError(f"webhook_drain_s: must not be negative, got {self.webhook_drain_s}")
         if self.webhook_concurrency < 1:
-            raise ValueError("webhook concurrency: must be at least 1")
+            raise ValueError(f"webhook_concurrency: must be at least 1, got {self.webhook_concurrency}")
 
     def allowlist(self) -> Allowlist:
         return Allowlist.parse(self.webhook_allow)

@@ -88,8 +88,8 @@ def test_a_bad_variable_is_reported_by_the_verb_that_reads_it() -> None:
 
 
 @pytest.mark.parametrize(("flag", "value", "word"), [
-    ("--max-tokens", "0", "max_tokens"), ("--temperature", "-1", "temperature"), ("--top-p", "2", "top_p"),
-    ("--seed", "-5", "seed")])
+    ("--max-tokens", "0", "--max-tokens: "), ("--temperature", "-1", "--temperature: "), ("--top-p", "2", "--top-p: "),
+    ("--seed", "-5", "--seed: ")])
 def test_generate_refuses_bad_sampling_flags_in_one_line(flag: str, value: str, word: str) -> None:
     done = _carpool("generate", "hi", flag, value, env=_env())
     assert done.returncode == 2
@@ -97,10 +97,10 @@ def test_generate_refuses_bad_sampling_flags_in_one_line(flag: str, value: str, 
 
 
 @pytest.mark.parametrize(("flag", "value", "word"), [
-    ("--redis-url", "http://127.0.0.1:6379/0", "redis_url"),
-    ("--redis-url", "redis://127.0.0.1:notaport/0", "redis_url"),
-    ("--key-prefix", "", "key_prefix"),
-    ("--key-prefix", "two words", "key_prefix"),
+    ("--redis-url", "http://127.0.0.1:6379/0", "--redis-url: "),
+    ("--redis-url", "redis://127.0.0.1:notaport/0", "--redis-url: "),
+    ("--key-prefix", "", "--key-prefix: "),
+    ("--key-prefix", "two words", "--key-prefix: "),
 ])
 def test_webhooks_refuses_bad_settings(flag: str, value: str, word: str) -> None:
     env = _env(CARPOOL_WEBHOOK_SECRET=generate_secret())

@@ -60,4 +60,4 @@ def test_a_lease_no_worker_could_keep_is_refused_at_start(lease: str, capsys: py
 
     assert main(["worker", "--lease-s", lease], env={}) == 2
     err = capsys.readouterr().err
-    assert "lease_s: must be" in err and "Traceback" not in err, err
+    assert "carpool worker: --lease-s: must be" in err and "Traceback" not in err, err

@@ -72,10 +72,14 @@ def test_bad_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None
     assert "CARPOOL_PORT='eighty'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["gateway", "--max-lane-depth", "express=3"], env={})
-    assert "max_lane_depth: unknown lane 'express'" in capsys.readouterr().err
+    assert "carpool gateway: error: --max-lane-depth: unknown lane 'express'" in capsys.readouterr().err
+    # A Redis URL of another scheme: refused before anything starts, naming the flag (no traceback).
+    assert main(["up", "--redis-url", "http://127.0.0.1:6379"], env={}) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("carpool up: --redis-url: Redis URL must specify one of") and err.count("\n") == 1, err
     # NaN meets no bound, and a list flag's refusal names the kind of value.
     assert main(["up", "--worker-grace-s", "nan"], env={}) == 2
-    assert "worker_grace_s not negative" in capsys.readouterr().err
+    assert "carpool up: --worker-grace-s: must be a finite number of seconds, not negative, got nan" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["webhooks", "--webhook-retry-schedule-s=-1,abc"], env={})
     assert "invalid comma-separated list value: '-1,abc'" in capsys.readouterr().err

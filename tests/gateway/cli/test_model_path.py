@@ -14,7 +14,7 @@ from tests.harness.up_stack import REPO, carpool, carpool_env
 ONE_LINE = "carpool never downloads models"
 
 
-def _assert_one_line_refusal(done: subprocess.CompletedProcess[str], model: str, setting: str = "model") -> None:
+def _assert_one_line_refusal(done: subprocess.CompletedProcess[str], model: str, setting: str = "--model") -> None:
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr  # one line, no traceback
     assert f"{setting}: not a local checkpoint directory: {model}" in done.stderr and ONE_LINE in done.stderr
@@ -27,7 +27,7 @@ def test_generate_refuses_a_hub_id_or_missing_path(model: str) -> None:
 
 def test_a_missing_draft_model_is_named_as_the_draft(tiny_model) -> None:
     done = carpool("generate", "hi", "--model", tiny_model(), "--speculative", "draft", "--draft-model", "/no/draft")
-    _assert_one_line_refusal(done, "/no/draft", "draft_model")
+    _assert_one_line_refusal(done, "/no/draft", "--draft-model")
 
 
 def test_worker_refuses_a_directory_without_a_checkpoint(tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ def test_a_device_this_machine_has_not_is_refused_before_starting_anything(verb:
     flags = ["--redis-port", "0", "--data-dir", str(tmp_path / "data")] if verb == "up" else ["hi"]
     done = carpool(verb, *flags, "--device", "cuda:99")
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert done.stderr.startswith(f"carpool {verb}: device: cuda:99 asked for, but torch sees "), done.stderr
+    assert done.stderr.startswith(f"carpool {verb}: --device: cuda:99 asked for, but torch sees "), done.stderr
     assert not (tmp_path / "data").exists()  # no Redis was started
 
 

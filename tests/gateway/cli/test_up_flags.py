@@ -151,7 +151,7 @@ def test_a_worker_metrics_port_that_is_the_gateways_is_a_usage_error(tmp_path: P
     done = carpool("up", "--port", port, "--worker-metrics-port", port, "--redis-port", "0",
                    "--data-dir", str(tmp_path / "data"))
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert "worker_metrics_port: must differ from port" in done.stderr
+    assert "--worker-metrics-port: must differ from the gateway's port" in done.stderr
     assert not (tmp_path / "data").exists()  # no Redis was started
 
 

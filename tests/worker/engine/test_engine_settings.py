@@ -107,18 +107,18 @@ def test_cuda_on_a_machine_without_one_is_refused(tiny_model: Callable[..., str]
 def test_the_generate_verb_refuses_bad_settings_in_one_line(tiny_model: Callable[..., str]) -> None:
     env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT)}
     for flags, line in [
-        (["--kv-cache-memory-gb", "nan"], "carpool generate: kv_cache_memory_gb: must be a positive number of GiB, "
+        (["--kv-cache-memory-gb", "nan"], "carpool generate: --kv-cache-memory-gb: must be a positive number of GiB, "
                                           "got nan"),
-        (["--max-wait-ms", "inf"], "carpool generate: max_wait_ms: must be >= 0 and finite, got inf"),
-        (["--dtype", "int8"], "carpool generate: dtype: must be one of float32, fp32, float16, fp16, half, "
+        (["--max-wait-ms", "inf"], "carpool generate: --max-wait-ms: must be >= 0 and finite, got inf"),
+        (["--dtype", "int8"], "carpool generate: --dtype: must be one of float32, fp32, float16, fp16, half, "
                               "bfloat16, bf16, auto or unset, got 'int8'"),
         # Refused by the engine as it is built, and by the prompt that cannot fit: the same one line.
-        (["--max-model-len", "100000"], "carpool generate: max_model_len: 100000 exceeds the model's context "
+        (["--max-model-len", "100000"], "carpool generate: --max-model-len: 100000 exceeds the model's context "
                                         "length 2048 (its max_position_embeddings)"),
-        (["--max-tokens", "5000"], "carpool generate: max_tokens: prompt (3 tokens) + max_tokens (5000) exceeds "
+        (["--max-tokens", "5000"], "carpool generate: --max-tokens: prompt (3 tokens) + max_tokens (5000) exceeds "
                                    "max_model_len 2048 (set by the model's context, its max_position_embeddings)"),
         (["--max-tokens", "100", "--num-blocks", "4", "--block-size", "8"],
-         "carpool generate: max_tokens: prompt (3 tokens) + max_tokens (100) exceeds max_model_len 32 (set by the "
+         "carpool generate: --max-tokens: prompt (3 tokens) + max_tokens (100) exceeds max_model_len 32 (set by the "
          "KV cache's 4 blocks of 8 tokens)"),
     ]:
         args = [sys.executable, "-m", "worker.cli", "generate", "hi", "--max-tokens", "2",
