@@ -27,6 +27,21 @@ _FIELDS: Any = web.RequestKey("log_fields", dict) if hasattr(web, "RequestKey") 
 
 QUIET_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
+CLIENT_CLOSED_REQUEST = 499
+"""The status a request whose client went away is logged and counted with (no client reads it)."""
+_CLIENT_GONE: Any = web.RequestKey("client_gone", bool) if hasattr(web, "RequestKey") else "carpool.client_gone"
+
+
+def note_client_gone(request: web.BaseRequest) -> None:
+    """The client hung up while its answer was being sent (mid-stream): its status went out before, but the
+    request is logged and counted with `CLIENT_CLOSED_REQUEST`, as one that hung up before its answer is."""
+    request[_CLIENT_GONE] = True
+
+
+def status_of(request: web.BaseRequest, response: web.StreamResponse) -> int:
+    """The status a request is logged and counted with."""
+    return CLIENT_CLOSED_REQUEST if request.get(_CLIENT_GONE) else response.status
+
 # Which field a route's ``{id}`` is: the routes under /v1/jobs/ name a job, the others a file or a batch.
 _ID_FIELDS = (("/v1/jobs/", "job_id"), ("/v1/files/", "file_id"), ("/v1/batches/", "batch_id"))
 
@@ -62,7 +77,7 @@ class AccessLogger(AbstractAccessLogger):
             return
         duration_ms = round(time * 1000, 1)
         fields: dict[str, Any] = {
-            "http_method": request.method, "http_path": request.path, "http_status": response.status,
+            "http_method": request.method, "http_path": request.path, "http_status": status_of(request, response),
             "duration_ms": duration_ms, "remote": request.remote or "",
             "user_agent": request.headers.get("User-Agent", ""),
         }
@@ -70,7 +85,7 @@ class AccessLogger(AbstractAccessLogger):
         if request_id:
             fields["request_id"] = request_id
         fields.update(request.get(_FIELDS) or {})
-        self.logger.log(level, "%s %s %d %.1f ms", request.method, request.path, response.status, duration_ms,
+        self.logger.log(level, "%s %s %d %.1f ms", request.method, request.path, fields["http_status"], duration_ms,
                         extra=fields)
 
 

@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from gateway import appkeys
 from gateway.admission import Admission, WebhookCheck
@@ -68,6 +68,7 @@ def init_app(config: GatewayConfig, telemetry: Telemetry | None = None) -> web.A
     if not config.no_webhooks:
         app.cleanup_ctx.append(_webhooks_ctx)
     app.on_response_prepare.append(_add_request_id)
+    app.on_response_prepare.append(_close_an_unbounded_http10_body)
     app.on_shutdown.append(_wake_waiters)
     app.router.add_routes(routes)
     app.router.add_routes(openai_routes)
@@ -160,6 +161,14 @@ async def _add_request_id(request: web.Request, response: web.StreamResponse) ->
     """Every answer names itself with ``x-request-id``, as OpenAI's do: the `openai` client shows it as a
     response's ``_request_id`` and an error's ``request_id``."""
     response.headers.setdefault(REQUEST_ID_HEADER, request_id(request))
+
+
+async def _close_an_unbounded_http10_body(request: web.Request, response: web.StreamResponse) -> None:
+    """An HTTP/1.0 answer streamed without a length (an event stream, a file's content) can end only with its
+    connection: 1.0 has no chunked encoding. aiohttp sends it so but keeps a connection the client asked to keep
+    alive, so the client would wait for the end until the keep-alive timeout; the connection is closed after it."""
+    if request.version < HttpVersion11 and response.content_length is None and not response.chunked:
+        response.force_close()
 
 
 async def _wake_waiters(app: web.Application) -> None:

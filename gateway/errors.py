@@ -28,6 +28,7 @@ from aiohttp.web_urldispatcher import MatchInfoError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.access_log import CLIENT_CLOSED_REQUEST
 from scheduler.protocol.redis_client import is_out_of_memory, is_refusal, is_wrong_type
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 from scheduler.runtime.outage_log import describe
@@ -184,10 +185,6 @@ async def _watch_body(content: StreamReader, deadline: asyncio.Timeout, timeout_
 
 POOL_EXHAUSTED = "No connection available"
 """What redis-py says when no pooled connection came free in time."""
-
-CLIENT_CLOSED_REQUEST = 499
-"""The status a request whose client went away is logged and counted with (no client reads it)."""
-
 
 def _is_client_gone(request: web.Request) -> bool:
     return request.transport is None or request.transport.is_closing()

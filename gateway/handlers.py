@@ -13,7 +13,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from gateway import appkeys
-from gateway.access_log import note_jobs
+from gateway.access_log import CLIENT_CLOSED_REQUEST, note_client_gone, note_jobs
 from gateway.admission import IdempotencyInFlight, InvalidJob, JobIdTaken, LaneFull, QuotaExceeded
 from gateway.auth import RATE_HEADERS, caller_of, may_see
 from gateway.cancel import AlreadyFinished, JobNotFound
@@ -140,6 +140,8 @@ async def get_job(request: web.Request) -> web.Response:
                                          is_abandoned=lambda: client_gone(request), check_s=CLIENT_CHECK_S)
     finally:
         metrics.waiter_closed()
+    if client_gone(request):
+        return web.Response(status=CLIENT_CLOSED_REQUEST)  # hung up while it waited: nobody reads an answer
     if not record:
         return _no_job(job_id)
     return web.json_response(job_view(record), dumps=_dumps)
@@ -160,6 +162,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
         await stream_events(request, response, redis, keys, app[appkeys.HUB], job_id, app[appkeys.CONFIG].sse_heartbeat_s)
     except ConnectionResetError:
         # The client went away mid-stream (it may come back with Last-Event-ID): an ordinary end.
+        note_client_gone(request)
         with job_context(job_id):
             log.debug("event stream of job %s: client disconnected", job_id)
     except REDIS_UNAVAILABLE as e:

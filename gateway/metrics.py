@@ -20,7 +20,7 @@ from aiohttp.typedefs import Middleware
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from gateway.access_log import id_field, note
+from gateway.access_log import id_field, note, status_of
 from gateway.webhooks.metrics import WebhookMetrics
 from scheduler.protocol.job import JobSpec, JobStatus
 from scheduler.protocol.lanes import LANES
@@ -188,7 +188,7 @@ async def _record_request(metrics: GatewayMetrics, request: web.Request, handler
             note(request, trace_id=format(span.get_span_context().trace_id, "032x"))
         try:
             response = await handler(request)
-            status = response.status
+            status = status_of(request, response)
             return response
         except web.HTTPException as e:
             status = e.status

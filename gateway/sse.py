@@ -15,6 +15,7 @@ and each character goes out once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import msgpack
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from gateway.access_log import note_client_gone
 from gateway.event_hub import EventHub, is_terminal
 from scheduler.protocol.job_record import EventType, final_event, job_view, json_default
 from scheduler.protocol.keys import Keys
@@ -55,6 +57,12 @@ class Cursor:
             return cls()  # none, or not one of ours: from the start
         tokens, text_chars, attempt = (int(part) for part in parts)
         return cls(tokens, text_chars, attempt, has_final)
+
+    def fits(self, tokens: int, text_chars: int, attempts: int) -> bool:
+        """Whether this cursor can be the job's, which has published `tokens` tokens and `text_chars` characters
+        over `attempts` attempts so far: one past them is none of this job's (made up, or another job's under the
+        same id), and the stream starts over from the beginning."""
+        return self.tokens <= tokens and self.text_chars <= text_chars and self.attempt <= attempts
 
     def __str__(self) -> str:
         return f"{self.tokens}.{self.text_chars}.{self.attempt}" + (f".{FINAL_MARK}" if self.has_final else "")
@@ -120,23 +128,15 @@ def coalesce(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def from_view(view: dict[str, Any], cursor: Cursor, final: dict[str, Any] | None = None, *,
-              is_clients_cursor: bool = False) -> list[dict[str, Any]]:
-    """An ended job's events the client has not had, from its record: started, the rest of its output, final.
-    `is_clients_cursor`: the cursor is the client's `Last-Event-ID` as it came, which may be past the output."""
+def from_view(view: dict[str, Any], cursor: Cursor, final: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """An ended job's events the client has not had, from its record: started, the rest of its output, final."""
     events: list[dict[str, Any]] = []
-    attempts = max(1, int(view.get("attempts") or 0))  # a record that ran was started at least once
+    attempts = _attempts(view)
     if view.get("started_at") is not None and attempts > cursor.attempt:
         cursor.attempt = attempts
         events.append(_started(view, attempts))
     output = view.get("output") or {}
-    all_ids, all_text = list(output.get("token_ids") or []), output.get("text") or ""
-    if is_clients_cursor and (cursor.tokens > len(all_ids) or cursor.text_chars > len(all_text)):
-        # A cursor past the output is none of this job's (made up, or another job's): from the start.
-        cursor.tokens = cursor.text_chars = 0
-        if not events and view.get("started_at") is not None:
-            events.append(_started(view, attempts))
-    ids, text = all_ids[cursor.tokens:], all_text[cursor.text_chars:]
+    ids, text = list(output.get("token_ids") or [])[cursor.tokens:], (output.get("text") or "")[cursor.text_chars:]
     if ids or text:
         events.append({"type": EventType.TOKEN, "id": view["id"], "index": cursor.tokens, "token_ids": ids, "text": text,
                        "text_index": cursor.text_chars, "attempt": attempts})
@@ -147,19 +147,50 @@ def from_view(view: dict[str, Any], cursor: Cursor, final: dict[str, Any] | None
 
 
 
+def _attempts(view: dict[str, Any]) -> int:
+    """The record's attempts; one at least for a record that ran (it was started once)."""
+    attempts = int(view.get("attempts") or 0)
+    return max(1, attempts) if view.get("started_at") is not None else attempts
+
+
+def _extent(view: dict[str, Any], logged: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """Tokens, text characters and attempts a job has published so far, as its record and logged events tell."""
+    output = view.get("output") or {}
+    tokens, text_chars, attempts = len(output.get("token_ids") or []), len(output.get("text") or ""), _attempts(view)
+    for event in logged:
+        if event.get("type") == EventType.TOKEN:
+            tokens = max(tokens, int(event.get("index", 0)) + len(event.get("token_ids") or []))
+            text_index = event.get("text_index")
+            if isinstance(text_index, int) and not isinstance(text_index, bool):
+                text_chars = max(text_chars, text_index + len(str(event.get("text") or "")))
+        elif event.get("type") == EventType.STARTED:
+            attempts = max(attempts, int(event.get("attempt") or event.get("attempts") or 1))
+    return tokens, text_chars, attempts
+
+
 def _started(view: dict[str, Any], attempts: int) -> dict[str, Any]:
     return {"type": EventType.STARTED, "id": view["id"], "worker": view.get("worker"), "attempts": attempts,
             "attempt": attempts, "resumed_from": view.get("resumed_from")}
 
 
-async def logged_events(redis: aioredis.Redis, keys: Keys, job_id: str, cursor: Cursor) -> list[dict[str, Any]]:
-    new = []
+async def read_log(redis: aioredis.Redis, keys: Keys, job_id: str) -> list[dict[str, Any]]:
+    """The job's logged events, as published."""
+    events = []
     for _, fields in await redis.xrange(keys.events_log(job_id)) or []:
         raw = (fields or {}).get(b"e")
         event = msgpack.unpackb(raw, raw=False, strict_map_key=False) if raw else None
-        if isinstance(event, dict) and (taken := cursor.take(event)) is not None:
-            new.append(taken)
-    return coalesce(new)
+        if isinstance(event, dict):
+            events.append(event)
+    return events
+
+
+def take_logged(logged: list[dict[str, Any]], cursor: Cursor) -> list[dict[str, Any]]:
+    """What of the logged events the client has not had, coalesced."""
+    return coalesce([taken for event in logged if (taken := cursor.take(event)) is not None])
+
+
+async def logged_events(redis: aioredis.Redis, keys: Keys, job_id: str, cursor: Cursor) -> list[dict[str, Any]]:
+    return take_logged(await read_log(redis, keys, job_id), cursor)
 
 
 CLIENT_CHECK_S = 1.0
@@ -174,21 +205,26 @@ def client_gone(request: web.Request) -> bool:
 async def stream_events(request: web.Request, response: web.StreamResponse, redis: aioredis.Redis, keys: Keys,
                         hub: EventHub, job_id: str, heartbeat_s: float) -> None:
     """Write the job's events to ``response`` (prepared here) until ``final``."""
-    cursor = Cursor.parse(request.headers.get("Last-Event-ID"))
-    """What has been taken to send (catch-up is read ahead of sending)."""
-    sent = Cursor.parse(request.headers.get("Last-Event-ID"))
-    """What the client has had once each event is out: its SSE id."""
-
-    async def send(events: list[dict[str, Any]]) -> None:
-        for event in events:
-            sent.advance(event)
-            data = json.dumps(event, separators=(",", ":"), default=json_default)
-            await response.write(f"id: {sent}\nevent: {event['type']}\ndata: {data}\n\n".encode())
-
     # Subscribed before anything is read: an event published after a read is never missed.
     async with hub.subscribe(keys.events(job_id)) as sub:
         record = await read_hash(redis, keys.job(job_id))
-        if is_terminal(record) and sent.has_final and job_view(record)["attempts"] <= sent.attempt:
+        view = job_view(record) if record else {}
+        logged = [] if is_terminal(record) else await read_log(redis, keys, job_id)
+        claimed = Cursor.parse(request.headers.get("Last-Event-ID"))
+        if not claimed.fits(*_extent(view, logged)):
+            claimed = Cursor()
+        cursor = dataclasses.replace(claimed)
+        """What has been taken to send (catch-up is read ahead of sending)."""
+        sent = dataclasses.replace(claimed)
+        """What the client has had once each event is out: its SSE id."""
+
+        async def send(events: list[dict[str, Any]]) -> None:
+            for event in events:
+                sent.advance(event)
+                data = json.dumps(event, separators=(",", ":"), default=json_default)
+                await response.write(f"id: {sent}\nevent: {event['type']}\ndata: {data}\n\n".encode())
+
+        if is_terminal(record) and sent.has_final and sent.attempt == _attempts(view):
             response.set_status(204)  # the client has had everything, `final` included: nothing to reconnect for
             await response.prepare(request)
             return
@@ -196,9 +232,9 @@ async def stream_events(request: web.Request, response: web.StreamResponse, redi
         if request.method == "HEAD":
             return  # the headers alone: a body after them would be read as the next response on the connection
         if is_terminal(record):
-            await send(from_view(job_view(record), cursor, is_clients_cursor=True))
+            await send(from_view(view, cursor))
             return
-        await send(await logged_events(redis, keys, job_id, cursor))
+        await send(take_logged(logged, cursor))
         loop = asyncio.get_running_loop()
         last_write = loop.time()
         while True:
@@ -206,6 +242,7 @@ async def stream_events(request: web.Request, response: web.StreamResponse, redi
                 event = await asyncio.wait_for(sub.queue.get(), min(heartbeat_s, CLIENT_CHECK_S))
             except TimeoutError:
                 if client_gone(request):
+                    note_client_gone(request)
                     return  # gone while the job waits: no keep-alive needed to find out
                 if loop.time() - last_write < heartbeat_s:
                     continue

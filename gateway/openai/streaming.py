@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway import appkeys
+from gateway.access_log import note_client_gone
 from gateway.auth import RATE_HEADERS
 from gateway.errors import REDIS_UNAVAILABLE
 from gateway.errors import OpenAIError
@@ -159,6 +160,7 @@ async def stream_choices(request: web.Request, req: OpenAIRequest, watch: Choice
                                                  [views[i] for i in range(num_choices)]))
         await out.send("[DONE]")
     except ClientGone:
+        note_client_gone(request)
         log.info("stream %s: client went away; cancelling its jobs", request_id)
         await cancel_jobs(app, watch.job_ids)
     except REDIS_UNAVAILABLE as e:

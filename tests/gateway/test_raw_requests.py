@@ -251,3 +251,46 @@ async def test_a_body_the_gateway_is_slow_to_read_is_not_taken_for_a_stalled_cli
         await server.close()
     head, _, content = answer.partition(b"\r\n\r\n")
     assert head.split()[1] == b"200" and json.loads(content) == {"read": len(body)}, answer[:300]
+
+
+async def _submit_and_cancel(port: int) -> str:
+    got, answer = await _send(port, "POST", "/v1/jobs", b"Content-Type: application/json", JOB)
+    assert got == 202, answer
+    got, cancelled = await _send(port, "DELETE", f"/v1/jobs/{answer['id']}", b"", b"")
+    assert got == 202 and cancelled["status"] == "cancelled", cancelled
+    return answer["id"]
+
+
+async def test_an_http10_event_stream_asked_to_keep_alive_ends_with_its_connection(gateway_port) -> None:
+    """HTTP/1.0 has no chunked encoding: a streamed answer without a length ends only by closing, so a client
+    that asked to keep the connection alive would otherwise wait for the end until the keep-alive timeout."""
+    job_id = await _submit_and_cancel(gateway_port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway_port)
+    writer.write(f"GET /v1/jobs/{job_id}/events HTTP/1.0\r\nConnection: keep-alive\r\n\r\n".encode())
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 10)  # to its end: the connection closed
+    writer.close()
+    assert answer.startswith(b"HTTP/1.0 200") and b"event: final" in answer, answer
+
+
+async def test_a_client_that_hangs_up_while_it_waits_is_counted_as_gone(gateway_port) -> None:
+    """A long-poll, and an event stream whose answer has begun (its 200 sent), whose client hangs up before the
+    job ends: logged and counted 499, not as answered."""
+    got, answer = await _send(gateway_port, "POST", "/v1/jobs", b"Content-Type: application/json", JOB)
+    assert got == 202, answer
+    for path in (f"/v1/jobs/{answer['id']}?wait=30", f"/v1/jobs/{answer['id']}/events"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", gateway_port)
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.close()
+        await writer.wait_closed()
+    await asyncio.sleep(2.0)  # each handler looks for its client every second
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway_port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    exposition = (await reader.read()).decode()
+    writer.close()
+    statuses = {(re.search(r'http_route="([^"]+)"', line)[1], re.search(r'http_response_status_code="(\d+)"', line)[1])
+                for line in exposition.splitlines() if "http_response_status_code=" in line and "http_route=" in line}
+    assert {("/v1/jobs/{id}", "499"), ("/v1/jobs/{id}/events", "499")} <= statuses, statuses
+    assert ("/v1/jobs/{id}/events", "200") not in statuses, statuses

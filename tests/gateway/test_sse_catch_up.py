@@ -90,6 +90,10 @@ async def test_a_late_client_gets_the_whole_stream_and_can_resume(
             assert first[0][0] == "0.0.1"  # each id is the cursor after its own event, not after the catch-up
             assert first[1][0].startswith(f"{len(first[1][2]['token_ids'])}.")
             assert first[1][1] == "token" and first[1][2]["index"] == 0 and len(first[1][2]["token_ids"]) >= 16
+            # While it runs, a cursor past what it has published, or of an attempt it has not reached, is none of
+            # its own: the stream starts from the beginning, its ids counted from there.
+            running_past = [await _events(http, url, last_event_id=cursor, limit=2)
+                            for cursor in ("99999.99999.1", "0.0.7")]
             rest = await _events(http, url, last_event_id=first[-1][0])
             views = await wait_terminal(client, ["late"], timeout_s=120)
             after = await _events(http, url)  # the job has ended
@@ -106,6 +110,11 @@ async def test_a_late_client_gets_the_whole_stream_and_can_resume(
     for events in made_up:
         assert [kind for _, kind, _ in events] == ["started", "token", "final"], events
         assert events[1][2]["index"] == events[1][2]["text_index"] == 0
+        assert [event_id for event_id, _, _ in events] == [event_id for event_id, _, _ in after], events
+    for events in running_past:
+        assert [(event_id, kind) for event_id, kind, _ in events][0] == ("0.0.1", "started"), events
+        assert events[1][1] == "token" and events[1][2]["index"] == events[1][2]["text_index"] == 0, events
+        assert events[1][0] == f"{len(events[1][2]['token_ids'])}.{len(events[1][2]['text'])}.1", events
     output = views["late"]["output"]
     assert [kind for _, kind, _ in rest].count("started") == 0 and rest[-1][1] == "final"
     first_ids, first_text = _tokens(first)
