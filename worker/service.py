@@ -383,6 +383,10 @@ class WorkerService:
                     self.metrics.leases_reclaimed(e.lane.value for e in reclaimed)
                     entries += reclaimed
                     next_reclaim = time.monotonic() + reclaim_every_s
+                    if len(reclaimed) >= free:
+                        # It took as many as it had slots for: there may be more (a worker handed back more jobs
+                        # than were free here), each to go before any newer entry as the next slot frees.
+                        self.reclaim_now.set()
                 if len(entries) < free:
                     entries += await self.consumer.read(free - len(entries))
             except REDIS_ERRORS as e:
