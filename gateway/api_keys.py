@@ -69,13 +69,14 @@ class KeyStore:
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         record = ApiKey(id="key_" + secrets.token_hex(8), tenant=tenant, created_at=time.time(), limits=limits)
         hashed = digest(key)
-        pipe = self._redis.pipeline(transaction=True)
-        fields: dict[str | bytes, str | bytes] = {"id": record.id, "tenant": tenant, "created_at": repr(record.created_at)}
-        fields.update(limits.to_fields())
-        pipe.hset(self._keys.api_key(hashed), mapping=fields)  # type: ignore[arg-type]
-        pipe.hset(self._keys.api_keys, record.id, hashed)
-        pipe.hset(self._keys.tenant_weights, tenant, limits.weight)
-        await pipe.execute()
+        async with self._redis.pipeline(transaction=True) as pipe:
+            fields: dict[str | bytes, str | bytes] = {"id": record.id, "tenant": tenant,
+                                                      "created_at": repr(record.created_at)}
+            fields.update(limits.to_fields())
+            pipe.hset(self._keys.api_key(hashed), mapping=fields)  # type: ignore[arg-type]
+            pipe.hset(self._keys.api_keys, record.id, hashed)
+            pipe.hset(self._keys.tenant_weights, tenant, limits.weight)
+            await pipe.execute()
         return key, record
 
     async def lookup(self, key: str) -> ApiKey | None:
@@ -102,10 +103,10 @@ class KeyStore:
             return False
         record_key = self._keys.api_key(as_bytes(hashed).decode())
         revoked = _record(await read_hash(self._redis, record_key))
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.delete(record_key)
-        pipe.hdel(self._keys.api_keys, key_id)
-        await pipe.execute()
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(record_key)
+            pipe.hdel(self._keys.api_keys, key_id)
+            await pipe.execute()
         if revoked is not None:
             left = [key for key in await self.list() if key.tenant == revoked.tenant]
             if left:

@@ -16,14 +16,14 @@ routes = web.RouteTableDef()
 async def usage(request: web.Request) -> web.Response:
     app = request.app
     redis, keys, caller = app[appkeys.REDIS], app[appkeys.KEYS], caller_of(request)
-    pipe = redis.pipeline(transaction=False)
-    pipe.hgetall(keys.tenant_usage(caller.tenant))
-    pipe.hgetall(keys.tenant_window(caller.tenant))
-    pipe.pttl(keys.tenant_window(caller.tenant))
-    pipe.get(keys.tenant_batch_lines(caller.tenant))
-    for lane in LANES:
-        pipe.xlen(keys.tenant_lane(lane, caller.tenant))
-    raw_usage, raw_window, left_ms, raw_lines, *lengths = await pipe.execute()
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.tenant_usage(caller.tenant))
+        pipe.hgetall(keys.tenant_window(caller.tenant))
+        pipe.pttl(keys.tenant_window(caller.tenant))
+        pipe.get(keys.tenant_batch_lines(caller.tenant))
+        for lane in LANES:
+            pipe.xlen(keys.tenant_lane(lane, caller.tenant))
+        raw_usage, raw_window, left_ms, raw_lines, *lengths = await pipe.execute()
     queued = sum(int(n) for n in lengths)
     counts = {k.decode(): int(v) for k, v in raw_usage.items()}
     window = {k.decode(): v.decode() for k, v in raw_window.items()}

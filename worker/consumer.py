@@ -161,12 +161,13 @@ class LaneConsumer:
         """One pipelined read per (stream, count): the entries, and the sources that came up short."""
         if not plan:
             return [], []
-        pipe = self.client.pipeline(transaction=False)
-        for source, n in plan:
-            pipe.xreadgroup(CONSUMER_GROUP, self.name, {source.stream: ">"}, count=n)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for source, n in plan:
+                pipe.xreadgroup(CONSUMER_GROUP, self.name, {source.stream: ">"}, count=n)
+            replies = await pipe.execute(raise_on_error=False)
         got: list[Entry] = []
         empty: list[Source] = []
-        for (source, n), reply in zip(plan, await pipe.execute(raise_on_error=False)):
+        for (source, n), reply in zip(plan, replies):
             if isinstance(reply, ResponseError) and "NOGROUP" in str(reply):
                 await self._repair([source.stream])
                 empty.append(source)
@@ -187,10 +188,10 @@ class LaneConsumer:
         """Drop (acknowledge and delete) wake-stream entries: they only ended the blocking read."""
         wake = [e.ref.entry_id for e in entries if e.ref.stream == self.keys.wake]
         if wake:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.xack(self.keys.wake, CONSUMER_GROUP, *wake)
-            pipe.xdel(self.keys.wake, *wake)
-            await pipe.execute()
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.xack(self.keys.wake, CONSUMER_GROUP, *wake)
+                pipe.xdel(self.keys.wake, *wake)
+                await pipe.execute()
         return [e for e in entries if e.ref.stream != self.keys.wake]
 
     def _entries(self, reply: XReadGroupResponse) -> list[Entry]:
@@ -229,13 +230,13 @@ class LaneConsumer:
             messages = reply[1]
             if not messages:
                 continue
-            pipe = self.client.pipeline(transaction=False)
-            ids = []
-            for entry_id, _fields in messages:
-                eid = _text(entry_id)
-                ids.append(eid)
-                pipe.xpending_range(stream, CONSUMER_GROUP, min=eid, max=eid, count=1)
-            pending = await pipe.execute()
+            async with self.client.pipeline(transaction=False) as pipe:
+                ids = []
+                for entry_id, _fields in messages:
+                    eid = _text(entry_id)
+                    ids.append(eid)
+                    pipe.xpending_range(stream, CONSUMER_GROUP, min=eid, max=eid, count=1)
+                pending = await pipe.execute()
             for (entry_id, fields), eid, info in zip(messages, ids, pending):
                 deliveries = int(info[0]["times_delivered"]) if info else 1
                 out.append(Entry(EntryRef(stream, eid), source.lane, fields or None, deliveries))
@@ -265,10 +266,11 @@ class LaneConsumer:
             found = [(eid, n) for eid, n in found if EntryRef(source.stream, eid) not in known][:free - len(out)]
             if not found:
                 continue
-            pipe = self.client.pipeline(transaction=False)
-            for eid, _ in found:
-                pipe.xrange(source.stream, min=eid, max=eid, count=1)
-            for (eid, deliveries), rows in zip(found, await pipe.execute()):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for eid, _ in found:
+                    pipe.xrange(source.stream, min=eid, max=eid, count=1)
+                replies = await pipe.execute()
+            for (eid, deliveries), rows in zip(found, replies):
                 fields = rows[0][1] if rows else None  # deleted while pending: admitted only to be acknowledged
                 out.append(Entry(EntryRef(source.stream, eid), source.lane, fields or None, deliveries))
         if out:

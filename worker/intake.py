@@ -351,20 +351,20 @@ class EntryIntake:
             self.metrics.job_finished_unrun(spec.lane.value, JobStatus.FAILED, created_at, tenant=spec.tenant)
 
     async def _announce_start(self, spec: JobSpec, start: JobStart) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        # Shown while it runs: how many output tokens this attempt took over from a checkpoint.
-        pipe.hset(self.keys.job(spec.id), job_record.F_RESUMED_FROM, len(start.checkpoint))
-        started = pack({
-            "type": job_record.EventType.STARTED, "id": spec.id, "worker": self.config.worker_name, "attempts": start.attempts,
-            "attempt": start.attempts, "resumed_from": len(start.checkpoint)})
-        pipe.publish(self.keys.events(spec.id), started)
-        pipe.xadd(self.keys.events_log(spec.id), {"e": started})
-        pipe.expire(self.keys.events_log(spec.id), EVENTS_LOG_TTL_S)
-        if start.is_first_start and spec.webhook is not None and spec.webhook.wants(WebhookEvent.STARTED):
-            view = job_view(start.record)
-            pipe.xadd(self.keys.webhooks, delivery_fields(spec.id, WebhookEvent.STARTED, spec.webhook.url, view,
-                                                          traceparent=spec.traceparent))
-        await pipe.execute()
+        async with self.client.pipeline(transaction=False) as pipe:
+            # Shown while it runs: how many output tokens this attempt took over from a checkpoint.
+            pipe.hset(self.keys.job(spec.id), job_record.F_RESUMED_FROM, len(start.checkpoint))
+            started = pack({
+                "type": job_record.EventType.STARTED, "id": spec.id, "worker": self.config.worker_name,
+                "attempts": start.attempts, "attempt": start.attempts, "resumed_from": len(start.checkpoint)})
+            pipe.publish(self.keys.events(spec.id), started)
+            pipe.xadd(self.keys.events_log(spec.id), {"e": started})
+            pipe.expire(self.keys.events_log(spec.id), EVENTS_LOG_TTL_S)
+            if start.is_first_start and spec.webhook is not None and spec.webhook.wants(WebhookEvent.STARTED):
+                view = job_view(start.record)
+                pipe.xadd(self.keys.webhooks, delivery_fields(spec.id, WebhookEvent.STARTED, spec.webhook.url, view,
+                                                              traceparent=spec.traceparent))
+            await pipe.execute()
 
 
 def _loose_map(raw: bytes) -> dict[Any, Any]:

@@ -257,24 +257,24 @@ class JobStore:
                                 job_id: str | None = None) -> None:
         """An entry whose job cannot be failed (no usable job id, or a record that takes no write): keep it on the
         dead stream, with its job's id when it has one, and let it go from the lane."""
-        pipe = self.client.pipeline(transaction=True)
-        dead: dict[FieldT, EncodableT] = {
-            b"reason": reason, b"stream": entry.stream, b"entry_id": entry.entry_id, b"worker": self.worker,
-            **({b"job_id": job_id} if job_id is not None else {})}
-        for k, v in raw_fields.items():
-            # The entry's own fields are copied as they are; one named as one of carpool's is kept as `entry.NAME`,
-            # so what a reader of the dead stream takes for the reason (a dict keeps one value a name) is carpool's.
-            dead[b"entry." + k if k in dead else k] = v
-        pipe.xadd(self.keys.dead, dead, maxlen=self.dead_maxlen, approximate=True)
-        pipe.xack(entry.stream, CONSUMER_GROUP, entry.entry_id)
-        pipe.xdel(entry.stream, entry.entry_id)
-        await pipe.execute()
+        async with self.client.pipeline(transaction=True) as pipe:
+            dead: dict[FieldT, EncodableT] = {
+                b"reason": reason, b"stream": entry.stream, b"entry_id": entry.entry_id, b"worker": self.worker,
+                **({b"job_id": job_id} if job_id is not None else {})}
+            for k, v in raw_fields.items():
+                # The entry's own fields are copied as they are; one named as one of carpool's is kept as `entry.NAME`,
+                # so what a reader of the dead stream takes for the reason (a dict keeps one value a name) is carpool's.
+                dead[b"entry." + k if k in dead else k] = v
+            pipe.xadd(self.keys.dead, dead, maxlen=self.dead_maxlen, approximate=True)
+            pipe.xack(entry.stream, CONSUMER_GROUP, entry.entry_id)
+            pipe.xdel(entry.stream, entry.entry_id)
+            await pipe.execute()
 
     async def ack(self, entry: EntryRef) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xack(entry.stream, CONSUMER_GROUP, entry.entry_id)
-        pipe.xdel(entry.stream, entry.entry_id)
-        await pipe.execute()
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.xack(entry.stream, CONSUMER_GROUP, entry.entry_id)
+            pipe.xdel(entry.stream, entry.entry_id)
+            await pipe.execute()
 
 
 def _s(value: bytes | str) -> str:

@@ -68,16 +68,16 @@ class TenantStreams:
             types = self._types()  # a tenant's stream is none of these: a stream
             await self.check_types({key: types.get(key, "stream") for key in self.wrong_type})
         routed = [lane for lane in LANES if route and not any(key in self.wrong_type for key in self._route_keys(lane))]
-        pipe = self.client.pipeline(transaction=False)
-        for lane in routed:
-            await self._route(
-                keys=self._route_keys(lane),
-                args=[CONSUMER_GROUP, ROUTE_SCAN_COUNT, self.keys.tenant_lane_prefix(lane), WAKE_MAXLEN],
-                client=pipe)
-        for lane in LANES:
-            pipe.smembers(self.keys.lane_tenants(lane))
-        pipe.hgetall(self.keys.tenant_weights)
-        replies = await pipe.execute(raise_on_error=False)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for lane in routed:
+                await self._route(
+                    keys=self._route_keys(lane),
+                    args=[CONSUMER_GROUP, ROUTE_SCAN_COUNT, self.keys.tenant_lane_prefix(lane), WAKE_MAXLEN],
+                    client=pipe)
+            for lane in LANES:
+                pipe.smembers(self.keys.lane_tenants(lane))
+            pipe.hgetall(self.keys.tenant_weights)
+            replies = await pipe.execute(raise_on_error=False)
         failed = [r for r in replies if isinstance(r, Exception)]
         for reply in failed:
             if not is_wrong_type(reply):
@@ -116,10 +116,11 @@ class TenantStreams:
         is said once, as an error naming the key, and left out; one of its type again, or gone (a stream made
         again, empty, with its group), is used again."""
         wanted = dict.fromkeys(expected, "stream") if isinstance(expected, list) else expected
-        pipe = self.client.pipeline(transaction=False)
-        for key in wanted:
-            pipe.type(key)
-        for (key, want), kind in zip(wanted.items(), await pipe.execute()):
+        async with self.client.pipeline(transaction=False) as pipe:
+            for key in wanted:
+                pipe.type(key)
+            kinds = await pipe.execute()
+        for (key, want), kind in zip(wanted.items(), kinds):
             kind = kind.decode() if isinstance(kind, bytes) else str(kind)
             if kind in (want, "none"):
                 if self.wrong_type.pop(key, None) is not None:
@@ -176,11 +177,11 @@ class TenantStreams:
         await self.client.set(self.keys.stray_scan, next_cursor)
         if not found:
             return []
-        pipe = self.client.pipeline(transaction=False)
-        for source in found:
-            pipe.sismember(self.keys.lane_tenants(source.lane), source.tenant)
-            pipe.xlen(source.stream)
-        replies = await pipe.execute()
+        async with self.client.pipeline(transaction=False) as pipe:
+            for source in found:
+                pipe.sismember(self.keys.lane_tenants(source.lane), source.tenant)
+                pipe.xlen(source.stream)
+            replies = await pipe.execute()
         strays = [s for s, is_member, length in zip(found, replies[::2], replies[1::2]) if not is_member and length]
         for source in strays:
             # A stream deleted meanwhile comes back empty: its tenant retires as any empty one does.

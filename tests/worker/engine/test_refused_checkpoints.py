@@ -79,7 +79,7 @@ def test_a_pre_quantized_checkpoint_is_refused_naming_its_quant_method(tiny_mode
     done = subprocess.run([sys.executable, "-m", "worker.cli", "generate", "hi", "--max-tokens", "2", "--model", fp8],
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": child_pythonpath(ROOT)}, capture_output=True,
                           text=True, timeout=120)
-    assert (done.returncode, done.stderr.strip()) == (2, "carpool generate: model: LlamaForCausalLM's weights are "
+    assert (done.returncode, done.stderr.strip()) == (2, "carpool generate: --model: LlamaForCausalLM's weights are "
                                                          "pre-quantized (quantization_config.quant_method fp8); "
                                                          "carpool loads unquantized checkpoints (fp32, fp16 or bf16 "
                                                          "weights) and quantizes them itself with --quantization "
