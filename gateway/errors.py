@@ -31,7 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.access_log import CLIENT_CLOSED_REQUEST
 from scheduler.protocol.redis_client import is_out_of_memory, is_refusal, is_wrong_type
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
-from scheduler.runtime.outage_log import describe
+from scheduler.runtime.outage_log import OutageLog, describe
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,10 @@ def error_middleware(retry_after_s: int, max_body_bytes: int, max_file_bytes: in
     On the OpenAI routes every error takes OpenAI's shape instead (``{"error": {"message", "type",
     "param", "code"}}``), and their handlers may raise `OpenAIError`.
     """
+
+    # Requests meeting an unavailable Redis: said once in a while per route, not once per request (each is in
+    # the access log with its 503).
+    outages = OutageLog(log, retry_s=retry_after_s, meanwhile=f"answered 503 with Retry-After {retry_after_s}s")
 
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -130,7 +134,7 @@ def error_middleware(retry_after_s: int, max_body_bytes: int, max_file_bytes: in
                 log.debug("%s %s: client gone: %s", request.method, request.path, describe(e))
                 return web.Response(status=CLIENT_CLOSED_REQUEST)
             if isinstance(e, REDIS_UNAVAILABLE) or is_out_of_memory(e) or is_refusal(e) or is_wrong_type(e):
-                return _redis_unavailable(request, e, retry_after_s, is_openai)
+                return _redis_unavailable(request, e, retry_after_s, is_openai, outages)
             log.exception("%s %s failed", request.method, request.path)
             if is_openai:
                 return openai_error_response(500, "internal error; it has been logged")
@@ -190,7 +194,8 @@ def _is_client_gone(request: web.Request) -> bool:
     return request.transport is None or request.transport.is_closing()
 
 
-def _redis_unavailable(request: web.Request, error: Exception, retry_after_s: int, is_openai: bool) -> web.Response:
+def _redis_unavailable(request: web.Request, error: Exception, retry_after_s: int, is_openai: bool,
+                       outages: OutageLog) -> web.Response:
     """The 503 for a Redis that cannot serve the request now; the reason says which way, and what to repeat."""
     if is_out_of_memory(error):
         reason = "Redis is at its maxmemory and refuses writes"
@@ -211,7 +216,9 @@ def _redis_unavailable(request: web.Request, error: Exception, retry_after_s: in
     if is_refusal(error) or is_wrong_type(error):
         log.error("%s %s: %s", request.method, request.path, reason)
     else:
-        log.warning("%s %s: Redis unavailable: %s", request.method, request.path, reason)
+        resource = request.match_info.route.resource
+        outages.warn(f"{request.method} {resource.canonical if resource is not None else request.path}", error,
+                     detail=reason if reason != describe(error) else "")
     if isinstance(error, RedisTimeoutError) and request.method not in ("GET", "HEAD"):
         # The command may have run before Redis went silent: only a repeat that names the same job is safe,
         # which the OpenAI routes (fresh ids, no Idempotency-Key) cannot do.

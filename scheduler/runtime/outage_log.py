@@ -26,12 +26,14 @@ def describe(error: BaseException) -> str:
 
 class OutageLog:
     """Warnings of Redis being unavailable, at most one every `every_s` seconds for each place that meets it (a
-    loop, commits, admissions), with how many were left out; `retry_s`: how often those places retry."""
+    loop, commits, admissions), with how many were left out; `retry_s`: how often those places retry.
+    `meanwhile`: what each warning says is done while it lasts (default: retrying every `retry_s`)."""
 
     def __init__(self, logger: logging.Logger, *, retry_s: float, every_s: float = OUTAGE_LOG_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, meanwhile: str | None = None) -> None:
         self._logger = logger
         self._retry_s = retry_s
+        self._meanwhile = meanwhile or f"retrying every {retry_s:.1f}s"
         self._every_s = every_s
         self._clock = clock
         self._last: dict[str, float] = {}
@@ -58,8 +60,8 @@ class OutageLog:
         self._is_said = True
         left_out = self._left_out.pop(where, 0)
         said = f"; {left_out} more such since the last of these" if left_out else ""
-        self._logger.warning("%s%s: Redis unavailable (%s); retrying every %.1fs, said again at most every %.0fs%s",
-                             where, f" ({detail})" if detail else "", describe(error), self._retry_s, self._every_s,
+        self._logger.warning("%s%s: Redis unavailable (%s); %s, said again at most every %.0fs%s",
+                             where, f" ({detail})" if detail else "", describe(error), self._meanwhile, self._every_s,
                              said)
 
     def recovered(self) -> None:

@@ -226,5 +226,28 @@ async def test_an_outage_is_logged_once_in_a_while_by_each_of_the_gateways_loops
     assert len([m for m in warnings if "left out" in m or "more such" in m]) == 0, warnings
 
 
+async def test_requests_meeting_an_outage_are_each_answered_503_and_said_once_per_route(redis_url: str,
+                                                                                      caplog) -> None:
+    """Each request gets its 503 (and its access-log line); the gateway's log says the outage once per route,
+    not once per request, which would fill it at the request rate for as long as Redis is away."""
+    from tests.harness.redis_proxy import RedisProxy
+
+    proxy = await RedisProxy(redis_url).start()
+    config = GatewayConfig(redis_url=proxy.url, redis_timeout_s=REDIS_TIMEOUT_S)
+    try:
+        async with TestClient(GatewayTestServer(init_app(config), host="127.0.0.1")) as client:
+            proxy.go_down()
+            with caplog.at_level(logging.INFO):
+                statuses = [(await client.post("/v1/jobs", json={"prompt": "x"})).status for _ in range(8)]
+                statuses += [(await client.get("/v1/jobs/someone")).status for _ in range(4)]
+    finally:
+        await proxy.aclose()
+    assert statuses == [503] * 12, statuses
+    warnings = [r.getMessage() for r in caplog.records
+                if r.name == "gateway.errors" and "Redis unavailable" in r.getMessage()]
+    assert [m.split(":")[0] for m in warnings] == ["POST /v1/jobs", "GET /v1/jobs/{id}"], warnings
+    assert "answered 503 with Retry-After 2s" in warnings[0], warnings
+
+
 async def _said(caplog, text: str, times: int) -> bool:
     return len([r for r in caplog.records if text in r.getMessage()]) >= times
