@@ -141,8 +141,9 @@ class LaneConsumer:
         for one that is gone. Its tenant then retires as any empty one does."""
         for stream in streams:
             if await ensure_group(self.client, stream, CONSUMER_GROUP):
-                log.warning("stream %s had no consumer group %s (deleted from outside?); made it again",
-                            stream, CONSUMER_GROUP)
+                log.warning("stream %s had no consumer group %s (deleted from outside, or lost with Redis's data: a "
+                            "Redis restarted without persistence, or failed over to a replica behind it); made it "
+                            "again", stream, CONSUMER_GROUP)
 
     async def read_interactive(self, count: int) -> list[Entry]:
         """At most `count` new interactive entries, without waiting (the reserve beyond the free slots)."""
