@@ -231,14 +231,16 @@ def flag_fields(cls: type, exclude: Iterable[str] = ()) -> list[str]:
     return [f.name for f, _ in _flag_fields(cls, exclude)]
 
 
-def flag_error(message: str, *classes: type, also: Iterable[str] = ()) -> str:
+def flag_error(message: str, *classes: type, also: Iterable[str] = (), env: Mapping[str, str] | None = None) -> str:
     """A settings error as a command line says it: a message that starts with a field of these config dataclasses,
     or with one of the names in ``also`` (a verb's flags of its own), as their checks word it
     (``max_num_seqs: must be >= 1, got 0``) names that flag instead (``--max-num-seqs: must be >= 1, got 0``), the
-    name the user typed; any other message is kept."""
+    name the user typed, and its variable where ``env`` has it (``--max-num-seqs (CARPOOL_MAX_NUM_SEQS): …``), as a
+    deployment sets it; any other message is kept."""
     name, sep, rest = message.partition(": ")
     if sep and (name in set(also) or any(name in flag_fields(cls) for cls in classes)):
-        return f"{flag_name(name)}: {rest}"
+        variable = env_name(name)
+        return f"{flag_name(name)}{f' ({variable})' if env and variable in env else ''}: {rest}"
     return message
 
 

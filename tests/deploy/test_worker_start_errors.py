@@ -17,10 +17,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(("variable", "value", "word"), [
-    ("CARPOOL_REDIS_URL", "http://redis:6379/0", "redis_url"),
-    ("CARPOOL_REDIS_URL", "redis://:pw@redis:port/0", "redis_url"),
-    ("CARPOOL_KEY_PREFIX", "", "key_prefix"),
-    ("CARPOOL_LOG_LEVEL", "chatty", "log_level"),
+    ("CARPOOL_REDIS_URL", "http://redis:6379/0", "--redis-url (CARPOOL_REDIS_URL): "),
+    ("CARPOOL_REDIS_URL", "redis://:pw@redis:port/0", "--redis-url (CARPOOL_REDIS_URL): "),
+    ("CARPOOL_KEY_PREFIX", "", "--key-prefix (CARPOOL_KEY_PREFIX): "),
+    ("CARPOOL_LOG_LEVEL", "chatty", "--log-level (CARPOOL_LOG_LEVEL): "),
 ])
 def test_worker_refuses_a_bad_setting_at_once(variable: str, value: str, word: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CARPOOL_", "OTEL_"))}
