@@ -37,6 +37,15 @@ FINAL_MARK = "final"
 _DIGITS = re.compile(r"[0-9]{1,18}")
 
 
+@dataclass(frozen=True)
+class Extent:
+    """How far a job has got: tokens and text characters published (None: not known, no bound), and attempts."""
+
+    tokens: int | None
+    text_chars: int | None
+    attempts: int
+
+
 @dataclass
 class Cursor:
     """How far the client has got: tokens and text characters sent, and the last attempt it saw start."""
@@ -58,11 +67,12 @@ class Cursor:
         tokens, text_chars, attempt = (int(part) for part in parts)
         return cls(tokens, text_chars, attempt, has_final)
 
-    def fits(self, tokens: int, text_chars: int, attempts: int) -> bool:
-        """Whether this cursor can be the job's, which has published `tokens` tokens and `text_chars` characters
-        over `attempts` attempts so far: one past them is none of this job's (made up, or another job's under the
-        same id), and the stream starts over from the beginning."""
-        return self.tokens <= tokens and self.text_chars <= text_chars and self.attempt <= attempts
+    def fits(self, extent: Extent) -> bool:
+        """Whether this cursor can be the job's, given how far it has got: one past that is none of this job's
+        (made up, or another job's under the same id), and the stream starts over from the beginning."""
+        return ((extent.tokens is None or self.tokens <= extent.tokens)
+                and (extent.text_chars is None or self.text_chars <= extent.text_chars)
+                and self.attempt <= extent.attempts)
 
     def __str__(self) -> str:
         return f"{self.tokens}.{self.text_chars}.{self.attempt}" + (f".{FINAL_MARK}" if self.has_final else "")
@@ -146,15 +156,17 @@ def from_view(view: dict[str, Any], cursor: Cursor, final: dict[str, Any] | None
     return events
 
 
-
 def _attempts(view: dict[str, Any]) -> int:
     """The record's attempts; one at least for a record that ran (it was started once)."""
     attempts = int(view.get("attempts") or 0)
     return max(1, attempts) if view.get("started_at") is not None else attempts
 
 
-def _extent(view: dict[str, Any], logged: list[dict[str, Any]]) -> tuple[int, int, int]:
-    """Tokens, text characters and attempts a job has published so far, as its record and logged events tell."""
+def _extent(view: dict[str, Any], logged: list[dict[str, Any]], *, has_ended: bool) -> Extent:
+    """How far a job has got, as its record and logged events tell. A job that has not ended keeps its output
+    in its event log alone: with none (expired while the job waited, say) its output's extent is not known."""
+    if not has_ended and not logged:
+        return Extent(None, None, _attempts(view))
     output = view.get("output") or {}
     tokens, text_chars, attempts = len(output.get("token_ids") or []), len(output.get("text") or ""), _attempts(view)
     for event in logged:
@@ -165,7 +177,7 @@ def _extent(view: dict[str, Any], logged: list[dict[str, Any]]) -> tuple[int, in
                 text_chars = max(text_chars, text_index + len(str(event.get("text") or "")))
         elif event.get("type") == EventType.STARTED:
             attempts = max(attempts, int(event.get("attempt") or event.get("attempts") or 1))
-    return tokens, text_chars, attempts
+    return Extent(tokens, text_chars, attempts)
 
 
 def _started(view: dict[str, Any], attempts: int) -> dict[str, Any]:
@@ -208,11 +220,13 @@ async def stream_events(request: web.Request, response: web.StreamResponse, redi
     # Subscribed before anything is read: an event published after a read is never missed.
     async with hub.subscribe(keys.events(job_id)) as sub:
         record = await read_hash(redis, keys.job(job_id))
-        view = job_view(record) if record else {}
-        logged = [] if is_terminal(record) else await read_log(redis, keys, job_id)
+        view, has_ended = (job_view(record) if record else {}), is_terminal(record)
+        logged = await read_log(redis, keys, job_id)
         claimed = Cursor.parse(request.headers.get("Last-Event-ID"))
-        if not claimed.fits(*_extent(view, logged)):
+        if not claimed.fits(_extent(view, logged, has_ended=has_ended)):
             claimed = Cursor()
+        elif claimed.has_final and not has_ended:
+            claimed.has_final = False  # no `final` was sent of a job that has not ended: another's under its id
         cursor = dataclasses.replace(claimed)
         """What has been taken to send (catch-up is read ahead of sending)."""
         sent = dataclasses.replace(claimed)
@@ -224,17 +238,22 @@ async def stream_events(request: web.Request, response: web.StreamResponse, redi
                 data = json.dumps(event, separators=(",", ":"), default=json_default)
                 await response.write(f"id: {sent}\nevent: {event['type']}\ndata: {data}\n\n".encode())
 
-        if is_terminal(record) and sent.has_final and sent.attempt == _attempts(view):
+        if has_ended and sent.has_final and sent.attempt == _attempts(view):
             response.set_status(204)  # the client has had everything, `final` included: nothing to reconnect for
             await response.prepare(request)
             return
         await response.prepare(request)
         if request.method == "HEAD":
             return  # the headers alone: a body after them would be read as the next response on the connection
-        if is_terminal(record):
+        if has_ended:
             await send(from_view(view, cursor))
             return
-        await send(take_logged(logged, cursor))
+        catch_up = take_logged(logged, cursor)
+        if view.get("started_at") is not None and cursor.attempt < _attempts(view):
+            # Its `started` is not in the log (gone: expired while the job waited): said from the record.
+            cursor.attempt = _attempts(view)
+            catch_up.insert(0, _started(view, cursor.attempt))
+        await send(catch_up)
         loop = asyncio.get_running_loop()
         last_write = loop.time()
         while True:

@@ -126,6 +126,33 @@ async def test_a_late_client_gets_the_whole_stream_and_can_resume(
     assert after[1][2]["text"] == output["text"]
 
 
+async def test_a_cursor_is_kept_when_a_running_jobs_event_log_is_gone(gateway_url: str, redis_url: str,
+                                                                       engine: Any) -> None:
+    """A running job's output is known only from its event log: with the log gone (expired while the job waited
+    in a lane, say) the client's cursor cannot be judged, and is kept: the stream goes on after it, not again
+    from the start (a cursor marked as having had its `final` too: the job has sent none), and a client without one
+    still gets `started`, from the record."""
+    client = aioredis.Redis.from_url(redis_url)
+    url = f"{gateway_url}/v1/jobs/kept/events"
+    try:
+        async with running_worker(redis_url, engine, checkpoint_tokens=16), aiohttp.ClientSession() as http:
+            await _submit(http, gateway_url, "kept", 1900)
+            first = await _events(http, url, limit=3)
+            await client.delete(KEYS.events_log("kept"))
+            resumed = await _events(http, url, last_event_id=first[-1][0], limit=1)
+            finished_early = await _events(http, url, last_event_id=f"{first[-1][0]}.final", limit=1)
+            fresh = await _events(http, url, limit=2)
+            await client.hset(KEYS.job("kept"), "status", "cancelled")  # ends the stream below at its next check
+    finally:
+        await client.aclose()
+    end_of_first = len(_tokens(first)[0])
+    [(_, kind, data)] = resumed
+    assert kind == "token" and data["index"] >= end_of_first, (first[-1][0], resumed)
+    [(event_id, kind, data)] = finished_early
+    assert kind == "token" and data["index"] >= end_of_first and not event_id.endswith(".final"), finished_early
+    assert [kind for _, kind, _ in fresh] == ["started", "token"] and fresh[0][0] == "0.0.1", fresh
+
+
 async def test_head_on_an_event_stream_is_headers_only_and_the_connection_stays_usable(gateway_url: str) -> None:
     async with aiohttp.ClientSession() as http_session:
         async with http_session.post(f"{gateway_url}/v1/jobs", json={"prompt": "queued, no worker"}) as resp:
