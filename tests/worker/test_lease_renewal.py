@@ -52,6 +52,28 @@ async def test_renewal_never_takes_an_entry_another_worker_owns(redis_url: str) 
     await client.aclose()
 
 
+async def test_reclaim_finds_a_lapsed_entry_behind_many_renewed_ones(redis_url: str) -> None:
+    """One lapsed lease behind a run of entries still renewed (a busy lane): taken with a single free slot, with
+    its deliveries counted; one deleted while pending is taken too (only to be acknowledged)."""
+    client = aioredis.Redis.from_url(redis_url)
+    a, b = consumer(client, "worker-a"), consumer(client, "worker-b")
+    await a.ensure_groups()
+    ids = [(await client.xadd(LANE, {"job": b"x%d" % n})).decode() for n in range(40)]
+    assert len(await a.read(40)) == 40
+    await client.xclaim(LANE, CONSUMER_GROUP, "worker-a", 0, [ids[30]], idle=120_000, justid=True)  # lapsed
+    await client.xclaim(LANE, CONSUMER_GROUP, "worker-a", 0, [ids[35]], idle=120_000, justid=True)  # lapsed...
+    await client.xdel(LANE, ids[35])  # ... and deleted meanwhile
+
+    first = await b.reclaim(1)
+    second = await b.reclaim(5)
+
+    assert [(e.ref.entry_id, e.fields, e.deliveries) for e in first] == [(ids[30], {b"job": b"x30"}, 2)], first
+    assert [(e.ref.entry_id, e.fields) for e in second] == [(ids[35], None)], second
+    assert (await pending(client, ids[35]))["consumer"] == "worker-b"
+    assert await b.reclaim(5) == []  # the 38 others are worker A's, renewed
+    await client.aclose()
+
+
 @pytest.mark.parametrize("lease", ["inf", "nan", "0", "1e-9", "0.05"])
 def test_a_lease_no_worker_could_keep_is_refused_at_start(lease: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Infinite (never reclaimed, and no lease in milliseconds to give Redis) or shorter than a renewal's round
