@@ -21,7 +21,7 @@ from gateway.cli import EXIT_INTERRUPTED
 from gateway.cli.batch import add_batch_flags, run_batch
 from gateway.cli.keys import add_keys_flags, run_keys
 from gateway.cli.submit import EXIT_READER_GONE, add_submit_flags, run_submit
-from gateway.cli.up import GATEWAY_SET_BY_UP, WORKER_SET_BY_UP, UpConfig, default_data_dir, run_up
+from gateway.cli.up import GATEWAY_SET_BY_UP, SHARED_HELP, WORKER_SET_BY_UP, UpConfig, default_data_dir, run_up
 from gateway.cli.up_worker import WorkerChild, check_worker_device
 from gateway.config import GatewayConfig
 from gateway.webhooks.config import WebhookConfig
@@ -61,7 +61,7 @@ def build_parser(env: Mapping[str, str], verb: str | None = None) -> argparse.Ar
     # `up` runs a worker and a gateway, so it takes their flags (worker.config imports no torch).
     from worker.config import WorkerConfig
 
-    add_config_flags(up, WorkerConfig, up_env, exclude=WORKER_SET_BY_UP)
+    add_config_flags(up, WorkerConfig, up_env, exclude=WORKER_SET_BY_UP, helps=SHARED_HELP)
     add_config_flags(up, GatewayConfig, up_env, exclude=_up_gateway_exclude(WorkerConfig))
     add_config_flags(up, WebhookConfig, up_env)
     up.add_argument("--log-level", default=up_env.get("CARPOOL_LOG_LEVEL", "WARNING"),
@@ -192,7 +192,10 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
         # The same JSON logs as `carpool gateway`.
         configure_logging(log_level, service=telemetry_config.service_name)
         log_parse_errors_as_client_errors()
-        child = WorkerChild(worker_config, tuple(flag_fields(WorkerConfig, WORKER_SET_BY_UP)), log_level)
+        # A worker name not given is the worker's own to make (its pid in it), not one made here.
+        handed = tuple(name for name in flag_fields(WorkerConfig, WORKER_SET_BY_UP)
+                       if name != "worker_name" or args.worker_name)
+        child = WorkerChild(worker_config, handed, log_level)
         return run_up(up, gateway, child, data_dir, telemetry_config)
     return run_gateway(gateway, log_level, telemetry_config)
 

@@ -53,6 +53,18 @@ every other gateway flag. A setting both have (``--result-ttl-s``, ``--max-model
 to both."""
 
 
+SHARED_HELP = {
+    "result_ttl_s": "seconds the record and idempotency key of a job that ended live after (the worker's jobs, and "
+                    "those the gateway ends: cancelled while queued)",
+    "reply_maxlen": "approximate MAXLEN of reply_to streams (the worker's and the gateway's writes)",
+    "redis_timeout_s": "longest wait for Redis to connect or to answer one command, the worker's and the gateway's; "
+                       "past it the worker retries and the gateway answers 503",
+    "max_model_len": "longest prompt + output the worker serves, which the gateway admits against; default: the "
+                     "model's",
+}
+"""Help of up's flags that set the worker and the gateway both, where the worker's own help speaks of it alone."""
+
+
 @dataclass
 class UpConfig:
     redis_url: str | None = field(default=None, metadata={"help": "use this Redis instead of starting the bundled one"})

@@ -155,11 +155,12 @@ def add_config_flags(
     *,
     exclude: Iterable[str] = (),
     overrides: Mapping[str, Any] | None = None,
+    helps: Mapping[str, str] | None = None,
 ) -> None:
     """Add one flag per field of dataclass `cls` to `parser`.
 
     A value found in `env` becomes the flag's default, so the flag still wins.
-    `overrides` replaces dataclass defaults (e.g. `carpool up` picks free ports).
+    `overrides` replaces dataclass defaults (e.g. `carpool up` picks free ports), `helps` their help texts.
     A malformed env value is reported as a usage error naming the variable.
     """
     group = parser.add_argument_group(f"{cls.__name__} settings (each also read from its CARPOOL_<FLAG> variable)")
@@ -172,7 +173,7 @@ def add_config_flags(
                 default = conv(env[env_var])
             except (ValueError, TypeError) as e:
                 parser.error(f"{env_var}={env[env_var]!r}: {e}")
-        help_text = f.metadata.get("help", "")
+        help_text = (helps or {}).get(f.name) or f.metadata.get("help", "")
         shown = ",".join(map(str, default)) if isinstance(default, list) else default
         if isinstance(default, dict):
             shown = ",".join(f"{k}={v}" for k, v in default.items())

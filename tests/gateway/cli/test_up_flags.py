@@ -57,10 +57,14 @@ def _wait_final(base: str, job_id: str) -> dict[str, Any]:
 def test_up_passes_engine_flags_and_log_level_to_its_worker(stack: UpStack) -> None:
     client = redis.Redis.from_url(stack.redis_url)
     try:
-        (beat,) = [msgpack.unpackb(raw) for raw in client.hgetall("carpool:workers").values()]
+        ((name, raw),) = client.hgetall("carpool:workers").items()
+        beat = msgpack.unpackb(raw)
     finally:
         client.close()
     assert beat["capacity"] == 3 and beat["max_model_len"] == CONTEXT
+    # A name it was not given is the worker's own, its pid in it (not up's).
+    (worker_pid,) = re.findall(r"carpool: worker +pid (\d+)", stack.log())
+    assert f"-{worker_pid}-" in name.decode() and f"-{stack.proc.pid}-" not in name.decode(), (name, worker_pid)
     worker_lines = [json.loads(line) for line in stack.log().splitlines()
                     if line.startswith("{") and '"carpool-worker"' in line]
     assert not [line for line in worker_lines if line.get("level") in ("DEBUG", "INFO")], worker_lines
@@ -109,9 +113,21 @@ def test_up_takes_every_setting_of_the_worker_and_the_gateway_but_those_it_sets_
     from scheduler.runtime.flags import flag_fields
     from worker.config import ENGINE_FLAGS, WorkerConfig
 
+    # Up's own flags set these: its Redis URL and key prefix, its gateway's address, its worker's metrics server
+    # (--worker-metrics-port) and grace period (--worker-grace-s), one --log-level; the gateway's own grace is kept.
+    assert WORKER_SET_BY_UP == {"redis_url", "key_prefix", "metrics_host", "metrics_port", "shutdown_grace_s",
+                                "log_level"}
+    assert GATEWAY_SET_BY_UP == {"redis_url", "host", "port", "key_prefix", "api_keys", "shutdown_grace_s"}
     up_help = carpool("up", "--help").stdout
-    taken = set(flag_fields(WorkerConfig, WORKER_SET_BY_UP)) | set(flag_fields(GatewayConfig, GATEWAY_SET_BY_UP))
+    worker_flags = flag_fields(WorkerConfig, WORKER_SET_BY_UP)
+    gateway_flags = flag_fields(GatewayConfig, GATEWAY_SET_BY_UP)
+    taken = set(worker_flags) | set(gateway_flags)
     assert set(ENGINE_FLAGS) <= taken and {"served_model_name", "lease_s", "max_lane_depth"} <= taken
+    # A setting both have is one flag, its default the worker's: the two defaults must be the same.
+    worker_defaults, gateway_defaults = WorkerConfig(), GatewayConfig()
+    for name in set(worker_flags) & set(gateway_flags):
+        worker_value = getattr(worker_defaults, name, getattr(worker_defaults.engine, name, None))
+        assert worker_value == getattr(gateway_defaults, name), name
     for name in taken:
         assert re.search(rf"^  --{name.replace('_', '-')}\b", up_help, re.MULTILINE), name
 
