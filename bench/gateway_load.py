@@ -107,16 +107,16 @@ async def _finish(redis: aioredis.Redis, ids: list[str]) -> None:
     output = msgpack.packb({"text": "ok", "token_ids": [1], "finish_reason": "length"})
     for start in range(0, len(ids), 500):
         chunk = ids[start:start + 500]
-        pipe = redis.pipeline(transaction=False)
-        for job_id in chunk:
-            pipe.hset(KEYS.job(job_id), mapping={"status": "succeeded", "started_at": repr(now),
-                                                 "finished_at": repr(now), "worker": "bench", "output": output})
-        await pipe.execute()
-        pipe = redis.pipeline(transaction=False)
-        for job_id in chunk:
-            view = job_view(await read_hash(redis, KEYS.job(job_id)))
-            pipe.publish(KEYS.events(job_id), msgpack.packb(final_event(job_id, view, view["attempts"])))
-        await pipe.execute()
+        async with redis.pipeline(transaction=False) as pipe:
+            for job_id in chunk:
+                pipe.hset(KEYS.job(job_id), mapping={"status": "succeeded", "started_at": repr(now),
+                                                     "finished_at": repr(now), "worker": "bench", "output": output})
+            await pipe.execute()
+        async with redis.pipeline(transaction=False) as pipe:
+            for job_id in chunk:
+                view = job_view(await read_hash(redis, KEYS.job(job_id)))
+                pipe.publish(KEYS.events(job_id), msgpack.packb(final_event(job_id, view, view["attempts"])))
+            await pipe.execute()
 
 
 async def _waiters(name: str, http: aiohttp.ClientSession, redis: aioredis.Redis, url: str, ids: list[str],

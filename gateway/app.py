@@ -167,7 +167,8 @@ async def _close_an_unbounded_http10_body(request: web.Request, response: web.St
     """An HTTP/1.0 answer streamed without a length (an event stream, a file's content) can end only with its
     connection: 1.0 has no chunked encoding. aiohttp sends it so but keeps a connection the client asked to keep
     alive, so the client would wait for the end until the keep-alive timeout; the connection is closed after it."""
-    if request.version < HttpVersion11 and response.content_length is None and not response.chunked:
+    has_body = request.method != "HEAD" and response.status >= 200 and response.status not in (204, 304)
+    if request.version < HttpVersion11 and has_body and response.content_length is None and not response.chunked:
         response.force_close()
 
 

@@ -216,8 +216,8 @@ def _redis_unavailable(request: web.Request, error: Exception, retry_after_s: in
     if is_refusal(error) or is_wrong_type(error):
         log.error("%s %s: %s", request.method, request.path, reason)
     else:
-        resource = request.match_info.route.resource
-        outages.warn(f"{request.method} {resource.canonical if resource is not None else request.path}", error,
+        resource = request.match_info.route.resource  # none for a path no route takes: all of those are one place
+        outages.warn(f"{request.method} {resource.canonical if resource is not None else '(no route)'}", error,
                      detail=reason if reason != describe(error) else "")
     if isinstance(error, RedisTimeoutError) and request.method not in ("GET", "HEAD"):
         # The command may have run before Redis went silent: only a repeat that names the same job is safe,

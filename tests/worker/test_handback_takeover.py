@@ -21,10 +21,10 @@ ONE_SLOT = {"lease_s": LEASE_S, "shutdown_grace_s": 0.0, "checkpoint_tokens": 4,
 
 
 @pytest.fixture
-def make_engine(tiny_model: Callable[..., str]) -> Callable[[], Any]:
+def make_engine(tiny_model: Callable[..., str]) -> Callable[..., Any]:
     from worker.engine.engine import Engine
 
-    return lambda: Engine(model=tiny_model(), max_num_seqs=1)
+    return lambda max_num_seqs=1: Engine(model=tiny_model(), max_num_seqs=max_num_seqs)
 
 
 def _long(job_id: str) -> JobSpec:
@@ -91,14 +91,12 @@ async def test_handed_back_jobs_go_before_newer_entries(redis_url: str, make_eng
 
 
 async def test_every_handed_back_job_goes_before_newer_entries_as_slots_free(redis_url: str,
-                                                                             tiny_model: Callable[..., str]) -> None:
+                                                                             make_engine: Callable[..., Any]) -> None:
     """More jobs handed back than the taker has free slots: each slot that frees takes the next handed-back job,
     not a newer entry, until none is left (not one at the hand-back and the rest at the periodic reclaim)."""
-    from worker.engine.engine import Engine
-
     client = aioredis.Redis.from_url(redis_url)
     two_slots = {**ONE_SLOT, "max_num_seqs": 2}
-    a: Any = running_worker(redis_url, Engine(model=tiny_model(), max_num_seqs=2), worker_name="a", **two_slots)
+    a: Any = running_worker(redis_url, make_engine(2), worker_name="a", **two_slots)
     await a.__aenter__()
     shorter = SamplingParams(max_tokens=300, ignore_eos=True)
     try:
@@ -106,7 +104,7 @@ async def test_every_handed_back_job_goes_before_newer_entries_as_slots_free(red
             await xadd_job(client, JobSpec(id=job_id, prompt="keep going", params=shorter))
         for job_id in ("older-1", "older-2"):
             await _until(lambda job_id=job_id: client.hget(KEYS.job(job_id), "checkpoint"), f"a never ran {job_id}")
-        async with running_worker(redis_url, make_engine_of(tiny_model), worker_name="b", **ONE_SLOT):
+        async with running_worker(redis_url, make_engine(), worker_name="b", **ONE_SLOT):
             await xadd_job(client, JobSpec(id="busy", prompt="x", params=SamplingParams(max_tokens=100, ignore_eos=True)))
             await _until(lambda: client.hget(KEYS.job("busy"), "checkpoint"), "b never ran its job")
             await xadd_job(client, JobSpec(id="newer", prompt="x", params=shorter))  # waits in the lane
@@ -120,12 +118,6 @@ async def test_every_handed_back_job_goes_before_newer_entries_as_slots_free(red
         if a is not None:
             await a.__aexit__(None, None, None)
         await client.aclose()
-
-
-def make_engine_of(tiny_model: Callable[..., str]) -> Any:
-    from worker.engine.engine import Engine
-
-    return Engine(model=tiny_model(), max_num_seqs=1)
 
 
 async def _attempts_at_least(client: aioredis.Redis, job_id: str, n: int) -> bool:
