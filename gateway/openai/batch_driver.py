@@ -84,6 +84,8 @@ class BatchDriver:
         self._outages = OutageLog(log, retry_s=self._config.batch_poll_interval_s)
         self._faults: dict[str, str] = {}
         """The fault each batch whose last step failed met (logged once while it repeats)."""
+        self._round_fault: str | None = None
+        """The fault of the last round that failed (other than Redis away or full), while rounds keep failing."""
 
     async def run(self) -> None:
         rounds = 0
@@ -100,10 +102,15 @@ class BatchDriver:
                 raise_if_cancelled()
                 if is_out_of_memory(e):
                     self._outages.warn("batch driver", e, "at its maxmemory, Redis refuses writes")
-                else:
-                    log.exception("batch driver: a round failed; retrying")
+                elif (fault := f"{type(e).__name__}: {e}") != self._round_fault:
+                    # Said once while the same fault repeats (a key of the wrong type fails every round alike).
+                    log.exception("batch driver: a round failed; retrying every round until one does not")
+                    self._round_fault = fault
             else:
                 self._outages.recovered()
+                if self._round_fault is not None:
+                    log.info("batch driver: rounds go on again")
+                    self._round_fault = None
             raise_if_cancelled()
             await asyncio.sleep(self._config.batch_poll_interval_s)
 

@@ -251,3 +251,21 @@ async def test_requests_meeting_an_outage_are_each_answered_503_and_said_once_pe
 
 async def _said(caplog, text: str, times: int) -> bool:
     return len([r for r in caplog.records if text in r.getMessage()]) >= times
+
+
+async def test_a_batch_driver_round_failing_alike_every_time_is_said_once(redis_url: str, caplog) -> None:
+    """A key the driver reads each round made another type (the active-batch set SET to a string): said once
+    with its traceback, not at every round, and once more when rounds go on again."""
+    config = GatewayConfig(redis_url=redis_url, batch_poll_interval_s=0.05)
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        async with TestClient(GatewayTestServer(init_app(config), host="127.0.0.1")):
+            with caplog.at_level(logging.INFO):
+                await admin.set(Keys("carpool").batches_active, "oops")
+                await asyncio.sleep(1.0)  # about twenty rounds
+                await admin.delete(Keys("carpool").batches_active)
+                await wait_until(lambda: _said(caplog, "rounds go on again", 1), "the driver saying it goes on")
+    finally:
+        await admin.aclose()
+    failed = [r for r in caplog.records if "a round failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None, [r.getMessage() for r in failed]
