@@ -212,3 +212,28 @@ async def test_an_entry_naming_its_fields_as_the_dead_streams_own_cannot_hide_ca
         b"all good", b"fake", b"me", b"kept")
     names = raw[0][1][::2]
     assert len(names) == len(set(names)), names  # no field twice in the entry itself
+
+
+async def test_text_the_model_has_no_embedding_for_fails_its_job_and_the_worker_goes_on(redis_url, tiny_model) -> None:
+    """A checkpoint whose tokenizer has more tokens than its model has embeddings (tokens added without resizing
+    them): a prompt or chat whose text holds such a token fails that job, naming the fault; the engine never
+    meets the id (it would fail the whole step, and the worker with it, at every delivery)."""
+    from worker.engine.engine import Engine
+
+    engine = Engine(model=tiny_model("llama", vocab_size=258, pad_token_id=None), max_num_seqs=2)  # 262 tokens
+    client = aioredis.Redis.from_url(redis_url)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    try:
+        async with running_worker(redis_url, engine) as service:
+            await xadd_job(client, JobSpec(id="text", prompt="hi <|im_end|>", params=params))
+            await xadd_job(client, JobSpec(id="chat", messages=[{"role": "user", "content": "hi"}], params=params))
+            await xadd_job(client, JobSpec(id="plain", prompt="hi", params=params))
+            views = await wait_terminal(client, ["text", "chat", "plain"])
+            assert not service.stopped.is_set()
+    finally:
+        await client.aclose()
+    assert views["plain"]["status"] == "succeeded", views["plain"]
+    for job_id, name in (("text", "prompt"), ("chat", "messages")):
+        assert views[job_id]["status"] == "failed", views[job_id]
+        message = views[job_id]["error"]["message"]
+        assert message.startswith(f"{name}: the tokenizer made token id ") and "(0..257)" in message, message

@@ -148,6 +148,10 @@ class ModelRunner:
         weights = self.quantization.value if self.quantization else str(self.dtype).removeprefix("torch.")
         log.info("model %s: %s implementation (%s), %s weights", model_path, self.model_choice.impl.value,
                  self.model_choice.reason, weights)
+        if len(self.tokenizer) > self.vocab_size:
+            log.warning("model %s: its tokenizer has %d tokens and its model embeddings for %d: a prompt whose text "
+                        "holds a token past them fails (tokens added to the tokenizer without resizing the model's "
+                        "embeddings?)", model_path, len(self.tokenizer), self.vocab_size)
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -37,8 +37,10 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, prompt
         _check_length(prompt, messages, max_chars)
     if messages is not None:
         ids = apply_chat_template(tokenizer, messages)
+        _check_tokenized("messages", ids, vocab_size)
     elif isinstance(prompt, str):
         ids = list(tokenizer(prompt, verbose=False)["input_ids"])
+        _check_tokenized("prompt", ids, vocab_size)
     elif isinstance(prompt, list):
         ids = list(prompt)
         check_token_ids("prompt", ids, vocab_size)
@@ -75,6 +77,16 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[
         raise ValueError(f"messages: the chat template failed: {e}") from e
     # The template writes the special tokens itself.
     return list(tokenizer(rendered, add_special_tokens=False, verbose=False)["input_ids"])
+
+
+def _check_tokenized(name: str, ids: list[int], vocab_size: int) -> None:
+    """A tokenizer with more tokens than the model has embeddings (tokens added to it without resizing the
+    model's) makes ids the model cannot look up: refused as the request's fault, before the engine meets them."""
+    top = max(ids, default=0)
+    if top >= vocab_size:
+        raise ValueError(f"{name}: the tokenizer made token id {top} of it, past the model's vocabulary "
+                         f"(0..{vocab_size - 1}): the checkpoint's tokenizer has tokens its model has no embedding "
+                         "for (added without resizing the model's embeddings?)")
 
 
 def check_token_ids(name: str, ids: list[int], vocab_size: int) -> None:
