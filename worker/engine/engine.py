@@ -96,6 +96,8 @@ class Engine:
         for setting in ("model", "draft_model"):
             if getattr(config, setting) is not None:
                 check_local_checkpoint(getattr(config, setting), setting)
+                # `~/m` as a deployment's variable holds it (no shell expanded it): loaded from where it was found.
+                config = dataclasses.replace(config, **{setting: os.path.expanduser(getattr(config, setting))})
         if config.model is None:
             from worker.engine.default_model import default_model_path, models_cache_dir
 

@@ -77,3 +77,19 @@ def test_the_python_engine_refuses_a_hub_id_or_missing_path_too(model: str) -> N
     assert str(refused.value) == (f"model: not a local checkpoint directory: {model} (no such directory); {ONE_LINE}")
     with pytest.raises(ValueError, match=f"^draft_model: not a local checkpoint directory: {model} "):
         Engine(speculative="draft", draft_model=model, device="cpu")
+
+
+def test_a_model_path_starting_with_a_tilde_loads_from_the_home_directory(tiny_model, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`~/m` as a deployment's variable or a quoted flag holds it (no shell expanded it): found, and loaded, there;
+    the draft model's too."""
+    from scheduler.params import SamplingParams
+    from worker import Engine
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "m").symlink_to(tiny_model())
+    monkeypatch.setenv("HOME", str(home))
+    engine = Engine(model="~/m", speculative="draft", draft_model="~/m", num_speculative_tokens=2, device="cpu")
+    (completion,) = engine.generate(["hi"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(completion.token_ids) == 3
