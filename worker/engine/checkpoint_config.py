@@ -110,8 +110,9 @@ def max_model_len(config: PretrainedConfig) -> tuple[int, str]:
     return max_len, why
 
 
-def eos_token_ids(model_path: str, config: PretrainedConfig) -> set[int]:
-    """The ids that end generation: the generation config's and the model config's."""
+def eos_token_ids(model_path: str, config: PretrainedConfig, tokenizer_eos: int | None = None) -> set[int]:
+    """The ids that end generation: the generation config's and the model config's; where neither names one, the
+    tokenizer's EOS (a checkpoint whose configs were saved without it would otherwise never stop)."""
     ids: set[int] = set()
     try:
         generation_config: GenerationConfig | None = GenerationConfig.from_pretrained(model_path, local_files_only=True)
@@ -123,4 +124,6 @@ def eos_token_ids(model_path: str, config: PretrainedConfig) -> set[int]:
             ids.add(value)
         elif value is not None:
             ids.update(int(v) for v in value)
+    if not ids and tokenizer_eos is not None:
+        ids.add(tokenizer_eos)
     return ids

@@ -173,7 +173,7 @@ class ModelRunner:
                              f"({self.model_choice.impl.value} implementation): {why}") from e
         self.config = config
         self.model_path = model_path
-        self.eos_token_ids: set[int] = eos_token_ids(model_path, config)
+        self.eos_token_ids: set[int] = eos_token_ids(model_path, config, self.tokenizer.eos_token_id)
         if self.backend.name == "triton" and self.device.type == "cuda":
             failure = check_paged_attention(self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim,
                                             block_size)

@@ -161,3 +161,14 @@ def test_triton_backend_matches_torch_backend(tiny_model) -> None:
     for batch in (prefill, decode):
         expected, got = (runner.execute(batch) for runner in runners)
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_a_checkpoint_whose_configs_name_no_eos_stops_at_its_tokenizers(tiny_model, tmp_path: Path) -> None:
+    """No EOS in config.json and no generation_config.json: the tokenizer's EOS ends generation, as a serving user
+    expects, instead of every answer running to its length."""
+    from tests.harness.checkpoints import edited_copy
+
+    path = edited_copy(tiny_model("llama"), tmp_path / "no-eos", config=lambda c: c.update(eos_token_id=None))
+    (Path(path) / "generation_config.json").unlink()
+    runner = ModelRunner(path, block_size=16, kv_cache_memory_gb=0.001)
+    assert runner.eos_token_ids == {runner.tokenizer.eos_token_id} and runner.tokenizer.eos_token_id is not None
