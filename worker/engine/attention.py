@@ -76,8 +76,11 @@ def paged_attention_forward(
     """
     metadata = kwargs.get(METADATA_KWARG)
     if not isinstance(metadata, PagedAttentionMetadata):
-        raise RuntimeError(
-            f"{ATTN_IMPLEMENTATION} attention needs `{METADATA_KWARG}` passed through the model's forward"
+        # The model's code calls the attention interface without handing on the keyword arguments of its own
+        # forward (StableLM does), where carpool passes each step's paged-cache layout.
+        raise ValueError(
+            f"{type(module).__name__} calls attention without the arguments its model's forward was given, where "
+            f"carpool passes the paged KV cache's layout (`{METADATA_KWARG}`): this architecture is not supported"
         )
     if metadata.checks_arguments and (unapplied := unapplied_arguments(attention_mask, dropout, kwargs)):
         raise ValueError(f"{type(module).__name__} asks for attention that carpool's paged attention does not "
