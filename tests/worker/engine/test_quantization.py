@@ -252,3 +252,24 @@ def test_fp8_is_refused_on_gpus_without_fp8() -> None:
     check_device_supports(Quantization.FP8, cuda, capability=(8, 9))
     check_device_supports(Quantization.INT8, cuda, capability=(7, 0))
     check_device_supports(Quantization.FP8, torch.device("cpu"))
+
+
+def test_weights_held_outside_linear_layers_are_said_to_stay_unquantized(tmp_path, tiny_model: Callable[..., str],
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A mixture of experts whose transformers code holds its experts as fused tensors, not `nn.Linear` layers:
+    those stay in the model's dtype, and the start-up log says so with their share of the weights, rather than
+    calling the whole model int8; a model of linear layers alone says nothing of it."""
+    from transformers import MixtralConfig
+
+    from tests.harness.checkpoints import save_checkpoint, small_config
+
+    moe = save_checkpoint(tmp_path / "mixtral", small_config(MixtralConfig, intermediate_size=64,
+                                                             max_position_embeddings=64, num_local_experts=4,
+                                                             num_key_value_heads=1))
+    with caplog.at_level(logging.WARNING, logger="worker.engine.models"):
+        ModelRunner(tiny_model("phi"), num_blocks=8, quantization="int8")
+        assert not caplog.records, caplog.text
+        ModelRunner(moe, num_blocks=8, quantization="int8")
+    [said] = [r.getMessage() for r in caplog.records]
+    assert said.startswith("quantization: MixtralForCausalLM holds ") and "MixtralExperts.gate_up_proj" in said, said
+    assert said.endswith("which stay in float32, not int8"), said

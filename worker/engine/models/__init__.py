@@ -10,6 +10,7 @@ own models hold their fused layers quantized, and a transformers model has its
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -23,8 +24,10 @@ from worker.engine.config import MODEL_IMPLS, ModelImpl, Quantization
 from worker.engine.graph_runner import rope_type
 from worker.engine.models.llama_family import ARCHITECTURES, LlamaFamilyModel, read_safetensors
 from worker.engine.models.positional_rope import make_positional
-from worker.engine.models.quantization import quantize_linear_layers
+from worker.engine.models.quantization import quantize_linear_layers, weights_outside_linear_layers
 from worker.engine.models.rope import SUPPORTED_ROPE_TYPES
+
+log = logging.getLogger(__name__)
 
 
 class CausalLM(Protocol):
@@ -120,7 +123,15 @@ def load_causal_lm(path: str, config: PretrainedConfig, impl: ModelImpl, dtype: 
     # Frequencies that follow the call's largest position would follow the batch's: each token's own instead.
     make_positional(model)
     wants_kernels = device.type == "cuda" if use_kernels is None else use_kernels
-    if quantization is not None and quantize_linear_layers(model, quantization, wants_kernels) == 0:
-        raise ValueError(f"quantization: {type(model).__name__} has no torch.nn.Linear layers to hold as "
-                         f"{quantization.value}")
+    if quantization is not None:
+        left = weights_outside_linear_layers(model)  # before the linear layers' weights turn into buffers
+        total = sum(parameter.numel() for parameter in model.parameters())
+        if quantize_linear_layers(model, quantization, wants_kernels) == 0:
+            raise ValueError(f"quantization: {type(model).__name__} has no torch.nn.Linear layers to hold as "
+                             f"{quantization.value}")
+        if left:
+            log.warning("quantization: %s holds %.0f%% of its weights outside torch.nn.Linear layers (%s), which stay "
+                        "in %s, not %s", type(model).__name__, 100 * sum(left.values()) / max(total, 1),
+                        ", ".join(sorted(left, key=left.__getitem__, reverse=True)), str(dtype).removeprefix("torch."),
+                        quantization.value)
     return TransformersModel(model)

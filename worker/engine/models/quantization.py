@@ -208,6 +208,21 @@ class QuantizedLinear(torch.nn.Module):
         return linear(x, self.weight, self.bias, self.matmuls)
 
 
+def weights_outside_linear_layers(model: torch.nn.Module) -> dict[str, int]:
+    """The matrices (and larger tensors) of `model` that are neither an `nn.Linear`'s nor an `nn.Embedding`'s,
+    by the module class and name that hold them (the layer index left out), with their element counts summed:
+    what `quantize_linear_layers` leaves in the model's dtype (fused MoE experts, GPT-2's `Conv1D`, ...)."""
+    found: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            continue
+        for name, parameter in module.named_parameters(recurse=False):
+            if parameter.dim() >= 2 and parameter.is_floating_point():
+                key = f"{type(module).__name__}.{name}"
+                found[key] = found.get(key, 0) + parameter.numel()
+    return found
+
+
 def quantize_linear_layers(model: torch.nn.Module, quantization: Quantization, use_kernels: bool = False) -> int:
     """Replace every `nn.Linear` of `model` but its output projection (the logits stay in the model's dtype) by a
     `QuantizedLinear`, in place; returns how many were replaced. `use_kernels`: their decode-sized products run
