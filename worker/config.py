@@ -60,8 +60,8 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Every engine setting; its fields are flags of their own (``--model``, ``--max-num-seqs``...)."""
     served_model_name: str | None = field(default=None, metadata=help_text(
-        "the model's name in the heartbeat, so in the gateway's GET /v1/models; default: --model as given, or "
-        "carpool-tiny-llama-v1 for the built-in model"))
+        "the model's name in the heartbeat, so in the gateway's GET /v1/models; default: --model as given "
+        "(less a trailing slash), or carpool-tiny-llama-v1 for the built-in model"))
     torch_threads: int = field(default=0, metadata=help_text(
         "torch intra-op threads of this process; 0: one on CPU (fastest for small models on shared cores), torch's default on CUDA"))
 
@@ -173,7 +173,8 @@ class WorkerConfig:
     @property
     def model_name(self) -> str:
         """The name clients use for this worker's model (OpenAI routes' ``model``)."""
-        return self.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
+        # `--model dir/` is `dir`: a path's trailing slash (a shell's completion adds one) is no part of a name.
+        return self.served_model_name or (self.engine.model or "").rstrip("/") or self.engine.model or DEFAULT_MODEL_NAME
 
     @property
     def capacity(self) -> int:

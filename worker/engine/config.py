@@ -134,7 +134,7 @@ class EngineConfig:
         object.__setattr__(self, "batching", batching_mode(self.batching))
         object.__setattr__(self, "policy", policy(self.policy))
         if self.model_impl not in MODEL_IMPLS:
-            raise ValueError(f"model_impl: must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+            raise ValueError(f"model_impl: must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}")
         object.__setattr__(self, "model_impl", ModelImpl(self.model_impl))
         if self.quantization is not None:
             if self.quantization not in QUANTIZATIONS:
