@@ -57,7 +57,9 @@ class StreamStats:
         self._keys = keys
         self._interval_s = interval_s
         self._heartbeat_max_age_s = heartbeat_max_age_s
-        self.snapshot = StreamSnapshot()
+        self.snapshot: StreamSnapshot | None = None
+        """The counts of the last refresh; None before the first and after one that failed, when the gauges
+        report nothing rather than numbers Redis no longer stands behind (a backlog read as gone, or frozen)."""
         self._task: asyncio.Task[None] | None = None
         self._outages = OutageLog(log, retry_s=interval_s)
 
@@ -86,27 +88,34 @@ class StreamStats:
                 await self.refresh()
                 self._outages.recovered()
             except (ConnectionError, OSError, TimeoutError) as e:
-                # A Redis outage must not end monitoring; the gauges keep their last values.
+                # A Redis outage must not end monitoring; the gauges go silent until a refresh succeeds.
+                self.snapshot = None
                 self._outages.warn("lane gauges' refresh", e)
             except Exception as e:  # redis-py's own error types, which this module does not import
                 if type(e).__module__.split(".")[0] != "redis":
                     raise
+                self.snapshot = None
                 self._outages.warn("lane gauges' refresh", e)
             raise_if_cancelled()
             await asyncio.sleep(self._interval_s)
 
-    # Gauge callbacks: read the snapshot only.
+    # Gauge callbacks: read the snapshot only, and report nothing without one.
     def observe_depth(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(n, {A_LANE: lane.value}) for lane, n in self.snapshot.depth.items()]
+        snapshot = self.snapshot
+        return [] if snapshot is None else [Observation(n, {A_LANE: lane.value}) for lane, n in snapshot.depth.items()]
 
     def observe_pending(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(n, {A_LANE: lane.value}) for lane, n in self.snapshot.pending.items()]
+        snapshot = self.snapshot
+        return [] if snapshot is None else [Observation(n, {A_LANE: lane.value})
+                                            for lane, n in snapshot.pending.items()]
 
     def observe_unheld(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(n, {A_LANE: lane.value}) for lane, n in self.snapshot.unheld.items()]
+        snapshot = self.snapshot
+        return [] if snapshot is None else [Observation(n, {A_LANE: lane.value})
+                                            for lane, n in snapshot.unheld.items()]
 
     def observe_dead(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(self.snapshot.dead)]
+        return [] if self.snapshot is None else [Observation(self.snapshot.dead)]
 
 
 async def read_stream_counts(redis: Any, keys: Keys) -> StreamSnapshot:

@@ -88,31 +88,42 @@ def test_configure_logging_replaces_root_handlers() -> None:
 async def test_the_lane_gauges_say_a_redis_outage_once_and_its_end_once(redis_url: str,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     """Polled every 20 ms through an outage: one warning (the next is due 30 s later), one line when Redis
-    answers again, rather than a line per poll."""
+    answers again, rather than a line per poll; the gauges report nothing while no refresh succeeds."""
     import redis.asyncio as aioredis
 
     from scheduler.protocol.keys import Keys
     from scheduler.telemetry.stream_stats import StreamStats
     from tests.harness.redis_proxy import RedisProxy
 
+    from opentelemetry.metrics import CallbackOptions
+
     proxy = await RedisProxy(redis_url).start()
     client = aioredis.Redis.from_url(proxy.url, socket_timeout=1.0)
     stats = StreamStats(client, Keys(), interval_s=0.02)
+
+    def lanes_reported() -> int:
+        return len(list(stats.observe_depth(CallbackOptions())))
+
+    reported = [lanes_reported()]  # before any refresh: nothing read, nothing reported
     with caplog.at_level(logging.INFO, logger="scheduler.telemetry.stream_stats"):
         stats.start()
         await asyncio.sleep(0.2)
+        reported.append(lanes_reported())
         proxy.go_down()
         await asyncio.sleep(1.0)
+        reported.append(lanes_reported())  # while Redis is away: no stale numbers
         proxy.restore()
         deadline = asyncio.get_running_loop().time() + 10
         while not any("available again" in r.getMessage() for r in caplog.records):
             assert asyncio.get_running_loop().time() < deadline, [r.getMessage() for r in caplog.records]
             await asyncio.sleep(0.05)
+        reported.append(lanes_reported())
         await stats.aclose()
     await client.aclose()
     await proxy.aclose()
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 and "Redis unavailable" in messages[0] and "available again" in messages[1], messages
+    assert reported == [0, 3, 0, 3], reported
 
 
 async def test_the_lane_gauges_count_entries_held_by_a_worker_no_longer_alive(redis_url: str) -> None:
