@@ -566,7 +566,9 @@ class WorkerService:
         return app
 
     async def start_http(self, host: str, port: int) -> None:
-        self._http = web.AppRunner(self.http_app())
+        # Its routes are probes and scrapes, every few seconds each: no access line for them (aiohttp's own, in
+        # another shape than carpool's, would be most of the worker's log).
+        self._http = web.AppRunner(self.http_app(), access_log=None)
         await self._http.setup()
         await web.TCPSite(self._http, host, port).start()
 

@@ -224,3 +224,22 @@ async def test_a_direct_xadd_moved_into_its_tenants_stream_waits_from_its_first_
     assert views["routed"]["status"] == "succeeded"
     assert value(rendered, "carpool_job_queue_wait_seconds_sum") >= 119
     assert value(rendered, "carpool_tenant_queue_wait_seconds_sum", carpool_tenant="acme") >= 119
+
+
+async def test_the_workers_probes_and_scrapes_write_no_access_lines(redis_url: str, engine, caplog) -> None:
+    """A worker's metrics server serves only probes and scrapes, every few seconds each: none of them is logged
+    (the gateway logs its own at debug)."""
+    import logging
+
+    import aiohttp
+
+    from gateway.cli.embedded_redis import free_port
+
+    port = free_port()
+    async with running_worker(redis_url, engine, metrics_port=port, metrics_host="127.0.0.1"):
+        with caplog.at_level(logging.DEBUG, logger="aiohttp.access"):
+            async with aiohttp.ClientSession() as http:
+                for path in ("/healthz", "/readyz", "/metrics"):
+                    async with http.get(f"http://127.0.0.1:{port}{path}") as resp:
+                        assert resp.status == 200, (path, resp.status)
+    assert not [r for r in caplog.records if r.name == "aiohttp.access"], caplog.text
