@@ -32,7 +32,7 @@ from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -67,10 +67,28 @@ class TelemetryConfig:
     """How long one OTLP export of spans may take, its retries included; a process's exit waits at most this long
     for its last one, so a collector that stopped answering delays a shutdown by at most the two timeouts."""
     otlp_metrics_timeout_s: float = DEFAULT_OTLP_TIMEOUT_S
+    traces_sampler: str = "parentbased_always_on"
+    """Which traces are recorded (``OTEL_TRACES_SAMPLER``, one of `TRACES_SAMPLERS`)."""
+    traces_sampler_ratio: float = 1.0
+    """The share of traces a ``traceidratio`` sampler records (``OTEL_TRACES_SAMPLER_ARG``)."""
 
     def __post_init__(self) -> None:
         if not self.service_name:
             raise ValueError("service_name: must be non-empty")
+        if self.traces_sampler not in TRACES_SAMPLERS:
+            raise ValueError(f"traces_sampler: expected one of {', '.join(TRACES_SAMPLERS)}, got "
+                             f"{self.traces_sampler!r}")
+        if not 0 <= self.traces_sampler_ratio <= 1:
+            raise ValueError(f"traces_sampler_ratio: must be in [0, 1], got {self.traces_sampler_ratio}")
+
+    def sampler(self) -> Sampler:
+        """The sampler `traces_sampler` names: a root one, or one that follows the parent's decision where a span
+        has a parent (an incoming ``traceparent``, the gateway's span for the job it enqueued) and asks the root
+        one otherwise."""
+        name = self.traces_sampler.removeprefix("parentbased_")
+        root = ALWAYS_ON if name == "always_on" else ALWAYS_OFF if name == "always_off" else TraceIdRatioBased(
+            self.traces_sampler_ratio)
+        return ParentBased(root) if self.traces_sampler.startswith("parentbased_") else root
         for name in ("otlp_traces_timeout_s", "otlp_metrics_timeout_s"):
             if not 0 < getattr(self, name) <= MAX_OTLP_TIMEOUT_S:
                 raise ValueError(f"{name}: must be in (0, {MAX_OTLP_TIMEOUT_S:g}] seconds, got {getattr(self, name)}")
@@ -95,6 +113,9 @@ def _parse_key_values(text: str, variable: str) -> dict[str, str]:
     return out
 
 
+TRACES_SAMPLERS = ("parentbased_always_on", "parentbased_always_off", "parentbased_traceidratio", "always_on",
+                   "always_off", "traceidratio")
+"""The values of ``OTEL_TRACES_SAMPLER`` carpool takes, as the OpenTelemetry SDKs name them."""
 TRACES_EXPORTERS = ("otlp", "console", "none")
 METRICS_EXPORTERS = ("otlp", "console", "prometheus", "none")
 """The values of ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` carpool acts on (``/metrics`` is always
@@ -156,6 +177,18 @@ def telemetry_config_from_env(
         interval_ms = int(interval)
     except ValueError as e:
         raise ValueError(f"OTEL_METRIC_EXPORT_INTERVAL: expected milliseconds, got {interval!r}") from e
+    sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower() or "parentbased_always_on"
+    if sampler not in TRACES_SAMPLERS:
+        raise ValueError(f"OTEL_TRACES_SAMPLER: expected one of {', '.join(TRACES_SAMPLERS)}, got "
+                         f"{env['OTEL_TRACES_SAMPLER']!r}")
+    ratio = 1.0
+    if sampler.endswith("traceidratio") and (raw_ratio := env.get("OTEL_TRACES_SAMPLER_ARG", "").strip()):
+        try:
+            ratio = float(raw_ratio)
+        except ValueError:
+            ratio = math.nan
+        if not 0 <= ratio <= 1:
+            raise ValueError(f"OTEL_TRACES_SAMPLER_ARG: expected a share of traces in [0, 1], got {raw_ratio!r}")
     traces_timeout_s = _timeout_s(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
     metrics_timeout_s = _timeout_s(env, "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT")
     return TelemetryConfig(
@@ -170,6 +203,8 @@ def telemetry_config_from_env(
         otlp_metrics_timeout_s=metrics_timeout_s,
         is_console_traces="console" in traces_exporters,
         is_console_metrics="console" in metrics_exporters,
+        traces_sampler=sampler,
+        traces_sampler_ratio=ratio,
     )
 
 
@@ -214,7 +249,7 @@ class Telemetry:
         self.meter_provider = MeterProvider(metric_readers=readers, resource=self.resource, shutdown_on_exit=False)
         self.meter = self.meter_provider.get_meter(INSTRUMENTATION_SCOPE)
         self.tracer_provider = TracerProvider(
-            resource=self.resource, sampler=ParentBased(ALWAYS_ON), shutdown_on_exit=False
+            resource=self.resource, sampler=config.sampler(), shutdown_on_exit=False
         )
         if config.otlp_traces_endpoint:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
