@@ -45,8 +45,9 @@ WebhookCheck = Callable[[str], Awaitable[None]]
 
 # (spec, linked): the span around enqueuing a job; `linked` is the traceparent of the work that made it, when
 # that is not its parent (a Batch API line links to the request that created its batch).
-EnqueueSpan = Callable[[JobSpec, str | None], AbstractContextManager[object]]
-"""Wraps the enqueue in a trace span and sets the spec's ``traceparent`` before it is packed."""
+EnqueueSpan = Callable[[JobSpec, str | None], AbstractContextManager[Callable[[str], None]]]
+"""Wraps the enqueue in a trace span and sets the spec's ``traceparent`` before it is packed; yields what takes the
+enqueue script's verdict for the span (`enqueued`, a repeat, or a refusal)."""
 
 
 MAX_CLAIM_TRIES = 3
@@ -139,7 +140,7 @@ class Admitted:
 class Admission:
     def __init__(
         self, redis: aioredis.Redis, keys: Keys, config: GatewayConfig, check_webhook: WebhookCheck | None,
-        enqueue_span: EnqueueSpan = lambda spec, linked: nullcontext(),
+        enqueue_span: EnqueueSpan = lambda spec, linked: nullcontext(lambda verdict: None),
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -272,7 +273,7 @@ class Admission:
         if reservation is not None:
             record[F_RESERVATION] = reservation.field_value
         job_key = self._keys.job(spec.id)
-        with self._enqueue_span(spec, linked_trace):
+        with self._enqueue_span(spec, linked_trace) as say_verdict:
             packed = spec.pack()
             named = spec.tenant != DEFAULT_TENANT
             max_queued = caller.limits.max_queued
@@ -290,7 +291,8 @@ class Admission:
                 job_key, self._keys.tenant_lane(spec.lane, spec.tenant), idem or job_key,
                 self._keys.lane_tenants(spec.lane), self._keys.wake, self._keys.tenant_batch_lines(spec.tenant),
                 self._keys.lane(spec.lane), *tenant_streams], args=args)
-        verdict = as_bytes(reply[0]).decode()
+            verdict = as_bytes(reply[0]).decode()
+            say_verdict(verdict)
         if verdict == "full":
             raise LaneFull(spec.lane, int(as_bytes(reply[1])), max_depth, 1 + num_following)
         if verdict == "quota":

@@ -107,26 +107,39 @@ class GatewayMetrics(ProcessMetrics):
     # --- tracing ----------------------------------------------------------------------
 
     @contextmanager
-    def enqueue_span(self, spec: JobSpec, linked: str | None = None) -> Iterator[trace.Span]:
-        """Span around putting a job on its lane; sets ``spec.traceparent`` so the worker continues it.
+    def enqueue_span(self, spec: JobSpec, linked: str | None = None) -> Iterator[Callable[[str], None]]:
+        """Span around putting a job on its lane; sets ``spec.traceparent`` so the worker continues it, and
+        yields what takes the enqueue's verdict: its ``carpool.enqueue.outcome`` attribute (``enqueued``, or a
+        repeat, ``exists`` or ``claimed``, the job already there, or ``taken``, the id another tenant's), and the
+        span's error where the lane or the tenant's quota refused it (``full``, ``quota``).
 
-        A ``traceparent`` the producer put in the body is the parent; otherwise
-        the current context (the HTTP server span, itself continuing any
-        incoming ``traceparent`` header). ``linked``: the traceparent of the work
-        that made the job without being its parent (the request that created a
-        Batch API line's batch), which the span links to: each line keeps a trace
-        of its own, and each trace leads to the batch's.
+        A ``traceparent`` the producer put in the body is the parent, and the span links to the current one (the
+        HTTP server span), so that the request's trace leads to the job's; otherwise the current context is the
+        parent (the HTTP server span, itself continuing any incoming ``traceparent`` header). ``linked``: the
+        traceparent of the work that made the job without being its parent (the request that created a Batch API
+        line's batch), which the span links to: each line keeps a trace of its own, and each trace leads to the
+        batch's.
         """
         parent = context_from_traceparent(spec.traceparent)
         attributes = {"carpool.job.id": spec.id, metric_schema.A_LANE: spec.lane.value}
         link_context = context_from_traceparent(linked)
         links = [] if link_context is None else [trace.Link(trace.get_current_span(link_context).get_span_context())]
+        current = trace.get_current_span().get_span_context()
+        if parent is not None and current.is_valid:
+            links.append(trace.Link(current))
         with self.tracer.start_as_current_span(
             "carpool.enqueue", context=parent, kind=SpanKind.PRODUCER, attributes=attributes, links=links
         ) as span:
             spec.traceparent = traceparent_of(span)
+
+            def say_verdict(verdict: str) -> None:
+                span.set_attribute("carpool.enqueue.outcome", verdict)
+                if verdict in ("full", "quota"):
+                    span.set_status(Status(StatusCode.ERROR, "the lane is full" if verdict == "full"
+                                           else "the tenant's max_queued is reached"))
+
             with job_context(spec.id):
-                yield span
+                yield say_verdict
 
     def webhook_span(self, traceparent: str | None, event: str, url: str) -> AbstractContextManager[trace.Span]:
         """Client span of one webhook delivery attempt, in the trace of the job it reports on."""

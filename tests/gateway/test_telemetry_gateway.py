@@ -112,12 +112,33 @@ async def test_job_message_carries_the_trace_of_the_request(
     assert f"{server_a.context.trace_id:032x}" == PRODUCER_TRACE_ID
     assert server_a.parent is not None and server_a.parent.span_id == int(PRODUCER_SPAN_ID, 16)
     assert enqueue["a"].parent is not None and enqueue["a"].parent.span_id == server_a.context.span_id
-    # b: the producer's traceparent in the body is the job's parent
+    # b: the producer's traceparent in the body is the job's parent, and the request's trace is linked to it
     assert f"{enqueue['b'].context.trace_id:032x}" == "11111111111111111111111111111111"
     assert enqueue["b"].parent is not None and enqueue["b"].parent.span_id == 0x2222222222222222
+    servers = {s.context.span_id: s for s in spans.get_finished_spans() if s.name == "POST /v1/jobs"}
+    [link] = enqueue["b"].links
+    assert link.context.span_id in servers and link.context.trace_id != enqueue["b"].context.trace_id
+    assert not enqueue["a"].links and not enqueue["c"].links
     # c: a fresh trace rooted at the gateway's server span
     assert enqueue["c"].context.trace_id not in {enqueue["a"].context.trace_id, enqueue["b"].context.trace_id}
     assert not any(s.name == "GET /metrics" for s in spans.get_finished_spans())
+
+
+async def test_an_enqueue_span_says_what_came_of_it(gateway: tuple[TestClient, Telemetry, InMemorySpanExporter]
+                                                    ) -> None:
+    """Enqueued, a repeat of a job already there, or refused by a full lane: said on the span, the refusal as its
+    error, not as a job put on its lane."""
+    from opentelemetry.trace import StatusCode
+
+    client, _, spans = gateway
+    for body in ({"id": "first", "prompt": "x", "lane": "batch"}, {"id": "first", "prompt": "x", "lane": "batch"},
+                 {"id": "second", "prompt": "x", "lane": "batch"}, {"id": "third", "prompt": "x", "lane": "batch"}):
+        await client.post("/v1/jobs", json=body)
+    enqueues = [s for s in spans.get_finished_spans() if s.name == "carpool.enqueue"]
+    said = [(s.attributes["carpool.job.id"], s.attributes["carpool.enqueue.outcome"], s.status.status_code)
+            for s in enqueues]
+    assert said == [("first", "enqueued", StatusCode.UNSET), ("first", "exists", StatusCode.UNSET),
+                    ("second", "enqueued", StatusCode.UNSET), ("third", "full", StatusCode.ERROR)], said
 
 
 async def test_an_answers_request_id_finds_its_trace(
