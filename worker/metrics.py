@@ -36,6 +36,12 @@ from scheduler.telemetry.otel import (
 )
 from scheduler.telemetry.process_metrics import ProcessMetrics
 from worker.engine.records import EngineStats
+
+IDLE_ENGINE = EngineStats(num_running=0, num_waiting=0, num_kv_blocks=0, num_kv_blocks_used=0, kv_usage=0.0,
+                          num_preemptions=0, num_priority_preemptions=0, prefix_cache_query_tokens=0,
+                          prefix_cache_hit_tokens=0, num_steps=0, last_step_num_tokens=0, last_step_num_seqs=0,
+                          last_step_s=0.0)
+"""An engine's counters before its first step."""
 from worker.job_trace import JobTrace
 
 if TYPE_CHECKING:
@@ -70,7 +76,9 @@ class WorkerMetrics(ProcessMetrics):
         self._step_tokens = t.histogram(metric_schema.STEP_TOKENS)
         self._reclaimed = t.counter(metric_schema.LEASES_RECLAIMED)
         self._dead = t.counter(metric_schema.DEAD_LETTERED)
-        self._stats: EngineStats | None = None  # the engine's last; replaced whole, never mutated
+        # The engine's last (replaced whole, never mutated); before its first step, an engine that has run nothing:
+        # an idle worker reports its engine's gauges at zero, not no series at all.
+        self._stats: EngineStats | None = IDLE_ENGINE
         self._last_step = 0
         for spec, read in (
             (metric_schema.SEQS_RUNNING, lambda s: s.num_running),

@@ -37,3 +37,13 @@ def test_worker_exports_every_lane_and_ending_of_finished_jobs_at_zero() -> None
                 for (name, labels), v in samples(text).items() if name == "carpool_jobs_finished_total"}
     assert exported == {(lane.value, status): 0.0 for lane in LANES
                         for status in ("succeeded", "failed", "cancelled", "expired")}
+
+
+def test_worker_exports_its_idle_engines_gauges_at_zero() -> None:
+    """Before its engine's first step (an idle worker, its engine in a process of its own, has not ticked), the
+    engine gauges read as an engine that has run nothing, not as absent, which `absent()` takes for a worker gone."""
+    text = fresh_worker_metrics()
+    exported = {name: v for (name, labels), v in samples(text).items() if name.startswith("carpool_engine_")}
+    assert {"carpool_engine_sequences_running", "carpool_engine_sequences_waiting", "carpool_engine_batch_occupancy",
+            "carpool_engine_preemptions_total"} <= set(exported), sorted(exported)
+    assert set(exported.values()) == {0.0}, exported
