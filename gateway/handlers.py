@@ -38,9 +38,15 @@ routes = web.RouteTableDef()
 _dumps = functools.partial(json.dumps, default=json_default)
 
 _REFUSALS = (InvalidJob, QuotaExceeded, LaneFull, IdempotencyInFlight)
+"""What `Admission.enqueue` raises having enqueued nothing, so the request's reservation goes back."""
 _SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?|\.[0-9]+")
 """A ``?wait=`` in seconds: ``30``, ``2.5``, ``.5``, ``1e9``."""
-"""What `Admission.enqueue` raises having enqueued nothing, so the request's reservation goes back."""
+
+
+def _lane_named(body: object) -> str | None:
+    """The lane a refused body named, where it named one that is a lane (the metrics' label; None: unknown)."""
+    lane = body.get("lane") if isinstance(body, dict) else None
+    return lane if isinstance(lane, str) and lane in {known.value for known in LANES} else None
 
 
 @routes.post("/v1/jobs")
@@ -70,10 +76,10 @@ async def post_job(request: web.Request) -> web.Response:
             if not admitted.is_new:
                 request[RATE_HEADERS] = await limiter.release(caller, reserved)
     except JobIdTaken as e:
-        metrics.job_rejected("invalid")
+        metrics.job_rejected("conflict", _lane_named(body))
         return error_response(409, "conflict", e.message, field=e.field)
     except InvalidJob as e:
-        metrics.job_rejected("invalid")
+        metrics.job_rejected("invalid", _lane_named(body))
         return error_response(400, "invalid_request", e.message, field=e.field)
     # A tenant's limits refuse a job already validated: its lane is known.
     except TooManyTokens as e:
@@ -91,6 +97,7 @@ async def post_job(request: web.Request) -> web.Response:
         retry_after = str(app[appkeys.CONFIG].retry_after_s)
         return error_response(429, "lane_full", str(e), field="lane", **{"Retry-After": retry_after})
     except IdempotencyInFlight as e:
+        metrics.job_rejected("conflict", spec.lane.value)
         return error_response(409, "conflict", f"a request with this Idempotency-Key is still creating job {e}",
                               field="Idempotency-Key", **{"Retry-After": "1"})
     note_jobs(request, [admitted.job_id])

@@ -59,7 +59,7 @@ class GatewayMetrics(ProcessMetrics):
         for lane in LANES:
             self._submitted.add(0, {metric_schema.A_LANE: lane.value})
             self._finished.add(0, {metric_schema.A_LANE: lane.value, metric_schema.A_JOB_STATUS: JobStatus.CANCELLED.value})
-            for reason in ("lane_full", "rate_limited", "quota"):
+            for reason in ("lane_full", "rate_limited", "quota", "conflict"):
                 self._rejected.add(0, {metric_schema.A_LANE: lane.value, metric_schema.A_REJECT_REASON: reason})
         self._rejected.add(0, {metric_schema.A_LANE: UNKNOWN_LANE, metric_schema.A_REJECT_REASON: "invalid"})
         self._deduplicated.add(0)

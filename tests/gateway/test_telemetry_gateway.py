@@ -57,6 +57,7 @@ async def test_scrape_counts_submissions_and_rejections(
     for _ in range(3):  # the third overflows the batch lane (max depth 2)
         await client.post("/v1/jobs", json={"prompt": "bulk", "lane": "batch"})
     assert (await client.post("/v1/jobs", json={"prompt": ""})).status == 400
+    assert (await client.post("/v1/jobs", json={"prompt": "", "lane": "interactive"})).status == 400
     resp = await client.post("/v1/jobs", json={"id": "same", "prompt": "x"})
     assert resp.status == 202
     assert (await client.post("/v1/jobs", json={"id": "same", "prompt": "x"})).status == 200
@@ -69,15 +70,17 @@ async def test_scrape_counts_submissions_and_rejections(
     assert value(text, "carpool_jobs_submitted_total", carpool_lane="standard") == 4
     assert value(text, "carpool_jobs_submitted_total", carpool_lane="batch") == 2
     assert value(text, "carpool_jobs_rejected_total", carpool_reject_reason="lane_full", carpool_lane="batch") == 1
-    assert value(text, "carpool_jobs_rejected_total", carpool_reject_reason="invalid") == 1
-    for reason in ("rate_limited", "quota"):  # at 0 from start-up, as every lane's lane_full is
+    # Refused before a job exists: labelled with the lane the body named, where it named one.
+    assert value(text, "carpool_jobs_rejected_total", carpool_reject_reason="invalid", carpool_lane="unknown") == 1
+    assert value(text, "carpool_jobs_rejected_total", carpool_reject_reason="invalid", carpool_lane="interactive") == 1
+    for reason in ("rate_limited", "quota", "conflict"):  # at 0 from start-up, as every lane's lane_full is
         assert value(text, "carpool_jobs_rejected_total", carpool_reject_reason=reason, carpool_lane="interactive") == 0
     assert value(text, "carpool_jobs_deduplicated_total") == 1
     assert value(text, "carpool_queue_depth", carpool_lane="standard") == 4
     assert value(text, "carpool_queue_depth", carpool_lane="batch") == 2
     assert value(text, "carpool_queue_pending", carpool_lane="standard") == 0
     assert value(text, "carpool_dead_letter_depth") == 0
-    assert value(text, "http_server_request_duration_seconds_count", http_route="/v1/jobs") == 9
+    assert value(text, "http_server_request_duration_seconds_count", http_route="/v1/jobs") == 10
     assert value(text, "target_info", service_name="carpool-gateway") == 1
 
     names = sample_names(text)
