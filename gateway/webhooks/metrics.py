@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanKind
 from yarl import URL
 
 from scheduler.protocol.job import WebhookEvent
-from scheduler.protocol.webhooks import AttemptOutcome
+from scheduler.protocol.webhooks import AttemptOutcome, BatchEvent
 from scheduler.telemetry import metric_schema
 from scheduler.telemetry.otel import PROMETHEUS_CONTENT_TYPE, Telemetry, context_from_traceparent
 
@@ -30,7 +30,7 @@ class WebhookMetrics:
         self._deliveries = telemetry.counter(metric_schema.WEBHOOK_DELIVERIES)
         self._duration = telemetry.histogram(metric_schema.WEBHOOK_DURATION)
         # Zero series for every event and outcome, so rate() sees them before the first attempt.
-        for event in WebhookEvent:
+        for event in (*WebhookEvent, *BatchEvent):
             for outcome in WEBHOOK_OUTCOMES:
                 self._deliveries.add(0, {metric_schema.A_WEBHOOK_EVENT: event.value, metric_schema.A_WEBHOOK_OUTCOME: outcome})
 

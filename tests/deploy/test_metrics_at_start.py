@@ -47,3 +47,24 @@ def test_worker_exports_its_idle_engines_gauges_at_zero() -> None:
     assert {"carpool_engine_sequences_running", "carpool_engine_sequences_waiting", "carpool_engine_batch_occupancy",
             "carpool_engine_preemptions_total"} <= set(exported), sorted(exported)
     assert set(exported.values()) == {0.0}, exported
+
+
+def test_a_dispatcher_exports_every_event_and_outcome_of_its_deliveries_at_zero() -> None:
+    """Jobs' events and Batch API batches' alike, so an alert on `batch.failed` deliveries gone dead sees the series
+    before the first."""
+    from gateway.webhooks.metrics import WEBHOOK_OUTCOMES, WebhookMetrics
+    from scheduler.protocol.job import WebhookEvent
+    from scheduler.protocol.webhooks import BatchEvent
+    from tests.harness.telemetry_support import in_memory_telemetry
+
+    telemetry, _ = in_memory_telemetry("carpool-webhooks")
+    try:
+        WebhookMetrics(telemetry)
+        text = telemetry.render_metrics().decode()
+    finally:
+        telemetry.shutdown()
+    exported = {(dict(labels)["carpool_webhook_event"], dict(labels)["carpool_webhook_outcome"]): v
+                for (name, labels), v in samples(text).items() if name == "carpool_webhook_deliveries_total"}
+    events = [event.value for event in (*WebhookEvent, *BatchEvent)]
+    assert exported == {(event, outcome): 0.0 for event in events for outcome in WEBHOOK_OUTCOMES}
+    assert ("batch.failed", "dead") in exported
