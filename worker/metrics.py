@@ -187,8 +187,9 @@ class WorkerMetrics(ProcessMetrics):
         lane = {metric_schema.A_LANE: job.lane}
         self._finished.add(1, {**lane, metric_schema.A_JOB_STATUS: status.value})
         self._e2e.record(now_s - job.created_s, {**lane, metric_schema.A_JOB_STATUS: status.value})
-        self._tokens.record(prompt_tokens, {**lane, metric_schema.A_TOKEN_TYPE: "input"})
-        self._tokens.record(completion_tokens, {**lane, metric_schema.A_TOKEN_TYPE: "output"})
+        if prompt_tokens or completion_tokens:  # none for a job stopped before its engine took a step of it
+            self._tokens.record(prompt_tokens, {**lane, metric_schema.A_TOKEN_TYPE: "input"})
+            self._tokens.record(completion_tokens, {**lane, metric_schema.A_TOKEN_TYPE: "output"})
         tenant = {metric_schema.A_TENANT: job.tenant}
         self._tenant_jobs.add(1, {**tenant, metric_schema.A_JOB_STATUS: status.value})
         self._tenant_prompt.add(prompt_tokens, tenant)

@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from scheduler.params import SamplingParams
-from scheduler.protocol.job import JobSpec
+from scheduler.protocol.job import JobSpec, JobStatus
 from scheduler.protocol.keys import CONSUMER_GROUP
 from scheduler.protocol.lanes import LANES, Lane
 from tests.harness.telemetry_support import json_logs, value
@@ -243,3 +243,23 @@ async def test_the_workers_probes_and_scrapes_write_no_access_lines(redis_url: s
                     async with http.get(f"http://127.0.0.1:{port}{path}") as resp:
                         assert resp.status == 200, (path, resp.status)
     assert not [r for r in caplog.records if r.name == "aiohttp.access"], caplog.text
+
+
+def test_a_job_stopped_before_its_engine_took_a_step_of_it_records_no_token_usage() -> None:
+    """Cancelled right after admission (its prompt not yet prefilled): counted as finished, but no 0-token usage
+    sample drags the token histograms' quantiles down; one that ran records its tokens."""
+    from tests.harness.telemetry_support import in_memory_telemetry
+    from worker.metrics import WorkerMetrics
+
+    telemetry, _ = in_memory_telemetry("carpool-worker")
+    metrics = WorkerMetrics(telemetry)
+    for job_id, prompt_tokens, completion_tokens in (("early", 0, 0), ("ran", 12, 3)):
+        job = metrics.job_started(JobSpec(id=job_id, prompt="x"), created_s=100.0, now_s=101.0)
+        metrics.job_finished(job, JobStatus.CANCELLED, prompt_tokens=prompt_tokens,
+                             completion_tokens=completion_tokens, first_token_s=None, now_s=102.0)
+    text = metrics.render().decode()
+    metrics.close()
+    telemetry.shutdown()
+    assert value(text, "carpool_jobs_finished_total", carpool_job_status="cancelled", carpool_lane="standard") == 2
+    assert value(text, "gen_ai_client_token_usage_count", gen_ai_token_type="input") == 1
+    assert value(text, "gen_ai_client_token_usage_sum", gen_ai_token_type="input") == 12
