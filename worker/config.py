@@ -33,14 +33,6 @@ from scheduler.scheduler_config import BatchingMode, Policy
 from scheduler.telemetry.log_format import check_log_level
 from worker.engine.config import DEFAULT_MODEL_NAME, EngineConfig
 
-ENGINE_FLAGS = (
-    *(f.name for f in dataclasses.fields(EngineConfig) if f.metadata.get("flag", True)),
-    "torch_threads", "engine_process", "interactive_reserve", "interactive_prefill_alone",
-    "lower_lane_prefill_tokens",
-)
-"""The worker's engine settings: `carpool up` takes each of them and hands it to its worker."""
-
-
 MIN_LEASE_S = 0.1
 """The shortest lease: a worker renews every third of it, and a shorter one than this would leave no room for a
 renewal's round trip and a busy event loop, so other workers would take its running jobs as lost."""

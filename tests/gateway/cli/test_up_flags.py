@@ -111,7 +111,8 @@ def test_up_takes_every_setting_of_the_worker_and_the_gateway_but_those_it_sets_
     from gateway.cli.up import GATEWAY_SET_BY_UP, WORKER_SET_BY_UP
     from gateway.config import GatewayConfig
     from scheduler.runtime.flags import flag_fields
-    from worker.config import ENGINE_FLAGS, WorkerConfig
+    from worker.config import WorkerConfig
+    from worker.engine.config import EngineConfig
 
     # Up's own flags set these: its Redis URL and key prefix, its gateway's address, its worker's metrics server
     # (--worker-metrics-port) and grace period (--worker-grace-s), one --log-level; the gateway's own grace is kept.
@@ -122,7 +123,7 @@ def test_up_takes_every_setting_of_the_worker_and_the_gateway_but_those_it_sets_
     worker_flags = flag_fields(WorkerConfig, WORKER_SET_BY_UP)
     gateway_flags = flag_fields(GatewayConfig, GATEWAY_SET_BY_UP)
     taken = set(worker_flags) | set(gateway_flags)
-    assert set(ENGINE_FLAGS) <= taken and {"served_model_name", "lease_s", "max_lane_depth"} <= taken
+    assert set(flag_fields(EngineConfig)) <= taken and {"served_model_name", "lease_s", "max_lane_depth"} <= taken
     # A setting both have is one flag, its default the worker's: the two defaults must be the same.
     worker_defaults, gateway_defaults = WorkerConfig(), GatewayConfig()
     for name in set(worker_flags) & set(gateway_flags):
