@@ -80,15 +80,6 @@ class TelemetryConfig:
                              f"{self.traces_sampler!r}")
         if not 0 <= self.traces_sampler_ratio <= 1:
             raise ValueError(f"traces_sampler_ratio: must be in [0, 1], got {self.traces_sampler_ratio}")
-
-    def sampler(self) -> Sampler:
-        """The sampler `traces_sampler` names: a root one, or one that follows the parent's decision where a span
-        has a parent (an incoming ``traceparent``, the gateway's span for the job it enqueued) and asks the root
-        one otherwise."""
-        name = self.traces_sampler.removeprefix("parentbased_")
-        root = ALWAYS_ON if name == "always_on" else ALWAYS_OFF if name == "always_off" else TraceIdRatioBased(
-            self.traces_sampler_ratio)
-        return ParentBased(root) if self.traces_sampler.startswith("parentbased_") else root
         for name in ("otlp_traces_timeout_s", "otlp_metrics_timeout_s"):
             if not 0 < getattr(self, name) <= MAX_OTLP_TIMEOUT_S:
                 raise ValueError(f"{name}: must be in (0, {MAX_OTLP_TIMEOUT_S:g}] seconds, got {getattr(self, name)}")
@@ -98,6 +89,15 @@ class TelemetryConfig:
             url = getattr(self, name)
             if url is not None and not url.startswith(("http://", "https://")):
                 raise ValueError(f"{name}: expected an http:// or https:// URL, got {url!r}")
+
+    def sampler(self) -> Sampler:
+        """The sampler `traces_sampler` names: a root one, or one that follows the parent's decision where a span
+        has a parent (an incoming ``traceparent``, the gateway's span for the job it enqueued) and asks the root
+        one otherwise."""
+        name = self.traces_sampler.removeprefix("parentbased_")
+        root = ALWAYS_ON if name == "always_on" else ALWAYS_OFF if name == "always_off" else TraceIdRatioBased(
+            self.traces_sampler_ratio)
+        return ParentBased(root) if self.traces_sampler.startswith("parentbased_") else root
 
 
 def _parse_key_values(text: str, variable: str) -> dict[str, str]:

@@ -66,3 +66,16 @@ def test_the_export_timeouts_are_read_in_seconds_as_the_python_exporters_read_th
     for bad in ("soon", "0", "-1", "nan", "100000"):
         with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_TIMEOUT: expected seconds"):
             telemetry_config_from_env({"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": bad}, service_name="s")
+
+
+@pytest.mark.parametrize(("env", "refusal"), [
+    ({"OTEL_METRIC_EXPORT_INTERVAL": "5"}, "metric_export_interval_ms: must be at least 100, got 5"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318"}, "otlp_traces_endpoint: expected an http:// or https:// URL"),
+    ({"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "ftp://x"}, "otlp_metrics_endpoint: expected an http:// or https://"),
+    ({"OTEL_TRACES_SAMPLER": "nope"}, "OTEL_TRACES_SAMPLER: expected one of"),
+])
+def test_settings_a_process_could_not_export_with_are_refused_at_start(env: dict[str, str], refusal: str) -> None:
+    """An export every few milliseconds, or an endpoint that is no URL (which would fail at every export): refused
+    when the process starts, naming the setting."""
+    with pytest.raises(ValueError, match=refusal):
+        telemetry_config_from_env(env, service_name="s")
