@@ -218,10 +218,17 @@ class LaneConsumer:
                 break
             stream = source.stream
             try:
-                # The idle entries, found wherever they are in the stream's pending list: XAUTOCLAIM from its start
-                # looks at ten entries per one it may take, and finds none behind a run of others that are renewed.
+                # The idle entries, found wherever they are in the stream's pending list (XAUTOCLAIM from its start
+                # looks at ten entries per one it may take, and finds none behind a run of others that are renewed);
+                # each then claimed by its id, only if it is idle still (another worker may have taken it).
                 idle = await self.client.xpending_range(stream, CONSUMER_GROUP, min="-", max="+",
                                                         count=free - len(out), idle=min_idle_ms)
+                if not idle:
+                    continue
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for found in idle:
+                        pipe.xclaim(stream, CONSUMER_GROUP, self.name, min_idle_ms, [found["message_id"]])
+                    replies = await pipe.execute()
             except ResponseError as e:
                 if is_wrong_type(e):
                     await self.tenants.check_types([stream])
@@ -230,27 +237,17 @@ class LaneConsumer:
                     raise
                 await self._repair([stream])
                 continue
-            if not idle:
-                continue
-            async with self.client.pipeline(transaction=False) as pipe:
-                for found in idle:  # each taken only if it is idle still, as another worker may have taken it
-                    pipe.xautoclaim(stream, CONSUMER_GROUP, self.name, min_idle_ms, start_id=found["message_id"],
-                                    count=1)
-                replies = await pipe.execute()
-            # An entry deleted while pending comes back from Redis 6.2 without its id (7 drops it from the list):
-            # it is the one asked for, if that is this worker's now (else another worker took that one first, and
-            # the deleted entry is one further on, to be reclaimed in its turn).
-            messages = [(_text(entry_id) if entry_id is not None else _text(found["message_id"]), fields,
-                         entry_id is None) for found, reply in zip(idle, replies) for entry_id, fields in reply[1]]
+            # One claimed entry per reply, or none (taken meanwhile); one deleted while pending comes back from
+            # Redis 6.2 as a null entry (7 drops it from the list instead), and is taken only to be acknowledged.
+            messages = [(_text(found["message_id"]), fields) for found, reply in zip(idle, replies)
+                        for _entry_id, fields in reply]
             if not messages:
                 continue
             async with self.client.pipeline(transaction=False) as pipe:
-                for eid, _fields, _is_deleted in messages:
+                for eid, _fields in messages:
                     pipe.xpending_range(stream, CONSUMER_GROUP, min=eid, max=eid, count=1)
                 pending = await pipe.execute()
-            for (eid, fields, is_deleted), info in zip(messages, pending):
-                if is_deleted and not (info and _text(info[0]["consumer"]) == self.name):
-                    continue
+            for (eid, fields), info in zip(messages, pending):
                 deliveries = int(info[0]["times_delivered"]) if info else 1
                 out.append(Entry(EntryRef(stream, eid), source.lane, fields or None, deliveries))
         if out:

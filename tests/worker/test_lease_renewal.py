@@ -66,10 +66,15 @@ async def test_reclaim_finds_a_lapsed_entry_behind_many_renewed_ones(redis_url: 
 
     first = await b.reclaim(1)
     second = await b.reclaim(5)
+    is_redis_7 = int((await client.info("server"))["redis_version"].split(".")[0]) >= 7
 
     assert [(e.ref.entry_id, e.fields, e.deliveries) for e in first] == [(ids[30], {b"job": b"x30"}, 2)], first
-    assert [(e.ref.entry_id, e.fields) for e in second] == [(ids[35], None)], second
-    assert (await pending(client, ids[35]))["consumer"] == "worker-b"
+    if is_redis_7:  # the claim drops a deleted entry from the pending list itself
+        assert second == [] and not await client.xpending_range(LANE, CONSUMER_GROUP, min=ids[35], max=ids[35],
+                                                                 count=1)
+    else:  # Redis 6.2 hands it over, its fields gone: taken only to be acknowledged
+        assert [(e.ref.entry_id, e.fields) for e in second] == [(ids[35], None)], second
+        assert (await pending(client, ids[35]))["consumer"] == "worker-b"
     assert await b.reclaim(5) == []  # the 38 others are worker A's, renewed
     await client.aclose()
 
