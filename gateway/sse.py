@@ -164,8 +164,9 @@ def _attempts(view: dict[str, Any]) -> int:
 
 def _extent(view: dict[str, Any], logged: list[dict[str, Any]], *, has_ended: bool) -> Extent:
     """How far a job has got, as its record and logged events tell. A job that has not ended keeps its output
-    in its event log alone: with none (expired while the job waited, say) its output's extent is not known."""
-    if not has_ended and not logged:
+    in its event log alone: with none, one that has started (its log expired while it waited, say) has got to
+    where it is not known, one that has not, nowhere."""
+    if not has_ended and not logged and view.get("started_at") is not None:
         return Extent(None, None, _attempts(view))
     output = view.get("output") or {}
     tokens, text_chars, attempts = len(output.get("token_ids") or []), len(output.get("text") or ""), _attempts(view)
@@ -199,6 +200,18 @@ async def read_log(redis: aioredis.Redis, keys: Keys, job_id: str) -> list[dict[
 def take_logged(logged: list[dict[str, Any]], cursor: Cursor) -> list[dict[str, Any]]:
     """What of the logged events the client has not had, coalesced."""
     return coalesce([taken for event in logged if (taken := cursor.take(event)) is not None])
+
+
+def catch_up(view: dict[str, Any], logged: list[dict[str, Any]], cursor: Cursor) -> list[dict[str, Any]]:
+    """What a running job has published that the client has not had: the logged events, and its `started` said
+    from the record where the log holds none (gone: expired while the job waited). A log that holds an earlier
+    attempt's `started` holds the next one's too, or it comes live."""
+    events = take_logged(logged, cursor)
+    has_logged_start = any(event.get("type") == EventType.STARTED for event in logged)
+    if view.get("started_at") is not None and cursor.attempt < _attempts(view) and not has_logged_start:
+        cursor.attempt = _attempts(view)
+        events.insert(0, _started(view, cursor.attempt))
+    return events
 
 
 async def logged_events(redis: aioredis.Redis, keys: Keys, job_id: str, cursor: Cursor) -> list[dict[str, Any]]:
@@ -248,12 +261,7 @@ async def stream_events(request: web.Request, response: web.StreamResponse, redi
         if has_ended:
             await send(from_view(view, cursor))
             return
-        catch_up = take_logged(logged, cursor)
-        if view.get("started_at") is not None and cursor.attempt < _attempts(view):
-            # Its `started` is not in the log (gone: expired while the job waited): said from the record.
-            cursor.attempt = _attempts(view)
-            catch_up.insert(0, _started(view, cursor.attempt))
-        await send(catch_up)
+        await send(catch_up(view, logged, cursor))
         loop = asyncio.get_running_loop()
         last_write = loop.time()
         while True:

@@ -197,3 +197,29 @@ async def test_a_stream_whose_job_record_vanishes_ends_with_an_error_event(redis
     await client.aclose()
     assert [kind for _, kind, _ in events] == ["error"]
     assert events[0][2]["error"]["type"] == "not_found" and "record is gone" in events[0][2]["error"]["message"]
+
+
+def test_a_cursor_for_a_job_that_has_not_started_must_be_at_its_start() -> None:
+    """A queued job has published nothing: a cursor past its start is another job's (an earlier one under its id),
+    and would otherwise skip the tokens it is yet to publish."""
+    from gateway.sse import Cursor, _extent
+
+    queued = {"id": "q", "status": "queued", "attempts": 0, "started_at": None, "output": None}
+    assert not Cursor.parse("5.10.0").fits(_extent(queued, [], has_ended=False))
+    assert Cursor.parse("0.0.0").fits(_extent(queued, [], has_ended=False))
+    started = {**queued, "status": "running", "attempts": 1, "started_at": 1.0}  # its log gone: not known
+    assert Cursor.parse("5.10.1").fits(_extent(started, [], has_ended=False))
+
+
+def test_a_catch_up_says_started_from_the_record_only_where_the_log_holds_none() -> None:
+    """Attempt 2 counted in the record before its `started` is published, attempt 1's log still there: the catch-up
+    is attempt 1's events in their order (attempt 2's `started` comes live), not a second `started` ahead of them."""
+    from gateway.sse import Cursor, catch_up
+
+    view = {"id": "j", "status": "running", "attempts": 2, "started_at": 1.0, "worker": "w", "output": None}
+    logged = [{"type": "started", "id": "j", "attempt": 1, "attempts": 1},
+              {"type": "token", "id": "j", "index": 0, "token_ids": [7, 8], "text": "ab", "text_index": 0}]
+    events = catch_up(view, logged, Cursor())
+    assert [(e["type"], e.get("attempt")) for e in events] == [("started", 1), ("token", None)], events
+    without_log = catch_up(view, [], Cursor())
+    assert [(e["type"], e["attempt"]) for e in without_log] == [("started", 2)], without_log
