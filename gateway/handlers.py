@@ -75,8 +75,8 @@ async def post_job(request: web.Request) -> web.Response:
                 raise
             if not admitted.is_new:
                 request[RATE_HEADERS] = await limiter.release(caller, reserved)
-    except JobIdTaken as e:
-        metrics.job_rejected("conflict", _lane_named(body))
+    except JobIdTaken as e:  # raised once the body is valid: its lane is known
+        metrics.job_rejected("conflict", spec.lane.value)
         return error_response(409, "conflict", e.message, field=e.field)
     except InvalidJob as e:
         metrics.job_rejected("invalid", _lane_named(body))

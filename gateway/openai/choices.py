@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from gateway import appkeys
-from gateway.admission import IdempotencyInFlight, InvalidJob, LaneFull, QuotaExceeded
+from gateway.admission import IdempotencyInFlight, InvalidJob, JobIdTaken, LaneFull, QuotaExceeded
 from gateway.api_keys import OPEN_CALLER, Caller
 from gateway.cancel import AlreadyFinished, JobNotFound
 from gateway.errors import OpenAIError
@@ -144,8 +144,11 @@ async def submit_choices(app: web.Application, request: OpenAIRequest, job_ids: 
 def _refusal(app: web.Application, e: Exception, lane: str, renames: dict[str, str]) -> OpenAIError:
     """A refused choice (of `lane`) as the request's error, counted in the metrics."""
     metrics, retry_after_s = app[appkeys.METRICS], app[appkeys.CONFIG].retry_after_s
+    if isinstance(e, JobIdTaken):  # ids are fresh: only a collision
+        metrics.job_rejected("conflict", lane)
+        return OpenAIError(409, "request id collision; retry", code="conflict")
     if isinstance(e, InvalidJob):
-        metrics.job_rejected("invalid")
+        metrics.job_rejected("invalid", lane)
         param = openai_param(e.field, renames)
         code = CONTEXT_LENGTH_EXCEEDED if e.is_context_exceeded else "invalid_value"
         return OpenAIError(400, f"{param}: {renamed_in(e.message, renames)}", param=param, code=code)
@@ -155,6 +158,7 @@ def _refusal(app: web.Application, e: Exception, lane: str, renames: dict[str, s
     if isinstance(e, LaneFull):
         metrics.job_rejected("lane_full", e.lane.value)
         return OpenAIError(429, f"{e}; retry later", code="lane_full", retry_after_s=retry_after_s)
+    metrics.job_rejected("conflict", lane)
     return OpenAIError(409, "request id collision; retry", code="conflict")  # ids are fresh: only a collision
 
 

@@ -25,6 +25,7 @@ from gateway.config import GatewayConfig
 from scheduler.protocol.tenants import TenantLimits
 from tests.harness.child_env import child_pythonpath
 from tests.harness.gateway_server import GatewayTestServer
+from tests.harness.telemetry_support import value
 from tests.harness.worker_harness import KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -215,6 +216,10 @@ async def test_idempotency_keys_and_job_ids_are_each_tenants_own(keyed) -> None:
                 assert resp.status == 409 and body["error"]["type"] == "conflict" and body["error"]["field"] == "id"
                 assert set(body) == {"error"} and "queued" not in json.dumps(body)
         assert await client.get(KEYS.idempotency("tenant-b", "k2")) is None
+        async with http.get(f"{url}/metrics") as resp:  # each refusal counted as a conflict, in the job's lane
+            exposition = await resp.text()
+        assert value(exposition, "carpool_jobs_rejected_total", carpool_reject_reason="conflict",
+                     carpool_lane="standard") == 2
         async with http.get(f"{url}/v1/jobs/a-job-1", headers=a) as resp:
             view = await resp.json()
             assert view["tenant"] == "tenant-a" and view["status"] == "queued"
