@@ -77,7 +77,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
                                     seed=args.seed)
             prompt = prompt_argument(args.prompt, sys.stdin.buffer)
         except ValueError as e:  # InvalidParam too: it names the setting
-            print(f"carpool generate: {flag_error(str(e), WorkerConfig, also=GENERATE_PARAMS, env=environ)}", file=sys.stderr)
+            said = flag_error(str(e), WorkerConfig, also=GENERATE_PARAMS, env=environ, argv=argv)
+            print(f"carpool generate: {said}", file=sys.stderr)
             return 2
         return generate(config, prompt, params)
     try:
@@ -86,7 +87,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         telemetry_config = telemetry_config_from_env(environ, service_name="carpool-worker",
                                                      service_instance_id=config.worker_name or None)
     except ValueError as e:
-        print(f"carpool worker: {flag_error(str(e), WorkerConfig, env=environ)}", file=sys.stderr)
+        print(f"carpool worker: {flag_error(str(e), WorkerConfig, env=environ, argv=argv)}", file=sys.stderr)
         return 2
     # Before the model loads: a port the worker will not get ends it now, not after minutes of loading.
     problem = listen_error(config.metrics_host, config.metrics_port) if config.metrics_port else None

@@ -180,10 +180,11 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
         if args.verb == "up":
             from worker.config import WorkerConfig
 
-            print(f"carpool up: {flag_error(str(e), UpConfig, WorkerConfig, GatewayConfig, WebhookConfig, env=environ)}",
-                  file=sys.stderr)
+            said = flag_error(str(e), UpConfig, WorkerConfig, GatewayConfig, WebhookConfig, env=environ, argv=args_list)
+            print(f"carpool up: {said}", file=sys.stderr)
             return 2
-        parser.exit(2, f"carpool {args.verb}: error: {flag_error(str(e), GatewayConfig, WebhookConfig, env=environ)}\n")
+        said = flag_error(str(e), GatewayConfig, WebhookConfig, env=environ, argv=args_list)
+        parser.exit(2, f"carpool {args.verb}: error: {said}\n")
     if args.verb == "up":
         data_dir = Path(up.data_dir).expanduser() if up.data_dir else default_data_dir(Path.home())
         from gateway.access_log import log_parse_errors_as_client_errors

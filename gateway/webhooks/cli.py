@@ -144,7 +144,8 @@ def replay_dead(args: argparse.Namespace, config: WebhookConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv, os.environ)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv, os.environ)
     if args.generate_secret:
         print(generate_secret())
         return 0
@@ -155,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(WebhookConfig, args)
     except ValueError as e:
-        print(f"carpool webhooks: {flag_error(str(e), WebhookConfig, env=os.environ)}", file=sys.stderr)
+        print(f"carpool webhooks: {flag_error(str(e), WebhookConfig, env=os.environ, argv=argv)}", file=sys.stderr)
         return 2
     if args.replay_dead is not None:
         return replay_dead(args, config)
@@ -174,7 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_level = check_log_level(args.log_level)
         telemetry_config = telemetry_config_from_env(os.environ, service_name="carpool-webhooks")
     except ValueError as e:
-        print(f"carpool webhooks: {flag_error(str(e), also=('redis_url', 'key_prefix', 'log_level'), env=os.environ)}", file=sys.stderr)
+        said = flag_error(str(e), also=("redis_url", "key_prefix", "log_level"), env=os.environ, argv=argv)
+        print(f"carpool webhooks: {said}", file=sys.stderr)
         return 2
     configure_logging(log_level, service=telemetry_config.service_name)
     telemetry = Telemetry(telemetry_config)

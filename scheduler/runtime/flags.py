@@ -19,7 +19,7 @@ import dataclasses
 import enum
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 ENV_PREFIX = "CARPOOL_"
@@ -232,16 +232,19 @@ def flag_fields(cls: type, exclude: Iterable[str] = ()) -> list[str]:
     return [f.name for f, _ in _flag_fields(cls, exclude)]
 
 
-def flag_error(message: str, *classes: type, also: Iterable[str] = (), env: Mapping[str, str] | None = None) -> str:
+def flag_error(message: str, *classes: type, also: Iterable[str] = (), env: Mapping[str, str] | None = None,
+               argv: Sequence[str] = ()) -> str:
     """A settings error as a command line says it: a message that starts with a field of these config dataclasses,
     or with one of the names in ``also`` (a verb's flags of its own), as their checks word it
     (``max_num_seqs: must be >= 1, got 0``) names that flag instead (``--max-num-seqs: must be >= 1, got 0``), the
-    name the user typed, and its variable where ``env`` has it (``--max-num-seqs (CARPOOL_MAX_NUM_SEQS): …``), as a
-    deployment sets it; any other message is kept."""
+    name the user typed; where the value came from ``env`` (its variable set, the flag not in ``argv``), its
+    variable too (``--max-num-seqs (CARPOOL_MAX_NUM_SEQS): …``), as a deployment sets it; any other message is
+    kept."""
     name, sep, rest = message.partition(": ")
     if sep and (name in set(also) or any(name in flag_fields(cls) for cls in classes)):
-        variable = env_name(name)
-        return f"{flag_name(name)}{f' ({variable})' if env and variable in env else ''}: {rest}"
+        flag, variable = flag_name(name), env_name(name)
+        given = any(arg == flag or arg.startswith(flag + "=") for arg in argv)
+        return f"{flag}{f' ({variable})' if env and variable in env and not given else ''}: {rest}"
     return message
 
 

@@ -363,3 +363,14 @@ def test_keys_takes_its_connection_flags_before_or_after_the_action_and_revoke_p
     assert main(["keys", "revoke", created["id"], "--redis-url", redis_url, "--json"], env={}) == 0
     out = capsys.readouterr()
     assert json.loads(out.out) == {"id": created["id"], "revoked": True} and out.err == ""
+
+
+def test_a_refused_setting_names_its_variable_only_where_the_value_came_from_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """From the environment alone: the flag and its variable, as a deployment sets it; given as a flag too (which
+    wins): the flag alone, whatever the environment holds."""
+    assert main(["worker"], env={"CARPOOL_LEASE_S": "0"}) == 2
+    assert capsys.readouterr().err.startswith("carpool worker: --lease-s (CARPOOL_LEASE_S): must be")
+    for flag in (["--lease-s", "0"], ["--lease-s=0"]):
+        assert main(["worker", *flag], env={"CARPOOL_LEASE_S": "5"}) == 2
+        assert capsys.readouterr().err.startswith("carpool worker: --lease-s: must be")
