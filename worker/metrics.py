@@ -36,12 +36,6 @@ from scheduler.telemetry.otel import (
 )
 from scheduler.telemetry.process_metrics import ProcessMetrics
 from worker.engine.records import EngineStats
-
-IDLE_ENGINE = EngineStats(num_running=0, num_waiting=0, num_kv_blocks=0, num_kv_blocks_used=0, kv_usage=0.0,
-                          num_preemptions=0, num_priority_preemptions=0, prefix_cache_query_tokens=0,
-                          prefix_cache_hit_tokens=0, num_steps=0, last_step_num_tokens=0, last_step_num_seqs=0,
-                          last_step_s=0.0)
-"""An engine's counters before its first step."""
 from worker.job_trace import JobTrace
 
 if TYPE_CHECKING:
@@ -50,6 +44,11 @@ if TYPE_CHECKING:
 A_JOB_ID = "carpool.job.id"
 DEAD_LETTER_REASONS = ("no_job_field", "invalid_job", "too_many_deliveries", "duplicate_entry", "unadmittable")
 """Every `carpool.dead_letter.reason` the worker records; each is exported at 0 from start-up."""
+IDLE_ENGINE = EngineStats(num_running=0, num_waiting=0, num_kv_blocks=0, num_kv_blocks_used=0, kv_usage=0.0,
+                          num_preemptions=0, num_priority_preemptions=0, prefix_cache_query_tokens=0,
+                          prefix_cache_hit_tokens=0, num_steps=0, last_step_num_tokens=0, last_step_num_seqs=0,
+                          last_step_s=0.0)
+"""An engine's counters before its first step."""
 
 
 class WorkerMetrics(ProcessMetrics):

@@ -61,6 +61,8 @@ SHARED_HELP = {
                        "past it the worker retries and the gateway answers 503",
     "max_model_len": "longest prompt + output the worker serves, which the gateway admits against; default: the "
                      "model's",
+    "max_tenant_labels": "distinct tenants named in the carpool_tenant_* metrics of the worker and the gateway; "
+                         "later ones are counted as `other`",
 }
 """Help of up's flags that set the worker and the gateway both, where the worker's own help speaks of it alone."""
 

@@ -98,6 +98,7 @@ class BatchDriver:
                 rounds += 1
             except REDIS_UNAVAILABLE as e:
                 self._outages.warn("batch driver", e)
+                self._round_fault = None  # the same fault after the outage is said again
             except Exception as e:
                 raise_if_cancelled()
                 if is_out_of_memory(e):
