@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -88,14 +88,46 @@ def check_log_level(level: str) -> str:
     return name
 
 
+TELEMETRY_LOG_EVERY_S = 30.0
+"""How often the same warning or error of OpenTelemetry's own (a collector that does not answer) is said."""
+
+
+class TelemetryLogThrottle(logging.Filter):
+    """A handler's filter: a record of OpenTelemetry's own loggers (``opentelemetry.*``: an exporter whose
+    collector does not answer says so at every export, forever) passes once per `every_s` for each logger and
+    message, the next one that passes saying how many were left out; every other record passes as it is."""
+
+    def __init__(self, every_s: float = TELEMETRY_LOG_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._every_s = every_s
+        self._clock = clock
+        self._last: dict[tuple[str, str], float] = {}
+        self._left_out: dict[tuple[str, str], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("opentelemetry."):
+            return True
+        key, now = (record.name, str(record.msg)), self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self._every_s:
+            self._left_out[key] = self._left_out.get(key, 0) + 1
+            return False
+        self._last[key] = now
+        if left_out := self._left_out.pop(key, 0):
+            record.msg, record.args = f"{record.getMessage()} ({left_out} more such since the last of these)", None
+        return True
+
+
 def configure_logging(
     level: str | int = "INFO", *, stream: IO[str] | None = None, service: str | None = None, is_json: bool = True
 ) -> logging.Handler:
-    """Route the root logger to one handler on ``stream`` (default stderr), JSON lines unless ``is_json`` is false."""
+    """Route the root logger to one handler on ``stream`` (default stderr), JSON lines unless ``is_json`` is false;
+    OpenTelemetry's own repeated warnings are said once in a while (`TelemetryLogThrottle`)."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(
         JsonFormatter(service=service) if is_json else logging.Formatter(PLAIN_FORMAT)
     )
+    handler.addFilter(TelemetryLogThrottle())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

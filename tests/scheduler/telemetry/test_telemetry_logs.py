@@ -85,6 +85,62 @@ def test_configure_logging_replaces_root_handlers() -> None:
         root.setLevel(saved_level)
 
 
+def test_an_otlp_collector_that_does_not_answer_is_said_once_in_a_while_not_at_every_export() -> None:
+    """A metrics exporter pushing every 100 ms to a port nothing listens on: the SDK's own warning and error of
+    each failed export reach the log once (the next, 30 s on, says how many were left out), while carpool's own
+    lines pass as they are."""
+    import socket
+    import time
+
+    from scheduler.telemetry.otel import Telemetry, TelemetryConfig
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level
+    stream = io.StringIO()
+    try:
+        configure_logging("INFO", stream=stream, service="carpool-worker")
+        config = TelemetryConfig(service_name="s", otlp_metrics_endpoint=f"http://127.0.0.1:{port}/v1/metrics",
+                                 metric_export_interval_ms=100, otlp_metrics_timeout_s=0.2)
+        telemetry = Telemetry(config)
+        telemetry.meter.create_counter("carpool.test.exports").add(1)  # something to export
+        time.sleep(1.5)  # a dozen exports, each failing
+        for _ in range(3):
+            logging.getLogger("carpool.any").warning("kept")
+        telemetry.shutdown()
+    finally:
+        root.handlers = saved_handlers
+        root.setLevel(saved_level)
+    records = [json.loads(line) for line in stream.getvalue().splitlines()]
+    sdk = [r for r in records if r["logger"].startswith("opentelemetry.")]
+    assert sdk, "the failed exports are said"
+    by_message = {(r["logger"], r["message"]) for r in sdk}
+    assert len(sdk) == len(by_message) <= 4, [r["message"] for r in sdk]
+    assert [r["message"] for r in records if r["logger"] == "carpool.any"] == ["kept"] * 3
+
+
+def test_the_telemetry_log_throttle_says_how_many_it_left_out() -> None:
+    from scheduler.telemetry.log_format import TelemetryLogThrottle
+
+    now = [0.0]
+    throttle = TelemetryLogThrottle(every_s=30.0, clock=lambda: now[0])
+
+    def record(name: str) -> logging.LogRecord:
+        return logging.LogRecord(name, logging.ERROR, __file__, 1, "Failed to export batch code: %s", (503,), None)
+
+    passed = []
+    for t in (0.0, 1.0, 2.0, 29.0, 31.0, 32.0):
+        now[0] = t
+        one = record("opentelemetry.exporter.otlp.proto.http.metric_exporter")
+        if throttle.filter(one):
+            passed.append((t, one.getMessage()))
+    assert passed == [(0.0, "Failed to export batch code: 503"),
+                      (31.0, "Failed to export batch code: 503 (3 more such since the last of these)")]
+    assert all(throttle.filter(record("carpool.worker")) for _ in range(5))
+
+
 async def test_the_lane_gauges_say_a_redis_outage_once_and_its_end_once(redis_url: str,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     """Polled every 20 ms through an outage: one warning (the next is due 30 s later), one line when Redis
