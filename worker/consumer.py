@@ -130,7 +130,8 @@ class LaneConsumer:
                 # A read that fails at once is no blocking read: wait as long as one, not to spin on Redis.
                 await asyncio.sleep(self.read_block_ms / 1000)
                 return []
-            if "NOGROUP" not in str(e):
+            # NOGROUP: a group deleted; UNBLOCKED (Redis 7): a stream deleted while the read waited on it.
+            if "NOGROUP" not in str(e) and not str(e).startswith("UNBLOCKED"):
                 raise
             await self._repair([*streams, self.keys.wake])
             return []
@@ -138,9 +139,17 @@ class LaneConsumer:
 
     async def _repair(self, streams: list[str]) -> None:
         """Give back its consumer group to a stream that lost it (deleted from outside); an empty new stream
-        for one that is gone. Its tenant then retires as any empty one does."""
+        for one that is gone (its tenant then retires as any empty one does); one made another type meanwhile is
+        said and left out (`TenantStreams.check_types`)."""
         for stream in streams:
-            if await ensure_group(self.client, stream, CONSUMER_GROUP):
+            try:
+                made = await ensure_group(self.client, stream, CONSUMER_GROUP)
+            except ResponseError as e:
+                if not is_wrong_type(e):
+                    raise
+                await self.tenants.check_types([stream])
+                continue
+            if made:
                 log.warning("stream %s had no consumer group %s (deleted from outside, or lost with Redis's data: a "
                             "Redis restarted without persistence, or failed over to a replica behind it); made it "
                             "again", stream, CONSUMER_GROUP)

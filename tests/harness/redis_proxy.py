@@ -8,7 +8,8 @@ and only its own connection is cut, as when a connection dies under one command;
 every connection is cut with it and Redis stays unreachable until `restore()`, as in an outage that began
 just before that command. `go_down()` starts such an outage at once. `go_silent()` is the quiet failure:
 every open connection stays open but carries nothing more either way (a network path that drops
-everything), while new connections work.
+everything), while new connections work. `answer(*patterns, reply=...)` has the first client chunk holding every
+pattern answered by the proxy instead of Redis, with a reply of the test's (an error another Redis version sends).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class RedisProxy:
         self._refused: tuple[bytes, ...] | None = None
         self._is_down_after_refusal = False
         self.num_refused = 0
+        self._answered: tuple[tuple[bytes, ...], bytes] | None = None
+        self.num_answered = 0
         self.is_down = False
         self._is_muted = False
         self.num_tripped = 0
@@ -52,6 +55,11 @@ class RedisProxy:
     def refuse(self, *patterns: bytes, then_down: bool = False) -> None:
         self._refused = patterns
         self._is_down_after_refusal = then_down
+
+    def answer(self, *patterns: bytes, reply: bytes) -> None:
+        """The first client chunk holding every pattern never reaches Redis: the client gets `reply` (RESP, such
+        as ``-UNBLOCKED …\r\n``) as if Redis had sent it, and its connection goes on."""
+        self._answered = (patterns, reply)
 
     def go_down(self) -> None:
         """Cut every connection and refuse new ones until `restore()`."""
@@ -102,6 +110,12 @@ class RedisProxy:
             while not self.is_down and (chunk := await reader.read(65536)):
                 if client in self._silent:
                     continue  # the path drops it
+                if is_request and self._answered is not None and all(p in chunk for p in self._answered[0]):
+                    reply, self._answered = self._answered[1], None
+                    self.num_answered += 1
+                    client.write(reply)
+                    await client.drain()
+                    continue
                 if is_request and self._refused is not None and all(p in chunk for p in self._refused):
                     self._refused = None
                     self.num_refused += 1

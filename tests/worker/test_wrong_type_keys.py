@@ -163,3 +163,28 @@ async def test_a_tenant_stream_of_another_type_keeps_its_jobs_in_the_lane_and_ro
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len([m for m in said if m.startswith(f"key {broken} holds a Redis string, not the stream")]) == 1, said
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+async def test_a_blocking_read_unblocked_by_its_stream_deleted_goes_on(redis_url: str, engine, caplog) -> None:
+    """Redis 7 ends a blocking XREADGROUP whose stream is deleted with an error (``UNBLOCKED the stream key no
+    longer exists``; 6.2 lets it time out): the worker makes the stream again, with its group, and serves on,
+    rather than taking the error for its intake failing and stopping."""
+    from tests.harness.redis_proxy import RedisProxy
+
+    proxy = await RedisProxy(redis_url).start()
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        with caplog.at_level(logging.INFO):
+            async with running_worker(proxy.url, engine, read_block_ms=300) as service:
+                await client.delete(KEYS.lane(Lane.BATCH))  # as if deleted while the read waited on it
+                proxy.answer(b"XREADGROUP", b"BLOCK", reply=b"-UNBLOCKED the stream key no longer exists\r\n")
+                await wait_until(lambda: proxy.num_answered == 1, "the blocking read unblocked")
+                await xadd_job(client, JobSpec(id="after", prompt="served", params=PARAMS, lane=Lane.BATCH))
+                assert (await wait_terminal(client, ["after"]))["after"]["status"] == "succeeded"
+                assert not service.stopped.is_set()
+    finally:
+        await client.aclose()
+        await proxy.aclose()
+    assert [r for r in caplog.records if r.getMessage().startswith(f"stream {KEYS.lane(Lane.BATCH)} had no consumer "
+                                                                   "group")]
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
