@@ -32,6 +32,11 @@ CLIENT_CLOSED_REQUEST = 499
 _CLIENT_GONE: Any = web.RequestKey("client_gone", bool) if hasattr(web, "RequestKey") else "carpool.client_gone"
 
 
+def client_gone(request: web.BaseRequest) -> bool:
+    """Whether the client closed its connection (the server does not cancel a handler when it does)."""
+    return request.transport is None or request.transport.is_closing()
+
+
 def note_client_gone(request: web.BaseRequest) -> None:
     """The client hung up while its answer was being sent (mid-stream): its status went out before, but the
     request is logged and counted with `CLIENT_CLOSED_REQUEST`, as one that hung up before its answer is."""
@@ -41,6 +46,7 @@ def note_client_gone(request: web.BaseRequest) -> None:
 def status_of(request: web.BaseRequest, response: web.StreamResponse) -> int:
     """The status a request is logged and counted with."""
     return CLIENT_CLOSED_REQUEST if request.get(_CLIENT_GONE) else response.status
+
 
 # Which field a route's ``{id}`` is: the routes under /v1/jobs/ name a job, the others a file or a batch.
 _ID_FIELDS = (("/v1/jobs/", "job_id"), ("/v1/files/", "file_id"), ("/v1/batches/", "batch_id"))

@@ -28,7 +28,7 @@ from aiohttp.web_urldispatcher import MatchInfoError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.access_log import CLIENT_CLOSED_REQUEST
+from gateway.access_log import CLIENT_CLOSED_REQUEST, client_gone
 from scheduler.protocol.redis_client import is_out_of_memory, is_refusal, is_wrong_type
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 from scheduler.runtime.outage_log import OutageLog, describe
@@ -122,14 +122,14 @@ def error_middleware(retry_after_s: int, max_body_bytes: int, max_file_bytes: in
             kind = _TYPE_OF_STATUS.get(e.status, "server_error" if e.status >= 500 else "invalid_request")
             return error_response(e.status, kind, message, **headers)
         except RequestPayloadError as e:  # a body aiohttp cannot decode (a Content-Encoding it does not match)
-            if _is_client_gone(request):
+            if client_gone(request):
                 return web.Response(status=CLIENT_CLOSED_REQUEST)
             message = f"the request body cannot be read: {e}"
             if is_openai:
                 return openai_error_response(400, f"body: {message}", param="body", code="invalid_body")
             return error_response(400, "invalid_request", message, field="body")
         except Exception as e:
-            if _is_client_gone(request):
+            if client_gone(request):
                 # Nobody reads the answer (a client that hung up, mid-body or mid-stream): no server fault either.
                 log.debug("%s %s: client gone: %s", request.method, request.path, describe(e))
                 return web.Response(status=CLIENT_CLOSED_REQUEST)
@@ -189,9 +189,6 @@ async def _watch_body(content: StreamReader, deadline: asyncio.Timeout, timeout_
 
 POOL_EXHAUSTED = "No connection available"
 """What redis-py says when no pooled connection came free in time."""
-
-def _is_client_gone(request: web.Request) -> bool:
-    return request.transport is None or request.transport.is_closing()
 
 
 def _redis_unavailable(request: web.Request, error: Exception, retry_after_s: int, is_openai: bool,

@@ -13,7 +13,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from gateway import appkeys
-from gateway.access_log import CLIENT_CLOSED_REQUEST, note_client_gone, note_jobs
+from gateway.access_log import CLIENT_CLOSED_REQUEST, client_gone, note_client_gone, note_jobs
 from gateway.admission import IdempotencyInFlight, InvalidJob, JobIdTaken, LaneFull, QuotaExceeded
 from gateway.auth import RATE_HEADERS, caller_of, may_see
 from gateway.cancel import AlreadyFinished, JobNotFound
@@ -21,7 +21,7 @@ from gateway.errors import error_response
 from gateway.event_hub import wait_for_terminal
 from gateway.metrics import CONTENT_TYPE
 from gateway.rate_limits import RateLimited, TooManyTokens, job_tokens
-from gateway.sse import CLIENT_CHECK_S, client_gone, stream_events
+from gateway.sse import CLIENT_CHECK_S, stream_events
 from scheduler.protocol.job_record import job_view, json_default, tenant_of_record
 from scheduler.protocol.lanes import LANES
 from scheduler.protocol.redis_client import is_out_of_memory, is_refusal

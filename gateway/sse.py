@@ -25,7 +25,7 @@ import msgpack
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.access_log import note_client_gone
+from gateway.access_log import client_gone, note_client_gone
 from gateway.event_hub import EventHub, is_terminal
 from scheduler.protocol.job_record import EventType, final_event, job_view, json_default
 from scheduler.protocol.keys import Keys
@@ -220,11 +220,6 @@ async def logged_events(redis: aioredis.Redis, keys: Keys, job_id: str, cursor: 
 
 CLIENT_CHECK_S = 1.0
 """How often a request waiting with nothing to send looks whether its client is still there."""
-
-
-def client_gone(request: web.Request) -> bool:
-    """Whether the client closed its connection (the server does not cancel a handler when it does)."""
-    return request.transport is None or request.transport.is_closing()
 
 
 async def stream_events(request: web.Request, response: web.StreamResponse, redis: aioredis.Redis, keys: Keys,

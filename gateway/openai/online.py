@@ -17,14 +17,14 @@ from typing import Any
 from aiohttp import web
 
 from gateway import appkeys
-from gateway.access_log import note_jobs
+from gateway.access_log import client_gone, note_jobs
 from gateway.auth import RATE_HEADERS, caller_of
 from gateway.errors import OpenAIError, invalid
 from gateway.openai import responses
 from gateway.openai.choices import ChoiceWatch, cancel_jobs, check_model, served_models, submit_choices
 from gateway.openai.schema import Endpoint, parse_request
 from gateway.openai.streaming import stream_choices
-from gateway.sse import CLIENT_CHECK_S, client_gone
+from gateway.sse import CLIENT_CHECK_S
 from scheduler.protocol.lanes import Lane
 from scheduler.protocol.wire_values import decode_failure, loads_json
 

@@ -24,14 +24,14 @@ from typing import Any
 from aiohttp import web
 
 from gateway import appkeys
-from gateway.access_log import note_client_gone
+from gateway.access_log import client_gone, note_client_gone
 from gateway.auth import RATE_HEADERS
 from gateway.errors import REDIS_UNAVAILABLE
 from gateway.errors import OpenAIError
 from gateway.openai import responses
 from gateway.openai.choices import ChoiceWatch, cancel_jobs
 from gateway.openai.schema import Endpoint, OpenAIRequest
-from gateway.sse import CLIENT_CHECK_S, Cursor, client_gone, from_view, logged_events
+from gateway.sse import CLIENT_CHECK_S, Cursor, from_view, logged_events
 from scheduler.protocol.job_record import EventType
 from scheduler.protocol.redis_replies import REDIS_UNAVAILABLE
 
