@@ -79,14 +79,8 @@ class LaneConsumer:
         self._hand_back = client.register_script(state_machine.HAND_BACK)
 
     async def ensure_groups(self) -> None:
-        streams = [*self.keys.lanes(), self.keys.wake]
-        for stream in streams:
-            try:
-                await ensure_group(self.client, stream, CONSUMER_GROUP)
-            except ResponseError as e:
-                if not is_wrong_type(e):
-                    raise
-        await self.tenants.check_types(streams)  # says which key is another type, and leaves it out
+        for stream in [*self.keys.lanes(), self.keys.wake]:
+            await self._give_group(stream)
 
     async def read(self, free: int) -> list[Entry]:
         """At most `free` new entries: the slots are shared over the lanes by weight, and inside a lane over
@@ -142,17 +136,21 @@ class LaneConsumer:
         for one that is gone (its tenant then retires as any empty one does); one made another type meanwhile is
         said and left out (`TenantStreams.check_types`)."""
         for stream in streams:
-            try:
-                made = await ensure_group(self.client, stream, CONSUMER_GROUP)
-            except ResponseError as e:
-                if not is_wrong_type(e):
-                    raise
-                await self.tenants.check_types([stream])
-                continue
-            if made:
+            if await self._give_group(stream):
                 log.warning("stream %s had no consumer group %s (deleted from outside, or lost with Redis's data: a "
                             "Redis restarted without persistence, or failed over to a replica behind it); made it "
                             "again", stream, CONSUMER_GROUP)
+
+    async def _give_group(self, stream: str) -> bool:
+        """`ensure_group`: True when the group was made; False when it was there, or when the key is another type
+        (which `TenantStreams.check_types` says, and leaves out)."""
+        try:
+            return await ensure_group(self.client, stream, CONSUMER_GROUP)
+        except ResponseError as e:
+            if not is_wrong_type(e):
+                raise
+            await self.tenants.check_types([stream])
+            return False
 
     async def read_interactive(self, count: int) -> list[Entry]:
         """At most `count` new interactive entries, without waiting (the reserve beyond the free slots)."""
